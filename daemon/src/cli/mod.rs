@@ -1,0 +1,339 @@
+//! The command line: argument parsing and human/JSON output over the library. No logic of its
+//! own beyond reading files and choosing exit codes (0 ok, 1 failure, 2 usage).
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use clap::{Parser, Subcommand};
+use serde_json::{json, Value as Json};
+
+use crate::engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
+use crate::engine::EngineLimits;
+use crate::expr::{eval_once, Limits};
+use crate::spec::validate::{validate_json, Report};
+use crate::spec::{parse_spec, ModelSpec};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "valem",
+    version,
+    about = "Reactive JSON models for AI agents",
+    long_about = "valem runs reactive JSON models: a JSON document plus a ModelSpec (schema, JSONata \
+derivations, meta-derivations, constraints, effects, tests, view). Every mutation runs one \
+reactive cycle and commits atomically.\n\nFILE arguments accept `-` for standard input. A bundled \
+example can be named as `example:<name>` (see `valem examples`)."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Author and check ModelSpecs without running a daemon.
+    Spec {
+        #[command(subcommand)]
+        action: SpecAction,
+    },
+    /// Evaluate one JSONata expression (with Valem's engine and limits).
+    Eval {
+        /// The JSONata expression.
+        expr: String,
+        /// JSON input document: a file, or `-` for standard input (default: `{}`... none).
+        #[arg(long)]
+        input: Option<String>,
+        /// JSON object of variable bindings, e.g. '{"rate": 0.2}' binds $rate.
+        #[arg(long)]
+        bindings: Option<String>,
+        /// Print exactly one JSON line: {"result": v}, {} when undefined, or {"error": {...}}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the bundled example specs, or print one.
+    Examples {
+        /// Print this example's spec.
+        name: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SpecAction {
+    /// Validate a spec: errors and warnings with their location (exit 1 when invalid).
+    Validate {
+        file: String,
+        /// Print the {valid, errors, warnings} report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a spec's embedded tests in throwaway models (exit 1 when a test fails).
+    Test {
+        file: String,
+        /// Print the {total, passed, failed, results} report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// The cycle's instant in epoch milliseconds (default: now), pinning $now()/$millis().
+        #[arg(long)]
+        now: Option<i64>,
+    },
+    /// Create a throwaway model, apply mutations and print the merged state as JSON.
+    DryRun {
+        file: String,
+        /// A `{"$.path": value}` object, or an array of them applied in order; `@FILE` reads a
+        /// file.
+        #[arg(long)]
+        mutations: Option<String>,
+        /// The cycle's instant in epoch milliseconds (default: now).
+        #[arg(long)]
+        now: Option<i64>,
+    },
+}
+
+/// Run the CLI; returns the process exit code.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    match run(cli) {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("valem: {message}");
+            1
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// Read a file argument (`-` = stdin, `example:<name>` = a bundled example).
+fn read_arg(arg: &str) -> Result<String, String> {
+    if arg == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .map_err(|e| format!("cannot read standard input: {e}"))?;
+        return Ok(s);
+    }
+    if let Some(name) = arg.strip_prefix("example:") {
+        return crate::examples::get(name)
+            .map(str::to_string)
+            .ok_or_else(|| format!("no bundled example `{name}`; `valem examples` lists them"));
+    }
+    std::fs::read_to_string(Path::new(arg)).map_err(|e| format!("cannot read {arg}: {e}"))
+}
+
+fn parse_json(text: &str, what: &str) -> Result<Json, String> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    serde_json::from_str(text).map_err(|e| {
+        format!(
+            "{what} is not valid JSON (line {}, column {}): {e}",
+            e.line(),
+            e.column()
+        )
+    })
+}
+
+fn load_spec(arg: &str) -> Result<(Json, ModelSpec), String> {
+    let text = read_arg(arg)?;
+    let json = parse_json(&text, arg)?;
+    let spec = parse_spec(&json).map_err(|e| {
+        format!(
+            "{arg} is not a valid spec: {}: {}",
+            e.location(),
+            e.message()
+        )
+    })?;
+    Ok((json, spec))
+}
+
+fn print_json(v: &Json) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "{}",
+        serde_json::to_string_pretty(v).unwrap_or_default()
+    );
+}
+
+fn print_report(r: &Report) {
+    for e in &r.errors {
+        println!("error   {}: {}", e.location, e.message);
+    }
+    for w in &r.warnings {
+        println!("warning {}: {}", w.location, w.message);
+    }
+    println!(
+        "{} ({} error{}, {} warning{})",
+        if r.valid { "valid" } else { "invalid" },
+        r.errors.len(),
+        if r.errors.len() == 1 { "" } else { "s" },
+        r.warnings.len(),
+        if r.warnings.len() == 1 { "" } else { "s" }
+    );
+}
+
+fn run(cli: Cli) -> Result<i32, String> {
+    let limits = EngineLimits::default();
+    match cli.command {
+        Command::Spec { action } => match action {
+            SpecAction::Validate { file, json } => {
+                let text = read_arg(&file)?;
+                let report = match parse_json(&text, &file) {
+                    Ok(j) => validate_json(&j, &limits),
+                    Err(m) => Report {
+                        valid: false,
+                        errors: vec![crate::spec::validate::Finding {
+                            location: file.clone(),
+                            message: m,
+                        }],
+                        warnings: Vec::new(),
+                    },
+                };
+                if json {
+                    print_json(&serde_json::to_value(&report).unwrap_or(Json::Null));
+                } else {
+                    print_report(&report);
+                }
+                Ok(if report.valid { 0 } else { 1 })
+            }
+            SpecAction::Test { file, json, now } => {
+                let (raw, spec) = load_spec(&file)?;
+                let report = validate_json(&raw, &limits);
+                if !report.valid {
+                    if json {
+                        print_json(&json!({"error": "Invalid spec", "errors": report.errors}));
+                    } else {
+                        print_report(&report);
+                    }
+                    return Ok(1);
+                }
+                let r = run_tests(&spec, None, now.unwrap_or_else(now_ms), &limits)
+                    .map_err(|e| e.to_string())?;
+                if json {
+                    print_json(&serde_json::to_value(&r).unwrap_or(Json::Null));
+                } else {
+                    for c in &r.results {
+                        println!(
+                            "{} {}",
+                            if c.passed { "PASS" } else { "FAIL" },
+                            c.description
+                        );
+                        for f in &c.failures {
+                            println!("     {}", f.message);
+                        }
+                    }
+                    println!("{} passed, {} failed", r.passed, r.failed);
+                }
+                Ok(if r.failed == 0 { 0 } else { 1 })
+            }
+            SpecAction::DryRun {
+                file,
+                mutations,
+                now,
+            } => {
+                let (_, spec) = load_spec(&file)?;
+                let batches = match mutations {
+                    None => Vec::new(),
+                    Some(m) => {
+                        let text = match m.strip_prefix('@') {
+                            Some(f) => read_arg(f)?,
+                            None => m,
+                        };
+                        parse_batches(&parse_json(&text, "--mutations")?)?
+                    }
+                };
+                match dry_run(&spec, &batches, now.unwrap_or_else(now_ms), &limits) {
+                    Ok(state) => {
+                        print_json(&state);
+                        Ok(0)
+                    }
+                    Err(DryRunError::Mutation { index, error }) => {
+                        eprintln!("valem: mutation #{index} was refused: {error}");
+                        print_json(&error.to_json());
+                        Ok(1)
+                    }
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        },
+        Command::Eval {
+            expr,
+            input,
+            bindings,
+            json,
+        } => {
+            let input = match input {
+                Some(i) => parse_json(&read_arg(&i)?, "the input")?,
+                None => Json::Null,
+            };
+            let bindings = match bindings {
+                None => serde_json::Map::new(),
+                Some(b) => match parse_json(&b, "--bindings")? {
+                    Json::Object(m) => m,
+                    _ => return Err("--bindings must be a JSON object of name → value".into()),
+                },
+            };
+            let out = eval_once(&expr, &input, &bindings, &Limits::default());
+            if json {
+                let line = match &out {
+                    Ok(Some(v)) => json!({ "result": v }),
+                    Ok(None) => json!({}),
+                    Err(e) => json!({ "error": e.to_json() }),
+                };
+                println!("{line}");
+            } else {
+                match &out {
+                    Ok(Some(v)) => print_json(v),
+                    Ok(None) => eprintln!("(undefined)"),
+                    Err(e) => {
+                        let at = e
+                            .position
+                            .map(|p| format!(" at position {p}"))
+                            .unwrap_or_default();
+                        eprintln!(
+                            "valem: {}{at}: {}",
+                            e.code.as_deref().unwrap_or("error"),
+                            e.message
+                        );
+                    }
+                }
+            }
+            Ok(if out.is_err() { 1 } else { 0 })
+        }
+        Command::Examples { name } => {
+            match name {
+                None => {
+                    for (n, _) in crate::examples::ALL {
+                        println!("{n}");
+                    }
+                }
+                Some(n) => match crate::examples::get(&n) {
+                    Some(text) => print!("{text}"),
+                    None => {
+                        return Err(format!(
+                            "no bundled example `{n}`; `valem examples` lists them"
+                        ))
+                    }
+                },
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Where the bundled example files live in a source checkout (for tests and docs).
+pub fn examples_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("examples")
+}

@@ -1,0 +1,1040 @@
+//! The ModelSpec compiler: expressions compiled once (identical text interned), dependencies
+//! extracted into the reader and producer tries, the derivation DAG levelled topologically (a
+//! cycle is an error naming it), the library bound, projections and native aggregates planned.
+//! Pure: no I/O, no clock.
+
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use jsonata_core::ast::AstNode;
+use serde_json::Value as Json;
+
+use super::trie::{TSeg, Trie};
+use crate::expr::deps::{self, ReadPath, Reads, Root};
+use crate::expr::path::{Address, PathSeg};
+use crate::expr::{json_to_jvalue, Compiled, Env, ExprError, Limits, Value as JValue};
+use crate::spec::{MetaProp, ModelSpec, Policy};
+use crate::value::Key;
+
+pub type NodeId = u32;
+
+/// What a graph node computes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NodeKind {
+    Derivation { lazy: bool },
+    Meta(MetaProp),
+    Constraint { index: usize, policy: Policy },
+    Effect { index: usize },
+}
+
+/// What an expression sees as its input (`$`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// The merged document (derivations, global constraints, effects, non-`[*]` meta).
+    Doc,
+    /// The array element of a `[*]` meta-derivation or constraint (the reference's rule).
+    Element,
+    /// The value at a scoped constraint's path.
+    Field,
+}
+
+/// A natively evaluated aggregate: `$sum/$count/$average/$max/$min(a.b.c)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Aggregate {
+    pub func: AggFunc,
+    pub path: Vec<Key>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AggFunc {
+    Sum,
+    Count,
+    Average,
+    Max,
+    Min,
+}
+
+/// The document paths one evaluation needs, as a trie of field names; `whole` takes the
+/// subtree entire.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Projection {
+    pub whole: bool,
+    pub children: Vec<(Key, Projection)>,
+}
+
+impl Projection {
+    fn add(&mut self, fields: &[Key]) {
+        if self.whole {
+            return;
+        }
+        match fields.split_first() {
+            None => {
+                self.whole = true;
+                self.children.clear();
+            }
+            Some((k, rest)) => {
+                if let Some((_, c)) = self.children.iter_mut().find(|(n, _)| n == k) {
+                    c.add(rest);
+                } else {
+                    let mut c = Projection::default();
+                    c.add(rest);
+                    self.children.push((k.clone(), c));
+                }
+            }
+        }
+    }
+}
+
+/// One node of the dependency graph.
+#[derive(Debug)]
+pub struct Node {
+    pub kind: NodeKind,
+    /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
+    pub key: String,
+    /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
+    pub targets: Vec<Address>,
+    pub expr: Rc<Compiled>,
+    pub input: Input,
+    pub projection: Projection,
+    pub whole_doc: bool,
+    /// Reads relative to `$parent` (derivations) are served by binding `$parent`.
+    pub uses_parent: bool,
+    pub level: u32,
+    /// Reader paths, rendered, for traces (`inputPaths`).
+    pub input_paths: Arc<[String]>,
+    pub aggregate: Option<Aggregate>,
+    /// Where in the spec the node comes from (`derivations[3]`), for messages.
+    pub location: String,
+}
+
+impl Node {
+    pub fn wildcards(&self) -> usize {
+        self.targets.first().map_or(0, Address::wildcard_count)
+    }
+}
+
+/// The extra expressions of an effect besides its trigger.
+#[derive(Debug, Default)]
+pub struct EffectPlan {
+    pub dedupe: Option<Rc<Compiled>>,
+    pub payload: Vec<(String, Rc<Compiled>)>,
+    pub at: Option<Rc<Compiled>>,
+    pub after_ms: Option<Rc<Compiled>>,
+}
+
+/// A compiled `defaultValues` rule.
+#[derive(Debug)]
+pub struct DefaultRule {
+    pub path: Address,
+    pub expr: Rc<Compiled>,
+}
+
+/// One export of the bound library.
+#[derive(Clone, Debug)]
+pub struct LibraryExport {
+    pub name: String,
+    pub is_function: bool,
+    pub layer: usize,
+    pub signature: Option<String>,
+    pub arity: Option<usize>,
+}
+
+/// A compile finding with its location in the spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompileError {
+    pub location: String,
+    pub message: String,
+}
+
+/// A spec compiled for execution. Not `Send`: compiled expressions and bound library closures
+/// belong to the thread that built them (a shard).
+pub struct CompiledModel {
+    pub spec: Arc<ModelSpec>,
+    pub nodes: Vec<Node>,
+    /// Derivation nodes grouped by topological level.
+    pub levels: Vec<Vec<NodeId>>,
+    /// Per node, the nodes that read what it writes (derivations only write).
+    pub dependents: Vec<Vec<NodeId>>,
+    pub readers: Trie,
+    pub producers: Trie,
+    /// Nodes that depend on the whole document: dirtied by every write.
+    pub whole_doc_nodes: Vec<NodeId>,
+    pub meta_nodes: Vec<NodeId>,
+    pub constraint_nodes: Vec<NodeId>,
+    pub effect_nodes: Vec<NodeId>,
+    pub effect_plans: Vec<EffectPlan>,
+    pub defaults: Vec<DefaultRule>,
+    pub env: Env,
+    pub exports: Vec<LibraryExport>,
+    pub limits: Limits,
+    pub schema: Json,
+    /// Compiled JSON Schema validators by effective-schema text (bounded).
+    pub validators: RefCell<HashMap<String, Rc<jsonschema::Validator>>>,
+}
+
+impl std::fmt::Debug for CompiledModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompiledModel")
+            .field("id", &self.spec.id)
+            .field("nodes", &self.nodes.len())
+            .finish()
+    }
+}
+
+/// Builtin function names of JSONata (a library export may not shadow them).
+pub const BUILTINS: &[&str] = &[
+    "string",
+    "length",
+    "substring",
+    "substringBefore",
+    "substringAfter",
+    "uppercase",
+    "lowercase",
+    "trim",
+    "pad",
+    "contains",
+    "split",
+    "join",
+    "match",
+    "replace",
+    "eval",
+    "base64encode",
+    "base64decode",
+    "encodeUrlComponent",
+    "encodeUrl",
+    "decodeUrlComponent",
+    "decodeUrl",
+    "number",
+    "abs",
+    "floor",
+    "ceil",
+    "round",
+    "power",
+    "sqrt",
+    "random",
+    "formatNumber",
+    "formatBase",
+    "formatInteger",
+    "parseInteger",
+    "sum",
+    "max",
+    "min",
+    "average",
+    "boolean",
+    "not",
+    "exists",
+    "count",
+    "append",
+    "sort",
+    "reverse",
+    "shuffle",
+    "distinct",
+    "zip",
+    "keys",
+    "lookup",
+    "spread",
+    "merge",
+    "sift",
+    "each",
+    "error",
+    "assert",
+    "type",
+    "map",
+    "filter",
+    "reduce",
+    "single",
+    "now",
+    "millis",
+    "fromMillis",
+    "toMillis",
+    "clone",
+];
+
+struct Interner {
+    exprs: HashMap<String, Rc<Compiled>>,
+    limits: Limits,
+}
+
+impl Interner {
+    fn get(&mut self, text: &str) -> Result<Rc<Compiled>, ExprError> {
+        if let Some(c) = self.exprs.get(text) {
+            return Ok(c.clone());
+        }
+        let c = Rc::new(Compiled::compile(text, &self.limits)?);
+        self.exprs.insert(text.to_string(), c.clone());
+        Ok(c)
+    }
+}
+
+fn expr_error(location: &str, text: &str, e: &ExprError) -> CompileError {
+    let at = e
+        .position
+        .map(|p| format!(" at position {p}"))
+        .unwrap_or_default();
+    let snippet: String = text.chars().take(80).collect();
+    CompileError {
+        location: location.to_string(),
+        message: format!("Invalid JSONata expression `{snippet}`{at}: {}", e.message),
+    }
+}
+
+fn parse_address(location: &str, text: &str) -> Result<Address, CompileError> {
+    Address::parse(text).map_err(|e| CompileError {
+        location: location.to_string(),
+        message: e.message,
+    })
+}
+
+/// Convert an address pattern to trie segments.
+pub fn tsegs(a: &Address) -> Vec<TSeg> {
+    a.segs
+        .iter()
+        .map(|s| match s {
+            PathSeg::Field(k) => TSeg::Field(k.clone()),
+            PathSeg::Index(i) => TSeg::Index(*i),
+            PathSeg::Wild => TSeg::Wild,
+        })
+        .collect()
+}
+
+fn join(base: &Address, fields: &[Key]) -> Vec<TSeg> {
+    let mut v = tsegs(base);
+    v.extend(fields.iter().map(|k| TSeg::Field(k.clone())));
+    v
+}
+
+fn render_tsegs(segs: &[TSeg]) -> String {
+    let a = Address {
+        segs: segs
+            .iter()
+            .map(|s| match s {
+                TSeg::Field(k) => PathSeg::Field(k.clone()),
+                TSeg::Index(i) => PathSeg::Index(*i),
+                TSeg::Wild => PathSeg::Wild,
+            })
+            .collect(),
+    };
+    a.to_string()
+}
+
+/// Recognise `$agg(a.b.c)` over a plain field path.
+fn aggregate_of(ast: &AstNode) -> Option<Aggregate> {
+    let AstNode::Function {
+        name,
+        args,
+        is_builtin: true,
+    } = ast
+    else {
+        return None;
+    };
+    let func = match name.as_str() {
+        "sum" => AggFunc::Sum,
+        "count" => AggFunc::Count,
+        "average" => AggFunc::Average,
+        "max" => AggFunc::Max,
+        "min" => AggFunc::Min,
+        _ => return None,
+    };
+    let [AstNode::Path { steps }] = args.as_slice() else {
+        return None;
+    };
+    let mut path = Vec::new();
+    for s in steps {
+        if !s.stages.is_empty() || s.focus.is_some() || s.index_var.is_some() || s.is_tuple {
+            return None;
+        }
+        match &s.node {
+            AstNode::Name(n) => path.push(Arc::from(n.as_str())),
+            _ => return None,
+        }
+    }
+    Some(Aggregate { func, path })
+}
+
+struct NodeDraft {
+    node: Node,
+    reads: Vec<Vec<TSeg>>,
+}
+
+/// Compile a spec. All findings are collected, not just the first.
+pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, Vec<CompileError>> {
+    let mut errors = Vec::new();
+    let mut interner = Interner {
+        exprs: HashMap::new(),
+        limits: limits.clone(),
+    };
+    let mut drafts: Vec<NodeDraft> = Vec::new();
+
+    // Constants and library first: every expression may bind them.
+    let constants = json_to_jvalue(&Json::Object(spec.constants.clone()));
+    let mut env = Env::default();
+    env.vars.push((Rc::from("const"), constants));
+    let exports = match bind_library(&spec, &mut env, limits) {
+        Ok(x) => x,
+        Err(mut e) => {
+            errors.append(&mut e);
+            Vec::new()
+        }
+    };
+
+    for (i, d) in spec.derivations.iter().enumerate() {
+        let loc = format!("derivations[{i}]");
+        let target = match parse_address(&format!("{loc}.path"), &d.path) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let expr = match interner.get(&d.expr) {
+            Ok(c) => c,
+            Err(e) => {
+                errors.push(expr_error(&format!("{loc}.expr"), &d.expr, &e));
+                continue;
+            }
+        };
+        let parent = target.parent();
+        drafts.push(draft(
+            NodeKind::Derivation { lazy: d.is_lazy() },
+            target.to_string(),
+            vec![target],
+            expr,
+            Input::Doc,
+            Some(&parent),
+            loc,
+        ));
+    }
+
+    for (i, m) in spec.meta_derivations.iter().enumerate() {
+        let loc = format!("metaDerivations[{i}]");
+        let Some(prop) = MetaProp::parse(&m.property) else {
+            errors.push(CompileError {
+                location: format!("{loc}.property"),
+                message: format!(
+                    "unknown meta property `{}`; expected one of: {}",
+                    m.property,
+                    MetaProp::ALL.map(|p| p.name()).join(", ")
+                ),
+            });
+            continue;
+        };
+        let target = match parse_address(&format!("{loc}.path"), &m.path) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let expr = match interner.get(&m.expr) {
+            Ok(c) => c,
+            Err(e) => {
+                errors.push(expr_error(&format!("{loc}.expr"), &m.expr, &e));
+                continue;
+            }
+        };
+        let key = format!("{}#{}", target, prop.key_name());
+        let (input, base) = match target.element_pattern() {
+            Some(el) => (Input::Element, Some(el)),
+            None => (Input::Doc, None),
+        };
+        let mut d = draft(
+            NodeKind::Meta(prop),
+            key,
+            vec![target],
+            expr,
+            input,
+            None,
+            loc,
+        );
+        if let Some(el) = base {
+            d = rebase(d, &el);
+        }
+        drafts.push(d);
+    }
+
+    for (i, c) in spec.constraints.iter().enumerate() {
+        let loc = format!("constraints[{i}]");
+        let Some(policy) = Policy::parse(&c.policy) else {
+            errors.push(CompileError {
+                location: format!("{loc}.policy"),
+                message: format!("policy is required (rollback | flag), found `{}`", c.policy),
+            });
+            continue;
+        };
+        let expr = match interner.get(&c.expr) {
+            Ok(e) => e,
+            Err(e) => {
+                errors.push(expr_error(&format!("{loc}.expr"), &c.expr, &e));
+                continue;
+            }
+        };
+        let mut targets = Vec::new();
+        let mut bad = false;
+        if let Some(p) = &c.path {
+            for (j, t) in p.paths().into_iter().enumerate() {
+                match parse_address(&format!("{loc}.path[{j}]"), t) {
+                    Ok(a) => targets.push(a),
+                    Err(e) => {
+                        errors.push(e);
+                        bad = true;
+                    }
+                }
+            }
+        }
+        if bad {
+            continue;
+        }
+        let kind = NodeKind::Constraint { index: i, policy };
+        let key = format!("$constraint:{}", c.id);
+        if targets.is_empty() {
+            drafts.push(draft(kind, key, targets, expr, Input::Doc, None, loc));
+        } else {
+            // Scoped: `$` is the field value (or the element for `[*]`); the node reads the
+            // scope paths whole, which covers every element-relative reference.
+            let input = if targets.iter().any(Address::has_wildcard) {
+                Input::Element
+            } else {
+                Input::Field
+            };
+            let reads = targets.iter().map(tsegs).collect();
+            let input_paths: Vec<String> = Vec::new();
+            drafts.push(NodeDraft {
+                node: Node {
+                    kind,
+                    key,
+                    targets,
+                    expr,
+                    input,
+                    projection: Projection {
+                        whole: true,
+                        children: Vec::new(),
+                    },
+                    whole_doc: false,
+                    uses_parent: false,
+                    level: 0,
+                    input_paths: input_paths.into(),
+                    aggregate: None,
+                    location: loc,
+                },
+                reads,
+            });
+        }
+    }
+
+    let mut effect_plans = Vec::new();
+    for (i, e) in spec.effects.iter().enumerate() {
+        let loc = format!("effects[{i}]");
+        let trigger = match interner.get(&e.trigger) {
+            Ok(c) => c,
+            Err(err) => {
+                errors.push(expr_error(&format!("{loc}.trigger"), &e.trigger, &err));
+                effect_plans.push(EffectPlan::default());
+                continue;
+            }
+        };
+        let mut plan = EffectPlan::default();
+        let mut extra_reads = Reads::default();
+        let mut opt = |field: &str,
+                       text: &Option<String>,
+                       errors: &mut Vec<CompileError>|
+         -> Option<Rc<Compiled>> {
+            let t = text.as_ref()?;
+            match interner.get(t) {
+                Ok(c) => Some(c),
+                Err(err) => {
+                    errors.push(expr_error(&format!("{loc}.{field}"), t, &err));
+                    None
+                }
+            }
+        };
+        plan.dedupe = opt("dedupeKey", &e.dedupe_key, &mut errors);
+        plan.at = opt("at", &e.at, &mut errors);
+        plan.after_ms = opt("afterMs", &e.after_ms, &mut errors);
+        let requests = opt("requests", &e.requests, &mut errors);
+        let prompt = opt("prompt", &e.prompt, &mut errors);
+        for c in [&plan.dedupe, &plan.at, &plan.after_ms, &requests, &prompt]
+            .into_iter()
+            .flatten()
+        {
+            merge_reads(&mut extra_reads, &deps::reads(c.ast()));
+        }
+        if let Some(payload) = &e.payload {
+            for (k, v) in payload {
+                let text = match v {
+                    Json::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                match interner.get(&text) {
+                    Ok(c) => plan.payload.push((k.clone(), c)),
+                    Err(err) => errors.push(expr_error(&format!("{loc}.payload.{k}"), &text, &err)),
+                }
+            }
+        }
+        let mut d = draft(
+            NodeKind::Effect { index: i },
+            format!("$effect:{}", e.id),
+            Vec::new(),
+            trigger,
+            Input::Doc,
+            None,
+            loc,
+        );
+        add_reads(&mut d, &extra_reads, None);
+        drafts.push(d);
+        effect_plans.push(plan);
+    }
+
+    let mut defaults = Vec::new();
+    for (i, dv) in spec.default_values.iter().enumerate() {
+        let loc = format!("defaultValues[{i}]");
+        let path = match parse_address(&format!("{loc}.path"), &dv.path) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        match interner.get(&dv.expr) {
+            Ok(expr) => defaults.push(DefaultRule { path, expr }),
+            Err(e) => errors.push(expr_error(&format!("{loc}.expr"), &dv.expr, &e)),
+        }
+    }
+
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+
+    let nodes_len = drafts.len();
+    let mut readers = Trie::default();
+    let mut producers = Trie::default();
+    for (id, d) in drafts.iter().enumerate() {
+        for r in &d.reads {
+            readers.insert(r, id as u32);
+        }
+        if matches!(d.node.kind, NodeKind::Derivation { .. }) {
+            producers.insert(&tsegs(&d.node.targets[0]), id as u32);
+        }
+    }
+
+    // Edges producer → reader.
+    let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
+        .filter(|&i| matches!(drafts[i as usize].node.kind, NodeKind::Derivation { .. }))
+        .collect();
+    let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
+        .filter(|&i| drafts[i as usize].node.whole_doc)
+        .collect();
+    let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
+    let mut buf = Vec::new();
+    for (id, d) in drafts.iter().enumerate() {
+        if d.node.whole_doc {
+            for &p in &derivation_ids {
+                if !drafts[p as usize].node.whole_doc && p as usize != id {
+                    deps_of[id].insert(p);
+                }
+            }
+            continue;
+        }
+        for r in &d.reads {
+            buf.clear();
+            producers.overlapping(r, &mut buf);
+            deps_of[id].extend(buf.iter().copied());
+        }
+    }
+    let mut dependents: Vec<Vec<NodeId>> = vec![Vec::new(); nodes_len];
+    for (id, ds) in deps_of.iter().enumerate() {
+        for &p in ds {
+            dependents[p as usize].push(id as NodeId);
+        }
+    }
+
+    // Kahn's algorithm; levels = longest path from a source.
+    let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
+    let mut level = vec![0u32; nodes_len];
+    let mut queue: VecDeque<usize> = (0..nodes_len).filter(|&i| indeg[i] == 0).collect();
+    let mut done = 0;
+    while let Some(n) = queue.pop_front() {
+        done += 1;
+        for &m in &dependents[n] {
+            let m = m as usize;
+            level[m] = level[m].max(level[n] + 1);
+            indeg[m] -= 1;
+            if indeg[m] == 0 {
+                queue.push_back(m);
+            }
+        }
+    }
+    if done < nodes_len {
+        let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
+        let cycle = find_cycle(&stuck, &deps_of, &indeg);
+        let names: Vec<&str> = cycle.iter().map(|&i| drafts[i].node.key.as_str()).collect();
+        let location = drafts[cycle[0]].node.location.clone();
+        return Err(vec![CompileError {
+            location,
+            message: format!("cyclic dependency: {}", names.join(" → ")),
+        }]);
+    }
+
+    let mut nodes: Vec<Node> = Vec::with_capacity(nodes_len);
+    for (id, d) in drafts.into_iter().enumerate() {
+        let mut n = d.node;
+        n.level = level[id];
+        nodes.push(n);
+    }
+    let max_level = derivation_ids
+        .iter()
+        .map(|&i| level[i as usize])
+        .max()
+        .unwrap_or(0);
+    let mut levels = vec![
+        Vec::new();
+        derivation_ids
+            .is_empty()
+            .then_some(0)
+            .unwrap_or(max_level as usize + 1)
+    ];
+    for &i in &derivation_ids {
+        levels[level[i as usize] as usize].push(i);
+    }
+    let by_kind = |f: fn(&NodeKind) -> bool| -> Vec<NodeId> {
+        (0..nodes.len() as u32)
+            .filter(|&i| f(&nodes[i as usize].kind))
+            .collect()
+    };
+    let meta_nodes = by_kind(|k| matches!(k, NodeKind::Meta(_)));
+    let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
+    let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
+
+    Ok(CompiledModel {
+        schema: spec.schema.clone(),
+        spec,
+        nodes,
+        levels,
+        dependents,
+        readers,
+        producers,
+        whole_doc_nodes,
+        meta_nodes,
+        constraint_nodes,
+        effect_nodes,
+        effect_plans,
+        defaults,
+        env,
+        exports,
+        limits: limits.clone(),
+        validators: RefCell::new(HashMap::new()),
+    })
+}
+
+/// Name one cycle among the stuck nodes (each has an unprocessed dependency).
+fn find_cycle(stuck: &[usize], deps_of: &[BTreeSet<NodeId>], indeg: &[usize]) -> Vec<usize> {
+    let start = stuck[0];
+    let mut path = vec![start];
+    let mut seen: HashMap<usize, usize> = HashMap::from([(start, 0)]);
+    let mut cur = start;
+    loop {
+        let next = deps_of[cur]
+            .iter()
+            .map(|&d| d as usize)
+            .find(|&d| indeg[d] > 0)
+            .unwrap_or(cur);
+        if let Some(&pos) = seen.get(&next) {
+            let mut cycle: Vec<usize> = path[pos..].to_vec();
+            cycle.reverse();
+            cycle.push(cycle[0]);
+            return cycle;
+        }
+        seen.insert(next, path.len());
+        path.push(next);
+        cur = next;
+    }
+}
+
+fn merge_reads(into: &mut Reads, r: &Reads) {
+    into.whole_doc |= r.whole_doc;
+    into.dynamic |= r.dynamic;
+    into.paths.extend(r.paths.iter().cloned());
+}
+
+fn draft(
+    kind: NodeKind,
+    key: String,
+    targets: Vec<Address>,
+    expr: Rc<Compiled>,
+    input: Input,
+    parent: Option<&Address>,
+    location: String,
+) -> NodeDraft {
+    let reads = deps::reads(expr.ast());
+    let aggregate = aggregate_of(expr.ast());
+    let mut d = NodeDraft {
+        node: Node {
+            kind,
+            key,
+            targets,
+            expr,
+            input,
+            projection: Projection::default(),
+            whole_doc: false,
+            uses_parent: false,
+            level: 0,
+            input_paths: Arc::from(Vec::new()),
+            aggregate,
+            location,
+        },
+        reads: Vec::new(),
+    };
+    add_reads(&mut d, &reads, parent);
+    d
+}
+
+/// Add an expression's reads to a node: document reads go to the projection and the reader
+/// index; `$parent` reads are indexed under the parent pattern with bound wildcards.
+fn add_reads(d: &mut NodeDraft, reads: &Reads, parent: Option<&Address>) {
+    let mut paths: Vec<String> = d.node.input_paths.to_vec();
+    if reads.whole_doc {
+        d.node.whole_doc = true;
+        d.node.projection = Projection {
+            whole: true,
+            children: Vec::new(),
+        };
+        paths.push("$".into());
+    }
+    for ReadPath { root, fields } in &reads.paths {
+        let segs = match root {
+            Root::Doc => {
+                d.node.projection.add(fields);
+                fields.iter().map(|k| TSeg::Field(k.clone())).collect()
+            }
+            Root::Parent => {
+                d.node.uses_parent = true;
+                match parent {
+                    Some(p) => join(p, fields),
+                    // `$parent` outside a `[*]` derivation is unbound: reads nothing.
+                    None => continue,
+                }
+            }
+        };
+        paths.push(render_tsegs(&segs));
+        d.reads.push(segs);
+    }
+    d.node.input_paths = paths.into();
+}
+
+/// Re-root a draft's document reads under an element pattern (meta `[*]`: `$` is the element).
+fn rebase(mut d: NodeDraft, element: &Address) -> NodeDraft {
+    let base = tsegs(element);
+    d.reads = d
+        .reads
+        .into_iter()
+        .map(|r| {
+            let mut v = base.clone();
+            v.extend(r);
+            v
+        })
+        .collect();
+    if d.node.whole_doc {
+        d.node.whole_doc = false;
+        d.reads.push(base.clone());
+    }
+    d.node.projection = Projection {
+        whole: true,
+        children: Vec::new(),
+    };
+    d.node.input_paths = d
+        .reads
+        .iter()
+        .map(|r| render_tsegs(r))
+        .collect::<Vec<_>>()
+        .into();
+    d
+}
+
+/// Evaluate the library layers in order and bind their exports into `env`.
+fn bind_library(
+    spec: &ModelSpec,
+    env: &mut Env,
+    limits: &Limits,
+) -> Result<Vec<LibraryExport>, Vec<CompileError>> {
+    let mut exports: Vec<LibraryExport> = Vec::new();
+    let mut errors = Vec::new();
+    for (li, layer) in spec.library_layers().iter().enumerate() {
+        let loc = if spec.library_layers().len() == 1 {
+            "library.define".to_string()
+        } else {
+            format!("library.layers[{li}].define")
+        };
+        match eval_library_layer(&layer.define, env, limits) {
+            Ok(bound) => {
+                for (name, value) in bound {
+                    let is_function = value.is_function();
+                    let arity = match &value {
+                        JValue::Lambda(l) => Some(l.params.len()),
+                        _ => None,
+                    };
+                    let signature = layer
+                        .signatures
+                        .get(&name)
+                        .and_then(|s| s.as_str())
+                        .map(str::to_string);
+                    exports.retain(|e| e.name != name);
+                    exports.push(LibraryExport {
+                        name: name.clone(),
+                        is_function,
+                        layer: li,
+                        signature,
+                        arity,
+                    });
+                    env.vars.push((Rc::from(name.as_str()), value));
+                }
+            }
+            Err(message) => errors.push(CompileError {
+                location: loc,
+                message,
+            }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(exports)
+    } else {
+        Err(errors)
+    }
+}
+
+/// Evaluate one library definition: a block whose last expression is the array of exported
+/// names. Returns each export with its value (a function, or a value computed once).
+pub fn eval_library_layer(
+    define: &str,
+    env: &Env,
+    limits: &Limits,
+) -> Result<Vec<(String, JValue)>, String> {
+    let compiled = Compiled::compile(define, limits).map_err(|e| {
+        let at = e
+            .position
+            .map(|p| format!(" at position {p}"))
+            .unwrap_or_default();
+        format!("library definition does not compile{at}: {}", e.message)
+    })?;
+    let names_val = compiled
+        .eval(&JValue::Null, env, limits)
+        .map_err(|e| format!("library definition failed to evaluate: {}", e.message))?;
+    let names: Vec<String> = match names_val {
+        Some(JValue::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or("library definition must return an array of export names (strings)")?,
+        Some(JValue::String(s)) => vec![s.to_string()],
+        _ => return Err("library definition must return the array of export names, e.g. `( $f := function($x) { $x }; [\"f\"] )`".into()),
+    };
+    if names.is_empty() {
+        return Err("library definition exports no names".into());
+    }
+    // Re-evaluate with the export list replaced by an object of the exported bindings, so the
+    // closures keep their shared scope (mutual recursion between exports works).
+    let AstNode::Block(items) = compiled.ast() else {
+        return Err("library definition must be a block `( $name := ...; [\"name\"] )`".into());
+    };
+    let mut items = items.clone();
+    items.pop();
+    items.push(AstNode::Object(
+        names
+            .iter()
+            .map(|n| (AstNode::String(n.clone()), AstNode::Variable(n.clone())))
+            .collect(),
+    ));
+    let block = AstNode::Block(items);
+    let mut ctx = jsonata_core::evaluator::Context::new();
+    for (n, v) in &env.vars {
+        ctx.bind(n.to_string(), v.clone());
+    }
+    let mut ev = jsonata_core::evaluator::Evaluator::with_options(
+        ctx,
+        jsonata_core::evaluator::EvaluatorOptions {
+            timeout_ms: limits.timeout_ms,
+            cancel: None,
+            max_stack_depth: limits.max_depth,
+            max_sequence_length: limits.max_sequence,
+        },
+    );
+    let obj = ev
+        .evaluate(&block, &JValue::Null)
+        .map_err(|e| format!("library definition failed to evaluate: {}", e.message()))?;
+    let mut out = Vec::new();
+    for n in names {
+        let v = obj.get(&n).cloned().unwrap_or(JValue::Undefined);
+        if v.is_undefined() {
+            return Err(format!("library exports `{n}` but never binds `${n}`"));
+        }
+        out.push((n, v));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::parse_spec;
+    use serde_json::json;
+
+    fn c(j: Json) -> Result<CompiledModel, Vec<CompileError>> {
+        compile(Arc::new(parse_spec(&j).unwrap()), &Limits::default())
+    }
+
+    #[test]
+    fn levels_follow_dependencies() {
+        let m = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.c","expr":"b + 1"},
+            {"path":"$.b","expr":"a + 1"},
+            {"path":"$.items[*].t","expr":"$parent.p * 2"},
+            {"path":"$.sum","expr":"$sum(items.t)"}
+        ]}))
+        .unwrap();
+        let lvl = |k: &str| m.nodes.iter().find(|n| n.key == k).unwrap().level;
+        assert_eq!(lvl("$.b"), 0);
+        assert_eq!(lvl("$.c"), 1);
+        assert_eq!(lvl("$.items[*].t"), 0);
+        assert_eq!(lvl("$.sum"), 1);
+        assert!(m
+            .nodes
+            .iter()
+            .find(|n| n.key == "$.sum")
+            .unwrap()
+            .aggregate
+            .is_some());
+    }
+
+    #[test]
+    fn cycles_are_named() {
+        let e = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.a","expr":"b + 1"},
+            {"path":"$.b","expr":"c + 1"},
+            {"path":"$.c","expr":"a + 1"}
+        ]}))
+        .unwrap_err();
+        assert!(e[0].message.contains("cyclic dependency"), "{:?}", e);
+        for k in ["$.a", "$.b", "$.c"] {
+            assert!(e[0].message.contains(k), "{}", e[0].message);
+        }
+    }
+
+    #[test]
+    fn library_exports_functions_and_values() {
+        let m = c(json!({"id":"m","schema":{},"constants":{"r":2},
+            "library":"( $money := function($n) { $round($n, 2) }; $twice := function($x) { $x * $const.r }; $k := 5; [\"money\", \"twice\", \"k\"] )",
+            "derivations":[{"path":"$.t","expr":"$money($twice(a)) + $k"}]}))
+        .unwrap();
+        assert_eq!(m.exports.len(), 3);
+        assert!(m.exports[0].is_function);
+        assert!(!m.exports[2].is_function);
+    }
+
+    #[test]
+    fn compile_errors_are_located() {
+        let e = c(json!({"id":"m","schema":{},"derivations":[{"path":"$.a","expr":"1 +"}]}))
+            .unwrap_err();
+        assert_eq!(e[0].location, "derivations[0].expr");
+        assert!(e[0].message.contains("position 3"), "{}", e[0].message);
+    }
+}

@@ -1,0 +1,882 @@
+//! One reactive cycle over a working copy of the state: writes are propagated through the reader
+//! index to dirty nodes (per `[*]` instance), derivations run level by level with early cutoff,
+//! then meta-derivations, constraints and effects. The caller commits the working copy only when
+//! the cycle succeeds, so a rollback is simply dropping it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+
+use indexmap::IndexMap;
+
+use super::compile::{
+    AggFunc, Aggregate, CompiledModel, Input, Node, NodeId, NodeKind, Projection,
+};
+use super::{
+    ConstraintViolation, EffectRequest, EngineLimits, MetaEntry, MutationError, MutationResult,
+    State, Trace,
+};
+use crate::expr::path::{render, Address, PathSeg};
+use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
+use crate::spec::Policy;
+use crate::value::{Seg, Val};
+
+/// Which instances of a node must be recomputed.
+#[derive(Default, Debug)]
+struct Dirty {
+    all: bool,
+    prefixes: Vec<Vec<usize>>,
+}
+
+struct Cycle<'a> {
+    cm: &'a CompiledModel,
+    limits: &'a EngineLimits,
+    st: &'a mut State,
+    now_ms: i64,
+    pending: BTreeMap<u32, BTreeSet<NodeId>>,
+    dirty: HashMap<NodeId, Dirty>,
+    meta_dirty: BTreeSet<NodeId>,
+    constraint_dirty: BTreeSet<NodeId>,
+    effect_dirty: BTreeSet<NodeId>,
+    /// At creation only nodes downstream of the seeds check constraints and effects.
+    allowed: Option<HashSet<NodeId>>,
+    include_lazy: bool,
+    whole_doc_marked: bool,
+    /// The merged document converted once per version, for whole-document expressions.
+    whole_cache: Option<(u64, JValue)>,
+    version: u64,
+    result: MutationResult,
+    derived_seen: HashSet<String>,
+    hits: Vec<(u32, Vec<usize>)>,
+}
+
+impl<'a> Cycle<'a> {
+    fn new(
+        cm: &'a CompiledModel,
+        limits: &'a EngineLimits,
+        st: &'a mut State,
+        now_ms: i64,
+    ) -> Self {
+        Cycle {
+            cm,
+            limits,
+            st,
+            now_ms,
+            pending: BTreeMap::new(),
+            dirty: HashMap::new(),
+            meta_dirty: BTreeSet::new(),
+            constraint_dirty: BTreeSet::new(),
+            effect_dirty: BTreeSet::new(),
+            allowed: None,
+            include_lazy: false,
+            whole_doc_marked: false,
+            whole_cache: None,
+            version: 0,
+            result: MutationResult {
+                success: true,
+                ..MutationResult::default()
+            },
+            derived_seen: HashSet::new(),
+            hits: Vec::new(),
+        }
+    }
+
+    fn mark(&mut self, id: NodeId, binding: Vec<usize>) {
+        let node = &self.cm.nodes[id as usize];
+        match node.kind {
+            NodeKind::Derivation { .. } => {
+                self.pending.entry(node.level).or_default().insert(id);
+                let w = node.wildcards();
+                let d = self.dirty.entry(id).or_default();
+                if w == 0 || binding.is_empty() {
+                    d.all = true;
+                    d.prefixes.clear();
+                } else if !d.all {
+                    d.prefixes.push(binding);
+                }
+            }
+            NodeKind::Meta(_) => {
+                self.meta_dirty.insert(id);
+                let w = node.wildcards();
+                let d = self.dirty.entry(id).or_default();
+                if w == 0 || binding.is_empty() {
+                    d.all = true;
+                    d.prefixes.clear();
+                } else if !d.all {
+                    d.prefixes.push(binding);
+                }
+            }
+            NodeKind::Constraint { .. } => {
+                self.constraint_dirty.insert(id);
+                let d = self.dirty.entry(id).or_default();
+                if binding.is_empty() {
+                    d.all = true;
+                    d.prefixes.clear();
+                } else if !d.all {
+                    d.prefixes.push(binding);
+                }
+            }
+            NodeKind::Effect { .. } => {
+                self.effect_dirty.insert(id);
+            }
+        }
+    }
+
+    fn mark_all(&mut self, id: NodeId) {
+        self.mark(id, Vec::new());
+    }
+
+    /// Dirty every reader of a written path (and whole-document readers).
+    fn propagate(&mut self, w: &[Seg]) {
+        let mut hits = std::mem::take(&mut self.hits);
+        hits.clear();
+        self.cm.readers.hits(w, &mut hits);
+        for (id, b) in hits.drain(..) {
+            self.mark(id, b);
+        }
+        self.hits = hits;
+        if !self.whole_doc_marked && !self.cm.whole_doc_nodes.is_empty() {
+            self.whole_doc_marked = true;
+            for i in 0..self.cm.whole_doc_nodes.len() {
+                let id = self.cm.whole_doc_nodes[i];
+                self.mark_all(id);
+            }
+        }
+    }
+
+    /// A base write at or above derived outputs wipes them from the merged document: recompute.
+    fn shadow(&mut self, w: &[Seg]) {
+        let mut above = Vec::new();
+        let mut below = Vec::new();
+        self.cm.producers.around(w, &mut above, &mut below);
+        for (id, b) in below {
+            self.mark(id, b);
+        }
+    }
+
+    fn write_base(&mut self, segs: &[Seg], value: Val) -> Result<(), MutationError> {
+        let max = self.limits.max_array_index;
+        self.st
+            .base
+            .set_path(segs, value.clone(), max)
+            .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+        self.st
+            .merged
+            .set_path(segs, value, max)
+            .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+        self.version += 1;
+        self.result.mutated_paths.push(render(segs));
+        self.propagate(segs);
+        self.shadow(segs);
+        Ok(())
+    }
+
+    // --- evaluation -------------------------------------------------------------------------
+
+    fn whole_doc(&mut self) -> JValue {
+        if let Some((v, j)) = &self.whole_cache {
+            if *v == self.version {
+                return j.clone();
+            }
+        }
+        let j = to_jvalue(&self.st.merged);
+        self.whole_cache = Some((self.version, j.clone()));
+        j
+    }
+
+    fn input(&mut self, node: &Node, inst: &[Seg]) -> JValue {
+        match node.input {
+            Input::Doc if node.whole_doc => self.whole_doc(),
+            Input::Doc => project(&self.st.merged, &node.projection),
+            Input::Element => {
+                let el = element_prefix(&node.targets[0], inst);
+                self.st.merged.get_path(el).map_or(JValue::Null, to_jvalue)
+            }
+            Input::Field => self
+                .st
+                .merged
+                .get_path(inst)
+                .map_or(JValue::Null, to_jvalue),
+        }
+    }
+
+    fn evaluate(&mut self, node: &Node, inst: &[Seg]) -> Result<Option<JValue>, ExprError> {
+        if let (Some(agg), Input::Doc) = (&node.aggregate, node.input) {
+            if let Some(v) = aggregate(&self.st.merged, agg) {
+                return Ok(v);
+            }
+        }
+        let input = self.input(node, inst);
+        let env = if node.uses_parent && !inst.is_empty() {
+            let parent = self
+                .st
+                .merged
+                .get_path(&inst[..inst.len() - 1])
+                .map_or(JValue::Null, to_jvalue);
+            self.cm.env.with("parent", parent)
+        } else {
+            self.cm.env.clone()
+        };
+        let env = Env {
+            now_ms: Some(self.now_ms),
+            ..env
+        };
+        node.expr.eval(&input, &env, &self.limits.expr)
+    }
+
+    fn trace(
+        &mut self,
+        node: &Node,
+        target: String,
+        result: &Val,
+        passed: Option<bool>,
+        error: Option<String>,
+    ) {
+        self.result.traces.push(Trace {
+            target_path: target,
+            expression: node.expr.text.clone(),
+            input_paths: node.input_paths.clone(),
+            result: if passed.is_some() {
+                serde_json::Value::Null
+            } else {
+                result.to_json()
+            },
+            constraint_passed: passed,
+            error_message: error,
+        });
+    }
+
+    fn instances(&self, id: NodeId, pattern: &Address) -> Vec<Vec<Seg>> {
+        let dirty = self.dirty.get(&id);
+        if let Some(c) = pattern.concrete() {
+            return vec![c];
+        }
+        let mut out = BTreeSet::new();
+        let all = dirty.is_none_or(|d| d.all);
+        if all {
+            expand(
+                &pattern.segs,
+                Some(&self.st.merged),
+                None,
+                0,
+                &mut Vec::new(),
+                &mut out,
+            );
+        } else if let Some(d) = dirty {
+            for p in &d.prefixes {
+                expand(
+                    &pattern.segs,
+                    Some(&self.st.merged),
+                    Some(p),
+                    0,
+                    &mut Vec::new(),
+                    &mut out,
+                );
+            }
+        }
+        out.into_iter().collect()
+    }
+
+    // --- phases -----------------------------------------------------------------------------
+
+    fn has_non_lazy_dependent(&self, id: NodeId) -> bool {
+        self.cm.dependents[id as usize].iter().any(|&d| {
+            !matches!(
+                self.cm.nodes[d as usize].kind,
+                NodeKind::Derivation { lazy: true }
+            )
+        })
+    }
+
+    fn derive(&mut self) {
+        let cm = self.cm;
+        let mut guard = 0usize;
+        while let Some((&lvl, _)) = self.pending.first_key_value() {
+            let ids = self.pending.remove(&lvl).unwrap_or_default();
+            for id in ids {
+                guard += 1;
+                if guard > cm.nodes.len().saturating_mul(4) + 16 {
+                    // Unreachable with an acyclic graph; a bound instead of a hang.
+                    return;
+                }
+                let node = &cm.nodes[id as usize];
+                if let NodeKind::Derivation { lazy: true } = node.kind {
+                    if !self.include_lazy && !self.has_non_lazy_dependent(id) {
+                        self.dirty.remove(&id);
+                        self.st.lazy_stale.insert(id);
+                        continue;
+                    }
+                    if self.st.lazy_stale.remove(&id).is_some() {
+                        self.dirty.insert(
+                            id,
+                            Dirty {
+                                all: true,
+                                prefixes: Vec::new(),
+                            },
+                        );
+                    }
+                }
+                let insts = self.instances(id, &node.targets[0]);
+                self.dirty.remove(&id);
+                for inst in insts {
+                    let (value, error) = match self.evaluate(node, &inst) {
+                        Ok(Some(v)) => (from_jvalue(&v), None),
+                        Ok(None) => (Val::Null, None),
+                        Err(e) => (Val::Null, Some(e.message)),
+                    };
+                    let changed = self.st.merged.get_path(&inst) != Some(&value);
+                    let target = render(&inst);
+                    if changed && self.st.merged.splice_existing(&inst, value.clone()) {
+                        self.version += 1;
+                        if self.derived_seen.insert(target.clone()) {
+                            self.result.derived_updated.push(target.clone());
+                        }
+                        self.propagate(&inst);
+                    }
+                    self.trace(node, target, &value, None, error);
+                }
+            }
+        }
+    }
+
+    fn meta(&mut self) {
+        let cm = self.cm;
+        let ids: Vec<NodeId> = std::mem::take(&mut self.meta_dirty).into_iter().collect();
+        for id in ids {
+            let node = &cm.nodes[id as usize];
+            let NodeKind::Meta(prop) = node.kind else {
+                continue;
+            };
+            let pattern = &node.targets[0];
+            let full = self.dirty.get(&id).is_none_or(|d| d.all);
+            let insts = self.instances(id, pattern);
+            self.dirty.remove(&id);
+            let mut keys = HashSet::new();
+            for inst in insts {
+                let value = match self.evaluate(node, &inst) {
+                    Ok(Some(v)) => from_jvalue(&v),
+                    _ => Val::Null,
+                };
+                let key: Arc<str> = Arc::from(format!("{}#{}", render(&inst), prop.key_name()));
+                keys.insert(key.clone());
+                let entry = MetaEntry { node: id, value };
+                if self.st.meta.get(&key) != Some(&entry) {
+                    self.result.meta_updated.push(key.to_string());
+                    self.st.meta.insert(key, entry);
+                }
+            }
+            if full && pattern.has_wildcard() {
+                let stale: Vec<Arc<str>> = self
+                    .st
+                    .meta
+                    .iter()
+                    .filter(|(k, e)| e.node == id && !keys.contains(*k))
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                for k in stale {
+                    self.st.meta.remove(&k);
+                }
+            }
+        }
+    }
+
+    fn allowed(&self, id: NodeId) -> bool {
+        self.allowed.as_ref().is_none_or(|a| a.contains(&id))
+    }
+
+    fn constraints(&mut self) -> Vec<ConstraintViolation> {
+        let cm = self.cm;
+        let mut rollback = Vec::new();
+        let ids: Vec<NodeId> = std::mem::take(&mut self.constraint_dirty)
+            .into_iter()
+            .collect();
+        for id in ids {
+            if !self.allowed(id) {
+                continue;
+            }
+            let node = &cm.nodes[id as usize];
+            let NodeKind::Constraint { index, policy } = node.kind else {
+                continue;
+            };
+            let spec = &cm.spec.constraints[index];
+            let mut insts: Vec<Vec<Seg>> = Vec::new();
+            if node.targets.is_empty() {
+                insts.push(Vec::new());
+            } else {
+                for t in &node.targets {
+                    insts.extend(self.instances(id, t));
+                }
+            }
+            self.dirty.remove(&id);
+            let mut failed = false;
+            for inst in insts {
+                let (passed, error) = match self.evaluate(node, &inst) {
+                    Ok(v) => (truthy(v.as_ref()), None),
+                    Err(e) => (false, Some(e.message)),
+                };
+                let target = format!("$constraint:{}", spec.id);
+                self.trace(node, target, &Val::Null, Some(passed), error);
+                failed |= !passed;
+            }
+            if failed {
+                let v = ConstraintViolation {
+                    constraint_id: spec.id.clone(),
+                    message: spec.message.clone(),
+                    policy: policy.as_str(),
+                };
+                match policy {
+                    Policy::Rollback => rollback.push(v),
+                    Policy::Flag => self.result.flagged_constraints.push(v),
+                }
+            }
+        }
+        rollback
+    }
+
+    fn effects(&mut self) {
+        let cm = self.cm;
+        let ids: Vec<NodeId> = std::mem::take(&mut self.effect_dirty).into_iter().collect();
+        for id in ids {
+            if !self.allowed(id) {
+                continue;
+            }
+            let node = &cm.nodes[id as usize];
+            let NodeKind::Effect { index } = node.kind else {
+                continue;
+            };
+            let spec = &cm.spec.effects[index];
+            let plan = &cm.effect_plans[index];
+            let fire = matches!(self.evaluate(node, &[]), Ok(v) if truthy(v.as_ref()));
+            if !fire {
+                continue;
+            }
+            let input = self.input(node, &[]);
+            let env = Env {
+                now_ms: Some(self.now_ms),
+                ..cm.env.clone()
+            };
+            let eval = |c: &crate::expr::Compiled| -> Option<serde_json::Value> {
+                match c.eval(&input, &env, &self.limits.expr) {
+                    Ok(Some(v)) => Some(from_jvalue(&v).to_json()),
+                    _ => None,
+                }
+            };
+            let dedupe_key = plan
+                .dedupe
+                .as_ref()
+                .map(|c| eval(c).unwrap_or(serde_json::Value::Null));
+            if let Some(k) = &dedupe_key {
+                let key = Val::from_json(k);
+                let id_key: Arc<str> = Arc::from(spec.id.as_str());
+                if self.st.effect_keys.get(&id_key) == Some(&key) {
+                    continue;
+                }
+                self.st.effect_keys.insert(id_key, key);
+            }
+            let payload = if plan.payload.is_empty() {
+                None
+            } else {
+                Some(
+                    plan.payload
+                        .iter()
+                        .map(|(k, c)| (k.clone(), eval(c).unwrap_or(serde_json::Value::Null)))
+                        .collect(),
+                )
+            };
+            self.result.dispatched_effects.push(EffectRequest {
+                effect_id: spec.id.clone(),
+                executor: spec.executor().to_string(),
+                emit: spec.emit.clone(),
+                payload,
+                dedupe_key,
+                status_path: spec.status_path.clone(),
+                at: plan.at.as_ref().and_then(|c| eval(c)),
+                after_ms: plan.after_ms.as_ref().and_then(|c| eval(c)),
+            });
+        }
+    }
+
+    fn finish(mut self) -> Result<MutationResult, MutationError> {
+        self.derive();
+        self.meta();
+        let rollback = self.constraints();
+        if !rollback.is_empty() {
+            let mut traces = std::mem::take(&mut self.result.traces);
+            for v in &rollback {
+                traces.push(Trace {
+                    target_path: format!("$constraint:{}", v.constraint_id),
+                    expression: Arc::from(""),
+                    input_paths: Arc::from(Vec::new()),
+                    result: serde_json::Value::Null,
+                    constraint_passed: Some(false),
+                    error_message: None,
+                });
+            }
+            return Err(MutationError::Constraint {
+                violations: rollback,
+                traces,
+            });
+        }
+        self.effects();
+        Ok(self.result)
+    }
+
+    // --- defaults ---------------------------------------------------------------------------
+
+    /// Containers a mutation will create: absent proper prefixes of its paths (not the array
+    /// itself when the next segment is an index).
+    fn new_containers(&self, mutations: &[(Vec<Seg>, serde_json::Value)]) -> Vec<Vec<Seg>> {
+        let mut out: Vec<Vec<Seg>> = Vec::new();
+        for (segs, _) in mutations {
+            for k in 1..segs.len() {
+                if matches!(segs[k], Seg::Index(_)) {
+                    continue;
+                }
+                let prefix = &segs[..k];
+                if self.st.base.get_path(prefix).is_none() && !out.iter().any(|p| p == prefix) {
+                    out.push(prefix.to_vec());
+                }
+            }
+        }
+        out.sort_by_key(Vec::len);
+        out
+    }
+
+    fn apply_defaults(&mut self, containers: &[Vec<Seg>]) -> Result<(), MutationError> {
+        let cm = self.cm;
+        for c in containers {
+            for rule in &cm.defaults {
+                if !matches_pattern(&rule.path, c) {
+                    continue;
+                }
+                let input = self.whole_doc();
+                let parent = if c.is_empty() {
+                    JValue::Null
+                } else {
+                    self.st
+                        .merged
+                        .get_path(&c[..c.len() - 1])
+                        .map_or(JValue::Null, to_jvalue)
+                };
+                let me = self.st.base.get_path(c).map_or(JValue::Null, to_jvalue);
+                let env = Env {
+                    now_ms: Some(self.now_ms),
+                    ..cm.env.with("parent", parent).with("self", me)
+                };
+                let Ok(Some(v)) = rule.expr.eval(&input, &env, &self.limits.expr) else {
+                    continue;
+                };
+                let v = from_jvalue(&v);
+                if v.as_obj().is_some() {
+                    self.fill_absent(c, &v)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Deep-merge `v` into the container at `at`, only where the caller left a field absent.
+    fn fill_absent(&mut self, at: &[Seg], v: &Val) -> Result<(), MutationError> {
+        let Some(obj) = v.as_obj() else { return Ok(()) };
+        for (k, x) in obj.iter() {
+            let mut p = at.to_vec();
+            p.push(Seg::Field(k.clone()));
+            match self.st.base.get_path(&p) {
+                None => self.write_base(&p, x.clone())?,
+                Some(Val::Obj(_)) if x.as_obj().is_some() => self.fill_absent(&p, x)?,
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Does the concrete path `c` match the pattern (wildcards match any index)?
+fn matches_pattern(pattern: &Address, c: &[Seg]) -> bool {
+    pattern.segs.len() == c.len()
+        && pattern.segs.iter().zip(c).all(|(p, s)| match (p, s) {
+            (PathSeg::Wild, Seg::Index(_)) => true,
+            (PathSeg::Index(i), Seg::Index(j)) => i == j,
+            (PathSeg::Field(a), Seg::Field(b)) => a == b,
+            _ => false,
+        })
+}
+
+/// The instance's prefix through the pattern's last `[*]`.
+fn element_prefix<'s>(pattern: &Address, inst: &'s [Seg]) -> &'s [Seg] {
+    let n = pattern
+        .segs
+        .iter()
+        .rposition(|s| matches!(s, PathSeg::Wild))
+        .map_or(0, |p| p + 1);
+    &inst[..n.min(inst.len())]
+}
+
+/// Concrete instances of a pattern in `v`, optionally restricted to bound leading wildcards.
+fn expand(
+    segs: &[PathSeg],
+    v: Option<&Val>,
+    bind: Option<&[usize]>,
+    wi: usize,
+    cur: &mut Vec<Seg>,
+    out: &mut BTreeSet<Vec<Seg>>,
+) {
+    let Some((first, rest)) = segs.split_first() else {
+        out.insert(cur.clone());
+        return;
+    };
+    match first {
+        PathSeg::Field(k) => {
+            let next = match v {
+                Some(Val::Obj(m)) => m.get(k),
+                _ => None,
+            };
+            if next.is_none() && rest.iter().any(|s| matches!(s, PathSeg::Wild)) {
+                return;
+            }
+            cur.push(Seg::Field(k.clone()));
+            expand(rest, next, bind, wi, cur, out);
+            cur.pop();
+        }
+        PathSeg::Index(i) => {
+            let next = match v {
+                Some(Val::Arr(a)) => a.get(*i),
+                _ => None,
+            };
+            if next.is_none() && rest.iter().any(|s| matches!(s, PathSeg::Wild)) {
+                return;
+            }
+            cur.push(Seg::Index(*i));
+            expand(rest, next, bind, wi, cur, out);
+            cur.pop();
+        }
+        PathSeg::Wild => {
+            let Some(Val::Arr(a)) = v else { return };
+            match bind.and_then(|b| b.get(wi)) {
+                Some(&i) => {
+                    if let Some(x) = a.get(i) {
+                        cur.push(Seg::Index(i));
+                        expand(rest, Some(x), bind, wi + 1, cur, out);
+                        cur.pop();
+                    }
+                }
+                None => {
+                    for (i, x) in a.iter().enumerate() {
+                        cur.push(Seg::Index(i));
+                        expand(rest, Some(x), bind, wi + 1, cur, out);
+                        cur.pop();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The projected input: only the paths the expression reads.
+fn project(v: &Val, p: &Projection) -> JValue {
+    if p.whole {
+        return to_jvalue(v);
+    }
+    match v {
+        Val::Obj(m) => {
+            let mut o = IndexMap::with_capacity(p.children.len());
+            for (k, sub) in &p.children {
+                if let Some(x) = m.get(k) {
+                    o.insert(k.to_string(), project(x, sub));
+                }
+            }
+            JValue::object(o)
+        }
+        Val::Arr(a) => {
+            let mut flat = true;
+            let items: Vec<JValue> = a
+                .iter()
+                .map(|x| {
+                    flat &= !matches!(x, Val::Arr(_));
+                    project(x, p)
+                })
+                .collect();
+            JValue::Array(jsonata_core::value::JArray::new_flat(items, flat))
+        }
+        other => to_jvalue(other),
+    }
+}
+
+/// Native `$sum/$count/$average/$max/$min` over a field path. `None` means "let JSONata
+/// decide" (anything but plain numbers under plain objects, so errors and odd shapes keep
+/// JSONata's exact behaviour).
+fn aggregate(doc: &Val, agg: &Aggregate) -> Option<Option<JValue>> {
+    let mut leaves: Vec<&Val> = Vec::new();
+    if !collect(doc, &agg.path, &mut leaves) {
+        return None;
+    }
+    if agg.func == AggFunc::Count {
+        return Some(Some(JValue::Number(leaves.len() as f64)));
+    }
+    let mut nums = Vec::with_capacity(leaves.len());
+    for l in leaves {
+        match l {
+            Val::Num(n) => nums.push(*n),
+            _ => return None,
+        }
+    }
+    Some(match agg.func {
+        AggFunc::Sum => Some(JValue::Number(nums.iter().sum())),
+        AggFunc::Average if nums.is_empty() => None,
+        AggFunc::Average => Some(JValue::Number(nums.iter().sum::<f64>() / nums.len() as f64)),
+        AggFunc::Max => nums.iter().copied().reduce(f64::max).map(JValue::Number),
+        AggFunc::Min => nums.iter().copied().reduce(f64::min).map(JValue::Number),
+        AggFunc::Count => unreachable!("handled above"),
+    })
+}
+
+/// Navigate like a JSONata path over plain data; false on shapes we leave to JSONata.
+fn collect<'v>(v: &'v Val, path: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
+    let Some((k, rest)) = path.split_first() else {
+        match v {
+            Val::Arr(_) => return false,
+            other => out.push(other),
+        }
+        return true;
+    };
+    match v {
+        Val::Obj(m) => match m.get(k) {
+            Some(Val::Arr(a)) if !rest.is_empty() => a.iter().all(|x| match x {
+                Val::Arr(_) => false,
+                x => collect(x, rest, out),
+            }),
+            Some(Val::Arr(a)) => {
+                for x in a.iter() {
+                    match x {
+                        Val::Arr(_) => return false,
+                        x => out.push(x),
+                    }
+                }
+                true
+            }
+            Some(Val::Null) => false,
+            Some(x) => collect(x, rest, out),
+            None => true,
+        },
+        Val::Null => false,
+        _ => true,
+    }
+}
+
+/// The reference's constraint truthiness: missing/null fail, booleans as is, numbers ≠ 0 and
+/// non-empty strings pass, objects and arrays fail.
+fn truthy(v: Option<&JValue>) -> bool {
+    match v {
+        None | Some(JValue::Null) | Some(JValue::Undefined) => false,
+        Some(JValue::Bool(b)) => *b,
+        Some(JValue::Number(n)) => *n != 0.0,
+        Some(JValue::String(s)) => !s.is_empty(),
+        Some(_) => false,
+    }
+}
+
+/// Run a mutation cycle on `st` (a working copy). On error `st` is garbage: drop it.
+pub(super) fn run(
+    cm: &CompiledModel,
+    limits: &EngineLimits,
+    st: &mut State,
+    mutations: &[(Vec<Seg>, serde_json::Value)],
+    now_ms: i64,
+) -> Result<MutationResult, MutationError> {
+    let mut c = Cycle::new(cm, limits, st, now_ms);
+    let containers = if cm.defaults.is_empty() {
+        Vec::new()
+    } else {
+        c.new_containers(mutations)
+    };
+    for (segs, v) in mutations {
+        c.write_base(segs, Val::from_json(v))?;
+    }
+    if !containers.is_empty() {
+        c.apply_defaults(&containers)?;
+    }
+    c.finish()
+}
+
+/// Seed and compute a new model's state.
+pub(super) fn initialize(
+    cm: &CompiledModel,
+    limits: &EngineLimits,
+    st: &mut State,
+    now_ms: i64,
+) -> Result<MutationResult, MutationError> {
+    let mut c = Cycle::new(cm, limits, st, now_ms);
+    c.apply_defaults(&[Vec::new()])?;
+    let schema = cm.schema.clone();
+    apply_schema_defaults(&mut c, &schema, &schema, &mut Vec::new(), 0)?;
+    // Constraints and effects at creation: only those downstream of what was seeded.
+    let mut allowed: HashSet<NodeId> = HashSet::new();
+    let mut stack: Vec<NodeId> = c
+        .dirty
+        .keys()
+        .copied()
+        .chain(c.effect_dirty.iter().copied())
+        .collect();
+    while let Some(n) = stack.pop() {
+        if allowed.insert(n) {
+            stack.extend(cm.dependents[n as usize].iter().copied());
+        }
+    }
+    c.allowed = Some(allowed);
+    for lvl in &cm.levels {
+        for &id in lvl {
+            c.mark_all(id);
+        }
+    }
+    for &id in &cm.meta_nodes {
+        c.mark_all(id);
+    }
+    c.finish()
+}
+
+/// JSON Schema `default` keywords fill absent properties at creation (after `$` rules).
+fn apply_schema_defaults(
+    c: &mut Cycle<'_>,
+    root: &serde_json::Value,
+    node: &serde_json::Value,
+    at: &mut Vec<Seg>,
+    depth: usize,
+) -> Result<(), MutationError> {
+    if depth > 32 {
+        return Ok(());
+    }
+    let node = super::schema::resolve(root, node);
+    let Some(props) = node.get("properties").and_then(|p| p.as_object()) else {
+        return Ok(());
+    };
+    for (k, sub) in props {
+        at.push(Seg::Field(Arc::from(k.as_str())));
+        let sub_r = super::schema::resolve(root, sub);
+        let present = c.st.base.get_path(at).is_some();
+        if !present {
+            if let Some(d) = sub_r.get("default") {
+                c.write_base(at, Val::from_json(d))?;
+            }
+        }
+        if c.st.base.get_path(at).and_then(Val::as_obj).is_some() {
+            apply_schema_defaults(c, root, sub_r, at, depth + 1)?;
+        }
+        at.pop();
+    }
+    Ok(())
+}
+
+/// Evaluate stale lazy derivations (on read).
+pub(super) fn materialize_lazy(
+    cm: &CompiledModel,
+    limits: &EngineLimits,
+    st: &mut State,
+    now_ms: i64,
+) {
+    let stale: Vec<NodeId> = st.lazy_stale.iter().copied().collect();
+    let mut c = Cycle::new(cm, limits, st, now_ms);
+    c.include_lazy = true;
+    for id in stale {
+        c.mark_all(id);
+    }
+    c.derive();
+}

@@ -1,0 +1,415 @@
+//! The reactive engine: a compiled model plus its persistent state, and the reactive cycle that
+//! every mutation runs (validate → apply → defaults → propagate → derive by level → meta →
+//! constraints → effects requested → commit). Atomic: a failed cycle leaves the state exactly as
+//! it was. Never does I/O and never reads the clock; the caller passes `now`.
+
+pub mod compile;
+mod cycle;
+pub mod schema;
+pub mod testrun;
+pub mod trie;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use imbl::{OrdMap, OrdSet};
+use serde::Serialize;
+use serde_json::{Map, Value as Json};
+
+pub use compile::{CompileError, CompiledModel, NodeId};
+pub use schema::SchemaViolation;
+
+use crate::expr::path::{render, Address};
+use crate::expr::Limits;
+use crate::spec::ModelSpec;
+use crate::value::{Seg, Val};
+
+/// Limits of the engine beyond expression evaluation.
+#[derive(Clone, Debug)]
+pub struct EngineLimits {
+    pub expr: Limits,
+    /// Largest array index a write may create (the reference's `max-array-index`).
+    pub max_array_index: usize,
+    /// Most mutations in one cycle.
+    pub max_mutations: usize,
+}
+
+impl Default for EngineLimits {
+    fn default() -> Self {
+        EngineLimits {
+            expr: Limits::default(),
+            max_array_index: 1_000_000,
+            max_mutations: 10_000,
+        }
+    }
+}
+
+/// A live meta value and the node that computed it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetaEntry {
+    pub node: NodeId,
+    pub value: Val,
+}
+
+/// A model's state: base document, merged document (base + derived values), meta cache, stale
+/// lazy derivations and effect dedupe keys. Every part is persistent, so cloning is O(1): a
+/// snapshot, a rollback point or a reader's view is a clone.
+#[derive(Clone, Debug, Default)]
+pub struct State {
+    pub base: Val,
+    pub merged: Val,
+    /// `"$.path#prop"` (the reference's key spelling) → value.
+    pub meta: OrdMap<Arc<str>, MetaEntry>,
+    pub lazy_stale: OrdSet<NodeId>,
+    /// Effect id → the dedupe key it last fired with.
+    pub effect_keys: OrdMap<Arc<str>, Val>,
+}
+
+impl State {
+    pub fn meta_json(&self) -> Map<String, Json> {
+        self.meta
+            .iter()
+            .map(|(k, e)| (k.to_string(), e.value.to_json()))
+            .collect()
+    }
+
+    /// Byte-level fingerprint of everything observable, for tests that assert "unchanged".
+    pub fn fingerprint(&self) -> String {
+        let meta = self.meta_json();
+        let keys: Map<String, Json> = self
+            .effect_keys
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_json()))
+            .collect();
+        let stale: Vec<u32> = self.lazy_stale.iter().copied().collect();
+        serde_json::json!({
+            "base": self.base.to_json(),
+            "merged": self.merged.to_json(),
+            "meta": meta,
+            "stale": stale,
+            "effectKeys": keys,
+        })
+        .to_string()
+    }
+}
+
+/// One evaluation, as `explain` and `includeTraces` report it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Trace {
+    pub target_path: String,
+    pub expression: Arc<str>,
+    pub input_paths: Arc<[String]>,
+    pub result: Json,
+    pub constraint_passed: Option<bool>,
+    pub error_message: Option<String>,
+}
+
+/// A failed constraint (the contract's violation item).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConstraintViolation {
+    pub constraint_id: String,
+    pub message: String,
+    pub policy: &'static str,
+}
+
+/// An effect the cycle requested; executed (if at all) by the shell after commit.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EffectRequest {
+    pub effect_id: String,
+    pub executor: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub emit: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Map<String, Json>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dedupe_key: Option<Json>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status_path: Option<String>,
+    /// Timer effects: the fire time (epoch ms or ISO-8601) or the delay, as evaluated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at: Option<Json>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_ms: Option<Json>,
+}
+
+/// The outcome of a committed cycle.
+#[derive(Clone, Debug, PartialEq, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct MutationResult {
+    pub success: bool,
+    pub mutated_paths: Vec<String>,
+    pub derived_updated: Vec<String>,
+    pub meta_updated: Vec<String>,
+    pub flagged_constraints: Vec<ConstraintViolation>,
+    pub dispatched_effects: Vec<EffectRequest>,
+    #[serde(skip)]
+    pub traces: Vec<Trace>,
+}
+
+impl MutationResult {
+    /// The wire shape; traces only on request.
+    pub fn to_json(&self, include_traces: bool) -> Json {
+        let mut v = serde_json::to_value(self).unwrap_or(Json::Null);
+        if include_traces {
+            if let Json::Object(m) = &mut v {
+                m.insert(
+                    "traces".into(),
+                    serde_json::to_value(&self.traces).unwrap_or(Json::Null),
+                );
+            }
+        }
+        v
+    }
+}
+
+/// Why a cycle did not commit. The state is unchanged in every case.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum MutationError {
+    #[error("Schema violation: {}", .0.iter().map(|v| format!("{}: {}", v.path, v.message)).collect::<Vec<_>>().join("; "))]
+    Schema(Vec<SchemaViolation>),
+    #[error("{}", constraint_message(.violations))]
+    Constraint {
+        violations: Vec<ConstraintViolation>,
+        traces: Vec<Trace>,
+    },
+    #[error("invalid mutation: {0}")]
+    Invalid(String),
+}
+
+fn constraint_message(v: &[ConstraintViolation]) -> String {
+    match v {
+        [one] => format!("Constraint violated: {}", one.message),
+        many => format!(
+            "{} constraints violated: [{}]",
+            many.len(),
+            many.iter()
+                .map(|c| c.message.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+impl MutationError {
+    /// The contract's structured error body.
+    pub fn to_json(&self) -> Json {
+        match self {
+            MutationError::Schema(v) => serde_json::json!({
+                "error": "Schema violation",
+                "violations": v,
+            }),
+            MutationError::Constraint { violations, .. } => serde_json::json!({
+                "error": "Constraint violation",
+                "message": self.to_string(),
+                "violations": violations,
+            }),
+            MutationError::Invalid(m) => serde_json::json!({
+                "error": "Invalid mutation",
+                "message": m,
+            }),
+        }
+    }
+}
+
+/// Why a model could not be created.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum CreateError {
+    #[error("the spec does not compile: {}", .0.iter().map(|e| format!("{}: {}", e.location, e.message)).collect::<Vec<_>>().join("; "))]
+    Compile(Vec<CompileError>),
+    #[error("the initial state was refused: {0}")]
+    Initial(MutationError),
+}
+
+thread_local! {
+    /// Compiled models by the blake3 hash of the spec's bytes (dry runs, tests and re-creation
+    /// do not recompile). Bounded; compiled models are not `Send`, so the cache is per thread.
+    static COMPILED: RefCell<HashMap<[u8; 32], Rc<CompiledModel>>> = RefCell::new(HashMap::new());
+}
+const COMPILED_CACHE_SIZE: usize = 64;
+
+/// Compile a spec, reusing an identical spec's compiled model from this thread's cache.
+pub fn compile_cached(
+    spec: &ModelSpec,
+    limits: &EngineLimits,
+) -> Result<Rc<CompiledModel>, Vec<CompileError>> {
+    let bytes = serde_json::to_vec(spec).unwrap_or_default();
+    let hash = *blake3::hash(&bytes).as_bytes();
+    if let Some(cm) = COMPILED.with(|c| c.borrow().get(&hash).cloned()) {
+        return Ok(cm);
+    }
+    let cm = Rc::new(compile::compile(Arc::new(spec.clone()), &limits.expr)?);
+    COMPILED.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= COMPILED_CACHE_SIZE {
+            c.clear();
+        }
+        c.insert(hash, cm.clone());
+    });
+    Ok(cm)
+}
+
+/// A live model: its compiled spec and its committed state.
+pub struct Model {
+    pub compiled: Rc<CompiledModel>,
+    state: State,
+    pub limits: EngineLimits,
+}
+
+impl Model {
+    /// Create a model: `$` default rules and schema `default` keywords seed the document, then
+    /// every eager derivation and meta-derivation is computed.
+    pub fn create(
+        spec: &ModelSpec,
+        now_ms: i64,
+        limits: EngineLimits,
+    ) -> Result<(Model, MutationResult), CreateError> {
+        let compiled = compile_cached(spec, &limits).map_err(CreateError::Compile)?;
+        Model::from_compiled(compiled, now_ms, limits)
+    }
+
+    pub fn from_compiled(
+        compiled: Rc<CompiledModel>,
+        now_ms: i64,
+        limits: EngineLimits,
+    ) -> Result<(Model, MutationResult), CreateError> {
+        let mut model = Model {
+            compiled,
+            state: State {
+                base: Val::object(),
+                merged: Val::object(),
+                ..State::default()
+            },
+            limits,
+        };
+        let result = cycle::initialize(&model.compiled, &model.limits, &mut model.state, now_ms)
+            .map_err(CreateError::Initial)?;
+        Ok((model, result))
+    }
+
+    /// Run one reactive cycle for `mutations` (applied in order).
+    pub fn mutate(
+        &mut self,
+        mutations: &[(String, Json)],
+        now_ms: i64,
+    ) -> Result<MutationResult, MutationError> {
+        if mutations.len() > self.limits.max_mutations {
+            return Err(MutationError::Invalid(format!(
+                "{} mutations in one cycle; the limit is {}",
+                mutations.len(),
+                self.limits.max_mutations
+            )));
+        }
+        let mut parsed = Vec::with_capacity(mutations.len());
+        for (k, v) in mutations {
+            let addr = Address::parse(k).map_err(|e| MutationError::Invalid(e.message))?;
+            let Some(segs) = addr.concrete() else {
+                return Err(MutationError::Invalid(format!(
+                    "mutation address `{k}` contains `[*]`; write concrete element addresses"
+                )));
+            };
+            parsed.push((segs, v.clone()));
+        }
+        self.mutate_parsed(&parsed, now_ms)
+    }
+
+    /// Run a cycle for already-parsed addresses.
+    pub fn mutate_parsed(
+        &mut self,
+        mutations: &[(Vec<Seg>, Json)],
+        now_ms: i64,
+    ) -> Result<MutationResult, MutationError> {
+        let mut violations = Vec::new();
+        for (segs, v) in mutations {
+            violations.extend(schema::validate_write(
+                &self.compiled,
+                &self.state.meta,
+                segs,
+                v,
+            ));
+        }
+        if !violations.is_empty() {
+            return Err(MutationError::Schema(violations));
+        }
+        let mut working = self.state.clone();
+        let result = cycle::run(
+            &self.compiled,
+            &self.limits,
+            &mut working,
+            mutations,
+            now_ms,
+        )?;
+        self.state = working;
+        Ok(result)
+    }
+
+    /// The committed state (lazy derivations may be stale: see [`Model::materialize`]).
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// Evaluate stale lazy derivations (reads do this before answering).
+    pub fn materialize(&mut self, now_ms: i64) {
+        if self.state.lazy_stale.is_empty() {
+            return;
+        }
+        let mut working = self.state.clone();
+        cycle::materialize_lazy(&self.compiled, &self.limits, &mut working, now_ms);
+        self.state = working;
+    }
+
+    /// The merged document as JSON, lazy derivations evaluated.
+    pub fn merged_json(&mut self, now_ms: i64) -> Json {
+        self.materialize(now_ms);
+        ordered_json(Some(&self.state.base), &self.state.merged)
+    }
+
+    /// The value at an address (lazy derivations evaluated); `None` when absent.
+    pub fn get(&mut self, path: &[Seg], now_ms: i64) -> Option<Json> {
+        self.materialize(now_ms);
+        let merged = self.state.merged.get_path(path)?;
+        Some(ordered_json(self.state.base.get_path(path), merged))
+    }
+
+    /// Replace the state wholesale (restore of a snapshot taken from this model).
+    pub fn restore(&mut self, state: State) {
+        self.state = state;
+    }
+
+    pub fn meta_value(&self, path: &[Seg], prop: crate::spec::MetaProp) -> Option<Json> {
+        let key = format!("{}#{}", render(path), prop.key_name());
+        self.state.meta.get(key.as_str()).map(|e| e.value.to_json())
+    }
+}
+
+/// The merged document as the reference prints it: in every object the base fields first, in
+/// their order, then the derived fields in the order they were first computed.
+pub fn ordered_json(base: Option<&Val>, merged: &Val) -> Json {
+    match (base, merged) {
+        (Some(Val::Obj(b)), Val::Obj(m)) => {
+            let mut o = Map::with_capacity(m.len());
+            for (k, bv) in b.iter() {
+                if let Some(mv) = m.get(k) {
+                    o.insert(k.to_string(), ordered_json(Some(bv), mv));
+                }
+            }
+            for (k, mv) in m.iter() {
+                if !o.contains_key(&**k) {
+                    o.insert(k.to_string(), ordered_json(None, mv));
+                }
+            }
+            Json::Object(o)
+        }
+        (Some(Val::Arr(b)), Val::Arr(m)) => Json::Array(
+            m.iter()
+                .enumerate()
+                .map(|(i, mv)| ordered_json(b.get(i), mv))
+                .collect(),
+        ),
+        (_, m) => m.to_json(),
+    }
+}

@@ -1,0 +1,557 @@
+//! JSONata behind our own wrapper: compile once, evaluate with limits and Valem's bindings
+//! (`$const`, `$parent`, `$self`, library exports, `$now`/`$millis` pinned per cycle), classify
+//! errors by JSONata code and position. The rest of the code never names the engine crate.
+//! Never does I/O; the only clock read is the engine's own evaluation-timeout guard.
+
+pub mod deps;
+pub mod path;
+
+use std::collections::BTreeSet;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use indexmap::IndexMap;
+use jsonata_core::ast::AstNode;
+use jsonata_core::evaluator::{Context, Evaluator, EvaluatorError, EvaluatorOptions};
+use jsonata_core::parser::{self, ParserError};
+use jsonata_core::value::{JArray, JValue};
+use serde_json::Value as Json;
+
+use crate::value::{num_to_json, ObjMap, Val};
+
+pub use jsonata_core::value::JValue as Value;
+
+/// Limits applied to every evaluation (the reference's `expression-timeout-ms` is 2000).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub timeout_ms: Option<u64>,
+    pub max_depth: Option<usize>,
+    pub max_sequence: Option<usize>,
+    /// Longest expression text accepted, in bytes.
+    pub max_expr_len: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            timeout_ms: Some(2000),
+            max_depth: None,
+            max_sequence: Some(10_000_000),
+            max_expr_len: 100_000,
+        }
+    }
+}
+
+impl Limits {
+    fn options(&self) -> EvaluatorOptions {
+        EvaluatorOptions {
+            timeout_ms: self.timeout_ms,
+            cancel: None,
+            max_stack_depth: self.max_depth,
+            max_sequence_length: self.max_sequence,
+        }
+    }
+}
+
+/// Which phase failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Compile,
+    Evaluate,
+}
+
+/// A compile or evaluation error with its JSONata code (`S0201`, `T2001`, …) when it has one,
+/// and, for compile errors, the 0-based character offset of the offending token.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ExprError {
+    pub phase: Phase,
+    pub code: Option<String>,
+    pub message: String,
+    pub position: Option<usize>,
+}
+
+impl ExprError {
+    fn compile(text: &str, e: &ParserError) -> ExprError {
+        let message = e.to_string();
+        let message = message
+            .strip_prefix("Invalid syntax: ")
+            .unwrap_or(&message)
+            .to_string();
+        ExprError {
+            phase: Phase::Compile,
+            code: find_code(&message),
+            position: Some(error_position(text, e)),
+            message,
+        }
+    }
+
+    fn evaluate(e: &EvaluatorError) -> ExprError {
+        let message = e.message().to_string();
+        ExprError {
+            phase: Phase::Evaluate,
+            code: find_code(&message),
+            message,
+            position: None,
+        }
+    }
+
+    /// The machine shape used by `valem eval --json` and `eval_expression`.
+    pub fn to_json(&self) -> Json {
+        let mut m = serde_json::Map::new();
+        m.insert(
+            "code".into(),
+            self.code.clone().map_or(Json::Null, Json::String),
+        );
+        m.insert("message".into(), Json::String(self.message.clone()));
+        if let Some(p) = self.position {
+            m.insert("position".into(), Json::from(p));
+        }
+        Json::Object(m)
+    }
+}
+
+/// The first JSONata error code (`[STDU]dddd`) anywhere in a message.
+pub fn find_code(message: &str) -> Option<String> {
+    let b = message.as_bytes();
+    (0..b.len().saturating_sub(4)).find_map(|i| {
+        let ok = matches!(b[i], b'S' | b'T' | b'D' | b'U')
+            && b[i + 1..i + 5].iter().all(u8::is_ascii_digit)
+            && (i == 0 || !b[i - 1].is_ascii_alphanumeric())
+            && b.get(i + 5).is_none_or(|c| !c.is_ascii_alphanumeric());
+        ok.then(|| message[i..i + 5].to_string())
+    })
+}
+
+/// A compiled expression. The AST is parsed once; evaluation picks the bytecode VM when no
+/// binding is needed and the tree-walker otherwise (bindings need it).
+pub struct Compiled {
+    pub text: Arc<str>,
+    expression: jsonata_core::Expression,
+    /// Free `$variables` the expression reads (without `$`).
+    pub vars: BTreeSet<String>,
+    /// Function names it calls as `$name(...)`.
+    pub calls: BTreeSet<String>,
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Compiled")
+            .field("text", &self.text)
+            .finish()
+    }
+}
+
+/// Names Valem binds itself; a library may not export them.
+pub const RESERVED: [&str; 6] = ["const", "parent", "self", "response", "now", "status"];
+
+/// Impure built-ins whose value the engine pins per cycle.
+const CLOCK_FNS: [&str; 2] = ["now", "millis"];
+
+impl Compiled {
+    pub fn compile(text: &str, limits: &Limits) -> Result<Compiled, ExprError> {
+        if text.len() > limits.max_expr_len {
+            return Err(ExprError {
+                phase: Phase::Compile,
+                code: None,
+                message: format!(
+                    "expression is {} bytes, longer than the limit of {}",
+                    text.len(),
+                    limits.max_expr_len
+                ),
+                position: Some(limits.max_expr_len),
+            });
+        }
+        let ast = parser::parse(text).map_err(|e| ExprError::compile(text, &e))?;
+        let (vars, calls) = deps::free_names(&ast);
+        Ok(Compiled {
+            text: Arc::from(text),
+            expression: jsonata_core::Expression::from_ast(ast),
+            vars,
+            calls,
+        })
+    }
+
+    pub fn ast(&self) -> &AstNode {
+        self.expression.ast()
+    }
+
+    /// Whether evaluation must bind anything from `env` (and so use the tree-walker).
+    fn needs_env(&self, env: &Env) -> bool {
+        self.calls
+            .iter()
+            .any(|c| CLOCK_FNS.contains(&c.as_str()) && env.now_ms.is_some())
+            || self.vars.iter().any(|v| env.binds(v))
+            || self.calls.iter().any(|c| env.binds(c))
+    }
+
+    /// Evaluate against `input`. `Ok(None)` is JSONata's *undefined*.
+    pub fn eval(
+        &self,
+        input: &JValue,
+        env: &Env,
+        limits: &Limits,
+    ) -> Result<Option<JValue>, ExprError> {
+        let result = if self.needs_env(env) {
+            let mut ctx = Context::new();
+            for name in self.vars.iter().chain(self.calls.iter()) {
+                if let Some(v) = env.lookup(name) {
+                    ctx.bind(name.clone(), v);
+                }
+            }
+            let mut ev = Evaluator::with_options(ctx, limits.options());
+            if let Some(now) = env.now_ms {
+                if self.calls.contains("millis") {
+                    let _ = ev.register_fn_override("millis", move |_: &[JValue]| {
+                        Ok(JValue::Number(now as f64))
+                    });
+                }
+                if self.calls.contains("now") {
+                    let _ =
+                        ev.register_fn_override("now", move |args: &[JValue]| now_fn(now, args));
+                }
+            }
+            ev.evaluate(self.ast(), input)
+        } else {
+            self.expression
+                .evaluate_with_options(input, limits.options())
+        };
+        match result {
+            Ok(JValue::Undefined) => Ok(None),
+            Ok(v) => Ok(Some(v)),
+            Err(e) => Err(ExprError::evaluate(&e)),
+        }
+    }
+}
+
+/// `$now()` pinned to the cycle's instant; with a picture it formats like `$fromMillis`.
+fn now_fn(now: i64, args: &[JValue]) -> Result<JValue, EvaluatorError> {
+    if args.is_empty() {
+        return Ok(JValue::string(iso_millis(now)));
+    }
+    let mut call = String::from("$fromMillis($ms");
+    let mut ctx = Context::new();
+    ctx.bind("ms".into(), JValue::Number(now as f64));
+    for (i, a) in args.iter().enumerate() {
+        ctx.bind(format!("a{i}"), a.clone());
+        call.push_str(&format!(", $a{i}"));
+    }
+    call.push(')');
+    let ast = parser::parse(&call).map_err(|e| EvaluatorError::EvaluationError(e.to_string()))?;
+    Evaluator::with_context(ctx).evaluate(&ast, &JValue::Null)
+}
+
+/// ISO-8601 UTC with milliseconds, as JSONata's `$now()` prints it.
+pub fn iso_millis(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let milli = ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{milli:03}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// Values an evaluation may bind. Built per evaluation site; cheap to clone (`Rc`s).
+#[derive(Clone, Default)]
+pub struct Env {
+    /// Bound names (without `$`): `const`, `parent`, `self`, library exports, …
+    pub vars: Vec<(Rc<str>, JValue)>,
+    /// The cycle's instant in epoch milliseconds; pins `$now()` and `$millis()`.
+    pub now_ms: Option<i64>,
+}
+
+impl Env {
+    pub fn binds(&self, name: &str) -> bool {
+        self.vars.iter().any(|(n, _)| &**n == name)
+    }
+
+    pub fn lookup(&self, name: &str) -> Option<JValue> {
+        self.vars
+            .iter()
+            .rev()
+            .find(|(n, _)| &**n == name)
+            .map(|(_, v)| v.clone())
+    }
+
+    pub fn with(&self, name: &str, value: JValue) -> Env {
+        let mut e = self.clone();
+        e.vars.push((Rc::from(name), value));
+        e
+    }
+}
+
+/// Convert a state value to the engine's value type.
+pub fn to_jvalue(v: &Val) -> JValue {
+    match v {
+        Val::Null => JValue::Null,
+        Val::Bool(b) => JValue::Bool(*b),
+        Val::Num(n) => JValue::Number(*n),
+        Val::Str(s) => JValue::string(&**s),
+        Val::Arr(a) => {
+            let mut flat = true;
+            let items: Vec<JValue> = a
+                .iter()
+                .map(|x| {
+                    flat &= !matches!(x, Val::Arr(_));
+                    to_jvalue(x)
+                })
+                .collect();
+            JValue::Array(JArray::new_flat(items, flat))
+        }
+        Val::Obj(m) => {
+            let mut o = IndexMap::with_capacity(m.len());
+            for (k, x) in m.iter() {
+                o.insert(k.to_string(), to_jvalue(x));
+            }
+            JValue::object(o)
+        }
+    }
+}
+
+/// Convert an engine result to a state value. Functions and regexes have no JSON form and
+/// become `null`; *undefined* inside an array is dropped and inside an object omits the key.
+pub fn from_jvalue(v: &JValue) -> Val {
+    match v {
+        JValue::Null | JValue::Undefined => Val::Null,
+        JValue::Bool(b) => Val::Bool(*b),
+        JValue::Number(n) => Val::num(*n),
+        JValue::String(s) => Val::Str(Arc::from(&**s)),
+        JValue::Array(a) => Val::Arr(
+            a.iter()
+                .filter(|x| !x.is_undefined())
+                .map(from_jvalue)
+                .collect(),
+        ),
+        JValue::Object(o) => {
+            let mut m = ObjMap::new();
+            for (k, x) in o.iter() {
+                if !x.is_undefined() {
+                    m.insert(Arc::from(k.as_str()), from_jvalue(x));
+                }
+            }
+            Val::Obj(m)
+        }
+        _ => Val::Null,
+    }
+}
+
+/// Convert an engine result straight to `serde_json` (for `eval`).
+pub fn jvalue_to_json(v: &JValue) -> Json {
+    match v {
+        JValue::Number(n) => num_to_json(*n),
+        JValue::Lambda(_) | JValue::Builtin { .. } => Json::String(String::new()),
+        other => from_jvalue(other).to_json(),
+    }
+}
+
+pub fn json_to_jvalue(j: &Json) -> JValue {
+    JValue::from(j.clone())
+}
+
+/// Evaluate one expression text against a JSON input, as `valem eval` and `eval_expression` do.
+pub fn eval_once(
+    text: &str,
+    input: &Json,
+    bindings: &serde_json::Map<String, Json>,
+    limits: &Limits,
+) -> Result<Option<Json>, ExprError> {
+    let compiled = Compiled::compile(text, limits)?;
+    let mut env = Env::default();
+    for (k, v) in bindings {
+        let name = k.strip_prefix('$').unwrap_or(k);
+        env.vars.push((Rc::from(name), json_to_jvalue(v)));
+    }
+    let out = compiled.eval(&json_to_jvalue(input), &env, limits)?;
+    Ok(out.as_ref().map(jvalue_to_json))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Error positions. The parser's errors carry no offsets, so we re-lex the text into tokens and
+// find the first token boundary at which parsing fails for a reason other than "input ended".
+
+fn error_position(text: &str, e: &ParserError) -> usize {
+    let len = text.chars().count();
+    if incomplete(e) {
+        return len;
+    }
+    let tokens = token_starts(text);
+    let chars: Vec<char> = text.chars().collect();
+    for (i, &start) in tokens.iter().enumerate() {
+        let end = tokens.get(i + 1).copied().unwrap_or(len);
+        let prefix: String = chars[..end].iter().collect();
+        match parser::parse(&prefix) {
+            Ok(_) => {}
+            Err(e) if incomplete(&e) => {}
+            Err(_) => return start,
+        }
+    }
+    len
+}
+
+/// Errors that only say "the text ended too early".
+fn incomplete(e: &ParserError) -> bool {
+    match e {
+        ParserError::UnexpectedEnd
+        | ParserError::UnclosedString
+        | ParserError::UnclosedComment
+        | ParserError::UnclosedBacktick => true,
+        ParserError::UnexpectedToken(t) => t == "Eof",
+        other => {
+            let m = other.to_string();
+            m.contains("end of expression") || m.contains("Eof")
+        }
+    }
+}
+
+/// Character offsets where tokens start (a simplified JSONata lexer, enough for positions).
+fn token_starts(text: &str) -> Vec<usize> {
+    let c: Vec<char> = text.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < c.len() {
+        let ch = c[i];
+        if ch.is_whitespace() {
+            i += 1;
+            continue;
+        }
+        if ch == '/' && c.get(i + 1) == Some(&'*') {
+            i += 2;
+            while i < c.len() && !(c[i] == '*' && c.get(i + 1) == Some(&'/')) {
+                i += 1;
+            }
+            i += 2;
+            continue;
+        }
+        out.push(i);
+        match ch {
+            '"' | '\'' | '`' => {
+                i += 1;
+                while i < c.len() && c[i] != ch {
+                    if c[i] == '\\' {
+                        i += 1;
+                    }
+                    i += 1;
+                }
+                i += 1;
+            }
+            '0'..='9' => {
+                while i < c.len() && (c[i].is_ascii_alphanumeric() || c[i] == '.') {
+                    if c[i] == '.' && c.get(i + 1) == Some(&'.') {
+                        break;
+                    }
+                    i += 1;
+                }
+            }
+            c0 if c0.is_alphanumeric() || c0 == '_' || c0 == '$' => {
+                i += 1;
+                if c0 == '$' && c.get(i) == Some(&'$') {
+                    i += 1;
+                }
+                while i < c.len() && (c[i].is_alphanumeric() || c[i] == '_') {
+                    i += 1;
+                }
+            }
+            _ => {
+                let two: String = c[i..(i + 2).min(c.len())].iter().collect();
+                i += if [":=", "!=", "<=", ">=", "**", "..", "~>", "??", "?:"]
+                    .contains(&two.as_str())
+                {
+                    2
+                } else {
+                    1
+                };
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ev(text: &str, input: Json) -> Result<Option<Json>, ExprError> {
+        eval_once(text, &input, &serde_json::Map::new(), &Limits::default())
+    }
+
+    #[test]
+    fn evaluates_arithmetic_and_undefined() {
+        assert_eq!(
+            ev("price * qty", json!({"price": 10, "qty": 3})).unwrap(),
+            Some(json!(30))
+        );
+        assert_eq!(ev("missing", json!({})).unwrap(), None);
+    }
+
+    #[test]
+    fn compile_errors_carry_code_and_position() {
+        let e = ev("1 + + 2", json!({})).unwrap_err();
+        assert_eq!(e.phase, Phase::Compile);
+        assert!(e.code.is_some(), "{e:?}");
+        assert_eq!(e.position, Some(4));
+        let e = ev("(1 + 2", json!({})).unwrap_err();
+        assert_eq!(e.position, Some(6));
+        let e = ev("a b", json!({})).unwrap_err();
+        assert_eq!(e.code.as_deref(), Some("S0201"));
+        assert_eq!(e.position, Some(2));
+    }
+
+    #[test]
+    fn evaluation_errors_carry_code() {
+        let e = ev("'a' + 1", json!({})).unwrap_err();
+        assert_eq!(e.phase, Phase::Evaluate);
+        assert_eq!(e.code.as_deref(), Some("T2001"));
+    }
+
+    #[test]
+    fn bindings_and_pinned_clock() {
+        let limits = Limits::default();
+        let c = Compiled::compile("$const.rate * x & '@' & $now()", &limits).unwrap();
+        let env = Env {
+            vars: vec![(Rc::from("const"), json_to_jvalue(&json!({"rate": 2})))],
+            now_ms: Some(0),
+        };
+        let out = c
+            .eval(&json_to_jvalue(&json!({"x": 3})), &env, &limits)
+            .unwrap()
+            .unwrap();
+        assert_eq!(jvalue_to_json(&out), json!("6@1970-01-01T00:00:00.000Z"));
+        let m = Compiled::compile("$millis()", &limits).unwrap();
+        let out = m.eval(&JValue::Null, &env, &limits).unwrap().unwrap();
+        assert_eq!(jvalue_to_json(&out), json!(0));
+    }
+
+    #[test]
+    fn finds_codes_anywhere() {
+        assert_eq!(
+            find_code("Invalid syntax: T1006: x").as_deref(),
+            Some("T1006")
+        );
+        assert_eq!(find_code("no code here"), None);
+    }
+
+    #[test]
+    fn iso_dates() {
+        assert_eq!(iso_millis(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+    }
+}

@@ -1,0 +1,633 @@
+//! ModelSpec and SpecEvolution: the serde types of the reference format, their parsing with
+//! precise error locations, and the validator behind `validate_spec`. Owns no runtime state and
+//! never evaluates a model (the validator compiles expressions only to check them).
+
+pub mod validate;
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value as Json};
+
+/// A complete model specification, as the reference defines it. Unknown top-level keys are kept
+/// in `extra` (so a spec round-trips verbatim) and reported as validator warnings.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<TemplateRef>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lineage: Vec<LineageEntry>,
+    pub schema: Json,
+    #[serde(default, skip_serializing_if = "Map::is_empty")]
+    pub constants: Map<String, Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub library: Option<LibrarySpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub default_values: Vec<DefaultValueSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub derivations: Vec<DerivationSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub meta_derivations: Vec<MetaDerivationSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<ConstraintSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub effects: Vec<EffectSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tests: Vec<TestCase>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub view_definition: Option<Json>,
+    /// Removed in the reference; a non-empty value is rejected by the validator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_state: Option<Json>,
+    /// Removed in the reference; a non-empty value is rejected by the validator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub actions: Option<Json>,
+    #[serde(flatten)]
+    pub extra: Map<String, Json>,
+}
+
+/// The default version when a spec gives none.
+pub const DEFAULT_VERSION: &str = "1.0.0";
+
+impl ModelSpec {
+    pub fn version_or_default(&self) -> &str {
+        match self.version.as_deref() {
+            Some(v) if !v.trim().is_empty() => v,
+            _ => DEFAULT_VERSION,
+        }
+    }
+
+    /// The library layers in binding order (inherited first, own last).
+    pub fn library_layers(&self) -> Vec<LibraryLayer> {
+        match &self.library {
+            None => Vec::new(),
+            Some(l) => l.layers(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TemplateRef {
+    #[serde(rename = "ref")]
+    pub reference: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct LineageEntry {
+    #[serde(rename = "ref")]
+    pub reference: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repo: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+/// `library`: a bare definition string, one layer object, or the stored `{layers: [...]}` form.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum LibrarySpec {
+    Define(String),
+    Layered {
+        layers: Vec<LibraryLayer>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        description: Option<String>,
+    },
+    Layer(LibraryLayer),
+}
+
+impl LibrarySpec {
+    pub fn layers(&self) -> Vec<LibraryLayer> {
+        match self {
+            LibrarySpec::Define(d) => vec![LibraryLayer {
+                define: d.clone(),
+                ..LibraryLayer::default()
+            }],
+            LibrarySpec::Layer(l) => vec![l.clone()],
+            LibrarySpec::Layered { layers, .. } => layers.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct LibraryLayer {
+    pub define: String,
+    #[serde(default, skip_serializing_if = "Map::is_empty")]
+    pub signatures: Map<String, Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "one_or_many"
+    )]
+    pub extends: Vec<String>,
+    /// Which model contributed the layer (written when a branch inherits it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DefaultValueSpec {
+    pub path: String,
+    pub expr: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DerivationSpec {
+    pub path: String,
+    pub expr: String,
+    /// `"eager"` (default) or `"lazy"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+}
+
+impl DerivationSpec {
+    pub fn is_lazy(&self) -> bool {
+        self.evaluation
+            .as_deref()
+            .is_some_and(|e| e.eq_ignore_ascii_case("lazy"))
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MetaDerivationSpec {
+    pub path: String,
+    pub property: String,
+    /// Any JSON token is accepted; non-strings are stringified (`100` → `"100"`).
+    #[serde(deserialize_with = "stringified")]
+    pub expr: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ConstraintSpec {
+    pub id: String,
+    /// Absent: global; a string: one field (or per element with `[*]`); an array: several fields.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<ConstraintPath>,
+    pub expr: String,
+    #[serde(default)]
+    pub message: String,
+    /// `"rollback"` or `"flag"`.
+    #[serde(default)]
+    pub policy: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum ConstraintPath {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl ConstraintPath {
+    pub fn paths(&self) -> Vec<&str> {
+        match self {
+            ConstraintPath::One(p) => vec![p.as_str()],
+            ConstraintPath::Many(ps) => ps.iter().map(String::as_str).collect(),
+        }
+    }
+}
+
+/// What a failed constraint does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    Rollback,
+    Flag,
+}
+
+impl Policy {
+    /// Policies are lowercase in the reference; other cases are accepted (the docs show
+    /// `ROLLBACK`), anything else is `None`.
+    pub fn parse(s: &str) -> Option<Policy> {
+        match s.to_ascii_lowercase().as_str() {
+            "rollback" => Some(Policy::Rollback),
+            "flag" => Some(Policy::Flag),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Rollback => "rollback",
+            Policy::Flag => "flag",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct EffectSpec {
+    pub id: String,
+    /// `caller`, `server` (the default), `llm`, `timer`, or a plugin kind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor: Option<String>,
+    pub trigger: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedupe_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub emit: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Map<String, Json>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binding: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_schema: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<String>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "opt_stringified"
+    )]
+    pub after_ms: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response: Option<EffectResponse>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Json>,
+    #[serde(flatten)]
+    pub extra: Map<String, Json>,
+}
+
+impl EffectSpec {
+    pub fn executor(&self) -> &str {
+        self.executor.as_deref().unwrap_or("server")
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+pub struct EffectResponse {
+    #[serde(default)]
+    pub set: Map<String, Json>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TestCase {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    pub given: Map<String, Json>,
+    pub expect: Map<String, Json>,
+}
+
+/// An incremental change to a live model's spec (`evolve_spec`). Every field is optional.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct SpecEvolution {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_schema: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_view_definition: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_constants: Option<Map<String, Json>>,
+    /// Absent keeps the own layer; explicit `null` drops it.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "double_option"
+    )]
+    pub new_library: Option<Option<LibrarySpec>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_tests: Option<Vec<TestCase>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_derivations: Vec<DerivationSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_derivations: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_constraints: Vec<ConstraintSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_constraints: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_effects: Vec<EffectSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_effects: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_meta_derivations: Vec<MetaDerivationSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_meta_derivations: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_default_values: Vec<DefaultValueSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_default_values: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upsert_schema_defs: Option<Map<String, Json>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_schema_defs: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_schema_nodes: Vec<SchemaNodeUpsert>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_schema_nodes: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_default_view: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_views: Vec<Json>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_views: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upsert_components: Vec<ComponentUpsert>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_components: Vec<ComponentRemove>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upsert_constants: Option<Map<String, Json>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_constants: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backfill: Option<Map<String, Json>>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SchemaNodeUpsert {
+    pub path: String,
+    pub schema: Json,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub required: Option<bool>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ComponentUpsert {
+    pub view_id: String,
+    pub component: Json,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before_id: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ComponentRemove {
+    pub view_id: String,
+    pub component_id: String,
+}
+
+/// A meta-derivation property, with the reference's two spellings: the camelCase property name
+/// used in specs and `$meta` assertions, and the lowercased enum name used in meta keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MetaProp {
+    Required,
+    Minimum,
+    Maximum,
+    MultipleOf,
+    MinLength,
+    MaxLength,
+    Pattern,
+    Enum,
+    ReadOnly,
+    Relevant,
+}
+
+impl MetaProp {
+    pub const ALL: [MetaProp; 10] = [
+        MetaProp::Required,
+        MetaProp::Minimum,
+        MetaProp::Maximum,
+        MetaProp::MultipleOf,
+        MetaProp::MinLength,
+        MetaProp::MaxLength,
+        MetaProp::Pattern,
+        MetaProp::Enum,
+        MetaProp::ReadOnly,
+        MetaProp::Relevant,
+    ];
+
+    /// From the spec's `property` (exact camelCase).
+    pub fn parse(s: &str) -> Option<MetaProp> {
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
+
+    /// From either spelling (`readOnly` or `read_only`), as meta keys are written.
+    pub fn parse_any(s: &str) -> Option<MetaProp> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s || p.key_name() == s)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MetaProp::Required => "required",
+            MetaProp::Minimum => "minimum",
+            MetaProp::Maximum => "maximum",
+            MetaProp::MultipleOf => "multipleOf",
+            MetaProp::MinLength => "minLength",
+            MetaProp::MaxLength => "maxLength",
+            MetaProp::Pattern => "pattern",
+            MetaProp::Enum => "enum",
+            MetaProp::ReadOnly => "readOnly",
+            MetaProp::Relevant => "relevant",
+        }
+    }
+
+    /// The key suffix of the reference (`$.score#read_only`).
+    pub fn key_name(self) -> &'static str {
+        match self {
+            MetaProp::MultipleOf => "multiple_of",
+            MetaProp::MinLength => "min_length",
+            MetaProp::MaxLength => "max_length",
+            MetaProp::ReadOnly => "read_only",
+            other => other.name(),
+        }
+    }
+}
+
+/// Where in a spec document parsing failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpecParseError {
+    #[error("invalid JSON at line {line}, column {column}: {message}")]
+    Json {
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("invalid spec at {location}: {message}")]
+    Shape { location: String, message: String },
+}
+
+impl SpecParseError {
+    /// The `{location, message}` finding `validate_spec` reports for it.
+    pub fn location(&self) -> String {
+        match self {
+            SpecParseError::Json { line, column, .. } => format!("line {line}, column {column}"),
+            SpecParseError::Shape { location, .. } => location.clone(),
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            SpecParseError::Json { message, .. } => format!("invalid JSON: {message}"),
+            SpecParseError::Shape { message, .. } => message.clone(),
+        }
+    }
+}
+
+/// Parse spec text, reporting bad JSON by line and column.
+pub fn parse_spec_text(text: &str) -> Result<ModelSpec, SpecParseError> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let json: Json = serde_json::from_str(text).map_err(|e| SpecParseError::Json {
+        line: e.line(),
+        column: e.column(),
+        message: e.to_string(),
+    })?;
+    parse_spec(&json)
+}
+
+/// Parse a spec JSON value, reporting shape errors by their location (`derivations[0].expr`).
+pub fn parse_spec(json: &Json) -> Result<ModelSpec, SpecParseError> {
+    parse_located(json)
+}
+
+/// Parse a SpecEvolution JSON value.
+pub fn parse_evolution(json: &Json) -> Result<SpecEvolution, SpecParseError> {
+    parse_located(json)
+}
+
+fn parse_located<T: serde::de::DeserializeOwned>(json: &Json) -> Result<T, SpecParseError> {
+    if !json.is_object() {
+        return Err(SpecParseError::Shape {
+            location: "spec".into(),
+            message: format!("expected a JSON object, found {}", kind_of(json)),
+        });
+    }
+    serde_path_to_error::deserialize(json).map_err(|e| {
+        let path = e.path().to_string();
+        SpecParseError::Shape {
+            location: if path == "." { "spec".into() } else { path },
+            message: e.into_inner().to_string(),
+        }
+    })
+}
+
+fn kind_of(j: &Json) -> &'static str {
+    match j {
+        Json::Null => "null",
+        Json::Bool(_) => "a boolean",
+        Json::Number(_) => "a number",
+        Json::String(_) => "a string",
+        Json::Array(_) => "an array",
+        Json::Object(_) => "an object",
+    }
+}
+
+fn stringified<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    let j = Json::deserialize(d)?;
+    Ok(match j {
+        Json::String(s) => s,
+        other => other.to_string(),
+    })
+}
+
+fn opt_stringified<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let j = Option::<Json>::deserialize(d)?;
+    Ok(j.map(|j| match j {
+        Json::String(s) => s,
+        other => other.to_string(),
+    }))
+}
+
+fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
+}
+
+fn double_option<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<LibrarySpec>>, D::Error> {
+    Ok(Some(Option::<LibrarySpec>::deserialize(d)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn parses_the_worked_example() {
+        let s = parse_spec(&json!({"id":"demo","version":"1","schema":{},
+            "derivations":[{"path":"$.total","expr":"price * qty"}],
+            "constraints":[],"metaDerivations":[],"tests":[]}))
+        .unwrap();
+        assert_eq!(s.derivations[0].expr, "price * qty");
+        assert_eq!(s.version_or_default(), "1");
+    }
+
+    #[test]
+    fn shape_errors_name_the_location() {
+        let e = parse_spec(&json!({"id":"x","schema":{},"derivations":[{"path":"$.a","expr":3}]}))
+            .unwrap_err();
+        assert_eq!(e.location(), "derivations[0].expr");
+        let e = parse_spec_text("{\"id\": \"x\",\n \"schema\": }").unwrap_err();
+        assert!(matches!(e, SpecParseError::Json { line: 2, .. }), "{e}");
+    }
+
+    #[test]
+    fn meta_expr_accepts_any_token_and_library_forms() {
+        let s = parse_spec(&json!({"id":"x","schema":{},
+            "metaDerivations":[{"path":"$.a","property":"maximum","expr":100}],
+            "library":"( $f := function($x){$x}; [\"f\"] )"}))
+        .unwrap();
+        assert_eq!(s.meta_derivations[0].expr, "100");
+        assert_eq!(s.library_layers().len(), 1);
+        let s = parse_spec(&json!({"id":"x","schema":{},
+            "library":{"layers":[{"define":"a"},{"define":"b"}]}}))
+        .unwrap();
+        assert_eq!(s.library_layers().len(), 2);
+    }
+
+    #[test]
+    fn evolution_distinguishes_null_library() {
+        let e = parse_evolution(&json!({"newLibrary": null})).unwrap();
+        assert_eq!(e.new_library, Some(None));
+        let e = parse_evolution(&json!({})).unwrap();
+        assert_eq!(e.new_library, None);
+    }
+
+    #[test]
+    fn meta_prop_spellings() {
+        assert_eq!(MetaProp::parse_any("read_only"), Some(MetaProp::ReadOnly));
+        assert_eq!(MetaProp::parse("readOnly").unwrap().key_name(), "read_only");
+        assert_eq!(MetaProp::parse("read_only"), None);
+    }
+}
