@@ -40,7 +40,7 @@ pub enum Command {
     Eval {
         /// The JSONata expression.
         expr: String,
-        /// JSON input document: a file, or `-` for standard input (default: `{}`... none).
+        /// JSON input document: a file, or `-` for standard input (default: no input).
         #[arg(long)]
         input: Option<String>,
         /// JSON object of variable bindings, e.g. '{"rate": 0.2}' binds $rate.
@@ -273,8 +273,8 @@ fn run(cli: Cli) -> Result<i32, String> {
             json,
         } => {
             let input = match input {
-                Some(i) => parse_json(&read_arg(&i)?, "the input")?,
-                None => Json::Null,
+                Some(i) => Some(parse_json(&read_arg(&i)?, "the input")?),
+                None => None,
             };
             let bindings = match bindings {
                 None => serde_json::Map::new(),
@@ -283,7 +283,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                     _ => return Err("--bindings must be a JSON object of name → value".into()),
                 },
             };
-            let out = eval_once(&expr, &input, &bindings, &Limits::default());
+            let out = eval_once(&expr, input.as_ref(), &bindings, &Limits::default());
             if json {
                 let line = match &out {
                     Ok(Some(v)) => json!({ "result": v }),

@@ -367,10 +367,11 @@ pub fn json_to_jvalue(j: &Json) -> JValue {
     JValue::from(j.clone())
 }
 
-/// Evaluate one expression text against a JSON input, as `valem eval` and `eval_expression` do.
+/// Evaluate one expression text against a JSON input (`None`: *undefined* input), as
+/// `valem eval` and `eval_expression` do. Bindings are `name` or `$name` → value.
 pub fn eval_once(
     text: &str,
-    input: &Json,
+    input: Option<&Json>,
     bindings: &serde_json::Map<String, Json>,
     limits: &Limits,
 ) -> Result<Option<Json>, ExprError> {
@@ -380,7 +381,8 @@ pub fn eval_once(
         let name = k.strip_prefix('$').unwrap_or(k);
         env.vars.push((Rc::from(name), json_to_jvalue(v)));
     }
-    let out = compiled.eval(&json_to_jvalue(input), &env, limits)?;
+    let input = input.map_or(JValue::Undefined, json_to_jvalue);
+    let out = compiled.eval(&input, &env, limits)?;
     Ok(out.as_ref().map(jvalue_to_json))
 }
 
@@ -491,7 +493,7 @@ mod tests {
     use serde_json::json;
 
     fn ev(text: &str, input: Json) -> Result<Option<Json>, ExprError> {
-        eval_once(text, &input, &serde_json::Map::new(), &Limits::default())
+        eval_once(text, Some(&input), &serde_json::Map::new(), &Limits::default())
     }
 
     #[test]
