@@ -1,0 +1,1 @@
+//! Shared builders for the benchmark shapes (fan-out, chain, items).
