@@ -158,7 +158,11 @@ pub struct CompiledModel {
     /// Per node, the nodes that read what it writes (derivations only write).
     pub dependents: Vec<Vec<NodeId>>,
     pub readers: Trie,
+    /// Where derivations write (read-only check, compile-time edges).
     pub producers: Trie,
+    /// The target patterns of every per-address node (derivations, meta, scoped constraints):
+    /// a new or replaced container dirties the instances below it.
+    pub instances: Trie,
     /// Nodes that depend on the whole document: dirtied by every write.
     pub whole_doc_nodes: Vec<NodeId>,
     pub meta_nodes: Vec<NodeId>,
@@ -609,12 +613,16 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let nodes_len = drafts.len();
     let mut readers = Trie::default();
     let mut producers = Trie::default();
+    let mut instances = Trie::default();
     for (id, d) in drafts.iter().enumerate() {
         for r in &d.reads {
             readers.insert(r, id as u32);
         }
         if matches!(d.node.kind, NodeKind::Derivation { .. }) {
             producers.insert(&tsegs(&d.node.targets[0]), id as u32);
+        }
+        for t in &d.node.targets {
+            instances.insert(&tsegs(t), id as u32);
         }
     }
 
@@ -714,6 +722,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         dependents,
         readers,
         producers,
+        instances,
         whole_doc_nodes,
         meta_nodes,
         constraint_nodes,

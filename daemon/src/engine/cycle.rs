@@ -143,11 +143,13 @@ impl<'a> Cycle<'a> {
         }
     }
 
-    /// A base write at or above derived outputs wipes them from the merged document: recompute.
+    /// A base write replaces everything below `w`, and may create containers: every per-address
+    /// node instance below it (derived values wiped from the merged document, meta and scoped
+    /// constraints of new elements) must be recomputed.
     fn shadow(&mut self, w: &[Seg]) {
         let mut above = Vec::new();
         let mut below = Vec::new();
-        self.cm.producers.around(w, &mut above, &mut below);
+        self.cm.instances.around(w, &mut above, &mut below);
         for (id, b) in below {
             self.mark(id, b);
         }
@@ -155,6 +157,8 @@ impl<'a> Cycle<'a> {
 
     fn write_base(&mut self, segs: &[Seg], value: Val) -> Result<(), MutationError> {
         let max = self.limits.max_array_index;
+        // The first container this write creates: instances below it are new.
+        let created = (1..segs.len()).find(|&k| self.st.merged.get_path(&segs[..k]).is_none());
         self.st
             .base
             .set_path(segs, value.clone(), max)
@@ -166,7 +170,10 @@ impl<'a> Cycle<'a> {
         self.version += 1;
         self.result.mutated_paths.push(render(segs));
         self.propagate(segs);
-        self.shadow(segs);
+        match created {
+            Some(k) => self.shadow(&segs[..k]),
+            None => self.shadow(segs),
+        }
         Ok(())
     }
 

@@ -493,7 +493,12 @@ mod tests {
     use serde_json::json;
 
     fn ev(text: &str, input: Json) -> Result<Option<Json>, ExprError> {
-        eval_once(text, Some(&input), &serde_json::Map::new(), &Limits::default())
+        eval_once(
+            text,
+            Some(&input),
+            &serde_json::Map::new(),
+            &Limits::default(),
+        )
     }
 
     #[test]
