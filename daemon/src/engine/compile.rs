@@ -695,13 +695,12 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         .map(|&i| level[i as usize])
         .max()
         .unwrap_or(0);
-    let mut levels = vec![
-        Vec::new();
-        derivation_ids
-            .is_empty()
-            .then_some(0)
-            .unwrap_or(max_level as usize + 1)
-    ];
+    let level_count = if derivation_ids.is_empty() {
+        0
+    } else {
+        max_level as usize + 1
+    };
+    let mut levels = vec![Vec::new(); level_count];
     for &i in &derivation_ids {
         levels[level[i as usize] as usize].push(i);
     }

@@ -674,13 +674,11 @@ fn check_effects(spec: &ModelSpec, v: &mut V) {
             continue;
         }
         match exec {
-            "caller" => {
-                if e.emit.as_deref().is_none_or(|s| s.trim().is_empty()) {
-                    v.err(
-                        format!("{loc}.emit"),
-                        "a caller effect needs `emit` (the event name returned to the caller)",
-                    );
-                }
+            "caller" if e.emit.as_deref().is_none_or(|s| s.trim().is_empty()) => {
+                v.err(
+                    format!("{loc}.emit"),
+                    "a caller effect needs `emit` (the event name returned to the caller)",
+                );
             }
             "server" => {
                 let url = e.request.as_ref().and_then(|r| r.get("url")).is_some();
@@ -732,18 +730,14 @@ fn check_effects(spec: &ModelSpec, v: &mut V) {
                     }
                 }
             }
-            "llm" => {
-                if e.prompt.as_deref().is_none_or(|s| s.trim().is_empty()) {
-                    v.err(
-                        format!("{loc}.prompt"),
-                        "an llm effect needs a `prompt` expression",
-                    );
-                }
+            "llm" if e.prompt.as_deref().is_none_or(|s| s.trim().is_empty()) => {
+                v.err(
+                    format!("{loc}.prompt"),
+                    "an llm effect needs a `prompt` expression",
+                );
             }
-            "timer" => {
-                if e.at.is_none() && e.after_ms.is_none() {
-                    v.err(loc.clone(), "a timer effect needs `at` or `afterMs`");
-                }
+            "timer" if e.at.is_none() && e.after_ms.is_none() => {
+                v.err(loc.clone(), "a timer effect needs `at` or `afterMs`");
             }
             _ => {}
         }
