@@ -16,11 +16,32 @@ use serde_json::{Map, Value as Json};
 use valem::expr::{eval_once, ExprError, Limits};
 
 /// Exactly the number of cases passing at the last measurement. Raise it when cases are fixed.
-const PASS_FLOOR: usize = 0;
+const PASS_FLOOR: usize = 1681;
 
 /// Every case known to fail, with why. A failure not listed here fails the test; a listed case
 /// that passes is reported as "now passing" (then remove it and raise `PASS_FLOOR`).
-const KNOWN_FAILURES: &[(&str, &str)] = &[];
+const KNOWN_FAILURES: &[(&str, &str)] = &[
+    (
+        "function-encodeUrl/case002",
+        "lone surrogate: the case file holds \\uD800, which serde_json and a Rust String cannot hold",
+    ),
+    (
+        "function-encodeUrlComponent/case002",
+        "lone surrogate: the case file holds \\uD800, which serde_json and a Rust String cannot hold",
+    ),
+    (
+        "tail-recursion/case002",
+        "depth limit hit at the same point, but the engine says D1011; U1001 is the JS runner's own code",
+    ),
+    (
+        "tail-recursion/case005",
+        "depth limit: the engine says D1011; U1001 is the JS runner's own code",
+    ),
+    (
+        "tail-recursion/case006",
+        "tail call never deepens, so the 1000 ms timeout fires: engine D1012, JS runner says U1001",
+    ),
+];
 
 /// Relative tolerance for numbers that are not bit-for-bit equal.
 const REL_TOLERANCE: f64 = 1e-9;
@@ -367,6 +388,7 @@ fn jsonata_suite() {
          from the workspace root).",
         dir.display()
     );
+    let dir = dir.canonicalize().unwrap_or(dir);
     let started = Instant::now();
     let cases = load_cases(&dir);
     let loaded = started.elapsed();
@@ -391,6 +413,8 @@ fn jsonata_suite() {
     let (mut exact, mut within_tol, mut panics) = (0usize, 0usize, 0usize);
     let mut failures: Vec<(&Case, String)> = Vec::new();
     let mut tolerance_ids = Vec::new();
+    // `unordered` cases that passed only because the order was ignored.
+    let mut reordered = Vec::new();
     let mut timings: Vec<(Duration, &str)> = Vec::new();
     let run_started = Instant::now();
     for case in &cases {
@@ -401,7 +425,15 @@ fn jsonata_suite() {
                 if matches!(got, Got::Panic(_)) {
                     panics += 1;
                 }
-                (judge(case, &got), show_got(&got))
+                let verdict = judge(case, &got);
+                if case.unordered && !matches!(verdict, Verdict::Fail) {
+                    if let (Expect::Value(want), Got::Ok(Some(have))) = (&case.expect, &got) {
+                        if !same(want, have, &mut false) {
+                            reordered.push(case.id.as_str());
+                        }
+                    }
+                }
+                (verdict, show_got(&got))
             }
             Err(why) => (Verdict::Fail, clip(why)),
         };
@@ -435,7 +467,17 @@ fn jsonata_suite() {
             println!("  {id}");
         }
     }
-    timings.sort_by(|a, b| b.0.cmp(&a.0));
+    let unordered = cases.iter().filter(|c| c.unordered).count();
+    println!(
+        "{unordered} cases are flagged unordered; {} of them passed only with the order ignored{}",
+        reordered.len(),
+        if reordered.is_empty() {
+            String::new()
+        } else {
+            format!(": {reordered:?}")
+        }
+    );
+    timings.sort_by_key(|t| std::cmp::Reverse(t.0));
     println!("slowest cases:");
     for (t, id) in timings.iter().take(8) {
         println!("  {t:>10.2?}  {id}");

@@ -439,21 +439,21 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             }
         };
         let key = format!("{}#{}", target, prop.key_name());
-        let (input, base) = match target.element_pattern() {
-            Some(el) => (Input::Element, Some(el)),
-            None => (Input::Doc, None),
+        // `[*]` meta sees the element as `$` (the reference's rule) and as `$parent`.
+        let element = target.element_pattern();
+        let input = if element.is_some() {
+            Input::Element
+        } else {
+            Input::Doc
         };
-        let mut d = draft(
-            NodeKind::Meta(prop),
-            key,
-            vec![target],
-            expr,
-            input,
-            None,
-            loc,
-        );
-        if let Some(el) = base {
-            d = rebase(d, &el);
+        let reads = deps::reads(expr.ast());
+        let mut d = draft_empty(NodeKind::Meta(prop), key, vec![target], expr, input, loc);
+        add_reads(&mut d, &reads, element.as_ref(), element.as_ref());
+        if element.is_some() {
+            d.node.projection = Projection {
+                whole: true,
+                children: Vec::new(),
+            };
         }
         drafts.push(d);
     }
@@ -495,35 +495,35 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         if targets.is_empty() {
             drafts.push(draft(kind, key, targets, expr, Input::Doc, None, loc));
         } else {
-            // Scoped: `$` is the field value (or the element for `[*]`); the node reads the
-            // scope paths whole, which covers every element-relative reference.
-            let input = if targets.iter().any(Address::has_wildcard) {
-                Input::Element
-            } else {
-                Input::Field
+            // Scoped: `$` is the field value (the element for `[*]`) and the node reads the
+            // scope paths whole, which covers every reference relative to it; `$parent` is the
+            // `[*]` element.
+            let element = targets.iter().find_map(Address::element_pattern);
+            let reads = deps::reads(expr.ast());
+            let scope: Vec<Vec<TSeg>> = targets.iter().map(tsegs).collect();
+            let mut d = draft_empty(kind, key, targets, expr, Input::Field, loc);
+            d.node.input_paths = scope
+                .iter()
+                .map(|r| render_tsegs(r))
+                .collect::<Vec<_>>()
+                .into();
+            d.reads = scope;
+            let parent_only = Reads {
+                paths: reads
+                    .paths
+                    .iter()
+                    .filter(|p| p.root == Root::Parent)
+                    .cloned()
+                    .collect(),
+                ..Reads::default()
             };
-            let reads = targets.iter().map(tsegs).collect();
-            let input_paths: Vec<String> = Vec::new();
-            drafts.push(NodeDraft {
-                node: Node {
-                    kind,
-                    key,
-                    targets,
-                    expr,
-                    input,
-                    projection: Projection {
-                        whole: true,
-                        children: Vec::new(),
-                    },
-                    whole_doc: false,
-                    uses_parent: false,
-                    level: 0,
-                    input_paths: input_paths.into(),
-                    aggregate: None,
-                    location: loc,
-                },
-                reads,
-            });
+            add_reads(&mut d, &parent_only, element.as_ref(), None);
+            d.node.projection = Projection {
+                whole: true,
+                children: Vec::new(),
+            };
+            d.node.aggregate = None;
+            drafts.push(d);
         }
     }
 
@@ -585,7 +585,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             None,
             loc,
         );
-        add_reads(&mut d, &extra_reads, None);
+        add_reads(&mut d, &extra_reads, None, None);
         drafts.push(d);
         effect_plans.push(plan);
     }
@@ -765,18 +765,16 @@ fn merge_reads(into: &mut Reads, r: &Reads) {
     into.paths.extend(r.paths.iter().cloned());
 }
 
-fn draft(
+fn draft_empty(
     kind: NodeKind,
     key: String,
     targets: Vec<Address>,
     expr: Rc<Compiled>,
     input: Input,
-    parent: Option<&Address>,
     location: String,
 ) -> NodeDraft {
-    let reads = deps::reads(expr.ast());
     let aggregate = aggregate_of(expr.ast());
-    let mut d = NodeDraft {
+    NodeDraft {
         node: Node {
             kind,
             key,
@@ -792,34 +790,63 @@ fn draft(
             location,
         },
         reads: Vec::new(),
-    };
-    add_reads(&mut d, &reads, parent);
+    }
+}
+
+fn draft(
+    kind: NodeKind,
+    key: String,
+    targets: Vec<Address>,
+    expr: Rc<Compiled>,
+    input: Input,
+    parent: Option<&Address>,
+    location: String,
+) -> NodeDraft {
+    let reads = deps::reads(expr.ast());
+    let mut d = draft_empty(kind, key, targets, expr, input, location);
+    add_reads(&mut d, &reads, parent, None);
     d
 }
 
-/// Add an expression's reads to a node: document reads go to the projection and the reader
-/// index; `$parent` reads are indexed under the parent pattern with bound wildcards.
-fn add_reads(d: &mut NodeDraft, reads: &Reads, parent: Option<&Address>) {
+/// Add an expression's reads to a node. Document reads go to the projection and the reader
+/// index — under `doc_base` when the input is an element rather than the root; `$parent` reads
+/// are indexed under the parent pattern with bound wildcards.
+fn add_reads(
+    d: &mut NodeDraft,
+    reads: &Reads,
+    parent: Option<&Address>,
+    doc_base: Option<&Address>,
+) {
     let mut paths: Vec<String> = d.node.input_paths.to_vec();
     if reads.whole_doc {
-        d.node.whole_doc = true;
-        d.node.projection = Projection {
-            whole: true,
-            children: Vec::new(),
-        };
-        paths.push("$".into());
+        match doc_base {
+            None => {
+                d.node.whole_doc = true;
+                d.node.projection = Projection {
+                    whole: true,
+                    children: Vec::new(),
+                };
+                paths.push("$".into());
+            }
+            Some(b) => {
+                let segs = tsegs(b);
+                paths.push(render_tsegs(&segs));
+                d.reads.push(segs);
+            }
+        }
     }
     for ReadPath { root, fields } in &reads.paths {
-        let segs = match root {
-            Root::Doc => {
+        let segs = match (root, doc_base) {
+            (Root::Doc, None) => {
                 d.node.projection.add(fields);
                 fields.iter().map(|k| TSeg::Field(k.clone())).collect()
             }
-            Root::Parent => {
+            (Root::Doc, Some(b)) => join(b, fields),
+            (Root::Parent, _) => {
                 d.node.uses_parent = true;
                 match parent {
                     Some(p) => join(p, fields),
-                    // `$parent` outside a `[*]` derivation is unbound: reads nothing.
+                    // `$parent` where nothing binds it reads nothing.
                     None => continue,
                 }
             }
@@ -828,35 +855,6 @@ fn add_reads(d: &mut NodeDraft, reads: &Reads, parent: Option<&Address>) {
         d.reads.push(segs);
     }
     d.node.input_paths = paths.into();
-}
-
-/// Re-root a draft's document reads under an element pattern (meta `[*]`: `$` is the element).
-fn rebase(mut d: NodeDraft, element: &Address) -> NodeDraft {
-    let base = tsegs(element);
-    d.reads = d
-        .reads
-        .into_iter()
-        .map(|r| {
-            let mut v = base.clone();
-            v.extend(r);
-            v
-        })
-        .collect();
-    if d.node.whole_doc {
-        d.node.whole_doc = false;
-        d.reads.push(base.clone());
-    }
-    d.node.projection = Projection {
-        whole: true,
-        children: Vec::new(),
-    };
-    d.node.input_paths = d
-        .reads
-        .iter()
-        .map(|r| render_tsegs(r))
-        .collect::<Vec<_>>()
-        .into();
-    d
 }
 
 /// Evaluate the library layers in order and bind their exports into `env`.

@@ -214,11 +214,12 @@ impl<'a> Cycle<'a> {
         }
         let input = self.input(node, inst);
         let env = if node.uses_parent && !inst.is_empty() {
-            let parent = self
-                .st
-                .merged
-                .get_path(&inst[..inst.len() - 1])
-                .map_or(JValue::Null, to_jvalue);
+            // Derivations: the target's JSON parent. Meta and constraints: the `[*]` element.
+            let at = match node.kind {
+                NodeKind::Derivation { .. } => &inst[..inst.len() - 1],
+                _ => element_prefix(&node.targets[0], inst),
+            };
+            let parent = self.st.merged.get_path(at).map_or(JValue::Null, to_jvalue);
             self.cm.env.with("parent", parent)
         } else {
             self.cm.env.clone()

@@ -78,9 +78,12 @@ impl ExprError {
             .strip_prefix("Invalid syntax: ")
             .unwrap_or(&message)
             .to_string();
+        // The engine's unclosed-comment error carries no code; JSONata's is S0106.
+        let code = find_code(&message)
+            .or_else(|| matches!(e, ParserError::UnclosedComment).then(|| "S0106".to_string()));
         ExprError {
             phase: Phase::Compile,
-            code: find_code(&message),
+            code,
             position: Some(error_position(text, e)),
             message,
         }
