@@ -31,7 +31,8 @@ struct Cycle<'a> {
     cm: &'a CompiledModel,
     limits: &'a EngineLimits,
     st: &'a mut State,
-    now_ms: i64,
+    /// Constants, library exports and the pinned clock, bound where an expression uses them.
+    env: Env,
     pending: BTreeMap<u32, BTreeSet<NodeId>>,
     dirty: HashMap<NodeId, Dirty>,
     meta_dirty: BTreeSet<NodeId>,
@@ -60,7 +61,10 @@ impl<'a> Cycle<'a> {
             cm,
             limits,
             st,
-            now_ms,
+            env: Env {
+                now_ms: Some(now_ms),
+                ..cm.env.clone()
+            },
             pending: BTreeMap::new(),
             dirty: HashMap::new(),
             meta_dirty: BTreeSet::new(),
@@ -213,22 +217,18 @@ impl<'a> Cycle<'a> {
             }
         }
         let input = self.input(node, inst);
-        let env = if node.uses_parent && !inst.is_empty() {
+        if node.uses_parent && !inst.is_empty() {
             // Derivations: the target's JSON parent. Meta and constraints: the `[*]` element.
             let at = match node.kind {
                 NodeKind::Derivation { .. } => &inst[..inst.len() - 1],
                 _ => element_prefix(&node.targets[0], inst),
             };
             let parent = self.st.merged.get_path(at).map_or(JValue::Null, to_jvalue);
-            self.cm.env.with("parent", parent)
+            let env = self.env.with("parent", parent);
+            node.expr.eval(&input, &env, &self.limits.expr)
         } else {
-            self.cm.env.clone()
-        };
-        let env = Env {
-            now_ms: Some(self.now_ms),
-            ..env
-        };
-        node.expr.eval(&input, &env, &self.limits.expr)
+            node.expr.eval(&input, &self.env, &self.limits.expr)
+        }
     }
 
     fn trace(
@@ -458,12 +458,8 @@ impl<'a> Cycle<'a> {
                 continue;
             }
             let input = self.input(node, &[]);
-            let env = Env {
-                now_ms: Some(self.now_ms),
-                ..cm.env.clone()
-            };
             let eval = |c: &crate::expr::Compiled| -> Option<serde_json::Value> {
-                match c.eval(&input, &env, &self.limits.expr) {
+                match c.eval(&input, &self.env, &self.limits.expr) {
                     Ok(Some(v)) => Some(from_jvalue(&v).to_json()),
                     _ => None,
                 }
@@ -566,10 +562,7 @@ impl<'a> Cycle<'a> {
                         .map_or(JValue::Null, to_jvalue)
                 };
                 let me = self.st.base.get_path(c).map_or(JValue::Null, to_jvalue);
-                let env = Env {
-                    now_ms: Some(self.now_ms),
-                    ..cm.env.with("parent", parent).with("self", me)
-                };
+                let env = self.env.with("parent", parent).with("self", me);
                 let Ok(Some(v)) = rule.expr.eval(&input, &env, &self.limits.expr) else {
                     continue;
                 };

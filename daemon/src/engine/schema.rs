@@ -33,6 +33,24 @@ enum Lookup<'a> {
     Refused(SchemaViolation),
 }
 
+/// The live meta entries of one concrete address (one range scan of the ordered meta map).
+fn meta_of<'m>(
+    meta: &'m OrdMap<std::sync::Arc<str>, MetaEntry>,
+    rendered: &str,
+) -> Vec<(MetaProp, &'m MetaEntry)> {
+    if meta.is_empty() {
+        return Vec::new();
+    }
+    let prefix = format!("{rendered}#");
+    meta.range::<_, str>((
+        std::ops::Bound::Included(prefix.as_str()),
+        std::ops::Bound::Unbounded,
+    ))
+    .take_while(|(k, _)| k.starts_with(&prefix))
+    .filter_map(|(k, e)| MetaProp::parse_any(&k[prefix.len()..]).map(|p| (p, e)))
+    .collect()
+}
+
 /// Follow local `$ref`s from `node`.
 pub fn resolve<'a>(root: &'a Json, mut node: &'a Json) -> &'a Json {
     for _ in 0..MAX_REF_HOPS {
@@ -139,11 +157,7 @@ pub fn effective_schema(
         other => return Some(other),
     };
     let rendered = render(path);
-    for prop in MetaProp::ALL {
-        let key = format!("{rendered}#{}", prop.key_name());
-        let Some(entry) = meta.get(key.as_str()) else {
-            continue;
-        };
+    for (prop, entry) in meta_of(meta, &rendered) {
         let v = entry.value.to_json();
         match prop {
             MetaProp::Relevant => {
@@ -201,11 +215,7 @@ pub fn validate_write(
         return out;
     }
     let mut overlay = Map::new();
-    for prop in MetaProp::ALL {
-        let key = format!("{rendered}#{}", prop.key_name());
-        let Some(entry) = meta.get(key.as_str()) else {
-            continue;
-        };
+    for (prop, entry) in meta_of(meta, &rendered) {
         match prop {
             MetaProp::Relevant => {}
             MetaProp::ReadOnly => {
