@@ -146,7 +146,13 @@ fn rollback_leaves_state_meta_and_views_byte_identical() {
     .unwrap();
     let (mut m, _) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
     let ok = m
-        .mutate(&[("$.items".into(), json!([{"price": 5, "qty": 2}, {"price": 7, "qty": 3}]))], NOW)
+        .mutate(
+            &[(
+                "$.items".into(),
+                json!([{"price": 5, "qty": 2}, {"price": 7, "qty": 3}]),
+            )],
+            NOW,
+        )
         .unwrap();
     assert_eq!(ok.dispatched_effects.len(), 1, "{ok:?}");
     let printed = m.merged_json(NOW).to_string();
@@ -155,28 +161,47 @@ fn rollback_leaves_state_meta_and_views_byte_identical() {
     let fingerprint = m.state().fingerprint();
 
     let err = m
-        .mutate(&[("$.items[1].qty".into(), json!(30)), ("$.note".into(), json!("x"))], NOW)
+        .mutate(
+            &[
+                ("$.items[1].qty".into(), json!(30)),
+                ("$.note".into(), json!("x")),
+            ],
+            NOW,
+        )
         .unwrap_err();
     match &err {
         MutationError::Constraint { violations, traces } => {
             assert_eq!(violations.len(), 1);
             assert_eq!(violations[0].constraint_id, "cap");
             assert_eq!(violations[0].policy, "rollback");
-            assert!(traces.iter().any(|t| t.target_path == "$constraint:cap" && t.constraint_passed == Some(false)));
+            assert!(traces
+                .iter()
+                .any(|t| t.target_path == "$constraint:cap" && t.constraint_passed == Some(false)));
         }
         other => panic!("expected a constraint violation, got {other:?}"),
     }
     assert_eq!(err.to_json()["error"], "Constraint violation");
     assert_eq!(m.state().fingerprint(), fingerprint);
-    assert_eq!(view.fingerprint(), fingerprint, "a held view must not see the rolled-back cycle");
+    assert_eq!(
+        view.fingerprint(),
+        fingerprint,
+        "a held view must not see the rolled-back cycle"
+    );
     assert_eq!(m.merged_json(NOW).to_string(), printed);
 
     // Flag commits and reports; the effect re-fires only when its dedupe key changes.
-    let flagged = m.mutate(&[("$.items[1].qty".into(), json!(6))], NOW).unwrap();
+    let flagged = m
+        .mutate(&[("$.items[1].qty".into(), json!(6))], NOW)
+        .unwrap();
     assert_eq!(flagged.flagged_constraints.len(), 1);
     assert_eq!(flagged.flagged_constraints[0].constraint_id, "warn");
-    assert_eq!(flagged.dispatched_effects[0].payload.as_ref().unwrap()["sum"], json!(52));
-    let same = m.mutate(&[("$.note".into(), json!("unchanged sum"))], NOW).unwrap();
+    assert_eq!(
+        flagged.dispatched_effects[0].payload.as_ref().unwrap()["sum"],
+        json!(52)
+    );
+    let same = m
+        .mutate(&[("$.note".into(), json!("unchanged sum"))], NOW)
+        .unwrap();
     assert!(same.dispatched_effects.is_empty());
 }
 
@@ -207,16 +232,28 @@ fn schema_violations_are_structured_and_complete() {
             NOW,
         )
         .unwrap_err();
-    let MutationError::Schema(v) = &err else { panic!("{err:?}") };
-    let got: Vec<(&str, &str)> = v.iter().map(|x| (x.path.as_str(), x.keyword.as_str())).collect();
+    let MutationError::Schema(v) = &err else {
+        panic!("{err:?}")
+    };
+    let got: Vec<(&str, &str)> = v
+        .iter()
+        .map(|x| (x.path.as_str(), x.keyword.as_str()))
+        .collect();
     assert_eq!(
         got,
-        vec![("$.age", "minimum"), ("$.name", "type"), ("$.total", "readOnly"), ("$.addr.zip", "pattern")]
+        vec![
+            ("$.age", "minimum"),
+            ("$.name", "type"),
+            ("$.total", "readOnly"),
+            ("$.addr.zip", "pattern")
+        ]
     );
     assert_eq!(m.state().fingerprint(), before);
     // The live meta maximum (120) is enforced on the next mutation.
     let err = m.mutate(&[("$.age".into(), json!(121))], NOW).unwrap_err();
-    let MutationError::Schema(v) = &err else { panic!("{err:?}") };
+    let MutationError::Schema(v) = &err else {
+        panic!("{err:?}")
+    };
     assert_eq!(v[0].keyword, "maximum");
     assert_eq!(err.to_json()["error"], "Schema violation");
 }

@@ -457,13 +457,23 @@ impl<'a> Cycle<'a> {
             if !fire {
                 continue;
             }
+            // The trigger's projection covers the dedupe key and timer expressions (they are
+            // the node's reads); the payload is not tracked (reference rule), so it sees the
+            // whole document, converted once per firing.
             let input = self.input(node, &[]);
-            let eval = |c: &crate::expr::Compiled| -> Option<serde_json::Value> {
-                match c.eval(&input, &self.env, &self.limits.expr) {
-                    Ok(Some(v)) => Some(from_jvalue(&v).to_json()),
-                    _ => None,
-                }
+            let full = if plan.payload.is_empty() {
+                JValue::Null
+            } else {
+                self.whole_doc()
             };
+            let eval_on =
+                |c: &crate::expr::Compiled, input: &JValue| -> Option<serde_json::Value> {
+                    match c.eval(input, &self.env, &self.limits.expr) {
+                        Ok(Some(v)) => Some(from_jvalue(&v).to_json()),
+                        _ => None,
+                    }
+                };
+            let eval = |c: &crate::expr::Compiled| eval_on(c, &input);
             let dedupe_key = plan
                 .dedupe
                 .as_ref()
@@ -482,7 +492,12 @@ impl<'a> Cycle<'a> {
                 Some(
                     plan.payload
                         .iter()
-                        .map(|(k, c)| (k.clone(), eval(c).unwrap_or(serde_json::Value::Null)))
+                        .map(|(k, c)| {
+                            (
+                                k.clone(),
+                                eval_on(c, &full).unwrap_or(serde_json::Value::Null),
+                            )
+                        })
                         .collect(),
                 )
             };

@@ -1,0 +1,284 @@
+//! The reference semantics the engine must keep, one behaviour per test: defaults, lazy
+//! derivations, evaluation contexts of meta and scoped constraints, library, pinned clock,
+//! undefined and error results, effects.
+
+use serde_json::{json, Value};
+use valem::engine::{EngineLimits, Model, MutationError};
+use valem::expr::path::Address;
+use valem::spec::{parse_spec, MetaProp};
+
+const NOW: i64 = 1_700_000_000_000;
+
+fn model(spec: Value) -> Model {
+    let spec = parse_spec(&spec).unwrap();
+    Model::create(&spec, NOW, EngineLimits::default())
+        .unwrap()
+        .0
+}
+
+fn set(m: &mut Model, pairs: &[(&str, Value)]) -> valem::engine::MutationResult {
+    let muts: Vec<(String, Value)> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    m.mutate(&muts, NOW).unwrap()
+}
+
+fn get(m: &mut Model, path: &str) -> Value {
+    let segs = Address::parse(path).unwrap().concrete().unwrap();
+    m.get(&segs, NOW).unwrap_or(Value::Null)
+}
+
+#[test]
+fn defaults_fill_new_elements_and_seed_the_root() {
+    let mut m = model(json!({
+        "id": "d",
+        "schema": {"type": "object", "properties": {"currency": {"type": "string", "default": "EUR"}}},
+        "defaultValues": [
+            {"path": "$", "expr": "{\"items\": [], \"discount\": 0}"},
+            {"path": "$.items[*]", "expr": "{\"status\": \"pending\", \"qty\": 1, \"lineNo\": $count($parent), \"label\": $self.name & '!'}"}
+        ]
+    }));
+    assert_eq!(
+        m.merged_json(NOW),
+        json!({"items": [], "discount": 0, "currency": "EUR"})
+    );
+    let r = set(
+        &mut m,
+        &[
+            ("$.items[0].name", json!("bolt")),
+            ("$.items[0].qty", json!(5)),
+        ],
+    );
+    assert_eq!(
+        get(&mut m, "$.items[0]"),
+        json!({"name": "bolt", "qty": 5, "status": "pending", "lineNo": 1, "label": "bolt!"})
+    );
+    assert!(
+        r.mutated_paths.contains(&"$.items[0].status".to_string()),
+        "{:?}",
+        r.mutated_paths
+    );
+    // Whole-container replacement does not fire per-child rules.
+    set(&mut m, &[("$.items", json!([{"name": "nut"}]))]);
+    assert_eq!(get(&mut m, "$.items[0]"), json!({"name": "nut"}));
+}
+
+#[test]
+fn lazy_derivations_run_on_read_only() {
+    let mut m = model(json!({"id": "l", "schema": {},
+    "derivations": [
+        {"path": "$.double", "expr": "n * 2"},
+        {"path": "$.report", "expr": "'n is ' & $string(double)", "evaluation": "lazy"}
+    ]}));
+    let r = set(&mut m, &[("$.n", json!(4))]);
+    let evaluated: Vec<&str> = r.traces.iter().map(|t| t.target_path.as_str()).collect();
+    assert_eq!(evaluated, vec!["$.double"]);
+    assert!(!m.state().lazy_stale.is_empty());
+    assert_eq!(get(&mut m, "$.report"), json!("n is 8"));
+    assert!(m.state().lazy_stale.is_empty());
+}
+
+#[test]
+fn lazy_read_by_a_constraint_is_evaluated_in_the_cycle() {
+    let mut m = model(json!({"id": "l2", "schema": {},
+        "derivations": [{"path": "$.total", "expr": "n * 10", "evaluation": "lazy"}],
+        "constraints": [{"id": "cap", "expr": "total < 100", "message": "too big", "policy": "rollback"}]}));
+    set(&mut m, &[("$.n", json!(5))]);
+    let e = m.mutate(&[("$.n".into(), json!(50))], NOW).unwrap_err();
+    assert!(matches!(e, MutationError::Constraint { .. }), "{e:?}");
+    assert_eq!(get(&mut m, "$.total"), json!(50));
+}
+
+#[test]
+fn element_meta_and_scoped_constraints_see_the_value_as_context() {
+    let mut m = model(json!({"id": "c", "schema": {},
+    "metaDerivations": [
+        {"path": "$.items[*].discount", "property": "maximum", "expr": "price * 0.5"},
+        {"path": "$.items[*].note", "property": "relevant", "expr": "$parent.price > 100"}
+    ],
+    "constraints": [
+        {"id": "pos", "path": "$.price", "expr": "$ > 0", "message": "price must be positive", "policy": "rollback"},
+        {"id": "line", "path": "$.items[*]", "expr": "qty >= 1", "message": "each line needs a quantity", "policy": "flag"},
+        {"id": "both", "path": ["$.a", "$.b"], "expr": "$ != 0", "message": "a and b are non-zero", "policy": "flag"}
+    ]}));
+    set(
+        &mut m,
+        &[(
+            "$.items",
+            json!([{"price": 40, "qty": 1}, {"price": 300, "qty": 0}]),
+        )],
+    );
+    let seg = |p: &str| Address::parse(p).unwrap().concrete().unwrap();
+    assert_eq!(
+        m.meta_value(&seg("$.items[1].discount"), MetaProp::Maximum),
+        Some(json!(150))
+    );
+    assert_eq!(
+        m.meta_value(&seg("$.items[0].note"), MetaProp::Relevant),
+        Some(json!(false))
+    );
+    assert_eq!(
+        m.meta_value(&seg("$.items[1].note"), MetaProp::Relevant),
+        Some(json!(true))
+    );
+    let r = set(
+        &mut m,
+        &[
+            ("$.items[1].qty", json!(0)),
+            ("$.a", json!(1)),
+            ("$.b", json!(0)),
+        ],
+    );
+    let flagged: Vec<&str> = r
+        .flagged_constraints
+        .iter()
+        .map(|f| f.constraint_id.as_str())
+        .collect();
+    assert_eq!(flagged, vec!["line", "both"]);
+    let e = m.mutate(&[("$.price".into(), json!(-1))], NOW).unwrap_err();
+    let MutationError::Constraint { violations, .. } = e else {
+        panic!()
+    };
+    assert_eq!(violations[0].message, "price must be positive");
+    // The live meta maximum is enforced on the next write to that element.
+    let e = m
+        .mutate(&[("$.items[0].discount".into(), json!(25))], NOW)
+        .unwrap_err();
+    assert!(
+        matches!(e, MutationError::Schema(ref v) if v[0].keyword == "maximum"),
+        "{e:?}"
+    );
+    // Removing elements removes their meta.
+    set(&mut m, &[("$.items", json!([{"price": 10, "qty": 1}]))]);
+    assert_eq!(
+        m.meta_value(&seg("$.items[1].discount"), MetaProp::Maximum),
+        None
+    );
+}
+
+#[test]
+fn library_constants_and_pinned_clock() {
+    let mut m = model(json!({"id": "lib", "schema": {},
+    "constants": {"vat": 0.25},
+    "library": {"define": "( $money := function($n) { $round($n, 2) }; $gross := function($net) { $money($net * (1 + $const.vat)) }; [\"money\", \"gross\"] )"},
+    "derivations": [
+        {"path": "$.gross", "expr": "$gross(net)"},
+        {"path": "$.stamp", "expr": "$now()"},
+        {"path": "$.ms", "expr": "$millis() + net * 0"}
+    ]}));
+    set(&mut m, &[("$.net", json!(10.01))]);
+    assert_eq!(get(&mut m, "$.gross"), json!(12.51));
+    assert_eq!(get(&mut m, "$.stamp"), json!("2023-11-14T22:13:20.000Z"));
+    assert_eq!(get(&mut m, "$.ms"), json!(NOW));
+}
+
+#[test]
+fn undefined_and_errors_store_null_with_a_trace() {
+    let mut m = model(json!({"id": "u", "schema": {},
+    "derivations": [
+        {"path": "$.missing", "expr": "nothing.here"},
+        {"path": "$.bad", "expr": "name + 1"}
+    ]}));
+    let r = set(&mut m, &[("$.name", json!("x"))]);
+    assert_eq!(get(&mut m, "$.missing"), Value::Null);
+    assert_eq!(get(&mut m, "$.bad"), Value::Null);
+    let t = r.traces.iter().find(|t| t.target_path == "$.bad").unwrap();
+    assert!(
+        t.error_message.as_deref().unwrap().contains("T2001"),
+        "{t:?}"
+    );
+}
+
+#[test]
+fn derived_fields_and_read_only_schema_fields_refuse_writes() {
+    let mut m = model(json!({"id": "ro",
+        "schema": {"type": "object", "properties": {"fixed": {"type": "number", "readOnly": true}}},
+        "derivations": [{"path": "$.items[*].total", "expr": "$parent.p * 2"}]}));
+    set(&mut m, &[("$.items", json!([{"p": 1}]))]);
+    for path in ["$.items[0].total", "$.fixed"] {
+        let e = m.mutate(&[(path.into(), json!(1))], NOW).unwrap_err();
+        let MutationError::Schema(v) = e else {
+            panic!("{path}")
+        };
+        assert_eq!(
+            (v[0].path.as_str(), v[0].keyword.as_str()),
+            (path, "readOnly")
+        );
+    }
+}
+
+#[test]
+fn levels_see_prior_levels_and_chains_settle_in_one_cycle() {
+    let mut m = model(json!({"id": "lv", "schema": {},
+    "derivations": [
+        {"path": "$.monthlyPayment", "expr": "loanAmount * monthlyRate * factor / (factor - 1)"},
+        {"path": "$.factor", "expr": "$power(1 + monthlyRate, termMonths)"},
+        {"path": "$.monthlyRate", "expr": "annualRatePercent / 1200"}
+    ]}));
+    let r = set(
+        &mut m,
+        &[
+            ("$.loanAmount", json!(20000)),
+            ("$.annualRatePercent", json!(6)),
+            ("$.termMonths", json!(60)),
+        ],
+    );
+    let p = get(&mut m, "$.monthlyPayment").as_f64().unwrap();
+    assert!((p - 386.656).abs() < 0.01, "{p}");
+    assert_eq!(
+        r.derived_updated,
+        vec!["$.monthlyRate", "$.factor", "$.monthlyPayment"]
+    );
+}
+
+#[test]
+fn effects_fire_on_edges_with_payloads() {
+    let mut m = model(json!({"id": "fx", "schema": {},
+    "derivations": [{"path": "$.priority", "expr": "score > 80"}],
+    "effects": [
+        {"id": "alert", "executor": "caller", "trigger": "priority = true", "dedupeKey": "ticket", "emit": "priority-alert", "payload": {"score": "$string(score)", "ticket": "ticket"}},
+        {"id": "expire", "executor": "timer", "trigger": "priority", "afterMs": "900000", "response": {"set": {"$.state": "'expired'"}}}
+    ]}));
+    let r = set(
+        &mut m,
+        &[("$.score", json!(90)), ("$.ticket", json!("T-1"))],
+    );
+    let ids: Vec<&str> = r
+        .dispatched_effects
+        .iter()
+        .map(|e| e.effect_id.as_str())
+        .collect();
+    assert_eq!(ids, vec!["alert", "expire"]);
+    assert_eq!(
+        r.dispatched_effects[0].emit.as_deref(),
+        Some("priority-alert")
+    );
+    assert_eq!(
+        r.dispatched_effects[0].payload.as_ref().unwrap()["score"],
+        json!("90")
+    );
+    assert_eq!(r.dispatched_effects[1].after_ms, Some(json!(900000)));
+    // Same dedupe key: the caller effect does not fire again.
+    let r = set(&mut m, &[("$.score", json!(95))]);
+    assert!(r.dispatched_effects.iter().all(|e| e.effect_id != "alert"));
+    let r = set(&mut m, &[("$.ticket", json!("T-2"))]);
+    assert!(r.dispatched_effects.iter().any(|e| e.effect_id == "alert"));
+}
+
+#[test]
+fn initial_state_and_actions_are_rejected_with_a_pointer() {
+    let report = valem::spec::validate::validate_json(
+        &json!({"id": "old", "schema": {}, "initialState": {"$.a": 1}, "actions": [{"id": "x"}]}),
+        &EngineLimits::default(),
+    );
+    assert!(!report.valid);
+    assert!(report
+        .errors
+        .iter()
+        .any(|e| e.location == "initialState" && e.message.contains("defaultValues")));
+    assert!(report
+        .errors
+        .iter()
+        .any(|e| e.location == "actions" && e.message.contains("caller")));
+}
