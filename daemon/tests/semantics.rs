@@ -282,3 +282,32 @@ fn initial_state_and_actions_are_rejected_with_a_pointer() {
         .iter()
         .any(|e| e.location == "actions" && e.message.contains("caller")));
 }
+
+#[test]
+fn whole_element_reads_are_not_cycles_and_read_only_containers_protect_children() {
+    let mut m = model(json!({"id": "pe",
+        "schema": {"type": "object", "properties": {"locked": {"type": "object", "readOnly": true}}},
+        "library": "( $double := function($e) { $e.a * 2 }; [\"double\"] )",
+        "derivations": [{"path": "$.items[*].d", "expr": "$double($parent)"}],
+        "metaDerivations": [{"path": "$.items", "property": "readOnly", "expr": "frozen = true"}]}));
+    set(&mut m, &[("$.items", json!([{"a": 1}, {"a": 4}]))]);
+    assert_eq!(
+        get(&mut m, "$.items"),
+        json!([{"a": 1, "d": 2}, {"a": 4, "d": 8}])
+    );
+    let r = set(&mut m, &[("$.items[1].a", json!(5))]);
+    assert_eq!(r.derived_updated, vec!["$.items[1].d"]);
+    set(&mut m, &[("$.frozen", json!(true))]);
+    for path in ["$.items[0].a", "$.locked.x"] {
+        let e = m.mutate(&[(path.into(), json!(1))], NOW).unwrap_err();
+        assert!(
+            matches!(&e, MutationError::Schema(v) if v[0].keyword == "readOnly"),
+            "{path}: {e:?}"
+        );
+    }
+    // A true self-reference is still a cycle.
+    let spec = parse_spec(&json!({"id": "self", "schema": {},
+        "derivations": [{"path": "$.items[*].d", "expr": "$parent.d + 1"}]}))
+    .unwrap();
+    assert!(Model::create(&spec, NOW, EngineLimits::default()).is_err());
+}

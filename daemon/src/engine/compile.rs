@@ -647,7 +647,15 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         for r in &d.reads {
             buf.clear();
             producers.overlapping(r, &mut buf);
-            deps_of[id].extend(buf.iter().copied());
+            for &p in &buf {
+                // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
+                // own previous output; that is not a dependency (the reference has no such
+                // edge). A read at or below its own target still is: a real cycle.
+                if p as usize == id && reads_strict_ancestor(r, &d.node.targets[0]) {
+                    continue;
+                }
+                deps_of[id].insert(p);
+            }
         }
     }
     let mut dependents: Vec<Vec<NodeId>> = vec![Vec::new(); nodes_len];
@@ -733,6 +741,16 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         limits: limits.clone(),
         validators: RefCell::new(HashMap::new()),
     })
+}
+
+/// Whether the read pattern `r` is a strict ancestor of `target` (wildcards match indices).
+fn reads_strict_ancestor(r: &[TSeg], target: &Address) -> bool {
+    let t = tsegs(target);
+    r.len() < t.len()
+        && r.iter().zip(&t).all(|(a, b)| match (a, b) {
+            (TSeg::Wild, TSeg::Index(_)) | (TSeg::Index(_), TSeg::Wild) => true,
+            _ => a == b,
+        })
 }
 
 /// Name one cycle among the stuck nodes (each has an unprocessed dependency).

@@ -42,6 +42,8 @@ struct Cycle<'a> {
     allowed: Option<HashSet<NodeId>>,
     include_lazy: bool,
     whole_doc_marked: bool,
+    /// The derivation whose instances are being written.
+    evaluating: Option<NodeId>,
     /// The merged document converted once per version, for whole-document expressions.
     whole_cache: Option<(u64, JValue)>,
     version: u64,
@@ -73,6 +75,7 @@ impl<'a> Cycle<'a> {
             allowed: None,
             include_lazy: false,
             whole_doc_marked: false,
+            evaluating: None,
             whole_cache: None,
             version: 0,
             result: MutationResult {
@@ -85,6 +88,10 @@ impl<'a> Cycle<'a> {
     }
 
     fn mark(&mut self, id: NodeId, binding: Vec<usize>) {
+        if self.evaluating == Some(id) {
+            // A derivation's own write never re-dirties it (see the compile-time rule).
+            return;
+        }
         let node = &self.cm.nodes[id as usize];
         match node.kind {
             NodeKind::Derivation { .. } => {
@@ -325,6 +332,7 @@ impl<'a> Cycle<'a> {
                 }
                 let insts = self.instances(id, &node.targets[0]);
                 self.dirty.remove(&id);
+                self.evaluating = Some(id);
                 for inst in insts {
                     let (value, error) = match self.evaluate(node, &inst) {
                         Ok(Some(v)) => (from_jvalue(&v), None),
@@ -342,6 +350,7 @@ impl<'a> Cycle<'a> {
                     }
                     self.trace(node, target, &value, None, error);
                 }
+                self.evaluating = None;
             }
         }
     }

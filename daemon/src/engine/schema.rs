@@ -80,6 +80,17 @@ fn node_at<'a>(root: &'a Json, path: &[Seg]) -> Lookup<'a> {
     let mut node = resolve(root, root);
     for (i, seg) in path.iter().enumerate() {
         let here = || render(&path[..i]);
+        if node.get("readOnly").and_then(Json::as_bool) == Some(true) {
+            return Lookup::Refused(SchemaViolation {
+                path: render(path),
+                keyword: "readOnly".into(),
+                message: format!(
+                    "{} is inside {}, which is read-only in the schema",
+                    render(path),
+                    here()
+                ),
+            });
+        }
         if let Some(types) = types_of(node) {
             let want = match seg {
                 Seg::Field(_) => "object",
@@ -206,6 +217,25 @@ pub fn validate_write(
         Lookup::Node(n) => Some(n),
     };
     let mut out = Vec::new();
+    // A container made read-only by live meta protects everything inside it.
+    if !meta.is_empty() {
+        for k in 1..path.len() {
+            let outer = render(&path[..k]);
+            let locked = meta_of(meta, &outer)
+                .iter()
+                .any(|(p, e)| *p == MetaProp::ReadOnly && e.value == Val::Bool(true));
+            if locked {
+                return vec![SchemaViolation {
+                    path: rendered,
+                    keyword: "readOnly".into(),
+                    message: format!(
+                        "{} is inside {outer}, which is currently read-only",
+                        render(path)
+                    ),
+                }];
+            }
+        }
+    }
     if node.and_then(|n| n.get("readOnly")).and_then(Json::as_bool) == Some(true) {
         out.push(SchemaViolation {
             path: rendered.clone(),

@@ -57,11 +57,14 @@ pub const COMPONENT_TYPES: &[&str] = &[
     "countryRegionSelector",
     "phoneNumberField",
     "currencyField",
+    "percentField",
     "richTextField",
     "autocompleteField",
+    "comboBox",
     "tagsField",
     "dateRangeField",
     "ratingField",
+    "numericStepper",
     "label",
     "staticText",
     "badge",
@@ -70,15 +73,19 @@ pub const COMPONENT_TYPES: &[&str] = &[
     "dataTable",
     "dataChart",
     "alert",
+    "callout",
     "spacer",
     "image",
     "link",
     "sparkline",
     "gauge",
     "keyValueList",
+    "summaryList",
     "statTile",
+    "metric",
     "jsonViewer",
     "explainPanel",
+    "auditTimeline",
     "validationSummary",
     "effectStatus",
     "group",
@@ -87,14 +94,23 @@ pub const COMPONENT_TYPES: &[&str] = &[
     "sectionItem",
     "card",
     "toolbar",
+    "buttonGroup",
     "tabs",
+    "tabItem",
     "collapsible",
+    "accordion",
     "button",
     "menu",
     "stepper",
+    "breadcrumb",
     "chart",
     "tracePanel",
     "slider",
+];
+
+/// Component fields holding JSONata (when they are strings).
+const COMPONENT_EXPR_FIELDS: [&str; 9] = [
+    "text", "value", "delta", "caption", "trend", "visible", "enabled", "readOnly", "required",
 ];
 
 const KNOWN_EXECUTORS: [&str; 4] = ["caller", "server", "llm", "timer"];
@@ -844,6 +860,20 @@ fn check_components(
         }
         if let Some(b) = c.get("bind").and_then(Json::as_str) {
             v.address(&format!("{loc}.bind"), b);
+        }
+        for field in COMPONENT_EXPR_FIELDS {
+            if let Some(text) = c.get(field).and_then(Json::as_str) {
+                if let Err(e) = Compiled::compile(text, &Limits::default()) {
+                    let at = e
+                        .position
+                        .map(|p| format!(" at position {p}"))
+                        .unwrap_or_default();
+                    v.err(
+                        format!("{loc}.{field}"),
+                        format!("Invalid JSONata expression{at}: {}", e.message),
+                    );
+                }
+            }
         }
         if let Some(iv) = c.get("itemView").and_then(Json::as_str) {
             if !views.contains(iv) {
