@@ -108,10 +108,10 @@ pub const COMPONENT_TYPES: &[&str] = &[
     "slider",
 ];
 
-/// Component fields holding JSONata (when they are strings).
-const COMPONENT_EXPR_FIELDS: [&str; 9] = [
-    "text", "value", "delta", "caption", "trend", "visible", "enabled", "readOnly", "required",
-];
+/// Component fields always evaluated as JSONata when they are strings.
+const COMPONENT_BOOL_EXPR_FIELDS: [&str; 4] = ["visible", "enabled", "readOnly", "required"];
+/// Display fields evaluated as JSONata only when the string contains a `$` (else literal text).
+const COMPONENT_TEXT_EXPR_FIELDS: [&str; 5] = ["text", "value", "delta", "caption", "trend"];
 
 const KNOWN_EXECUTORS: [&str; 4] = ["caller", "server", "llm", "timer"];
 const TOP_LEVEL: [&str; 16] = [
@@ -861,8 +861,17 @@ fn check_components(
         if let Some(b) = c.get("bind").and_then(Json::as_str) {
             v.address(&format!("{loc}.bind"), b);
         }
-        for field in COMPONENT_EXPR_FIELDS {
-            if let Some(text) = c.get(field).and_then(Json::as_str) {
+        let exprs = COMPONENT_BOOL_EXPR_FIELDS
+            .iter()
+            .filter_map(|f| Some((*f, c.get(*f)?.as_str()?)))
+            .chain(
+                COMPONENT_TEXT_EXPR_FIELDS
+                    .iter()
+                    .filter_map(|f| Some((*f, c.get(*f)?.as_str()?)))
+                    .filter(|(_, t)| t.contains('$')),
+            );
+        for (field, text) in exprs {
+            {
                 if let Err(e) = Compiled::compile(text, &Limits::default()) {
                     let at = e
                         .position
