@@ -2,20 +2,22 @@
 //! snapshot or a rollback point is O(1), and one write costs O(log N) even in a 300k-key object.
 //! Never does I/O; conversion to and from `serde_json::Value` happens only at the edges.
 
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
-use imbl::{HashMap as PHashMap, OrdMap, Vector};
+use imbl::Vector;
 use serde_json::Value as Json;
 
 /// Object keys are shared strings: the same key text is stored once per object entry.
 pub type Key = Arc<str>;
 
 /// Objects up to this many entries are a copy-on-write vector (cheap to build and scan); wider
-/// objects switch to a pair of persistent maps so one write never copies the whole object.
+/// objects switch to a persistent hash trie so one write never copies the whole object.
 const SMALL_OBJECT: usize = 32;
 
 /// A JSON value with persistent containers. Numbers are `f64` (JSONata's model); non-finite
-/// numbers never enter the state (they are stored as `null`).
+/// numbers never enter the state (they are stored as `null`). 24 bytes: containers are behind
+/// one pointer so the nodes of wide objects stay small to copy.
 #[derive(Clone, Debug, Default)]
 pub enum Val {
     #[default]
@@ -23,7 +25,7 @@ pub enum Val {
     Bool(bool),
     Num(f64),
     Str(Arc<str>),
-    Arr(Vector<Val>),
+    Arr(Arc<Vector<Val>>),
     Obj(ObjMap),
 }
 
@@ -31,16 +33,7 @@ pub enum Val {
 #[derive(Clone, Debug)]
 pub enum ObjMap {
     Small(Arc<Vec<(Key, Val)>>),
-    Large(LargeMap),
-}
-
-/// Wide-object representation: `index` finds an entry's sequence number, `entries` keeps
-/// insertion order by that number. Both are persistent (HAMT and B-tree with path copying).
-#[derive(Clone, Debug)]
-pub struct LargeMap {
-    index: PHashMap<Key, u64>,
-    entries: OrdMap<u64, (Key, Val)>,
-    next: u64,
+    Large(Arc<WideMap>),
 }
 
 impl Default for ObjMap {
@@ -57,7 +50,7 @@ impl ObjMap {
     pub fn len(&self) -> usize {
         match self {
             ObjMap::Small(v) => v.len(),
-            ObjMap::Large(m) => m.entries.len(),
+            ObjMap::Large(m) => m.len,
         }
     }
 
@@ -68,10 +61,7 @@ impl ObjMap {
     pub fn get(&self, key: &str) -> Option<&Val> {
         match self {
             ObjMap::Small(v) => v.iter().find(|(k, _)| &**k == key).map(|(_, v)| v),
-            ObjMap::Large(m) => {
-                let seq = m.index.get(key)?;
-                m.entries.get(seq).map(|(_, v)| v)
-            }
+            ObjMap::Large(m) => m.get(key).map(|e| &e.val),
         }
     }
 
@@ -82,10 +72,7 @@ impl ObjMap {
                 .iter_mut()
                 .find(|(k, _)| &**k == key)
                 .map(|(_, v)| v),
-            ObjMap::Large(m) => {
-                let seq = *m.index.get(key)?;
-                m.entries.get_mut(&seq).map(|(_, v)| v)
-            }
+            ObjMap::Large(m) => Arc::make_mut(m).get_mut(key),
         }
     }
 
@@ -102,24 +89,14 @@ impl ObjMap {
                     vec.push((key, val));
                     return;
                 }
-                let mut large = LargeMap {
-                    index: PHashMap::new(),
-                    entries: OrdMap::new(),
-                    next: 0,
-                };
+                let mut wide = WideMap::default();
                 for (k, v) in vec.drain(..) {
-                    large.push(k, v);
+                    wide.insert(k, v);
                 }
-                large.push(key, val);
-                *self = ObjMap::Large(large);
+                wide.insert(key, val);
+                *self = ObjMap::Large(Arc::new(wide));
             }
-            ObjMap::Large(m) => {
-                if let Some(seq) = m.index.get(&key).copied() {
-                    m.entries.insert(seq, (key, val));
-                } else {
-                    m.push(key, val);
-                }
-            }
+            ObjMap::Large(m) => Arc::make_mut(m).insert(key, val),
         }
     }
 
@@ -130,16 +107,19 @@ impl ObjMap {
                 Some(Arc::make_mut(v).remove(pos).1)
             }
             ObjMap::Large(m) => {
-                let seq = m.index.remove(key)?;
-                m.entries.remove(&seq).map(|(_, v)| v)
+                if m.get(key).is_none() {
+                    return None;
+                }
+                Arc::make_mut(m).remove(key)
             }
         }
     }
 
+    /// Entries in insertion order.
     pub fn iter(&self) -> Box<dyn Iterator<Item = (&Key, &Val)> + '_> {
         match self {
             ObjMap::Small(v) => Box::new(v.iter().map(|(k, v)| (k, v))),
-            ObjMap::Large(m) => Box::new(m.entries.values().map(|(k, v)| (k, v))),
+            ObjMap::Large(m) => Box::new(m.ordered().into_iter().map(|e| (&e.key, &e.val))),
         }
     }
 
@@ -147,7 +127,7 @@ impl ObjMap {
     pub fn rank(&self, key: &str) -> Option<u64> {
         match self {
             ObjMap::Small(v) => v.iter().position(|(k, _)| &**k == key).map(|p| p as u64),
-            ObjMap::Large(m) => m.index.get(key).copied(),
+            ObjMap::Large(m) => m.get(key).map(|e| e.seq),
         }
     }
 
@@ -155,18 +135,9 @@ impl ObjMap {
     pub fn ptr_eq(&self, other: &ObjMap) -> bool {
         match (self, other) {
             (ObjMap::Small(a), ObjMap::Small(b)) => Arc::ptr_eq(a, b),
-            (ObjMap::Large(a), ObjMap::Large(b)) => a.entries.ptr_eq(&b.entries),
+            (ObjMap::Large(a), ObjMap::Large(b)) => Arc::ptr_eq(a, b),
             _ => false,
         }
-    }
-}
-
-impl LargeMap {
-    fn push(&mut self, key: Key, val: Val) {
-        let seq = self.next;
-        self.next += 1;
-        self.index.insert(key.clone(), seq);
-        self.entries.insert(seq, (key, val));
     }
 }
 
@@ -180,6 +151,247 @@ impl PartialEq for ObjMap {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Wide objects: a persistent hash array mapped trie, 16 slots per branch, keyed by a 64-bit
+// FxHash of the key. A write copies only the branches on one hash path (≤ 16 slots of 16 bytes
+// each, a few levels deep) and the one entry, so snapshots stay cheap at any width. Insertion
+// order is kept by a sequence number per entry.
+
+const FANOUT_BITS: u32 = 4;
+const FANOUT: usize = 1 << FANOUT_BITS;
+
+#[derive(Clone, Debug)]
+struct Entry {
+    hash: u64,
+    seq: u64,
+    key: Key,
+    val: Val,
+}
+
+#[derive(Clone, Debug, Default)]
+enum Slot {
+    #[default]
+    Empty,
+    One(Arc<Entry>),
+    /// Keys whose full 64-bit hashes collide.
+    Many(Arc<Vec<Entry>>),
+    Branch(Arc<Branch>),
+}
+
+#[derive(Clone, Debug, Default)]
+struct Branch {
+    slots: [Slot; FANOUT],
+}
+
+/// The wide-object map (see above).
+#[derive(Clone, Debug, Default)]
+pub struct WideMap {
+    root: Branch,
+    len: usize,
+    next: u64,
+}
+
+fn hash_key(key: &str) -> u64 {
+    let mut h = rustc_hash::FxBuildHasher.build_hasher();
+    key.hash(&mut h);
+    h.finish()
+}
+
+fn slot_index(hash: u64, shift: u32) -> usize {
+    ((hash >> shift) & (FANOUT as u64 - 1)) as usize
+}
+
+impl WideMap {
+    fn get(&self, key: &str) -> Option<&Entry> {
+        let hash = hash_key(key);
+        let mut branch = &self.root;
+        let mut shift = 0;
+        loop {
+            match &branch.slots[slot_index(hash, shift)] {
+                Slot::Empty => return None,
+                Slot::One(e) => return (e.hash == hash && &*e.key == key).then_some(&**e),
+                Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
+                Slot::Branch(b) => {
+                    branch = b;
+                    shift += FANOUT_BITS;
+                }
+            }
+        }
+    }
+
+    fn get_mut(&mut self, key: &str) -> Option<&mut Val> {
+        let hash = hash_key(key);
+        let mut branch = &mut self.root;
+        let mut shift = 0;
+        loop {
+            match &mut branch.slots[slot_index(hash, shift)] {
+                Slot::Empty => return None,
+                Slot::One(e) => {
+                    if e.hash != hash || &*e.key != key {
+                        return None;
+                    }
+                    return Some(&mut Arc::make_mut(e).val);
+                }
+                Slot::Many(es) => {
+                    return Arc::make_mut(es)
+                        .iter_mut()
+                        .find(|e| &*e.key == key)
+                        .map(|e| &mut e.val)
+                }
+                Slot::Branch(b) => {
+                    branch = Arc::make_mut(b);
+                    shift += FANOUT_BITS;
+                }
+            }
+        }
+    }
+
+    fn insert(&mut self, key: Key, val: Val) {
+        let hash = hash_key(&key);
+        let seq = self.next;
+        if insert_at(&mut self.root, hash, 0, key, val, seq) {
+            self.len += 1;
+            self.next += 1;
+        }
+    }
+
+    fn remove(&mut self, key: &str) -> Option<Val> {
+        let hash = hash_key(key);
+        let out = remove_at(&mut self.root, hash, 0, key);
+        if out.is_some() {
+            self.len -= 1;
+        }
+        out
+    }
+
+    /// Entries in insertion order.
+    fn ordered(&self) -> Vec<&Entry> {
+        let mut out = Vec::with_capacity(self.len);
+        collect_entries(&self.root, &mut out);
+        out.sort_unstable_by_key(|e| e.seq);
+        out
+    }
+}
+
+/// Insert into `branch`; true when the key is new.
+fn insert_at(branch: &mut Branch, hash: u64, shift: u32, key: Key, val: Val, seq: u64) -> bool {
+    let slot = &mut branch.slots[slot_index(hash, shift)];
+    match slot {
+        Slot::Empty => {
+            *slot = Slot::One(Arc::new(Entry {
+                hash,
+                seq,
+                key,
+                val,
+            }));
+            true
+        }
+        Slot::One(e) if e.hash == hash => {
+            if e.key == key {
+                Arc::make_mut(e).val = val;
+                false
+            } else {
+                let old = (**e).clone();
+                *slot = Slot::Many(Arc::new(vec![
+                    old,
+                    Entry {
+                        hash,
+                        seq,
+                        key,
+                        val,
+                    },
+                ]));
+                true
+            }
+        }
+        Slot::One(e) => {
+            // Two different hashes share this slot: push both one level down.
+            let old = e.clone();
+            let mut child = Branch::default();
+            let at = slot_index(old.hash, shift + FANOUT_BITS);
+            child.slots[at] = Slot::One(old);
+            insert_at(&mut child, hash, shift + FANOUT_BITS, key, val, seq);
+            *slot = Slot::Branch(Arc::new(child));
+            true
+        }
+        Slot::Many(es) => {
+            if es[0].hash == hash {
+                let es = Arc::make_mut(es);
+                if let Some(e) = es.iter_mut().find(|e| e.key == key) {
+                    e.val = val;
+                    return false;
+                }
+                es.push(Entry {
+                    hash,
+                    seq,
+                    key,
+                    val,
+                });
+                true
+            } else {
+                let old = es.clone();
+                let mut child = Branch::default();
+                let at = slot_index(old[0].hash, shift + FANOUT_BITS);
+                child.slots[at] = Slot::Many(old);
+                insert_at(&mut child, hash, shift + FANOUT_BITS, key, val, seq);
+                *slot = Slot::Branch(Arc::new(child));
+                true
+            }
+        }
+        Slot::Branch(b) => insert_at(Arc::make_mut(b), hash, shift + FANOUT_BITS, key, val, seq),
+    }
+}
+
+fn remove_at(branch: &mut Branch, hash: u64, shift: u32, key: &str) -> Option<Val> {
+    let slot = &mut branch.slots[slot_index(hash, shift)];
+    match slot {
+        Slot::Empty => None,
+        Slot::One(e) => {
+            if e.hash != hash || &*e.key != key {
+                return None;
+            }
+            let Slot::One(e) = std::mem::take(slot) else {
+                unreachable!("matched above")
+            };
+            Some(Arc::try_unwrap(e).map_or_else(|e| e.val.clone(), |e| e.val))
+        }
+        Slot::Many(es) => {
+            let pos = es.iter().position(|e| &*e.key == key)?;
+            let es = Arc::make_mut(es);
+            let removed = es.remove(pos);
+            if es.len() == 1 {
+                let last = es.pop().expect("one left");
+                *slot = Slot::One(Arc::new(last));
+            }
+            Some(removed.val)
+        }
+        Slot::Branch(b) => {
+            let out = remove_at(Arc::make_mut(b), hash, shift + FANOUT_BITS, key);
+            // Collapse a branch left with a single entry so lookups stay short.
+            let mut live = b.slots.iter().filter(|s| !matches!(s, Slot::Empty));
+            if let (Some(only @ (Slot::One(_) | Slot::Many(_))), None) = (live.next(), live.next())
+            {
+                let only = only.clone();
+                *slot = only;
+            } else if b.slots.iter().all(|s| matches!(s, Slot::Empty)) {
+                *slot = Slot::Empty;
+            }
+            out
+        }
+    }
+}
+
+fn collect_entries<'a>(branch: &'a Branch, out: &mut Vec<&'a Entry>) {
+    for s in &branch.slots {
+        match s {
+            Slot::Empty => {}
+            Slot::One(e) => out.push(e),
+            Slot::Many(es) => out.extend(es.iter()),
+            Slot::Branch(b) => collect_entries(b, out),
+        }
+    }
+}
+
 impl PartialEq for Val {
     fn eq(&self, other: &Self) -> bool {
         match (self, other) {
@@ -187,7 +399,7 @@ impl PartialEq for Val {
             (Val::Bool(a), Val::Bool(b)) => a == b,
             (Val::Num(a), Val::Num(b)) => a == b,
             (Val::Str(a), Val::Str(b)) => a == b,
-            (Val::Arr(a), Val::Arr(b)) => a.ptr_eq(b) || a == b,
+            (Val::Arr(a), Val::Arr(b)) => Arc::ptr_eq(a, b) || a == b,
             (Val::Obj(a), Val::Obj(b)) => a == b,
             _ => false,
         }
@@ -297,11 +509,12 @@ impl Val {
                     });
                 }
                 if !matches!(self, Val::Arr(_)) {
-                    *self = Val::Arr(Vector::new());
+                    *self = Val::Arr(Arc::new(Vector::new()));
                 }
                 let Val::Arr(a) = self else {
                     unreachable!("just made an array")
                 };
+                let a = Arc::make_mut(a);
                 while a.len() <= *i {
                     a.push_back(Val::Null);
                 }
@@ -335,10 +548,12 @@ impl Val {
                         None => return false,
                     }
                 }
-                (Seg::Index(i), Val::Arr(a)) => match a.get_mut(*i) {
-                    Some(v) => v,
-                    None => return false,
-                },
+                (Seg::Index(i), Val::Arr(a)) if *i < a.len() => {
+                    match Arc::make_mut(a).get_mut(*i) {
+                        Some(v) => v,
+                        None => return false,
+                    }
+                }
                 _ => return false,
             };
         }
@@ -348,7 +563,7 @@ impl Val {
                 true
             }
             (Seg::Index(i), Val::Arr(a)) if *i < a.len() => {
-                a.set(*i, value);
+                Arc::make_mut(a).set(*i, value);
                 true
             }
             _ => false,
@@ -368,17 +583,19 @@ impl Val {
                     Some(v) => v,
                     None => return false,
                 },
-                (Seg::Index(i), Val::Arr(a)) => match a.get_mut(*i) {
-                    Some(v) => v,
-                    None => return false,
-                },
+                (Seg::Index(i), Val::Arr(a)) if *i < a.len() => {
+                    match Arc::make_mut(a).get_mut(*i) {
+                        Some(v) => v,
+                        None => return false,
+                    }
+                }
                 _ => return false,
             };
         }
         match (last, cur) {
             (Seg::Field(k), Val::Obj(m)) => m.remove(k).is_some(),
             (Seg::Index(i), Val::Arr(a)) if *i < a.len() => {
-                a.remove(*i);
+                Arc::make_mut(a).remove(*i);
                 true
             }
             _ => false,
@@ -392,7 +609,7 @@ impl Val {
             Json::Bool(b) => Val::Bool(*b),
             Json::Number(n) => Val::num(n.as_f64().unwrap_or(f64::NAN)),
             Json::String(s) => Val::str(s),
-            Json::Array(a) => Val::Arr(a.iter().map(Val::from_json).collect()),
+            Json::Array(a) => Val::Arr(Arc::new(a.iter().map(Val::from_json).collect())),
             Json::Object(o) => {
                 let mut m = ObjMap::new();
                 for (k, v) in o {
@@ -474,6 +691,48 @@ mod tests {
         assert_eq!(keys[999], "k999");
         assert!(v.remove_path(&[f("k5")]));
         assert_eq!(v.as_obj().unwrap().len(), 999);
+    }
+
+    #[test]
+    fn wide_map_matches_a_reference_map_under_random_edits() {
+        use std::collections::HashMap;
+        let mut m = ObjMap::new();
+        let mut reference: HashMap<String, i64> = HashMap::new();
+        let mut order: Vec<String> = Vec::new();
+        let mut x: u64 = 7;
+        let mut snapshots = Vec::new();
+        for step in 0..20_000u64 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let k = format!("k{}", (x >> 33) % 3000);
+            if (x >> 20) % 5 == 0 {
+                let had = reference.remove(&k).is_some();
+                assert_eq!(m.remove(&k).is_some(), had);
+                order.retain(|o| o != &k);
+            } else {
+                if !reference.contains_key(&k) {
+                    order.push(k.clone());
+                }
+                reference.insert(k.clone(), step as i64);
+                m.insert(Arc::from(k.as_str()), Val::num(step as f64));
+            }
+            if step % 5000 == 0 {
+                snapshots.push((m.clone(), reference.clone()));
+            }
+        }
+        assert_eq!(m.len(), reference.len());
+        for (k, v) in &reference {
+            assert_eq!(m.get(k), Some(&Val::num(*v as f64)));
+        }
+        let keys: Vec<String> = m.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(keys, order);
+        for (snap, r) in snapshots {
+            assert_eq!(snap.len(), r.len());
+            for (k, v) in &r {
+                assert_eq!(snap.get(k), Some(&Val::num(*v as f64)), "snapshot changed");
+            }
+        }
     }
 
     #[test]

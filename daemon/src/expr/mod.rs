@@ -338,12 +338,12 @@ pub fn from_jvalue(v: &JValue) -> Val {
         JValue::Bool(b) => Val::Bool(*b),
         JValue::Number(n) => Val::num(*n),
         JValue::String(s) => Val::Str(Arc::from(&**s)),
-        JValue::Array(a) => Val::Arr(
+        JValue::Array(a) => Val::Arr(Arc::new(
             a.iter()
                 .filter(|x| !x.is_undefined())
                 .map(from_jvalue)
                 .collect(),
-        ),
+        )),
         JValue::Object(o) => {
             let mut m = ObjMap::new();
             for (k, x) in o.iter() {
