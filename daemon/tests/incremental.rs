@@ -229,7 +229,7 @@ fn one_item_write_recomputes_only_that_item_and_the_aggregate() {
         .mutate(&[("$.items[7].qty".into(), json!(3))], NOW)
         .unwrap();
     assert_eq!(r.derived_updated, vec!["$.items[7].total", "$.sum"]);
-    let evaluated: Vec<&str> = r.traces.iter().map(|t| t.target_path.as_str()).collect();
+    let evaluated: Vec<&str> = r.traces.iter().map(|t| &*t.target_path).collect();
     assert_eq!(evaluated, vec!["$.items[7].total", "$.sum"]);
 }
 
@@ -244,7 +244,7 @@ fn early_cutoff_stops_at_unchanged_values() {
     let (mut m, _) = Model::create(&spec, NOW, limits()).unwrap();
     m.mutate(&[("$.a".into(), json!(5))], NOW).unwrap();
     let r = m.mutate(&[("$.a".into(), json!(6))], NOW).unwrap();
-    let evaluated: Vec<&str> = r.traces.iter().map(|t| t.target_path.as_str()).collect();
+    let evaluated: Vec<&str> = r.traces.iter().map(|t| &*t.target_path).collect();
     assert_eq!(
         evaluated,
         vec!["$.sign"],

@@ -174,9 +174,9 @@ fn rollback_leaves_state_meta_and_views_byte_identical() {
             assert_eq!(violations.len(), 1);
             assert_eq!(violations[0].constraint_id, "cap");
             assert_eq!(violations[0].policy, "rollback");
-            assert!(traces
-                .iter()
-                .any(|t| t.target_path == "$constraint:cap" && t.constraint_passed == Some(false)));
+            assert!(traces.iter().any(
+                |t| &*t.target_path == "$constraint:cap" && t.constraint_passed == Some(false)
+            ));
         }
         other => panic!("expected a constraint violation, got {other:?}"),
     }

@@ -72,7 +72,7 @@ fn lazy_derivations_run_on_read_only() {
         {"path": "$.report", "expr": "'n is ' & $string(double)", "evaluation": "lazy"}
     ]}));
     let r = set(&mut m, &[("$.n", json!(4))]);
-    let evaluated: Vec<&str> = r.traces.iter().map(|t| t.target_path.as_str()).collect();
+    let evaluated: Vec<&str> = r.traces.iter().map(|t| &*t.target_path).collect();
     assert_eq!(evaluated, vec!["$.double"]);
     assert!(!m.state().lazy_stale.is_empty());
     assert_eq!(get(&mut m, "$.report"), json!("n is 8"));
@@ -183,7 +183,11 @@ fn undefined_and_errors_store_null_with_a_trace() {
     let r = set(&mut m, &[("$.name", json!("x"))]);
     assert_eq!(get(&mut m, "$.missing"), Value::Null);
     assert_eq!(get(&mut m, "$.bad"), Value::Null);
-    let t = r.traces.iter().find(|t| t.target_path == "$.bad").unwrap();
+    let t = r
+        .traces
+        .iter()
+        .find(|t| &*t.target_path == "$.bad")
+        .unwrap();
     assert!(
         t.error_message.as_deref().unwrap().contains("T2001"),
         "{t:?}"

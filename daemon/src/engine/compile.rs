@@ -93,6 +93,10 @@ pub struct Node {
     pub kind: NodeKind,
     /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
     pub key: String,
+    /// The same key, shared by every trace of the node.
+    pub key_arc: Arc<str>,
+    /// The concrete target of a derivation without `[*]`.
+    pub concrete: Option<Vec<crate::value::Seg>>,
     /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
     pub targets: Vec<Address>,
     pub expr: Rc<Compiled>,
@@ -792,9 +796,15 @@ fn draft_empty(
     location: String,
 ) -> NodeDraft {
     let aggregate = aggregate_of(expr.ast());
+    let concrete = match kind {
+        NodeKind::Derivation { .. } => targets.first().and_then(Address::concrete),
+        _ => None,
+    };
     NodeDraft {
         node: Node {
             kind,
+            key_arc: Arc::from(key.as_str()),
+            concrete,
             key,
             targets,
             expr,

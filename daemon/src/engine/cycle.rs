@@ -3,7 +3,10 @@
 //! then meta-derivations, constraints and effects. The caller commits the working copy only when
 //! the cycle succeeds, so a rollback is simply dropping it.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use indexmap::IndexMap;
@@ -25,6 +28,8 @@ use crate::value::{Seg, Val};
 struct Dirty {
     all: bool,
     prefixes: Vec<Vec<usize>>,
+    /// In `pending` (derivations only).
+    queued: bool,
 }
 
 struct Cycle<'a> {
@@ -33,7 +38,8 @@ struct Cycle<'a> {
     st: &'a mut State,
     /// Constants, library exports and the pinned clock, bound where an expression uses them.
     env: Env,
-    pending: BTreeMap<u32, BTreeSet<NodeId>>,
+    /// Derivations to evaluate, lowest level first (each queued once: see `Dirty::queued`).
+    pending: BinaryHeap<Reverse<(u32, NodeId)>>,
     dirty: HashMap<NodeId, Dirty>,
     meta_dirty: BTreeSet<NodeId>,
     constraint_dirty: BTreeSet<NodeId>,
@@ -48,7 +54,8 @@ struct Cycle<'a> {
     whole_cache: Option<(u64, JValue)>,
     version: u64,
     result: MutationResult,
-    derived_seen: HashSet<String>,
+    /// Derivations evaluated more than once this cycle (their updates are de-duplicated).
+    evaluated: HashSet<NodeId>,
     hits: Vec<(u32, Vec<usize>)>,
 }
 
@@ -67,8 +74,8 @@ impl<'a> Cycle<'a> {
                 now_ms: Some(now_ms),
                 ..cm.env.clone()
             },
-            pending: BTreeMap::new(),
-            dirty: HashMap::new(),
+            pending: BinaryHeap::new(),
+            dirty: HashMap::default(),
             meta_dirty: BTreeSet::new(),
             constraint_dirty: BTreeSet::new(),
             effect_dirty: BTreeSet::new(),
@@ -82,7 +89,7 @@ impl<'a> Cycle<'a> {
                 success: true,
                 ..MutationResult::default()
             },
-            derived_seen: HashSet::new(),
+            evaluated: HashSet::default(),
             hits: Vec::new(),
         }
     }
@@ -95,9 +102,12 @@ impl<'a> Cycle<'a> {
         let node = &self.cm.nodes[id as usize];
         match node.kind {
             NodeKind::Derivation { .. } => {
-                self.pending.entry(node.level).or_default().insert(id);
                 let w = node.wildcards();
                 let d = self.dirty.entry(id).or_default();
+                if !d.queued {
+                    d.queued = true;
+                    self.pending.push(Reverse((node.level, id)));
+                }
                 if w == 0 || binding.is_empty() {
                     d.all = true;
                     d.prefixes.clear();
@@ -241,8 +251,8 @@ impl<'a> Cycle<'a> {
     fn trace(
         &mut self,
         node: &Node,
-        target: String,
-        result: &Val,
+        target: Arc<str>,
+        result: Val,
         passed: Option<bool>,
         error: Option<String>,
     ) {
@@ -250,11 +260,7 @@ impl<'a> Cycle<'a> {
             target_path: target,
             expression: node.expr.text.clone(),
             input_paths: node.input_paths.clone(),
-            result: if passed.is_some() {
-                serde_json::Value::Null
-            } else {
-                result.to_json()
-            },
+            result: if passed.is_some() { Val::Null } else { result },
             constraint_passed: passed,
             error_message: error,
         });
@@ -305,54 +311,68 @@ impl<'a> Cycle<'a> {
     fn derive(&mut self) {
         let cm = self.cm;
         let mut guard = 0usize;
-        while let Some((&lvl, _)) = self.pending.first_key_value() {
-            let ids = self.pending.remove(&lvl).unwrap_or_default();
-            for id in ids {
-                guard += 1;
-                if guard > cm.nodes.len().saturating_mul(4) + 16 {
-                    // Unreachable with an acyclic graph; a bound instead of a hang.
-                    return;
-                }
-                let node = &cm.nodes[id as usize];
-                if let NodeKind::Derivation { lazy: true } = node.kind {
-                    if !self.include_lazy && !self.has_non_lazy_dependent(id) {
-                        self.dirty.remove(&id);
-                        self.st.lazy_stale.insert(id);
-                        continue;
-                    }
-                    if self.st.lazy_stale.remove(&id).is_some() {
-                        self.dirty.insert(
-                            id,
-                            Dirty {
-                                all: true,
-                                prefixes: Vec::new(),
-                            },
-                        );
-                    }
-                }
-                let insts = self.instances(id, &node.targets[0]);
-                self.dirty.remove(&id);
-                self.evaluating = Some(id);
-                for inst in insts {
-                    let (value, error) = match self.evaluate(node, &inst) {
-                        Ok(Some(v)) => (from_jvalue(&v), None),
-                        Ok(None) => (Val::Null, None),
-                        Err(e) => (Val::Null, Some(e.message)),
-                    };
-                    let changed = self.st.merged.get_path(&inst) != Some(&value);
-                    let target = render(&inst);
-                    if changed && self.st.merged.splice_existing(&inst, value.clone()) {
-                        self.version += 1;
-                        if self.derived_seen.insert(target.clone()) {
-                            self.result.derived_updated.push(target.clone());
-                        }
-                        self.propagate(&inst);
-                    }
-                    self.trace(node, target, &value, None, error);
-                }
-                self.evaluating = None;
+        while let Some(Reverse((_, id))) = self.pending.pop() {
+            guard += 1;
+            if guard > cm.nodes.len().saturating_mul(4) + 16 {
+                // Unreachable with an acyclic graph; a bound instead of a hang.
+                return;
             }
+            let node = &cm.nodes[id as usize];
+            if let NodeKind::Derivation { lazy: true } = node.kind {
+                if !self.include_lazy && !self.has_non_lazy_dependent(id) {
+                    self.dirty.remove(&id);
+                    self.st.lazy_stale.insert(id);
+                    continue;
+                }
+                if self.st.lazy_stale.remove(&id).is_some() {
+                    self.dirty.insert(
+                        id,
+                        Dirty {
+                            all: true,
+                            ..Dirty::default()
+                        },
+                    );
+                }
+            }
+            let again = !self.evaluated.insert(id);
+            self.evaluating = Some(id);
+            match &node.concrete {
+                Some(target) => {
+                    self.dirty.remove(&id);
+                    self.derive_instance(node, target, Some(&node.key_arc), again);
+                }
+                None => {
+                    let insts = self.instances(id, &node.targets[0]);
+                    self.dirty.remove(&id);
+                    for inst in insts {
+                        self.derive_instance(node, &inst, None, again);
+                    }
+                }
+            }
+            self.evaluating = None;
         }
+    }
+
+    /// Evaluate one instance of a derivation; write and propagate it when it changed.
+    fn derive_instance(&mut self, node: &Node, inst: &[Seg], key: Option<&Arc<str>>, again: bool) {
+        let (value, error) = match self.evaluate(node, inst) {
+            Ok(Some(v)) => (from_jvalue(&v), None),
+            Ok(None) => (Val::Null, None),
+            Err(e) => (Val::Null, Some(e.message)),
+        };
+        let target: Arc<str> = match key {
+            Some(k) => k.clone(),
+            None => Arc::from(render(inst)),
+        };
+        let changed = self.st.merged.get_path(inst) != Some(&value);
+        if changed && self.st.merged.splice_existing(inst, value.clone()) {
+            self.version += 1;
+            if !again || !self.result.derived_updated.iter().any(|d| **d == *target) {
+                self.result.derived_updated.push(target.to_string());
+            }
+            self.propagate(inst);
+        }
+        self.trace(node, target, value, None, error);
     }
 
     fn meta(&mut self) {
@@ -367,7 +387,7 @@ impl<'a> Cycle<'a> {
             let full = self.dirty.get(&id).is_none_or(|d| d.all);
             let insts = self.instances(id, pattern);
             self.dirty.remove(&id);
-            let mut keys = HashSet::new();
+            let mut keys = HashSet::default();
             for inst in insts {
                 let value = match self.evaluate(node, &inst) {
                     Ok(Some(v)) => from_jvalue(&v),
@@ -430,8 +450,7 @@ impl<'a> Cycle<'a> {
                     Ok(v) => (truthy(v.as_ref()), None),
                     Err(e) => (false, Some(e.message)),
                 };
-                let target = format!("$constraint:{}", spec.id);
-                self.trace(node, target, &Val::Null, Some(passed), error);
+                self.trace(node, node.key_arc.clone(), Val::Null, Some(passed), error);
                 failed |= !passed;
             }
             if failed {
@@ -531,10 +550,10 @@ impl<'a> Cycle<'a> {
             let mut traces = std::mem::take(&mut self.result.traces);
             for v in &rollback {
                 traces.push(Trace {
-                    target_path: format!("$constraint:{}", v.constraint_id),
+                    target_path: Arc::from(format!("$constraint:{}", v.constraint_id)),
                     expression: Arc::from(""),
                     input_paths: Arc::from(Vec::new()),
-                    result: serde_json::Value::Null,
+                    result: Val::Null,
                     constraint_passed: Some(false),
                     error_message: None,
                 });
@@ -834,7 +853,7 @@ pub(super) fn initialize(
     let schema = cm.schema.clone();
     apply_schema_defaults(&mut c, &schema, &schema, &mut Vec::new(), 0)?;
     // Constraints and effects at creation: only those downstream of what was seeded.
-    let mut allowed: HashSet<NodeId> = HashSet::new();
+    let mut allowed: HashSet<NodeId> = HashSet::default();
     let mut stack: Vec<NodeId> = c
         .dirty
         .keys()

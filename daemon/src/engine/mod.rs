@@ -99,12 +99,17 @@ impl State {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Trace {
-    pub target_path: String,
+    pub target_path: Arc<str>,
     pub expression: Arc<str>,
     pub input_paths: Arc<[String]>,
-    pub result: Json,
+    #[serde(serialize_with = "serialize_val")]
+    pub result: Val,
     pub constraint_passed: Option<bool>,
     pub error_message: Option<String>,
+}
+
+fn serialize_val<S: serde::Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {
+    v.to_json().serialize(s)
 }
 
 /// A failed constraint (the contract's violation item).

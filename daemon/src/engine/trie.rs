@@ -3,7 +3,7 @@
 //! (where derivations write). Arrays are mapped implicitly, as JSONata navigation does: a read of
 //! `$.items.total` matches a write of `$.items[3].total`.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::value::{Key, Seg};
 
