@@ -65,6 +65,13 @@ pub struct Projection {
 }
 
 impl Projection {
+    fn shrink(&mut self) {
+        self.children.shrink_to_fit();
+        for (_, c) in &mut self.children {
+            c.shrink();
+        }
+    }
+
     fn add(&mut self, fields: &[Key]) {
         if self.whole {
             return;
@@ -164,8 +171,8 @@ pub struct CompiledModel {
     pub readers: Trie,
     /// Where derivations write (read-only check, compile-time edges).
     pub producers: Trie,
-    /// The target patterns of every per-address node (derivations, meta, scoped constraints):
-    /// a new or replaced container dirties the instances below it.
+    /// The target patterns of meta-derivations and scoped constraints (derivations are in
+    /// `producers`): a new or replaced container dirties the instances below it.
     pub instances: Trie,
     /// Nodes that depend on the whole document: dirtied by every write.
     pub whole_doc_nodes: Vec<NodeId>,
@@ -625,10 +632,16 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         if matches!(d.node.kind, NodeKind::Derivation { .. }) {
             producers.insert(&tsegs(&d.node.targets[0]), id as u32);
         }
-        for t in &d.node.targets {
-            instances.insert(&tsegs(t), id as u32);
+        if !matches!(d.node.kind, NodeKind::Derivation { .. }) {
+            for t in &d.node.targets {
+                instances.insert(&tsegs(t), id as u32);
+            }
         }
     }
+
+    readers.shrink();
+    producers.shrink();
+    instances.shrink();
 
     // Edges producer → reader.
     let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
@@ -883,6 +896,7 @@ fn add_reads(
         d.reads.push(segs);
     }
     d.node.input_paths = paths.into();
+    d.node.projection.shrink();
 }
 
 /// Evaluate the library layers in order and bind their exports into `env`.

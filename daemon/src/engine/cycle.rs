@@ -170,6 +170,7 @@ impl<'a> Cycle<'a> {
     fn shadow(&mut self, w: &[Seg]) {
         let mut above = Vec::new();
         let mut below = Vec::new();
+        self.cm.producers.around(w, &mut above, &mut below);
         self.cm.instances.around(w, &mut above, &mut below);
         for (id, b) in below {
             self.mark(id, b);

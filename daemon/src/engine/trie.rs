@@ -16,24 +16,64 @@ pub enum TSeg {
     Wild,
 }
 
-#[derive(Default, Debug)]
+const NONE: u32 = u32::MAX;
+
+/// A trie node: its entries and children. Child lookup goes through the trie-wide maps, so a
+/// node costs 56 bytes and a leaf allocates nothing but its second and later entries.
+#[derive(Debug)]
 struct TNode {
-    fields: HashMap<Key, u32>,
-    indices: HashMap<usize, u32>,
-    wild: Option<u32>,
-    entries: Vec<u32>,
+    first: u32,
+    rest: Vec<u32>,
+    wild: u32,
+    /// Reached through an index segment (rather than a field).
+    index_child: bool,
+    /// Field and index children, for subtree walks.
+    children: Vec<u32>,
+}
+
+impl Default for TNode {
+    fn default() -> Self {
+        TNode {
+            first: NONE,
+            rest: Vec::new(),
+            wild: NONE,
+            index_child: false,
+            children: Vec::new(),
+        }
+    }
+}
+
+impl TNode {
+    fn entries(&self) -> impl Iterator<Item = u32> + '_ {
+        (self.first != NONE)
+            .then_some(self.first)
+            .into_iter()
+            .chain(self.rest.iter().copied())
+    }
+
+    fn add(&mut self, e: u32) {
+        if self.first == NONE {
+            self.first = e;
+        } else if self.first != e && !self.rest.contains(&e) {
+            self.rest.push(e);
+        }
+    }
 }
 
 /// A trie whose entries are node ids.
 #[derive(Debug)]
 pub struct Trie {
     nodes: Vec<TNode>,
+    fields: HashMap<(u32, Key), u32>,
+    indices: HashMap<(u32, usize), u32>,
 }
 
 impl Default for Trie {
     fn default() -> Self {
         Trie {
             nodes: vec![TNode::default()],
+            fields: HashMap::default(),
+            indices: HashMap::default(),
         }
     }
 }
@@ -43,35 +83,60 @@ impl Default for Trie {
 pub type Hit = (u32, Vec<usize>);
 
 impl Trie {
+    fn field(&self, t: usize, k: &Key) -> Option<usize> {
+        self.fields.get(&(t as u32, k.clone())).map(|&c| c as usize)
+    }
+
+    fn index(&self, t: usize, i: usize) -> Option<usize> {
+        self.indices.get(&(t as u32, i)).map(|&c| c as usize)
+    }
+
+    fn wild(&self, t: usize) -> Option<usize> {
+        let w = self.nodes[t].wild;
+        (w != NONE).then_some(w as usize)
+    }
+
     pub fn insert(&mut self, path: &[TSeg], entry: u32) {
         let mut t = 0usize;
         for seg in path {
             let next = match seg {
-                TSeg::Field(k) => self.nodes[t].fields.get(k).copied(),
-                TSeg::Index(i) => self.nodes[t].indices.get(i).copied(),
-                TSeg::Wild => self.nodes[t].wild,
+                TSeg::Field(k) => self.field(t, k),
+                TSeg::Index(i) => self.index(t, *i),
+                TSeg::Wild => self.wild(t),
             };
             t = match next {
-                Some(n) => n as usize,
+                Some(n) => n,
                 None => {
                     let n = self.nodes.len() as u32;
                     self.nodes.push(TNode::default());
                     match seg {
                         TSeg::Field(k) => {
-                            self.nodes[t].fields.insert(k.clone(), n);
+                            self.fields.insert((t as u32, k.clone()), n);
+                            self.nodes[t].children.push(n);
                         }
                         TSeg::Index(i) => {
-                            self.nodes[t].indices.insert(*i, n);
+                            self.indices.insert((t as u32, *i), n);
+                            self.nodes[t].children.push(n);
+                            self.nodes[n as usize].index_child = true;
                         }
-                        TSeg::Wild => self.nodes[t].wild = Some(n),
+                        TSeg::Wild => self.nodes[t].wild = n,
                     }
                     n as usize
                 }
             };
         }
-        if !self.nodes[t].entries.contains(&entry) {
-            self.nodes[t].entries.push(entry);
+        self.nodes[t].add(entry);
+    }
+
+    /// Release spare capacity once the trie is complete.
+    pub fn shrink(&mut self) {
+        self.nodes.shrink_to_fit();
+        for n in &mut self.nodes {
+            n.children.shrink_to_fit();
+            n.rest.shrink_to_fit();
         }
+        self.fields.shrink_to_fit();
+        self.indices.shrink_to_fit();
     }
 
     /// Readers affected by a write at the concrete path `w`: those reading `w`, an ancestor of
@@ -82,27 +147,26 @@ impl Trie {
     }
 
     fn walk(&self, t: usize, w: &[Seg], bind: &mut Vec<usize>, skipped: bool, out: &mut Vec<Hit>) {
-        let node = &self.nodes[t];
         if !skipped {
-            for &e in &node.entries {
+            for e in self.nodes[t].entries() {
                 out.push((e, bind.clone()));
             }
         }
         match w.split_first() {
             None => self.subtree(t, bind, skipped, out),
             Some((Seg::Field(k), rest)) => {
-                if let Some(&c) = node.fields.get(k) {
-                    self.walk(c as usize, rest, bind, false, out);
+                if let Some(c) = self.field(t, k) {
+                    self.walk(c, rest, bind, false, out);
                 }
             }
             Some((Seg::Index(i), rest)) => {
-                if let Some(c) = node.wild {
+                if let Some(c) = self.wild(t) {
                     bind.push(*i);
-                    self.walk(c as usize, rest, bind, false, out);
+                    self.walk(c, rest, bind, false, out);
                     bind.pop();
                 }
-                if let Some(&c) = node.indices.get(i) {
-                    self.walk(c as usize, rest, bind, false, out);
+                if let Some(c) = self.index(t, *i) {
+                    self.walk(c, rest, bind, false, out);
                 }
                 // Implicit mapping: field reads below this node see through the index.
                 self.walk(t, rest, bind, true, out);
@@ -114,21 +178,21 @@ impl Trie {
     /// were already visited with their binding and are left out.
     fn subtree(&self, t: usize, bind: &[usize], skip_arrays: bool, out: &mut Vec<Hit>) {
         let node = &self.nodes[t];
-        for &c in node.fields.values() {
+        for &c in &node.children {
+            if skip_arrays && self.nodes[c as usize].index_child {
+                continue;
+            }
             self.all(c as usize, bind, out);
         }
         if !skip_arrays {
-            if let Some(c) = node.wild {
-                self.all(c as usize, bind, out);
-            }
-            for &c in node.indices.values() {
-                self.all(c as usize, bind, out);
+            if let Some(c) = self.wild(t) {
+                self.all(c, bind, out);
             }
         }
     }
 
     fn all(&self, t: usize, bind: &[usize], out: &mut Vec<Hit>) {
-        for &e in &self.nodes[t].entries {
+        for e in self.nodes[t].entries() {
             out.push((e, bind.to_vec()));
         }
         self.subtree(t, bind, false, out);
@@ -140,12 +204,19 @@ impl Trie {
         self.overlap(0, r, out, 0);
     }
 
+    fn index_children(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
+        self.nodes[t]
+            .children
+            .iter()
+            .map(|&c| c as usize)
+            .filter(|&c| self.nodes[c].index_child)
+    }
+
     fn overlap(&self, t: usize, r: &[TSeg], out: &mut Vec<u32>, depth: usize) {
         if depth > 512 {
             return;
         }
-        let node = &self.nodes[t];
-        out.extend_from_slice(&node.entries);
+        out.extend(self.nodes[t].entries());
         match r.split_first() {
             None => {
                 let mut hits = Vec::new();
@@ -153,30 +224,30 @@ impl Trie {
                 out.extend(hits.into_iter().map(|(e, _)| e));
             }
             Some((TSeg::Field(k), rest)) => {
-                if let Some(&c) = node.fields.get(k) {
-                    self.overlap(c as usize, rest, out, depth + 1);
+                if let Some(c) = self.field(t, k) {
+                    self.overlap(c, rest, out, depth + 1);
                 }
-                if let Some(c) = node.wild {
-                    self.overlap(c as usize, r, out, depth + 1);
+                if let Some(c) = self.wild(t) {
+                    self.overlap(c, r, out, depth + 1);
                 }
-                for &c in node.indices.values() {
-                    self.overlap(c as usize, r, out, depth + 1);
+                for c in self.index_children(t) {
+                    self.overlap(c, r, out, depth + 1);
                 }
             }
             Some((TSeg::Wild, rest)) => {
-                if let Some(c) = node.wild {
-                    self.overlap(c as usize, rest, out, depth + 1);
+                if let Some(c) = self.wild(t) {
+                    self.overlap(c, rest, out, depth + 1);
                 }
-                for &c in node.indices.values() {
-                    self.overlap(c as usize, rest, out, depth + 1);
+                for c in self.index_children(t) {
+                    self.overlap(c, rest, out, depth + 1);
                 }
             }
             Some((TSeg::Index(i), rest)) => {
-                if let Some(c) = node.wild {
-                    self.overlap(c as usize, rest, out, depth + 1);
+                if let Some(c) = self.wild(t) {
+                    self.overlap(c, rest, out, depth + 1);
                 }
-                if let Some(&c) = node.indices.get(i) {
-                    self.overlap(c as usize, rest, out, depth + 1);
+                if let Some(c) = self.index(t, *i) {
+                    self.overlap(c, rest, out, depth + 1);
                 }
             }
         }
@@ -185,46 +256,34 @@ impl Trie {
     /// Entries whose pattern is at or above the concrete path `w` (is `w` inside a value they
     /// own?), and, separately, entries strictly below it.
     pub fn around(&self, w: &[Seg], above: &mut Vec<u32>, below: &mut Vec<Hit>) {
-        let mut t = 0usize;
         let mut bind = Vec::new();
-        self.around_walk(&mut t, w, &mut bind, above, below);
+        self.around_walk(0, w, &mut bind, above, below);
     }
 
     fn around_walk(
         &self,
-        t: &mut usize,
+        t: usize,
         w: &[Seg],
         bind: &mut Vec<usize>,
         above: &mut Vec<u32>,
         below: &mut Vec<Hit>,
     ) {
-        let node = &self.nodes[*t];
+        above.extend(self.nodes[t].entries());
         match w.split_first() {
-            None => {
-                above.extend_from_slice(&node.entries);
-                self.subtree(*t, bind, false, below);
+            None => self.subtree(t, bind, false, below),
+            Some((Seg::Field(k), rest)) => {
+                if let Some(c) = self.field(t, k) {
+                    self.around_walk(c, rest, bind, above, below);
+                }
             }
-            Some((seg, rest)) => {
-                above.extend_from_slice(&node.entries);
-                match seg {
-                    Seg::Field(k) => {
-                        if let Some(&c) = node.fields.get(k) {
-                            let mut c = c as usize;
-                            self.around_walk(&mut c, rest, bind, above, below);
-                        }
-                    }
-                    Seg::Index(i) => {
-                        if let Some(c) = node.wild {
-                            let mut c = c as usize;
-                            bind.push(*i);
-                            self.around_walk(&mut c, rest, bind, above, below);
-                            bind.pop();
-                        }
-                        if let Some(&c) = node.indices.get(i) {
-                            let mut c = c as usize;
-                            self.around_walk(&mut c, rest, bind, above, below);
-                        }
-                    }
+            Some((Seg::Index(i), rest)) => {
+                if let Some(c) = self.wild(t) {
+                    bind.push(*i);
+                    self.around_walk(c, rest, bind, above, below);
+                    bind.pop();
+                }
+                if let Some(c) = self.index(t, *i) {
+                    self.around_walk(c, rest, bind, above, below);
                 }
             }
         }
