@@ -27,6 +27,8 @@ struct TNode {
     wild: u32,
     /// Reached through an index segment (rather than a field).
     index_child: bool,
+    /// Has children reached through index segments (rare: concrete indices in patterns).
+    has_index_children: bool,
     /// Field and index children, for subtree walks.
     children: Vec<u32>,
 }
@@ -38,6 +40,7 @@ impl Default for TNode {
             rest: Vec::new(),
             wild: NONE,
             index_child: false,
+            has_index_children: false,
             children: Vec::new(),
         }
     }
@@ -118,6 +121,7 @@ impl Trie {
                             self.indices.insert((t as u32, *i), n);
                             self.nodes[t].children.push(n);
                             self.nodes[n as usize].index_child = true;
+                            self.nodes[t].has_index_children = true;
                         }
                         TSeg::Wild => self.nodes[t].wild = n,
                     }
@@ -179,7 +183,7 @@ impl Trie {
     fn subtree(&self, t: usize, bind: &[usize], skip_arrays: bool, out: &mut Vec<Hit>) {
         let node = &self.nodes[t];
         for &c in &node.children {
-            if skip_arrays && self.nodes[c as usize].index_child {
+            if skip_arrays && node.has_index_children && self.nodes[c as usize].index_child {
                 continue;
             }
             self.all(c as usize, bind, out);
@@ -205,9 +209,12 @@ impl Trie {
     }
 
     fn index_children(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
-        self.nodes[t]
-            .children
-            .iter()
+        let scan: &[u32] = if self.nodes[t].has_index_children {
+            &self.nodes[t].children
+        } else {
+            &[]
+        };
+        scan.iter()
             .map(|&c| c as usize)
             .filter(|&c| self.nodes[c].index_child)
     }
