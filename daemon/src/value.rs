@@ -11,6 +11,41 @@ use serde_json::Value as Json;
 /// Object keys are shared strings: the same key text is stored once per object entry.
 pub type Key = Arc<str>;
 
+/// Longest key text worth interning, and how many distinct keys a thread's table holds.
+const INTERN_MAX_LEN: usize = 64;
+const INTERN_MAX_KEYS: usize = 1 << 16;
+
+thread_local! {
+    static INTERNED: std::cell::RefCell<rustc_hash::FxHashSet<Key>> =
+        std::cell::RefCell::new(rustc_hash::FxHashSet::default());
+}
+
+/// The shared `Key` for a member name. Documents repeat the same few names (every element of
+/// an array has the same fields), so sharing one allocation per name saves memory and makes
+/// lookups compare pointers before bytes. Bounded: past the table's size, keys are allocated.
+pub fn intern(s: &str) -> Key {
+    if s.len() > INTERN_MAX_LEN {
+        return Arc::from(s);
+    }
+    INTERNED.with(|t| {
+        let mut t = t.borrow_mut();
+        if let Some(k) = t.get(s) {
+            return k.clone();
+        }
+        let k: Key = Arc::from(s);
+        if t.len() < INTERN_MAX_KEYS {
+            t.insert(k.clone());
+        }
+        k
+    })
+}
+
+/// Key equality with a pointer fast path for interned keys.
+#[inline]
+fn key_eq(a: &str, b: &str) -> bool {
+    (a.as_ptr() == b.as_ptr() && a.len() == b.len()) || a == b
+}
+
 /// Objects up to this many entries are a copy-on-write vector (cheap to build and scan); wider
 /// objects switch to a persistent hash trie so one write never copies the whole object.
 const SMALL_OBJECT: usize = 32;
@@ -60,7 +95,7 @@ impl ObjMap {
 
     pub fn get(&self, key: &str) -> Option<&Val> {
         match self {
-            ObjMap::Small(v) => v.iter().find(|(k, _)| &**k == key).map(|(_, v)| v),
+            ObjMap::Small(v) => v.iter().find(|(k, _)| key_eq(k, key)).map(|(_, v)| v),
             ObjMap::Large(m) => m.get(key).map(|e| &e.val),
         }
     }
@@ -70,7 +105,7 @@ impl ObjMap {
         match self {
             ObjMap::Small(v) => Arc::make_mut(v)
                 .iter_mut()
-                .find(|(k, _)| &**k == key)
+                .find(|(k, _)| key_eq(k, key))
                 .map(|(_, v)| v),
             ObjMap::Large(m) => Arc::make_mut(m).get_mut(key),
         }
@@ -81,7 +116,7 @@ impl ObjMap {
         match self {
             ObjMap::Small(v) => {
                 let vec = Arc::make_mut(v);
-                if let Some(slot) = vec.iter_mut().find(|(k, _)| *k == key) {
+                if let Some(slot) = vec.iter_mut().find(|(k, _)| key_eq(k, &key)) {
                     slot.1 = val;
                     return;
                 }
@@ -209,7 +244,7 @@ impl WideMap {
         loop {
             match &branch.slots[slot_index(hash, shift)] {
                 Slot::Empty => return None,
-                Slot::One(e) => return (e.hash == hash && &*e.key == key).then_some(&**e),
+                Slot::One(e) => return (e.hash == hash && key_eq(&e.key, key)).then_some(&**e),
                 Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
                 Slot::Branch(b) => {
                     branch = b;
@@ -613,7 +648,7 @@ impl Val {
             Json::Object(o) => {
                 let mut m = ObjMap::new();
                 for (k, v) in o {
-                    m.insert(Arc::from(k.as_str()), Val::from_json(v));
+                    m.insert(intern(k), Val::from_json(v));
                 }
                 Val::Obj(m)
             }

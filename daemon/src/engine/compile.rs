@@ -361,7 +361,7 @@ fn aggregate_of(ast: &AstNode) -> Option<Aggregate> {
             return None;
         }
         match &s.node {
-            AstNode::Name(n) => path.push(Arc::from(n.as_str())),
+            AstNode::Name(n) => path.push(crate::value::intern(n)),
             _ => return None,
         }
     }

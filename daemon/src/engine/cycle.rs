@@ -894,7 +894,7 @@ fn apply_schema_defaults(
         return Ok(());
     };
     for (k, sub) in props {
-        at.push(Seg::Field(Arc::from(k.as_str())));
+        at.push(Seg::Field(crate::value::intern(k)));
         let sub_r = super::schema::resolve(root, sub);
         let present = c.st.base.get_path(at).is_some();
         if !present {

@@ -4,7 +4,6 @@
 //! makes the expression depend on the whole document. Never evaluates anything.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use jsonata_core::ast::{AstNode, BinaryOp, PathStep, Stage};
 
@@ -271,7 +270,7 @@ impl Walker<'_> {
 
 fn extend(f: &[Key], n: &str) -> Vec<Key> {
     let mut v = f.to_vec();
-    v.push(Arc::from(n));
+    v.push(crate::value::intern(n));
     v
 }
 

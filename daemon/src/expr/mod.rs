@@ -348,7 +348,7 @@ pub fn from_jvalue(v: &JValue) -> Val {
             let mut m = ObjMap::new();
             for (k, x) in o.iter() {
                 if !x.is_undefined() {
-                    m.insert(Arc::from(k.as_str()), from_jvalue(x));
+                    m.insert(crate::value::intern(k), from_jvalue(x));
                 }
             }
             Val::Obj(m)

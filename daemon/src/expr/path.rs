@@ -253,7 +253,7 @@ fn strict(t: &str) -> Result<Address, String> {
                 if !is_identifier(&name) {
                     return Err(format!("member `{name}` needs the bracket form"));
                 }
-                segs.push(PathSeg::Field(Arc::from(name.as_str())));
+                segs.push(PathSeg::Field(crate::value::intern(&name)));
             }
             '[' => {
                 i += 1;
@@ -285,7 +285,7 @@ fn strict(t: &str) -> Result<Address, String> {
                         return Err(format!("expected `]` at position {i}"));
                     }
                     i += 1;
-                    segs.push(PathSeg::Field(Arc::from(name.as_str())));
+                    segs.push(PathSeg::Field(crate::value::intern(&name)));
                 } else {
                     let start = i;
                     while i < chars.len() && chars[i] != ']' {
