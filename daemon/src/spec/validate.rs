@@ -927,6 +927,20 @@ fn check_lineage(spec: &ModelSpec, v: &mut V) {
     }
 }
 
+/// The `{ expr }` segments of a URL or header template.
+fn interpolations(t: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = t;
+    while let Some(open) = rest.find('{') {
+        let Some(close) = rest[open..].find('}') else {
+            break;
+        };
+        out.push(&rest[open + 1..open + close]);
+        rest = &rest[open + close + 1..];
+    }
+    out
+}
+
 /// Every `$name(...)` call must resolve; an unbound `$name` value is a warning.
 fn check_names(spec: &ModelSpec, exports: &BTreeSet<String>, v: &mut V, limits: &Limits) {
     let mut exprs: Vec<(String, &str)> = Vec::new();
@@ -960,6 +974,34 @@ fn check_names(spec: &ModelSpec, exports: &BTreeSet<String>, v: &mut V, limits: 
             for (k, x) in p {
                 if let Some(s) = x.as_str() {
                     exprs.push((format!("effects[{i}].payload.{k}"), s));
+                }
+            }
+        }
+        if let Some(r) = &e.response {
+            for (k, x) in &r.set {
+                if let Some(s) = x.as_str() {
+                    exprs.push((format!("effects[{i}].response.set.{k}"), s));
+                }
+            }
+        }
+        if let Some(req) = &e.request {
+            if let Some(b) = req.get("body").and_then(Json::as_str) {
+                exprs.push((format!("effects[{i}].request.body"), b));
+            }
+            let mut templates: Vec<(String, &str)> = Vec::new();
+            if let Some(u) = req.get("url").and_then(Json::as_str) {
+                templates.push((format!("effects[{i}].request.url"), u));
+            }
+            if let Some(h) = req.get("headers").and_then(Json::as_object) {
+                for (k, x) in h {
+                    if let Some(t) = x.as_str() {
+                        templates.push((format!("effects[{i}].request.headers.{k}"), t));
+                    }
+                }
+            }
+            for (loc, t) in templates {
+                for seg in interpolations(t) {
+                    exprs.push((loc.clone(), seg));
                 }
             }
         }
@@ -1115,6 +1157,34 @@ mod tests {
         );
         assert!(has(&r.errors, "library", "shadows"));
         assert!(has(&r.errors, "library", "collides"));
+    }
+
+    #[test]
+    fn effect_templates_and_fold_backs_are_compiled() {
+        let r = run(
+            json!({"id":"m","schema":{},"effects":[{"id":"e","executor":"server","trigger":"true",
+            "request":{"url":"https://x.test/r?q={ region ( }","headers":{"X-Id":"{id}"}},
+            "response":{"set":{"$.rate":"$response.rate +"}}}]}),
+        );
+        assert!(
+            has(&r.errors, "effects[0].request.url", "Invalid JSONata"),
+            "{:?}",
+            r.errors
+        );
+        assert!(
+            has(
+                &r.errors,
+                "effects[0].response.set.$.rate",
+                "Invalid JSONata"
+            ),
+            "{:?}",
+            r.errors
+        );
+        assert!(
+            !has(&r.errors, "effects[0].request.headers", ""),
+            "{:?}",
+            r.errors
+        );
     }
 
     #[test]
