@@ -1,1 +1,221 @@
-//! Shared builders for the benchmark shapes (fan-out, chain, items).
+//! Shared shape builders for the valem engine benchmarks: the fan-out, chain and items specs,
+//! model construction with the initial data applied in one big mutation, and pre-parsed
+//! mutation addresses. Used by the criterion benches and the memory binary.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use valem::engine::{EngineLimits, Model, MutationResult};
+use valem::expr::path::Address;
+use valem::spec::{parse_spec, ModelSpec};
+use valem::value::Seg;
+
+/// A fixed clock for every cycle.
+pub const NOW_MS: i64 = 1_700_000_000_000;
+
+/// Limits that let the initial data go in as one mutation.
+pub fn limits() -> EngineLimits {
+    EngineLimits {
+        max_mutations: usize::MAX,
+        ..Default::default()
+    }
+}
+
+fn spec(id: &str, derivations: Vec<Value>) -> ModelSpec {
+    let json = json!({
+        "id": id,
+        "schema": {"type": "object"},
+        "derivations": derivations,
+    });
+    parse_spec(&json).expect("bench spec parses")
+}
+
+/// Fan-out: `$.total_i = price_i * qty_i` for i in 0..n.
+pub fn fanout_spec(n: usize) -> ModelSpec {
+    let d = (0..n)
+        .map(|i| json!({"path": format!("$.total_{i}"), "expr": format!("price_{i} * qty_{i}")}))
+        .collect();
+    spec("fanout", d)
+}
+
+/// Chain: `$.f_0 = seed + 1`, `$.f_i = f_{i-1} + 1` for i in 1..n.
+pub fn chain_spec(n: usize) -> ModelSpec {
+    let d = (0..n)
+        .map(|i| {
+            let expr = if i == 0 {
+                "seed + 1".to_string()
+            } else {
+                format!("f_{} + 1", i - 1)
+            };
+            json!({"path": format!("$.f_{i}"), "expr": expr})
+        })
+        .collect();
+    spec("chain", d)
+}
+
+/// Items: `$.items[*].total = $parent.price * $parent.qty`, `$.sum = $sum(items.total)`.
+pub fn items_spec() -> ModelSpec {
+    spec(
+        "items",
+        vec![
+            json!({"path": "$.items[*].total", "expr": "$parent.price * $parent.qty"}),
+            json!({"path": "$.sum", "expr": "$sum(items.total)"}),
+        ],
+    )
+}
+
+/// Parse a concrete address into segments (for `mutate_parsed`).
+pub fn segs(addr: &str) -> Vec<Seg> {
+    Address::parse(addr)
+        .expect("address parses")
+        .concrete()
+        .expect("address is concrete")
+}
+
+fn create(spec: &ModelSpec) -> Model {
+    let (model, _) = Model::create(spec, NOW_MS, limits()).expect("model creates");
+    model
+}
+
+/// Apply the initial data in one big mutation; returns the cycle's result.
+pub fn seed(model: &mut Model, data: Vec<(Vec<Seg>, Value)>) -> MutationResult {
+    model
+        .mutate_parsed(&data, NOW_MS)
+        .expect("initial data applies")
+}
+
+/// The fan-out base fields: price_i = i + 1, qty_i = 2.
+pub fn fanout_data(n: usize) -> Vec<(Vec<Seg>, Value)> {
+    let mut data = Vec::with_capacity(2 * n);
+    for i in 0..n {
+        data.push((segs(&format!("$.price_{i}")), json!(i + 1)));
+        data.push((segs(&format!("$.qty_{i}")), json!(2)));
+    }
+    data
+}
+
+/// Chain base data: the seed.
+pub fn chain_data() -> Vec<(Vec<Seg>, Value)> {
+    vec![(segs("$.seed"), json!(0))]
+}
+
+/// Items base data: `{"$.items": [{price: i + 1, qty: 2}, ...]}`.
+pub fn items_data(n: usize) -> Vec<(Vec<Seg>, Value)> {
+    let items: Vec<Value> = (0..n).map(|i| json!({"price": i + 1, "qty": 2})).collect();
+    vec![(segs("$.items"), Value::Array(items))]
+}
+
+/// A fan-out model of `n` derivations with its base data applied.
+pub fn fanout_model(n: usize) -> Model {
+    let mut m = create(&fanout_spec(n));
+    seed(&mut m, fanout_data(n));
+    m
+}
+
+/// A chain model of `n` derivations with `$.seed = 0` applied.
+pub fn chain_model(n: usize) -> Model {
+    let mut m = create(&chain_spec(n));
+    seed(&mut m, chain_data());
+    m
+}
+
+/// An items model with `n` items applied.
+pub fn items_model(n: usize) -> Model {
+    let mut m = create(&items_spec());
+    seed(&mut m, items_data(n));
+    m
+}
+
+/// Compile without the per-thread cache.
+pub fn compile_uncached(spec: &ModelSpec) -> valem::engine::CompiledModel {
+    valem::engine::compile::compile(Arc::new(spec.clone()), &valem::expr::Limits::default())
+        .unwrap_or_else(|e| panic!("spec compiles: {e:?}"))
+}
+
+/// A cheap deterministic sequence for picking `k` (xorshift64*).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+    }
+}
+
+/// Pre-parsed fan-out mutations `$.price_k = v` for `count` distinct steps. Values increase
+/// monotonically, so every mutation changes its field and its total (early cutoff never skips).
+pub fn fanout_mutations(n: usize, count: usize, start: u64) -> Vec<(Vec<Seg>, Value)> {
+    let mut rng = Rng::new(0x9e37_79b9 ^ start);
+    (0..count)
+        .map(|j| {
+            let k = rng.below(n);
+            (
+                segs(&format!("$.price_{k}")),
+                json!(1_000_000 + start + j as u64),
+            )
+        })
+        .collect()
+}
+
+/// The derived paths a result reports, sorted.
+pub fn derived(r: &MutationResult) -> Vec<String> {
+    let mut d = r.derived_updated.clone();
+    d.sort();
+    d
+}
+
+/// Resident memory in MB from /proc/self/status: (VmRSS, VmHWM).
+pub fn rss_mb() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| -> f64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(f64::NAN, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// A ring of pre-built single-write mutations whose values never repeat: each `next` bumps a
+/// counter into the next slot's value, so every cycle changes its field (no early cutoff).
+pub struct Pool<K> {
+    muts: Vec<(K, Value)>,
+    i: usize,
+    counter: u64,
+}
+
+impl<K> Pool<K> {
+    /// `keys` are the addresses cycled through; values start at `start`.
+    pub fn new(keys: Vec<K>, start: u64) -> Pool<K> {
+        assert!(!keys.is_empty());
+        Pool {
+            muts: keys.into_iter().map(|k| (k, Value::Null)).collect(),
+            i: 0,
+            counter: start,
+        }
+    }
+
+    /// The next one-write batch.
+    pub fn next_batch(&mut self) -> &[(K, Value)] {
+        self.i = (self.i + 1) % self.muts.len();
+        self.counter += 1;
+        self.muts[self.i].1 = Value::from(self.counter);
+        std::slice::from_ref(&self.muts[self.i])
+    }
+}
+
+/// `count` random fan-out indices in 0..n.
+pub fn random_indices(n: usize, count: usize, seed: u64) -> Vec<usize> {
+    let mut rng = Rng::new(seed);
+    (0..count).map(|_| rng.below(n)).collect()
+}

@@ -2,7 +2,7 @@
 //! snapshot or a rollback point is O(1), and one write costs O(log N) even in a 300k-key object.
 //! Never does I/O; conversion to and from `serde_json::Value` happens only at the edges.
 
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use imbl::Vector;
@@ -142,9 +142,7 @@ impl ObjMap {
                 Some(Arc::make_mut(v).remove(pos).1)
             }
             ObjMap::Large(m) => {
-                if m.get(key).is_none() {
-                    return None;
-                }
+                m.get(key)?;
                 Arc::make_mut(m).remove(key)
             }
         }
@@ -227,9 +225,7 @@ pub struct WideMap {
 }
 
 fn hash_key(key: &str) -> u64 {
-    let mut h = rustc_hash::FxBuildHasher.build_hasher();
-    key.hash(&mut h);
-    h.finish()
+    rustc_hash::FxBuildHasher.hash_one(key)
 }
 
 fn slot_index(hash: u64, shift: u32) -> usize {
@@ -741,7 +737,7 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let k = format!("k{}", (x >> 33) % 3000);
-            if (x >> 20) % 5 == 0 {
+            if (x >> 20).is_multiple_of(5) {
                 let had = reference.remove(&k).is_some();
                 assert_eq!(m.remove(&k).is_some(), had);
                 order.retain(|o| o != &k);

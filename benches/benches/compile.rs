@@ -1,0 +1,89 @@
+//! Compile and create: uncached `compile` of a 100k-derivation fan-out spec (target ≤ 1 s),
+//! model creation from the compiled model, `Model::create` with a warm compile cache (spec
+//! hashing + initialization), and the initial data mutation (200k base fields). 10k as a
+//! scaling reference.
+
+use std::hint::black_box;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode};
+use valem::engine::Model;
+use valem_benches::*;
+
+fn compile(c: &mut Criterion) {
+    let mut g = c.benchmark_group("compile");
+    g.sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+    for n in [10_000usize, 100_000] {
+        let spec = fanout_spec(n);
+
+        // Uncached compile; the drop of the compiled model is not timed.
+        g.bench_function(BenchmarkId::new("fanout_compile", n), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let cm = compile_uncached(&spec);
+                    total += t.elapsed();
+                    drop(black_box(cm));
+                }
+                total
+            })
+        });
+
+        // Creation from an already compiled model (the initial cycle).
+        let cm = Rc::new(compile_uncached(&spec));
+        g.bench_function(BenchmarkId::new("fanout_from_compiled", n), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let m = Model::from_compiled(cm.clone(), NOW_MS, limits()).unwrap();
+                    total += t.elapsed();
+                    drop(black_box(m));
+                }
+                total
+            })
+        });
+        drop(cm);
+
+        // `Model::create` with the compile cache warm: spec hash + initial cycle.
+        let (mut model, _) = Model::create(&spec, NOW_MS, limits()).unwrap();
+        g.bench_function(BenchmarkId::new("fanout_create_cached", n), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let m = Model::create(&spec, NOW_MS, limits()).unwrap();
+                    total += t.elapsed();
+                    drop(black_box(m));
+                }
+                total
+            })
+        });
+
+        // The initial data: one mutation writing all 2N base fields into a fresh model.
+        let empty = model.state().clone();
+        let data = fanout_data(n);
+        g.bench_function(BenchmarkId::new("fanout_initial_data", n), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    model.restore(empty.clone());
+                    let t = Instant::now();
+                    let r = model.mutate_parsed(&data, NOW_MS).unwrap();
+                    total += t.elapsed();
+                    drop(black_box(r));
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, compile);
+criterion_main!(benches);

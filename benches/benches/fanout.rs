@@ -1,0 +1,52 @@
+//! Fan-out: N independent derivations `$.total_i = price_i * qty_i`; one mutation of
+//! `$.price_k` must recompute exactly `$.total_k`. Target ≤ 5 µs per mutation at N = 100k.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use valem_benches::*;
+
+const POOL: usize = 4096;
+
+fn fanout(c: &mut Criterion) {
+    let mut g = c.benchmark_group("fanout");
+    g.sample_size(50)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    for n in [10_000usize, 100_000] {
+        let mut model = fanout_model(n);
+        let idx = random_indices(n, POOL, n as u64);
+
+        // Check once that one write recomputes exactly its own total.
+        let k = idx[0];
+        let r = model
+            .mutate(&[(format!("$.price_{k}"), 123_456_789.into())], NOW_MS)
+            .expect("mutation commits");
+        assert_eq!(
+            derived(&r),
+            vec![format!("$.total_{k}")],
+            "fan-out recompute set"
+        );
+
+        let mut parsed = Pool::new(
+            idx.iter().map(|k| segs(&format!("$.price_{k}"))).collect(),
+            1_000_000,
+        );
+        g.bench_function(BenchmarkId::new("mutate_parsed", n), |b| {
+            b.iter(|| black_box(model.mutate_parsed(parsed.next_batch(), NOW_MS).unwrap()))
+        });
+
+        let mut strings = Pool::new(
+            idx.iter().map(|k| format!("$.price_{k}")).collect(),
+            1_000_000_000,
+        );
+        g.bench_function(BenchmarkId::new("mutate_string", n), |b| {
+            b.iter(|| black_box(model.mutate(strings.next_batch(), NOW_MS).unwrap()))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, fanout);
+criterion_main!(benches);
