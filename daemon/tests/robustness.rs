@@ -257,3 +257,63 @@ fn schema_violations_are_structured_and_complete() {
     assert_eq!(v[0].keyword, "maximum");
     assert_eq!(err.to_json()["error"], "Schema violation");
 }
+
+#[test]
+fn in_place_undo_restores_wide_documents_exactly() {
+    let derivations: Vec<Value> = (0..60)
+        .map(|i| json!({"path": format!("$.t{i}"), "expr": format!("a{i} * 2")}))
+        .collect();
+    let spec = parse_spec(&json!({"id": "wide", "schema": {"type": "object"},
+        "derivations": derivations,
+        "constraints": [{"id": "cap", "expr": "$not(t5 > 100)", "message": "t5 too big", "policy": "rollback"}]}))
+    .unwrap();
+    let limits = EngineLimits {
+        max_array_index: 10,
+        ..EngineLimits::default()
+    };
+    let (mut m, _) = Model::create(&spec, NOW, limits).unwrap();
+    let seed: Vec<(String, Value)> = (0..60).map(|i| (format!("$.a{i}"), json!(i))).collect();
+    m.mutate(&seed, NOW).unwrap();
+    let printed = m.merged_json(NOW).to_string();
+    let fingerprint = m.state().fingerprint();
+    // Refused by a constraint after many writes, new keys and a new array.
+    let e = m.mutate(
+        &[
+            ("$.a1".into(), json!(7)),
+            ("$.fresh".into(), json!(1)),
+            ("$.list[2]".into(), json!("x")),
+            ("$.a5".into(), json!(99)),
+        ],
+        NOW,
+    );
+    assert!(matches!(e, Err(MutationError::Constraint { .. })), "{e:?}");
+    assert_eq!(m.state().fingerprint(), fingerprint);
+    assert_eq!(
+        m.merged_json(NOW).to_string(),
+        printed,
+        "values and key order restored"
+    );
+    // Refused half-way through applying the writes (index beyond the limit).
+    let e = m.mutate(
+        &[
+            ("$.a2".into(), json!(8)),
+            ("$.new".into(), json!(2)),
+            ("$.list[50]".into(), json!(1)),
+        ],
+        NOW,
+    );
+    assert!(matches!(e, Err(MutationError::Invalid(_))), "{e:?}");
+    assert_eq!(m.state().fingerprint(), fingerprint);
+    assert_eq!(m.merged_json(NOW).to_string(), printed);
+    // And the model still works afterwards, appending new keys after the old ones.
+    m.mutate(&[("$.zz".into(), json!(1))], NOW).unwrap();
+    let keys: Vec<String> = m
+        .merged_json(NOW)
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    assert_eq!(keys.first().map(String::as_str), Some("a0"));
+    assert!(keys.iter().position(|k| k == "zz") > keys.iter().position(|k| k == "a59"));
+}

@@ -32,6 +32,64 @@ struct Dirty {
     queued: bool,
 }
 
+/// What a cycle changed, to undo it exactly if the cycle fails. The cycle mutates the committed
+/// state in place (no copy when nobody else holds it); each top-level member of the base and
+/// merged documents is saved once, before its first change (an O(1) persistent clone).
+#[derive(Default)]
+struct Journal {
+    base: Vec<(Option<crate::value::Key>, Option<Val>)>,
+    merged: Vec<(Option<crate::value::Key>, Option<Val>)>,
+    base_seen: HashSet<crate::value::Key>,
+    merged_seen: HashSet<crate::value::Key>,
+    base_root: bool,
+    merged_root: bool,
+    meta: Vec<(Arc<str>, Option<MetaEntry>)>,
+    stale: Vec<(NodeId, bool)>,
+    effect_keys: Vec<(Arc<str>, Option<Val>)>,
+}
+
+/// Save the top-level member of `doc` that a write at `path` changes (or the whole root).
+fn save(
+    doc: &Val,
+    path: &[Seg],
+    log: &mut Vec<(Option<crate::value::Key>, Option<Val>)>,
+    seen: &mut HashSet<crate::value::Key>,
+    root_saved: &mut bool,
+) {
+    match (path.first(), doc) {
+        (Some(Seg::Field(k)), Val::Obj(m)) => {
+            if seen.insert(k.clone()) {
+                log.push((Some(k.clone()), m.get(k).cloned()));
+            }
+        }
+        _ => {
+            if !*root_saved {
+                *root_saved = true;
+                log.push((None, Some(doc.clone())));
+            }
+        }
+    }
+}
+
+fn undo(doc: &mut Val, log: Vec<(Option<crate::value::Key>, Option<Val>)>) {
+    for (key, old) in log.into_iter().rev() {
+        match (key, old) {
+            (None, Some(v)) => *doc = v,
+            (None, None) => {}
+            (Some(k), Some(v)) => {
+                if let Val::Obj(m) = doc {
+                    m.insert(k, v);
+                }
+            }
+            (Some(k), None) => {
+                if let Val::Obj(m) = doc {
+                    m.remove(&k);
+                }
+            }
+        }
+    }
+}
+
 struct Cycle<'a> {
     cm: &'a CompiledModel,
     limits: &'a EngineLimits,
@@ -57,6 +115,7 @@ struct Cycle<'a> {
     /// Derivations evaluated more than once this cycle (their updates are de-duplicated).
     evaluated: HashSet<NodeId>,
     hits: Vec<(u32, Vec<usize>)>,
+    journal: Journal,
 }
 
 impl<'a> Cycle<'a> {
@@ -91,6 +150,7 @@ impl<'a> Cycle<'a> {
             },
             evaluated: HashSet::default(),
             hits: Vec::new(),
+            journal: Journal::default(),
         }
     }
 
@@ -181,6 +241,21 @@ impl<'a> Cycle<'a> {
         let max = self.limits.max_array_index;
         // The first container this write creates: instances below it are new.
         let created = (1..segs.len()).find(|&k| self.st.merged.get_path(&segs[..k]).is_none());
+        let j = &mut self.journal;
+        save(
+            &self.st.base,
+            segs,
+            &mut j.base,
+            &mut j.base_seen,
+            &mut j.base_root,
+        );
+        save(
+            &self.st.merged,
+            segs,
+            &mut j.merged,
+            &mut j.merged_seen,
+            &mut j.merged_root,
+        );
         self.st
             .base
             .set_path(segs, value.clone(), max)
@@ -322,10 +397,12 @@ impl<'a> Cycle<'a> {
             if let NodeKind::Derivation { lazy: true } = node.kind {
                 if !self.include_lazy && !self.has_non_lazy_dependent(id) {
                     self.dirty.remove(&id);
-                    self.st.lazy_stale.insert(id);
+                    let was = self.st.lazy_stale.insert(id).is_some();
+                    self.journal.stale.push((id, was));
                     continue;
                 }
                 if self.st.lazy_stale.remove(&id).is_some() {
+                    self.journal.stale.push((id, true));
                     self.dirty.insert(
                         id,
                         Dirty {
@@ -366,6 +443,16 @@ impl<'a> Cycle<'a> {
             None => Arc::from(render(inst)),
         };
         let changed = self.st.merged.get_path(inst) != Some(&value);
+        if changed {
+            let j = &mut self.journal;
+            save(
+                &self.st.merged,
+                inst,
+                &mut j.merged,
+                &mut j.merged_seen,
+                &mut j.merged_root,
+            );
+        }
         if changed && self.st.merged.splice_existing(inst, value.clone()) {
             self.version += 1;
             if !again || !self.result.derived_updated.iter().any(|d| **d == *target) {
@@ -399,7 +486,8 @@ impl<'a> Cycle<'a> {
                 let entry = MetaEntry { node: id, value };
                 if self.st.meta.get(&key) != Some(&entry) {
                     self.result.meta_updated.push(key.to_string());
-                    self.st.meta.insert(key, entry);
+                    let old = self.st.meta.insert(key.clone(), entry);
+                    self.journal.meta.push((key, old));
                 }
             }
             if full && pattern.has_wildcard() {
@@ -411,7 +499,8 @@ impl<'a> Cycle<'a> {
                     .map(|(k, _)| k.clone())
                     .collect();
                 for k in stale {
-                    self.st.meta.remove(&k);
+                    let old = self.st.meta.remove(&k);
+                    self.journal.meta.push((k, old));
                 }
             }
         }
@@ -513,7 +602,8 @@ impl<'a> Cycle<'a> {
                 if self.st.effect_keys.get(&id_key) == Some(&key) {
                     continue;
                 }
-                self.st.effect_keys.insert(id_key, key);
+                let old = self.st.effect_keys.insert(id_key.clone(), key);
+                self.journal.effect_keys.push((id_key, old));
             }
             let payload = if plan.payload.is_empty() {
                 None
@@ -543,11 +633,46 @@ impl<'a> Cycle<'a> {
         }
     }
 
+    /// Undo everything this cycle changed in the state.
+    fn rollback(&mut self) {
+        let j = std::mem::take(&mut self.journal);
+        undo(&mut self.st.base, j.base);
+        undo(&mut self.st.merged, j.merged);
+        for (k, old) in j.meta.into_iter().rev() {
+            match old {
+                Some(e) => {
+                    self.st.meta.insert(k, e);
+                }
+                None => {
+                    self.st.meta.remove(&k);
+                }
+            }
+        }
+        for (id, was) in j.stale.into_iter().rev() {
+            if was {
+                self.st.lazy_stale.insert(id);
+            } else {
+                self.st.lazy_stale.remove(&id);
+            }
+        }
+        for (k, old) in j.effect_keys.into_iter().rev() {
+            match old {
+                Some(v) => {
+                    self.st.effect_keys.insert(k, v);
+                }
+                None => {
+                    self.st.effect_keys.remove(&k);
+                }
+            }
+        }
+    }
+
     fn finish(mut self) -> Result<MutationResult, MutationError> {
         self.derive();
         self.meta();
         let rollback = self.constraints();
         if !rollback.is_empty() {
+            self.rollback();
             let mut traces = std::mem::take(&mut self.result.traces);
             for v in &rollback {
                 traces.push(Trace {
@@ -819,7 +944,8 @@ fn truthy(v: Option<&JValue>) -> bool {
     }
 }
 
-/// Run a mutation cycle on `st` (a working copy). On error `st` is garbage: drop it.
+/// Run a mutation cycle on the committed state `st`, in place. On error every change is undone,
+/// so `st` is exactly as before.
 pub(super) fn run(
     cm: &CompiledModel,
     limits: &EngineLimits,
@@ -833,11 +959,19 @@ pub(super) fn run(
     } else {
         c.new_containers(mutations)
     };
-    for (segs, v) in mutations {
-        c.write_base(segs, Val::from_json(v))?;
-    }
-    if !containers.is_empty() {
-        c.apply_defaults(&containers)?;
+    let applied = mutations
+        .iter()
+        .try_for_each(|(segs, v)| c.write_base(segs, Val::from_json(v)))
+        .and_then(|()| {
+            if containers.is_empty() {
+                Ok(())
+            } else {
+                c.apply_defaults(&containers)
+            }
+        });
+    if let Err(e) = applied {
+        c.rollback();
+        return Err(e);
     }
     c.finish()
 }

@@ -340,16 +340,13 @@ impl Model {
         if !violations.is_empty() {
             return Err(MutationError::Schema(violations));
         }
-        let mut working = self.state.clone();
-        let result = cycle::run(
+        cycle::run(
             &self.compiled,
             &self.limits,
-            &mut working,
+            &mut self.state,
             mutations,
             now_ms,
-        )?;
-        self.state = working;
-        Ok(result)
+        )
     }
 
     /// The committed state (lazy derivations may be stale: see [`Model::materialize`]).
@@ -362,9 +359,7 @@ impl Model {
         if self.state.lazy_stale.is_empty() {
             return;
         }
-        let mut working = self.state.clone();
-        cycle::materialize_lazy(&self.compiled, &self.limits, &mut working, now_ms);
-        self.state = working;
+        cycle::materialize_lazy(&self.compiled, &self.limits, &mut self.state, now_ms);
     }
 
     /// The merged document as JSON, lazy derivations evaluated.
