@@ -296,10 +296,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                     Ok(Some(v)) => print_json(v),
                     Ok(None) => eprintln!("(undefined)"),
                     Err(e) => {
-                        let at = e
-                            .position
-                            .map(|p| format!(" at position {p}"))
-                            .unwrap_or_default();
+                        let at = e.at();
                         eprintln!(
                             "valem: {}{at}: {}",
                             e.code.as_deref().unwrap_or("error"),

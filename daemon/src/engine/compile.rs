@@ -284,10 +284,7 @@ impl Interner {
 }
 
 fn expr_error(location: &str, text: &str, e: &ExprError) -> CompileError {
-    let at = e
-        .position
-        .map(|p| format!(" at position {p}"))
-        .unwrap_or_default();
+    let at = e.at();
     let snippet: String = text.chars().take(80).collect();
     CompileError {
         location: location.to_string(),
@@ -958,10 +955,7 @@ pub fn eval_library_layer(
     limits: &Limits,
 ) -> Result<Vec<(String, JValue)>, String> {
     let compiled = Compiled::compile(define, limits).map_err(|e| {
-        let at = e
-            .position
-            .map(|p| format!(" at position {p}"))
-            .unwrap_or_default();
+        let at = e.at();
         format!("library definition does not compile{at}: {}", e.message)
     })?;
     let names_val = compiled

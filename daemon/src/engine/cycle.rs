@@ -856,17 +856,7 @@ fn project(v: &Val, p: &Projection) -> JValue {
             }
             JValue::object(o)
         }
-        Val::Arr(a) => {
-            let mut flat = true;
-            let items: Vec<JValue> = a
-                .iter()
-                .map(|x| {
-                    flat &= !matches!(x, Val::Arr(_));
-                    project(x, p)
-                })
-                .collect();
-            JValue::Array(jsonata_core::value::JArray::new_flat(items, flat))
-        }
+        Val::Arr(a) => crate::expr::jarray(a.iter(), |x| project(x, p)),
         other => to_jvalue(other),
     }
 }

@@ -99,6 +99,13 @@ impl ExprError {
         }
     }
 
+    /// `" at position N"` when the error has a position, else empty (for messages).
+    pub fn at(&self) -> String {
+        self.position
+            .map(|p| format!(" at position {p}"))
+            .unwrap_or_default()
+    }
+
     /// The machine shape used by `valem eval --json` and `eval_expression`.
     pub fn to_json(&self) -> Json {
         let mut m = serde_json::Map::new();
@@ -302,6 +309,22 @@ impl Env {
     }
 }
 
+/// An engine array from state elements, flagged flat when no element is an array (as the
+/// engine's own JSON reader does).
+pub(crate) fn jarray<'a>(
+    items: impl Iterator<Item = &'a Val>,
+    mut convert: impl FnMut(&Val) -> JValue,
+) -> JValue {
+    let mut flat = true;
+    let items: Vec<JValue> = items
+        .map(|x| {
+            flat &= !matches!(x, Val::Arr(_));
+            convert(x)
+        })
+        .collect();
+    JValue::Array(JArray::new_flat(items, flat))
+}
+
 /// Convert a state value to the engine's value type.
 pub fn to_jvalue(v: &Val) -> JValue {
     match v {
@@ -309,17 +332,7 @@ pub fn to_jvalue(v: &Val) -> JValue {
         Val::Bool(b) => JValue::Bool(*b),
         Val::Num(n) => JValue::Number(*n),
         Val::Str(s) => JValue::string(&**s),
-        Val::Arr(a) => {
-            let mut flat = true;
-            let items: Vec<JValue> = a
-                .iter()
-                .map(|x| {
-                    flat &= !matches!(x, Val::Arr(_));
-                    to_jvalue(x)
-                })
-                .collect();
-            JValue::Array(JArray::new_flat(items, flat))
-        }
+        Val::Arr(a) => jarray(a.iter(), to_jvalue),
         Val::Obj(m) => {
             let mut o = IndexMap::with_capacity(m.len());
             for (k, x) in m.iter() {

@@ -563,10 +563,7 @@ fn check_library(spec: &ModelSpec, v: &mut V, limits: &Limits) -> BTreeSet<Strin
         let compiled = match Compiled::compile(&layer.define, limits) {
             Ok(c) => c,
             Err(e) => {
-                let at = e
-                    .position
-                    .map(|p| format!(" at position {p}"))
-                    .unwrap_or_default();
+                let at = e.at();
                 v.err(
                     &loc,
                     format!("library definition does not compile{at}: {}", e.message),
@@ -873,10 +870,7 @@ fn check_components(
         for (field, text) in exprs {
             {
                 if let Err(e) = Compiled::compile(text, &Limits::default()) {
-                    let at = e
-                        .position
-                        .map(|p| format!(" at position {p}"))
-                        .unwrap_or_default();
+                    let at = e.at();
                     v.err(
                         format!("{loc}.{field}"),
                         format!("Invalid JSONata expression{at}: {}", e.message),
@@ -1013,10 +1007,7 @@ fn check_names(spec: &ModelSpec, exports: &BTreeSet<String>, v: &mut V, limits: 
         let c = match Compiled::compile(text, limits) {
             Ok(c) => c,
             Err(e) => {
-                let at = e
-                    .position
-                    .map(|p| format!(" at position {p}"))
-                    .unwrap_or_default();
+                let at = e.at();
                 v.err(
                     &loc,
                     format!("Invalid JSONata expression{at}: {}", e.message),
