@@ -447,12 +447,8 @@ pub enum Seg {
 /// Why a write could not be applied to the document.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum WriteError {
-    #[error("array index {index} at {at} is beyond the limit of {limit}")]
-    IndexTooLarge {
-        at: String,
-        index: usize,
-        limit: usize,
-    },
+    #[error("array index {index} is beyond the limit of {limit}")]
+    IndexTooLarge { index: usize, limit: usize },
 }
 
 impl Val {
@@ -534,7 +530,6 @@ impl Val {
             Seg::Index(i) => {
                 if *i > max_index {
                     return Err(WriteError::IndexTooLarge {
-                        at: String::new(),
                         index: *i,
                         limit: max_index,
                     });

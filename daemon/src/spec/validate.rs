@@ -13,7 +13,7 @@ use super::{parse_spec, MetaProp, ModelSpec, Policy};
 use crate::engine::compile::{self, BUILTINS};
 use crate::engine::EngineLimits;
 use crate::expr::deps;
-use crate::expr::path::{is_identifier, Address};
+use crate::expr::path::Address;
 use crate::expr::{Compiled, Limits, RESERVED};
 
 /// One finding: where, and what is wrong.
@@ -1053,7 +1053,6 @@ fn check_names(spec: &ModelSpec, exports: &BTreeSet<String>, v: &mut V, limits: 
             v.warn(&loc, "the whole expression is a quoted string literal; did you mean the expression inside the quotes?");
         }
     }
-    let _ = is_identifier;
 }
 
 #[cfg(test)]
