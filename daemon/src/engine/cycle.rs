@@ -90,6 +90,20 @@ fn undo(doc: &mut Val, log: Vec<(Option<crate::value::Key>, Option<Val>)>) {
     }
 }
 
+/// Put back the previous values of a keyed map, newest change first.
+fn restore<V: Clone>(map: &mut imbl::OrdMap<Arc<str>, V>, log: Vec<(Arc<str>, Option<V>)>) {
+    for (k, old) in log.into_iter().rev() {
+        match old {
+            Some(v) => {
+                map.insert(k, v);
+            }
+            None => {
+                map.remove(&k);
+            }
+        }
+    }
+}
+
 struct Cycle<'a> {
     cm: &'a CompiledModel,
     limits: &'a EngineLimits,
@@ -638,16 +652,7 @@ impl<'a> Cycle<'a> {
         let j = std::mem::take(&mut self.journal);
         undo(&mut self.st.base, j.base);
         undo(&mut self.st.merged, j.merged);
-        for (k, old) in j.meta.into_iter().rev() {
-            match old {
-                Some(e) => {
-                    self.st.meta.insert(k, e);
-                }
-                None => {
-                    self.st.meta.remove(&k);
-                }
-            }
-        }
+        restore(&mut self.st.meta, j.meta);
         for (id, was) in j.stale.into_iter().rev() {
             if was {
                 self.st.lazy_stale.insert(id);
@@ -655,16 +660,7 @@ impl<'a> Cycle<'a> {
                 self.st.lazy_stale.remove(&id);
             }
         }
-        for (k, old) in j.effect_keys.into_iter().rev() {
-            match old {
-                Some(v) => {
-                    self.st.effect_keys.insert(k, v);
-                }
-                None => {
-                    self.st.effect_keys.remove(&k);
-                }
-            }
-        }
+        restore(&mut self.st.effect_keys, j.effect_keys);
     }
 
     fn finish(mut self) -> Result<MutationResult, MutationError> {
