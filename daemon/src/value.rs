@@ -111,18 +111,17 @@ impl ObjMap {
         }
     }
 
-    /// Insert or replace; a replaced key keeps its position.
-    pub fn insert(&mut self, key: Key, val: Val) {
+    /// Insert or replace; a replaced key keeps its position. Returns the replaced value.
+    pub fn insert(&mut self, key: Key, val: Val) -> Option<Val> {
         match self {
             ObjMap::Small(v) => {
                 let vec = Arc::make_mut(v);
                 if let Some(slot) = vec.iter_mut().find(|(k, _)| key_eq(k, &key)) {
-                    slot.1 = val;
-                    return;
+                    return Some(std::mem::replace(&mut slot.1, val));
                 }
                 if vec.len() < SMALL_OBJECT {
                     vec.push((key, val));
-                    return;
+                    return None;
                 }
                 let mut wide = WideMap::default();
                 for (k, v) in vec.drain(..) {
@@ -130,6 +129,7 @@ impl ObjMap {
                 }
                 wide.insert(key, val);
                 *self = ObjMap::Large(Arc::new(wide));
+                None
             }
             ObjMap::Large(m) => Arc::make_mut(m).insert(key, val),
         }
@@ -277,13 +277,15 @@ impl WideMap {
         }
     }
 
-    fn insert(&mut self, key: Key, val: Val) {
+    fn insert(&mut self, key: Key, val: Val) -> Option<Val> {
         let hash = hash_key(&key);
         let seq = self.next;
-        if insert_at(&mut self.root, hash, 0, key, val, seq) {
+        let old = insert_at(&mut self.root, hash, 0, key, val, seq);
+        if old.is_none() {
             self.len += 1;
             self.next += 1;
         }
+        old
     }
 
     fn remove(&mut self, key: &str) -> Option<Val> {
@@ -304,8 +306,15 @@ impl WideMap {
     }
 }
 
-/// Insert into `branch`; true when the key is new.
-fn insert_at(branch: &mut Branch, hash: u64, shift: u32, key: Key, val: Val, seq: u64) -> bool {
+/// Insert into `branch`; the replaced value, or `None` when the key is new.
+fn insert_at(
+    branch: &mut Branch,
+    hash: u64,
+    shift: u32,
+    key: Key,
+    val: Val,
+    seq: u64,
+) -> Option<Val> {
     let slot = &mut branch.slots[slot_index(hash, shift)];
     match slot {
         Slot::Empty => {
@@ -315,12 +324,11 @@ fn insert_at(branch: &mut Branch, hash: u64, shift: u32, key: Key, val: Val, seq
                 key,
                 val,
             }));
-            true
+            None
         }
         Slot::One(e) if e.hash == hash => {
             if e.key == key {
-                Arc::make_mut(e).val = val;
-                false
+                Some(std::mem::replace(&mut Arc::make_mut(e).val, val))
             } else {
                 let old = (**e).clone();
                 *slot = Slot::Many(Arc::new(vec![
@@ -332,7 +340,7 @@ fn insert_at(branch: &mut Branch, hash: u64, shift: u32, key: Key, val: Val, seq
                         val,
                     },
                 ]));
-                true
+                None
             }
         }
         Slot::One(e) => {
@@ -343,14 +351,13 @@ fn insert_at(branch: &mut Branch, hash: u64, shift: u32, key: Key, val: Val, seq
             child.slots[at] = Slot::One(old);
             insert_at(&mut child, hash, shift + FANOUT_BITS, key, val, seq);
             *slot = Slot::Branch(Arc::new(child));
-            true
+            None
         }
         Slot::Many(es) => {
             if es[0].hash == hash {
                 let es = Arc::make_mut(es);
                 if let Some(e) = es.iter_mut().find(|e| e.key == key) {
-                    e.val = val;
-                    return false;
+                    return Some(std::mem::replace(&mut e.val, val));
                 }
                 es.push(Entry {
                     hash,
@@ -358,7 +365,7 @@ fn insert_at(branch: &mut Branch, hash: u64, shift: u32, key: Key, val: Val, seq
                     key,
                     val,
                 });
-                true
+                None
             } else {
                 let old = es.clone();
                 let mut child = Branch::default();
@@ -366,7 +373,7 @@ fn insert_at(branch: &mut Branch, hash: u64, shift: u32, key: Key, val: Val, seq
                 child.slots[at] = Slot::Many(old);
                 insert_at(&mut child, hash, shift + FANOUT_BITS, key, val, seq);
                 *slot = Slot::Branch(Arc::new(child));
-                true
+                None
             }
         }
         Slot::Branch(b) => insert_at(Arc::make_mut(b), hash, shift + FANOUT_BITS, key, val, seq),

@@ -256,28 +256,39 @@ impl<'a> Cycle<'a> {
         // The first container this write creates: instances below it are new.
         let created = (1..segs.len()).find(|&k| self.st.merged.get_path(&segs[..k]).is_none());
         let j = &mut self.journal;
-        save(
-            &self.st.base,
-            segs,
-            &mut j.base,
-            &mut j.base_seen,
-            &mut j.base_root,
-        );
-        save(
-            &self.st.merged,
-            segs,
-            &mut j.merged,
-            &mut j.merged_seen,
-            &mut j.merged_root,
-        );
-        self.st
-            .base
-            .set_path(segs, value.clone(), max)
-            .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
-        self.st
-            .merged
-            .set_path(segs, value, max)
-            .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+        if let ([Seg::Field(k)], Val::Obj(b), Val::Obj(m)) =
+            (segs, &mut self.st.base, &mut self.st.merged)
+        {
+            // A top-level member: replace it and journal what it replaced, one lookup per tree.
+            // (Journaling the same member twice is harmless: undo replays newest first.)
+            let old_base = b.insert(k.clone(), value.clone());
+            j.base.push((Some(k.clone()), old_base));
+            let old_merged = m.insert(k.clone(), value);
+            j.merged.push((Some(k.clone()), old_merged));
+        } else {
+            save(
+                &self.st.base,
+                segs,
+                &mut j.base,
+                &mut j.base_seen,
+                &mut j.base_root,
+            );
+            save(
+                &self.st.merged,
+                segs,
+                &mut j.merged,
+                &mut j.merged_seen,
+                &mut j.merged_root,
+            );
+            self.st
+                .base
+                .set_path(segs, value.clone(), max)
+                .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+            self.st
+                .merged
+                .set_path(segs, value, max)
+                .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+        }
         self.version += 1;
         self.result.mutated_paths.push(render(segs));
         self.propagate(segs);
@@ -456,18 +467,29 @@ impl<'a> Cycle<'a> {
             Some(k) => k.clone(),
             None => Arc::from(render(inst)),
         };
-        let changed = self.st.merged.get_path(inst) != Some(&value);
-        if changed {
-            let j = &mut self.journal;
-            save(
-                &self.st.merged,
-                inst,
-                &mut j.merged,
-                &mut j.merged_seen,
-                &mut j.merged_root,
-            );
-        }
-        if changed && self.st.merged.splice_existing(inst, value.clone()) {
+        let written = if let ([Seg::Field(k)], Val::Obj(m)) = (inst, &mut self.st.merged) {
+            // A top-level derived member: one lookup replaces it and yields the old value.
+            let old = m.insert(k.clone(), value.clone());
+            let changed = old.as_ref() != Some(&value);
+            if changed {
+                self.journal.merged.push((Some(k.clone()), old));
+            }
+            changed
+        } else {
+            let changed = self.st.merged.get_path(inst) != Some(&value);
+            if changed {
+                let j = &mut self.journal;
+                save(
+                    &self.st.merged,
+                    inst,
+                    &mut j.merged,
+                    &mut j.merged_seen,
+                    &mut j.merged_root,
+                );
+            }
+            changed && self.st.merged.splice_existing(inst, value.clone())
+        };
+        if written {
             self.version += 1;
             if !again || !self.result.derived_updated.iter().any(|d| **d == *target) {
                 self.result.derived_updated.push(target.to_string());
