@@ -32,6 +32,18 @@ struct Dirty {
     queued: bool,
 }
 
+impl Dirty {
+    /// Add the instances below `binding`, or all of them.
+    fn add(&mut self, binding: Vec<usize>, every: bool) {
+        if every {
+            self.all = true;
+            self.prefixes.clear();
+        } else if !self.all {
+            self.prefixes.push(binding);
+        }
+    }
+}
+
 /// What a cycle changed, to undo it exactly if the cycle fails. The cycle mutates the committed
 /// state in place (no copy when nobody else holds it); each top-level member of the base and
 /// merged documents is saved once, before its first change (an O(1) persistent clone).
@@ -174,41 +186,26 @@ impl<'a> Cycle<'a> {
             return;
         }
         let node = &self.cm.nodes[id as usize];
+        // An empty binding, or a node without `[*]`, means every instance.
+        let every = binding.is_empty() || node.wildcards() == 0;
         match node.kind {
             NodeKind::Derivation { .. } => {
-                let w = node.wildcards();
                 let d = self.dirty.entry(id).or_default();
                 if !d.queued {
                     d.queued = true;
                     self.pending.push(Reverse((node.level, id)));
                 }
-                if w == 0 || binding.is_empty() {
-                    d.all = true;
-                    d.prefixes.clear();
-                } else if !d.all {
-                    d.prefixes.push(binding);
-                }
+                d.add(binding, every);
             }
             NodeKind::Meta(_) => {
                 self.meta_dirty.insert(id);
-                let w = node.wildcards();
-                let d = self.dirty.entry(id).or_default();
-                if w == 0 || binding.is_empty() {
-                    d.all = true;
-                    d.prefixes.clear();
-                } else if !d.all {
-                    d.prefixes.push(binding);
-                }
+                self.dirty.entry(id).or_default().add(binding, every);
             }
             NodeKind::Constraint { .. } => {
+                // A constraint's bindings come from its scope paths, not from `targets[0]`.
+                let every = binding.is_empty();
                 self.constraint_dirty.insert(id);
-                let d = self.dirty.entry(id).or_default();
-                if binding.is_empty() {
-                    d.all = true;
-                    d.prefixes.clear();
-                } else if !d.all {
-                    d.prefixes.push(binding);
-                }
+                self.dirty.entry(id).or_default().add(binding, every);
             }
             NodeKind::Effect { .. } => {
                 self.effect_dirty.insert(id);
@@ -242,10 +239,9 @@ impl<'a> Cycle<'a> {
     /// node instance below it (derived values wiped from the merged document, meta and scoped
     /// constraints of new elements) must be recomputed.
     fn shadow(&mut self, w: &[Seg]) {
-        let mut above = Vec::new();
         let mut below = Vec::new();
-        self.cm.producers.around(w, &mut above, &mut below);
-        self.cm.instances.around(w, &mut above, &mut below);
+        self.cm.producers.below(w, &mut below);
+        self.cm.instances.below(w, &mut below);
         for (id, b) in below {
             self.mark(id, b);
         }

@@ -197,10 +197,7 @@ pub fn validate_write(
     value: &Json,
 ) -> Vec<SchemaViolation> {
     let rendered = render(path);
-    let mut above = Vec::new();
-    let mut below = Vec::new();
-    cm.producers.around(path, &mut above, &mut below);
-    if let Some(&p) = above.first() {
+    if let Some(p) = cm.producers.above(path) {
         return vec![SchemaViolation {
             path: rendered,
             keyword: "readOnly".into(),

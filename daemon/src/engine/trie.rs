@@ -260,37 +260,47 @@ impl Trie {
         }
     }
 
-    /// Entries whose pattern is at or above the concrete path `w` (is `w` inside a value they
-    /// own?), and, separately, entries strictly below it.
-    pub fn around(&self, w: &[Seg], above: &mut Vec<u32>, below: &mut Vec<Hit>) {
-        let mut bind = Vec::new();
-        self.around_walk(0, w, &mut bind, above, below);
+    /// The first entry whose pattern is at or above the concrete path `w` (is `w` inside a
+    /// value an entry owns?).
+    pub fn above(&self, w: &[Seg]) -> Option<u32> {
+        self.above_walk(0, w)
     }
 
-    fn around_walk(
-        &self,
-        t: usize,
-        w: &[Seg],
-        bind: &mut Vec<usize>,
-        above: &mut Vec<u32>,
-        below: &mut Vec<Hit>,
-    ) {
-        above.extend(self.nodes[t].entries());
+    fn above_walk(&self, t: usize, w: &[Seg]) -> Option<u32> {
+        if let Some(e) = self.nodes[t].entries().next() {
+            return Some(e);
+        }
+        match w.split_first()? {
+            (Seg::Field(k), rest) => self.above_walk(self.field(t, k)?, rest),
+            (Seg::Index(i), rest) => self
+                .wild(t)
+                .and_then(|c| self.above_walk(c, rest))
+                .or_else(|| self.above_walk(self.index(t, *i)?, rest)),
+        }
+    }
+
+    /// Entries strictly below the concrete path `w`, with the indices `w` binds.
+    pub fn below(&self, w: &[Seg], out: &mut Vec<Hit>) {
+        let mut bind = Vec::new();
+        self.below_walk(0, w, &mut bind, out);
+    }
+
+    fn below_walk(&self, t: usize, w: &[Seg], bind: &mut Vec<usize>, out: &mut Vec<Hit>) {
         match w.split_first() {
-            None => self.subtree(t, bind, false, below),
+            None => self.subtree(t, bind, false, out),
             Some((Seg::Field(k), rest)) => {
                 if let Some(c) = self.field(t, k) {
-                    self.around_walk(c, rest, bind, above, below);
+                    self.below_walk(c, rest, bind, out);
                 }
             }
             Some((Seg::Index(i), rest)) => {
                 if let Some(c) = self.wild(t) {
                     bind.push(*i);
-                    self.around_walk(c, rest, bind, above, below);
+                    self.below_walk(c, rest, bind, out);
                     bind.pop();
                 }
                 if let Some(c) = self.index(t, *i) {
-                    self.around_walk(c, rest, bind, above, below);
+                    self.below_walk(c, rest, bind, out);
                 }
             }
         }
