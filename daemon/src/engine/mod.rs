@@ -8,6 +8,7 @@ mod cycle;
 pub mod schema;
 pub mod testrun;
 pub mod trie;
+pub mod view;
 
 use std::cell::RefCell;
 use std::collections::HashMap;

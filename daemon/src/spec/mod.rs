@@ -2,6 +2,8 @@
 //! precise error locations, and the validator behind `validate_spec`. Owns no runtime state and
 //! never evaluates a model (the validator compiles expressions only to check them).
 
+pub mod evolve;
+pub mod schema;
 pub mod validate;
 
 use serde::{Deserialize, Deserializer, Serialize};
