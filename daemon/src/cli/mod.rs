@@ -50,6 +50,26 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve MCP on stdio (one JSON-RPC message per line) with an embedded in-memory engine.
+    ///
+    /// Register it with an MCP client as the command `valem` with the argument `mcp`. Only
+    /// protocol messages go to stdout; diagnostics go to stderr. The process exits when stdin
+    /// closes. Extra domain-guidance topics: set VALEM_DOMAIN_GUIDANCE_TOPICS_FILE to a JSON file
+    /// of [{"id", "description", "instructions", "title"?}].
+    Mcp {
+        /// Largest accepted message in bytes; longer lines are refused with -32600 and skipped.
+        #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = crate::mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
+        max_message_bytes: usize,
+        /// Shard threads running the models (0: one per core).
+        #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
+        shards: usize,
+        /// Most live models.
+        #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
+        max_models: usize,
+        /// Keep models in this directory (durable mode). Not available yet: state is in memory.
+        #[arg(long, env = "VALEM_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+    },
     /// List the bundled example specs, or print one.
     Examples {
         /// Print this example's spec.
@@ -306,6 +326,45 @@ fn run(cli: Cli) -> Result<i32, String> {
                 }
             }
             Ok(if out.is_err() { 1 } else { 0 })
+        }
+        Command::Mcp {
+            max_message_bytes,
+            shards,
+            max_models,
+            data_dir,
+        } => {
+            if let Some(d) = data_dir {
+                eprintln!(
+                    "valem mcp: --data-dir {} is not supported yet (durable storage is a later release); models live in memory",
+                    d.display()
+                );
+                return Ok(2);
+            }
+            let guidance = match crate::mcp::guidance::Catalog::from_env() {
+                Ok(g) => g,
+                Err(e) => {
+                    eprintln!("valem mcp: {e}");
+                    return Ok(2);
+                }
+            };
+            let limits = crate::service::ServiceLimits {
+                max_models,
+                ..Default::default()
+            };
+            let service = crate::service::ModelService::new(shards, limits);
+            let server = crate::mcp::Server::new(service, guidance, crate::mcp::Mode::Embedded);
+            eprintln!(
+                "valem mcp {}: embedded in-memory engine; reading JSON-RPC on stdin",
+                env!("CARGO_PKG_VERSION")
+            );
+            let stdin = std::io::stdin().lock();
+            match crate::mcp::stdio::serve(server, stdin, std::io::stdout(), max_message_bytes) {
+                Ok(()) => Ok(0),
+                Err(e) => {
+                    eprintln!("valem mcp: {e}");
+                    Ok(1)
+                }
+            }
         }
         Command::Examples { name } => {
             match name {

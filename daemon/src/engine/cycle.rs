@@ -1063,3 +1063,29 @@ pub(super) fn materialize_lazy(
     }
     c.derive();
 }
+
+/// Recompute every derivation and meta-derivation of `st.base` from scratch (after a spec
+/// evolution or a restore): the merged document and meta are rebuilt; no constraint or effect
+/// runs, as in the reference's `recomputeAllDerivations`.
+pub(super) fn recompute(
+    cm: &CompiledModel,
+    limits: &EngineLimits,
+    st: &mut State,
+    now_ms: i64,
+) -> MutationResult {
+    st.merged = st.base.clone();
+    st.meta = Default::default();
+    st.lazy_stale = Default::default();
+    let mut c = Cycle::new(cm, limits, st, now_ms);
+    c.allowed = Some(HashSet::default());
+    for lvl in &cm.levels {
+        for &id in lvl {
+            c.mark_all(id);
+        }
+    }
+    for &id in &cm.meta_nodes {
+        c.mark_all(id);
+    }
+    // With nothing allowed, no constraint can roll back.
+    c.finish().unwrap_or_default()
+}

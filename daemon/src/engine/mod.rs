@@ -297,6 +297,28 @@ impl Model {
         Ok((model, result))
     }
 
+    /// A model over an existing base document (evolution, restore): every derivation and
+    /// meta-derivation is recomputed from `base`; dedupe keys carry over.
+    pub fn from_base(
+        compiled: Rc<CompiledModel>,
+        base: Val,
+        effect_keys: OrdMap<Arc<str>, Val>,
+        now_ms: i64,
+        limits: EngineLimits,
+    ) -> Model {
+        let mut model = Model {
+            compiled,
+            state: State {
+                base,
+                effect_keys,
+                ..State::default()
+            },
+            limits,
+        };
+        cycle::recompute(&model.compiled, &model.limits, &mut model.state, now_ms);
+        model
+    }
+
     /// Run one reactive cycle for `mutations` (applied in order).
     pub fn mutate(
         &mut self,
@@ -381,9 +403,52 @@ impl Model {
         self.state = state;
     }
 
+    /// Replace the base document and recompute everything derived from it.
+    pub fn reset_base(&mut self, base: Val, now_ms: i64) {
+        self.state.base = base;
+        cycle::recompute(&self.compiled, &self.limits, &mut self.state, now_ms);
+    }
+
+    /// Derived values: every address whose merged value is not (or not wholly) the base value,
+    /// keyed by canonical address (the snapshot's `derivedCache`).
+    pub fn derived_cache(&mut self, now_ms: i64) -> Map<String, Json> {
+        self.materialize(now_ms);
+        let mut out = Map::new();
+        derived_diff(
+            Some(&self.state.base),
+            &self.state.merged,
+            &mut Vec::new(),
+            &mut out,
+        );
+        out
+    }
+
     pub fn meta_value(&self, path: &[Seg], prop: crate::spec::MetaProp) -> Option<Json> {
         let key = format!("{}#{}", render(path), prop.key_name());
         self.state.meta.get(key.as_str()).map(|e| e.value.to_json())
+    }
+}
+
+fn derived_diff(base: Option<&Val>, merged: &Val, at: &mut Vec<Seg>, out: &mut Map<String, Json>) {
+    match (base, merged) {
+        (Some(Val::Obj(b)), Val::Obj(m)) => {
+            for (k, mv) in m.iter() {
+                at.push(Seg::Field(k.clone()));
+                derived_diff(b.get(k), mv, at, out);
+                at.pop();
+            }
+        }
+        (Some(Val::Arr(b)), Val::Arr(m)) => {
+            for (i, mv) in m.iter().enumerate() {
+                at.push(Seg::Index(i));
+                derived_diff(b.get(i), mv, at, out);
+                at.pop();
+            }
+        }
+        (Some(b), m) if b == m => {}
+        (_, m) => {
+            out.insert(render(at), m.to_json());
+        }
     }
 }
 

@@ -1,0 +1,487 @@
+//! The MCP server core: JSON-RPC 2.0 and the MCP protocol (handshake, version negotiation,
+//! tools, resources, subscriptions, logging, cancellation) over any transport. Transport-free:
+//! a transport hands each parsed message to [`Session::handle`] and writes what comes back;
+//! notifications the session emits on its own go through the transport's [`Outbox`]. Tools
+//! call only the [`ModelService`](crate::service::ModelService) and the authoring functions.
+
+pub mod guidance;
+pub mod resources;
+pub mod stdio;
+pub mod tools;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Map, Value as Json};
+
+use crate::service::{Event, ModelService};
+use guidance::Catalog;
+
+/// Revisions we speak, oldest first; the last is the default.
+pub const PROTOCOL_VERSIONS: &[&str] = &["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
+
+/// JSON-RPC error codes.
+pub mod code {
+    pub const PARSE_ERROR: i64 = -32700;
+    pub const INVALID_REQUEST: i64 = -32600;
+    pub const METHOD_NOT_FOUND: i64 = -32601;
+    pub const INVALID_PARAMS: i64 = -32602;
+    pub const INTERNAL_ERROR: i64 = -32603;
+    /// MCP: resource not found.
+    pub const RESOURCE_NOT_FOUND: i64 = -32002;
+}
+
+/// Where a session's unsolicited messages (notifications) go.
+pub type Outbox = Arc<dyn Fn(&Json) + Send + Sync>;
+
+/// How the server runs (changes the instructions and, later, the tool list).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// An in-process engine, state in memory.
+    Embedded,
+}
+
+/// What every session shares: the service, the tool catalog, the guidance topics.
+pub struct Server {
+    pub service: Arc<ModelService>,
+    pub guidance: Catalog,
+    pub tools: tools::Catalog,
+    pub mode: Mode,
+}
+
+impl Server {
+    pub fn new(service: Arc<ModelService>, guidance: Catalog, mode: Mode) -> Arc<Server> {
+        let tools = tools::Catalog::new(&guidance);
+        Arc::new(Server {
+            service,
+            guidance,
+            tools,
+            mode,
+        })
+    }
+
+    fn instructions(&self) -> String {
+        "valem runs reactive JSON models: a JSON document plus a ModelSpec (JSON Schema, JSONata \
+         derivations, meta-derivations, constraints, effects, tests, a view). Typical flow: author \
+         a spec (call get_domain_guidance with the matching topics first, then validate_spec, \
+         test_spec and dry_run until clean), create_model, then mutate with {\"$.path\": value} \
+         maps (or patch_model for array edits) — every write runs one reactive cycle that \
+         recomputes what depends on it — and read with get_state (use paths/depth on large \
+         models), get_field or get_view. Call explain when a value looks wrong, snapshot before \
+         a risky evolve_spec, restore to roll back. Addresses are canonical JSON paths such as \
+         $.order.items[0].qty. In embedded mode models live in this process's memory and are \
+         gone when it exits."
+            .to_string()
+    }
+}
+
+/// MCP log levels, least severe first.
+const LEVELS: &[&str] = &[
+    "debug",
+    "info",
+    "notice",
+    "warning",
+    "error",
+    "critical",
+    "alert",
+    "emergency",
+];
+
+fn level_rank(l: &str) -> Option<usize> {
+    LEVELS.iter().position(|x| *x == l)
+}
+
+#[derive(Default)]
+struct SessionState {
+    initialized: bool,
+    version: Option<&'static str>,
+    min_level: usize,
+    subscriptions: HashSet<String>,
+    cancelled: HashSet<String>,
+    in_flight: HashSet<String>,
+}
+
+/// One client connection.
+pub struct Session {
+    pub server: Arc<Server>,
+    out: Outbox,
+    state: Mutex<SessionState>,
+}
+
+/// A request id as a set key (`1` and `"1"` are different ids).
+fn id_key(id: &Json) -> String {
+    id.to_string()
+}
+
+fn error(id: Json, code: i64, message: impl Into<String>) -> Json {
+    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message.into()}})
+}
+
+fn result(id: Json, result: Json) -> Json {
+    json!({"jsonrpc": "2.0", "id": id, "result": result})
+}
+
+impl Session {
+    pub fn new(server: Arc<Server>, out: Outbox) -> Arc<Session> {
+        let s = Arc::new(Session {
+            server,
+            out,
+            state: Mutex::new(SessionState {
+                min_level: 1,
+                ..Default::default()
+            }),
+        });
+        // Forward committed changes of subscribed models as `notifications/resources/updated`.
+        let events = s.server.service.subscribe();
+        let weak = Arc::downgrade(&s);
+        let _ = std::thread::Builder::new()
+            .name("valem-mcp-events".into())
+            .spawn(move || {
+                while let Ok(ev) = events.recv() {
+                    let Some(session) = weak.upgrade() else {
+                        break;
+                    };
+                    session.on_event(&ev);
+                }
+            });
+        s
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SessionState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn on_event(&self, ev: &Event) {
+        let uri = format!("valem://state/{}", ev.model_id());
+        if self.lock().subscriptions.contains(&uri) {
+            (self.out)(&json!({
+                "jsonrpc": "2.0",
+                "method": "notifications/resources/updated",
+                "params": {"uri": uri},
+            }));
+        }
+    }
+
+    /// Send a log notification if `level` is at or above the client's floor.
+    pub fn log(&self, level: &str, data: Json) {
+        let rank = level_rank(level).unwrap_or(1);
+        if rank < self.lock().min_level {
+            return;
+        }
+        (self.out)(&json!({
+            "jsonrpc": "2.0",
+            "method": "notifications/message",
+            "params": {"level": level, "logger": "valem", "data": data},
+        }));
+    }
+
+    /// The negotiated revision (`None` before `initialize`).
+    pub fn protocol_version(&self) -> Option<&'static str> {
+        self.lock().version
+    }
+
+    /// Handle notifications that must act immediately, even while a request is being served
+    /// (`notifications/cancelled`). Returns true when the message was consumed.
+    pub fn intercept(&self, msg: &Json) -> bool {
+        if msg.get("method").and_then(|m| m.as_str()) == Some("notifications/cancelled")
+            && msg.get("id").is_none()
+        {
+            if let Some(rid) = msg.get("params").and_then(|p| p.get("requestId")) {
+                let key = id_key(rid);
+                let mut st = self.lock();
+                st.cancelled.insert(key);
+                // Bound the set: ids of requests that already finished are never removed.
+                if st.cancelled.len() > 10_000 {
+                    st.cancelled.clear();
+                }
+            }
+            return true;
+        }
+        false
+    }
+
+    /// Handle one message or a batch; the reply to send, if any.
+    pub fn handle(&self, msg: Json) -> Option<Json> {
+        match msg {
+            Json::Array(items) => self.handle_batch(items),
+            other => self.handle_one(other),
+        }
+    }
+
+    fn handle_batch(&self, items: Vec<Json>) -> Option<Json> {
+        let allowed = matches!(self.protocol_version(), Some("2024-11-05" | "2025-03-26"));
+        if !allowed {
+            let why = match self.protocol_version() {
+                None => "a batch cannot carry or precede `initialize`; send initialize on its own"
+                    .to_string(),
+                Some(v) => format!("JSON-RPC batches are not part of MCP revision {v}"),
+            };
+            return Some(error(Json::Null, code::INVALID_REQUEST, why));
+        }
+        if items.is_empty() {
+            return Some(error(
+                Json::Null,
+                code::INVALID_REQUEST,
+                "an empty batch is not a valid request",
+            ));
+        }
+        let replies: Vec<Json> = items
+            .into_iter()
+            .filter_map(|m| {
+                if m.get("method").and_then(|x| x.as_str()) == Some("initialize") {
+                    return Some(error(
+                        m.get("id").cloned().unwrap_or(Json::Null),
+                        code::INVALID_REQUEST,
+                        "initialize must not be part of a batch",
+                    ));
+                }
+                if self.intercept(&m) {
+                    return None;
+                }
+                self.handle_one(m)
+            })
+            .collect();
+        (!replies.is_empty()).then_some(Json::Array(replies))
+    }
+
+    fn handle_one(&self, msg: Json) -> Option<Json> {
+        let Json::Object(mut m) = msg else {
+            return Some(error(
+                Json::Null,
+                code::INVALID_REQUEST,
+                "a JSON-RPC message must be an object",
+            ));
+        };
+        let id = m.remove("id");
+        if m.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0") {
+            return id.map(|id| {
+                error(
+                    id,
+                    code::INVALID_REQUEST,
+                    "missing or wrong `jsonrpc` member (must be \"2.0\")",
+                )
+            });
+        }
+        let method = match m.remove("method") {
+            Some(Json::String(s)) => s,
+            Some(_) => {
+                return Some(error(
+                    id.unwrap_or(Json::Null),
+                    code::INVALID_REQUEST,
+                    "`method` must be a string",
+                ))
+            }
+            None => {
+                // A response from the client (we send no requests yet): nothing to answer.
+                return None;
+            }
+        };
+        let params = m.remove("params").unwrap_or(Json::Object(Map::new()));
+        let Some(id) = id else {
+            self.notification(&method, &params);
+            return None;
+        };
+        if !matches!(id, Json::String(_) | Json::Number(_)) {
+            return Some(error(
+                Json::Null,
+                code::INVALID_REQUEST,
+                "a request id must be a string or a number",
+            ));
+        }
+        if !params.is_object() && !params.is_array() {
+            return Some(error(
+                id,
+                code::INVALID_PARAMS,
+                "`params` must be an object",
+            ));
+        }
+        let key = id_key(&id);
+        {
+            let mut st = self.lock();
+            if st.cancelled.remove(&key) {
+                return None;
+            }
+            st.in_flight.insert(key.clone());
+        }
+        let reply = self.request(&method, params, id);
+        let mut st = self.lock();
+        st.in_flight.remove(&key);
+        if st.cancelled.remove(&key) {
+            // Cancelled while running: the client no longer wants the answer.
+            return None;
+        }
+        Some(reply)
+    }
+
+    fn notification(&self, method: &str, _params: &Json) {
+        match method {
+            "notifications/initialized" => {
+                let tools = self.server.tools.tools.len();
+                let mode = match self.server.mode {
+                    Mode::Embedded => "embedded, in-memory",
+                };
+                self.log(
+                    "info",
+                    json!(format!(
+                        "valem {} ready ({mode}; {tools} tools, protocol {})",
+                        env!("CARGO_PKG_VERSION"),
+                        self.protocol_version().unwrap_or("?")
+                    )),
+                );
+            }
+            "notifications/cancelled" => {}
+            _ => {}
+        }
+    }
+
+    fn request(&self, method: &str, params: Json, id: Json) -> Json {
+        if method == "initialize" {
+            return self.initialize(params, id);
+        }
+        if method == "ping" {
+            return result(id, json!({}));
+        }
+        if !self.lock().initialized {
+            if method == "server/discover" {
+                return error(id, code::METHOD_NOT_FOUND, "method not found: server/discover (this server speaks initialize-based revisions up to 2025-11-25)");
+            }
+            return error(
+                id,
+                code::INVALID_REQUEST,
+                format!("the session is not initialized: send `initialize` before `{method}`"),
+            );
+        }
+        match method {
+            "tools/list" => result(id, self.server.tools.list_json()),
+            "tools/call" => self.call_tool(params, id),
+            "resources/list" => result(id, resources::list(&self.server)),
+            "resources/templates/list" => result(id, resources::templates()),
+            "resources/read" => match params.get("uri").and_then(|u| u.as_str()) {
+                None => error(
+                    id,
+                    code::INVALID_PARAMS,
+                    "resources/read needs a `uri` string",
+                ),
+                Some(uri) => match resources::read(&self.server, uri) {
+                    Ok(r) => result(id, r),
+                    Err(e) => json!({"jsonrpc": "2.0", "id": id, "error": e}),
+                },
+            },
+            "resources/subscribe" | "resources/unsubscribe" => {
+                let Some(uri) = params.get("uri").and_then(|u| u.as_str()) else {
+                    return error(
+                        id,
+                        code::INVALID_PARAMS,
+                        format!("{method} needs a `uri` string"),
+                    );
+                };
+                if !resources::subscribable(uri) {
+                    return json!({"jsonrpc": "2.0", "id": id, "error": {
+                        "code": code::RESOURCE_NOT_FOUND,
+                        "message": format!("`{uri}` is not a subscribable resource; subscribe to valem://state/{{modelId}}"),
+                        "data": {"uri": uri},
+                    }});
+                }
+                let mut st = self.lock();
+                if method == "resources/subscribe" {
+                    if st.subscriptions.len() >= 1000 && !st.subscriptions.contains(uri) {
+                        return error(
+                            id,
+                            code::INVALID_PARAMS,
+                            "too many subscriptions in this session (limit 1000)",
+                        );
+                    }
+                    st.subscriptions.insert(uri.to_string());
+                } else {
+                    st.subscriptions.remove(uri);
+                }
+                result(id, json!({}))
+            }
+            "logging/setLevel" => match params.get("level").and_then(|l| l.as_str()) {
+                Some(l) => match level_rank(l) {
+                    Some(r) => {
+                        self.lock().min_level = r;
+                        result(id, json!({}))
+                    }
+                    None => error(
+                        id,
+                        code::INVALID_PARAMS,
+                        format!("unknown log level `{l}`; use one of {}", LEVELS.join(", ")),
+                    ),
+                },
+                None => error(
+                    id,
+                    code::INVALID_PARAMS,
+                    "logging/setLevel needs a `level` string",
+                ),
+            },
+            "prompts/list" | "prompts/get" | "completion/complete" => error(
+                id,
+                code::METHOD_NOT_FOUND,
+                format!("method not found: {method} (this server offers no prompts)"),
+            ),
+            other => error(
+                id,
+                code::METHOD_NOT_FOUND,
+                format!("method not found: {other}"),
+            ),
+        }
+    }
+
+    fn initialize(&self, params: Json, id: Json) -> Json {
+        let requested = params.get("protocolVersion").and_then(|v| v.as_str());
+        let version = requested
+            .and_then(|r| PROTOCOL_VERSIONS.iter().find(|v| **v == r).copied())
+            .unwrap_or(PROTOCOL_VERSIONS[PROTOCOL_VERSIONS.len() - 1]);
+        {
+            let mut st = self.lock();
+            st.initialized = true;
+            st.version = Some(version);
+        }
+        result(
+            id,
+            json!({
+                "protocolVersion": version,
+                "capabilities": {
+                    "tools": {"listChanged": false},
+                    "resources": {"subscribe": true, "listChanged": false},
+                    "logging": {},
+                },
+                "serverInfo": {
+                    "name": "valem",
+                    "title": "valem — reactive JSON models",
+                    "version": env!("CARGO_PKG_VERSION"),
+                },
+                "instructions": self.server.instructions(),
+            }),
+        )
+    }
+
+    fn call_tool(&self, params: Json, id: Json) -> Json {
+        let Some(name) = params.get("name").and_then(|n| n.as_str()) else {
+            return error(id, code::INVALID_PARAMS, "tools/call needs a `name` string");
+        };
+        let Some(tool) = self.server.tools.get(name) else {
+            return error(
+                id,
+                code::INVALID_PARAMS,
+                format!("unknown tool `{name}`; tools/list shows the available tools"),
+            );
+        };
+        let args = match params.get("arguments") {
+            None | Some(Json::Null) => Json::Object(Map::new()),
+            Some(a @ Json::Object(_)) => a.clone(),
+            Some(_) => {
+                return error(
+                    id,
+                    code::INVALID_PARAMS,
+                    "tools/call `arguments` must be an object",
+                )
+            }
+        };
+        let ctx = tools::Ctx {
+            server: &self.server,
+        };
+        result(id, tools::envelope(tool.call(&ctx, args)))
+    }
+}

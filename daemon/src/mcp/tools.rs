@@ -1,0 +1,1061 @@
+//! The MCP tool catalog: every tool's name, title, description, annotations, input schema
+//! (generated from the argument types below, so it is what the handler accepts), output schema,
+//! and its handler. Handlers only translate arguments into ModelService / authoring calls and
+//! results into the result envelope; they hold no state.
+
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Map, Value as Json};
+
+use super::guidance::Catalog as Guidance;
+use super::Server;
+use crate::engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
+use crate::engine::{CreateError, MutationError};
+use crate::expr::path::Address;
+use crate::service::time::{now_us, parse_iso};
+use crate::service::{mutation_list, AuditQuery, BlobRef, ModelInfo, ServiceError};
+use crate::spec::{parse_evolution, parse_spec, TestCase};
+
+/// Pretty-printed results longer than this many characters are withheld.
+pub const RESULT_LIMIT_CHARS: usize = 50_000;
+
+/// What a handler sees.
+pub struct Ctx<'a> {
+    pub server: &'a Server,
+}
+
+/// A tool-level failure (an `isError: true` result).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolError {
+    /// One of the contract's structured failures: the body is both text and structuredContent.
+    Structured(Json),
+    /// Anything else: a message for the agent.
+    Message(String),
+}
+
+pub type Outcome = Result<Json, ToolError>;
+
+type Handler = fn(&Ctx<'_>, Json) -> Outcome;
+
+/// One tool.
+pub struct Tool {
+    pub name: &'static str,
+    pub title: &'static str,
+    pub description: &'static str,
+    pub input_schema: Json,
+    pub output_schema: Option<Json>,
+    pub annotations: Json,
+    handler: Handler,
+}
+
+impl Tool {
+    pub fn call(&self, ctx: &Ctx<'_>, args: Json) -> Outcome {
+        (self.handler)(ctx, args)
+    }
+
+    fn json(&self) -> Json {
+        let mut t = json!({
+            "name": self.name,
+            "title": self.title,
+            "description": self.description,
+            "inputSchema": self.input_schema,
+        });
+        if let Some(o) = &self.output_schema {
+            t["outputSchema"] = o.clone();
+        }
+        t["annotations"] = self.annotations.clone();
+        t
+    }
+}
+
+/// All tools, in a stable order.
+pub struct Catalog {
+    pub tools: Vec<Tool>,
+    list: Json,
+}
+
+impl Catalog {
+    pub fn new(guidance: &Guidance) -> Catalog {
+        let tools = all_tools(guidance);
+        let list = json!({"tools": tools.iter().map(Tool::json).collect::<Vec<_>>()});
+        Catalog { tools, list }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tool> {
+        self.tools.iter().find(|t| t.name == name)
+    }
+
+    pub fn list_json(&self) -> Json {
+        self.list.clone()
+    }
+}
+
+// --- the result envelope --------------------------------------------------------------------
+
+fn pretty(v: &Json) -> String {
+    serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string())
+}
+
+/// The `tools/call` result for an outcome: a pretty text block, plus structuredContent for
+/// objects; the size guard; `isError` for failures.
+pub fn envelope(outcome: Outcome) -> Json {
+    match outcome {
+        Ok(v) => {
+            let text = pretty(&v);
+            let chars = text.chars().count();
+            if chars > RESULT_LIMIT_CHARS {
+                let note = json!({
+                    "error": "Result too large",
+                    "resultChars": chars,
+                    "limitChars": RESULT_LIMIT_CHARS,
+                    "hint": "Narrow the read: get_state with `paths` (e.g. [\"$.order\"]) and/or `depth`, \
+                             get_field for one value, explain with `limit`, get_audit with `limit`/`pathPrefix`.",
+                });
+                return json!({
+                    "content": [{"type": "text", "text": pretty(&note)}],
+                    "isError": true,
+                });
+            }
+            let mut r = json!({"content": [{"type": "text", "text": text}]});
+            if v.is_object() {
+                r["structuredContent"] = v;
+            }
+            r["isError"] = json!(false);
+            r
+        }
+        Err(ToolError::Structured(v)) => json!({
+            "content": [{"type": "text", "text": pretty(&v)}],
+            "structuredContent": v,
+            "isError": true,
+        }),
+        Err(ToolError::Message(m)) => json!({
+            "content": [{"type": "text", "text": m}],
+            "isError": true,
+        }),
+    }
+}
+
+impl From<ServiceError> for ToolError {
+    fn from(e: ServiceError) -> ToolError {
+        match e {
+            ServiceError::Mutation(
+                m @ (MutationError::Schema(_) | MutationError::Constraint { .. }),
+            ) => ToolError::Structured(m.to_json()),
+            ServiceError::VersionConflict {
+                ref expected,
+                ref actual,
+            } => ToolError::Structured(json!({
+                "error": "Version conflict",
+                "expected": expected,
+                "actual": actual,
+                "message": e.to_string(),
+            })),
+            other => ToolError::Message(other.to_string()),
+        }
+    }
+}
+
+// --- argument parsing and schemas -----------------------------------------------------------
+
+fn args<T: DeserializeOwned>(tool: &str, v: Json) -> Result<T, ToolError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let at = if path == "." || path.is_empty() {
+            String::new()
+        } else {
+            format!(" at `{path}`")
+        };
+        ToolError::Message(format!("invalid arguments for `{tool}`{at}: {}", e.inner()))
+    })
+}
+
+/// A draft 2020-12 object schema for `T` with every subschema inlined.
+pub fn schema_of<T: JsonSchema>() -> Json {
+    let settings = schemars::generate::SchemaSettings::draft2020_12().with(|s| {
+        s.inline_subschemas = true;
+    });
+    let root = settings.into_generator().into_root_schema_for::<T>();
+    let mut v = serde_json::to_value(root).unwrap_or(json!({"type": "object"}));
+    if let Json::Object(m) = &mut v {
+        m.shift_remove("$schema");
+        m.shift_remove("title");
+    }
+    v
+}
+
+fn object_schema(props: Json, required: &[&str]) -> Json {
+    json!({"type": "object", "properties": props, "required": required, "additionalProperties": false})
+}
+
+fn annotations(read_only: bool, destructive: bool, idempotent: bool) -> Json {
+    let mut a = json!({"readOnlyHint": read_only});
+    if !read_only {
+        a["destructiveHint"] = json!(destructive);
+    }
+    a["idempotentHint"] = json!(idempotent);
+    a["openWorldHint"] = json!(false);
+    a
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct NoArgs {}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct IdArgs {
+    /// The model id.
+    id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct StateArgs {
+    /// The model id.
+    id: String,
+    /// Read the state as of this ISO-8601 instant (the most recent commit at or before it).
+    at: Option<String>,
+    /// Return only these subtrees (canonical addresses such as "$.order"), spliced into a
+    /// pruned document at their addresses; absent addresses are skipped.
+    paths: Option<Vec<String>>,
+    /// Cap nesting: containers deeper than this collapse to "<object: N fields>" /
+    /// "<array: N items>" (applied after `paths`).
+    #[schemars(range(min = 0))]
+    depth: Option<usize>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct PathArgs {
+    /// The model id.
+    id: String,
+    /// A canonical address, e.g. "$.order.items[0].qty".
+    path: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MutateArgs {
+    /// The model id.
+    id: String,
+    /// Writes as {"$.path": value}, applied in order in one reactive cycle.
+    mutations: Map<String, Json>,
+    /// Include the derivation and constraint traces of the cycle (default false).
+    include_traces: Option<bool>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PatchArgs {
+    /// The model id.
+    id: String,
+    /// An RFC 6902 JSON Patch of the base document; paths are RFC 6901 JSON Pointers
+    /// ("/items/0", "/items/-" to append).
+    #[schemars(schema_with = "patch_schema")]
+    patch: Json,
+    /// Include the derivation and constraint traces of the cycle (default false).
+    include_traces: Option<bool>,
+}
+
+fn patch_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let s = json!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "op": {"enum": ["add", "remove", "replace", "move", "copy", "test"]},
+                "path": {"type": "string", "description": "RFC 6901 JSON Pointer"},
+                "from": {"type": "string", "description": "RFC 6901 JSON Pointer (move, copy)"},
+                "value": {"description": "The value (add, replace, test)"}
+            },
+            "required": ["op", "path"]
+        }
+    });
+    schemars::Schema::try_from(s).unwrap_or_default()
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ExplainArgs {
+    /// The model id.
+    id: String,
+    /// Traces whose target address starts with this path ("$" for all).
+    path: String,
+    /// Only the most recent N traces.
+    #[schemars(range(min = 1))]
+    limit: Option<usize>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AuditArgs {
+    /// The model id.
+    id: String,
+    /// Records whose mutations, derived updates or trace targets start with this address.
+    path_prefix: Option<String>,
+    /// Records at or after this ISO-8601 instant.
+    from: Option<String>,
+    /// Records at or before this ISO-8601 instant.
+    to: Option<String>,
+    /// At most this many records, newest first (default 100).
+    #[schemars(range(min = 1))]
+    limit: Option<usize>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct RestoreArgs {
+    /// The model id.
+    id: String,
+    /// A snapshot exactly as `snapshot` returned it.
+    snapshot: Map<String, Json>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ViewArgs {
+    /// The model id.
+    id: String,
+    /// The view to evaluate (default: the definition's defaultView).
+    view_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct UploadArgs {
+    /// The content, base64-encoded.
+    data: String,
+    /// Its media type (default application/octet-stream).
+    media_type: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct DownloadArgs {
+    /// The blob id (the blake3 hash upload_blob returned).
+    blob_id: String,
+    /// Only if this model's state references the blob.
+    model_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct GuidanceArgs {
+    /// Topic ids matching the model being authored.
+    topics: Vec<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct SpecArg {
+    /// A candidate ModelSpec.
+    spec: Map<String, Json>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct EvalArgs {
+    /// One JSONata expression.
+    expr: String,
+    /// The input document (`$`); absent means undefined input.
+    input: Option<Json>,
+    /// A library to bind: a definition string `( $f := function($x){…}; ["f"] )`, a layer
+    /// object {define, …}, or an array of layers.
+    library: Option<Json>,
+    /// Bound as `$const`.
+    constants: Option<Map<String, Json>>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct TestArgs {
+    /// The ModelSpec under test.
+    spec: Map<String, Json>,
+    /// Ad-hoc cases [{description?, given: {"$.path": value}, expect: {"$.path": value}}]
+    /// that replace the spec's embedded tests.
+    tests: Option<Vec<Json>>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct DryRunArgs {
+    /// The candidate ModelSpec.
+    spec: Map<String, Json>,
+    /// One {"$.path": value} map, or an array of them applied as successive cycles.
+    mutations: Option<Json>,
+}
+
+// --- output schemas -------------------------------------------------------------------------
+
+fn any_object() -> Json {
+    json!({"type": "object"})
+}
+
+fn mutation_result_schema() -> Json {
+    json!({
+        "type": "object",
+        "properties": {
+            "success": {"type": "boolean"},
+            "mutatedPaths": {"type": "array", "items": {"type": "string"}},
+            "derivedUpdated": {"type": "array", "items": {"type": "string"}},
+            "metaUpdated": {"type": "array", "items": {"type": "string"}},
+            "flaggedConstraints": {"type": "array", "items": {"type": "object"}},
+            "dispatchedEffects": {"type": "array", "items": {"type": "object"}},
+            "traces": {"type": "array", "items": {"type": "object"}}
+        },
+        "required": ["success", "mutatedPaths", "derivedUpdated", "metaUpdated", "flaggedConstraints", "dispatchedEffects"]
+    })
+}
+
+fn verify_schema() -> Json {
+    json!({
+        "type": "object",
+        "properties": {
+            "valid": {"type": "boolean"},
+            "recordsChecked": {"type": "integer"},
+            "firstBrokenSequence": {"type": ["integer", "null"]},
+            "detail": {"type": "string"}
+        },
+        "required": ["valid", "recordsChecked", "firstBrokenSequence", "detail"]
+    })
+}
+
+// --- the catalog ----------------------------------------------------------------------------
+
+fn all_tools(guidance: &Guidance) -> Vec<Tool> {
+    let ro = annotations(true, false, true);
+    let mut guidance_schema = schema_of::<GuidanceArgs>();
+    guidance_schema["properties"]["topics"]["items"] = json!({
+        "type": "string",
+        "enum": guidance.ids(),
+    });
+    guidance_schema["properties"]["topics"]["description"] = json!(format!(
+        "Topic ids matching the model being authored: {}",
+        guidance.menu()
+    ));
+    vec![
+        Tool {
+            name: "list_models",
+            title: "List models",
+            description: "The ids of every live model, alphabetical.",
+            input_schema: schema_of::<NoArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            handler: |c, a| {
+                args::<NoArgs>("list_models", a)?;
+                Ok(json!(c.server.service.list()?))
+            },
+        },
+        Tool {
+            name: "create_model",
+            title: "Create a model",
+            description: "Validate, compile and register a model from a full ModelSpec (id, version, schema, derivations, metaDerivations, constraints, effects, tests, viewDefinition…). Returns the model info: id, version and section counts. Validate first with validate_spec; a spec with errors is refused with every finding listed.",
+            input_schema: object_schema(
+                json!({"spec": crate::spec::schema::model_spec_schema()}),
+                &["spec"],
+            ),
+            output_schema: Some(schema_of::<ModelInfo>()),
+            annotations: annotations(false, false, false),
+            handler: |c, a| {
+                let a: SpecArg = args("create_model", a)?;
+                let spec = parse_spec(&Json::Object(a.spec))
+                    .map_err(|e| ToolError::Message(format!("invalid spec at {}: {}", e.location(), e.message())))?;
+                Ok(json!(c.server.service.create(spec)?))
+            },
+        },
+        Tool {
+            name: "get_model_info",
+            title: "Model info",
+            description: "A model's id, version and section counts.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(schema_of::<ModelInfo>()),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: IdArgs = args("get_model_info", a)?;
+                Ok(json!(c.server.service.info(&a.id)?))
+            },
+        },
+        Tool {
+            name: "get_spec",
+            title: "Get a model's spec",
+            description: "The model's current ModelSpec, verbatim.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: IdArgs = args("get_spec", a)?;
+                let spec = c.server.service.spec(&a.id)?;
+                serde_json::to_value(&*spec).map_err(|e| ToolError::Message(e.to_string()))
+            },
+        },
+        Tool {
+            name: "get_state",
+            title: "Get a model's state",
+            description: "The merged state (base values plus derived values). On large models pass `paths` to return only some subtrees and/or `depth` to collapse deep containers; `at` reads the state as of an ISO-8601 instant.",
+            input_schema: schema_of::<StateArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            handler: get_state,
+        },
+        Tool {
+            name: "get_field",
+            title: "Get one field",
+            description: "The merged value at one canonical address, e.g. \"$.order.total\".",
+            input_schema: schema_of::<PathArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: PathArgs = args("get_field", a)?;
+                c.server.service.field(&a.id, &a.path)?.ok_or_else(|| {
+                    ToolError::Message(format!("`{}` has no value in model `{}`", a.path, a.id))
+                })
+            },
+        },
+        Tool {
+            name: "get_effective_schema",
+            title: "Effective schema of a field",
+            description: "The JSON Schema of the field at `path` overlaid with its live meta (current minimum/maximum/required/readOnly/relevant…): what a write there must satisfy now.",
+            input_schema: schema_of::<PathArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: PathArgs = args("get_effective_schema", a)?;
+                Ok(c.server.service.effective_schema(&a.id, &a.path)?)
+            },
+        },
+        Tool {
+            name: "mutate",
+            title: "Mutate a model",
+            description: "Write values ({\"$.path\": value}) in one reactive cycle: validate against the effective schema, apply, recompute what depends on the change, check constraints (a rollback constraint refuses the whole write), request effects. Returns mutatedPaths, derivedUpdated, metaUpdated, flaggedConstraints, dispatchedEffects (traces with includeTraces).",
+            input_schema: schema_of::<MutateArgs>(),
+            output_schema: Some(mutation_result_schema()),
+            annotations: annotations(false, false, false),
+            handler: |c, a| {
+                let a: MutateArgs = args("mutate", a)?;
+                let r = c.server.service.mutate(&a.id, mutation_list(&a.mutations))?;
+                Ok(r.to_json(a.include_traces.unwrap_or(false)))
+            },
+        },
+        Tool {
+            name: "patch_model",
+            title: "Patch a model (RFC 6902)",
+            description: "Apply an RFC 6902 JSON Patch (add/remove/replace/move/copy/test) to the base document as one reactive cycle: insert, remove or reorder array elements. Paths are JSON Pointers (\"/items/0\", \"/items/-\" appends), not $-addresses.",
+            input_schema: schema_of::<PatchArgs>(),
+            output_schema: Some(mutation_result_schema()),
+            annotations: annotations(false, false, false),
+            handler: |c, a| {
+                let a: PatchArgs = args("patch_model", a)?;
+                let patch: json_patch::Patch = serde_path_to_error::deserialize(a.patch)
+                    .map_err(|e| ToolError::Message(format!("invalid JSON Patch at `{}`: {}", e.path(), e.inner())))?;
+                let r = c.server.service.patch(&a.id, patch)?;
+                Ok(r.to_json(a.include_traces.unwrap_or(false)))
+            },
+        },
+        Tool {
+            name: "explain",
+            title: "Explain a value",
+            description: "The recent derivation/constraint traces (expression, inputs, result, error) whose target starts with `path`, oldest first; `limit` keeps only the most recent N.",
+            input_schema: schema_of::<ExplainArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: ExplainArgs = args("explain", a)?;
+                Ok(json!(c.server.service.explain(&a.id, &a.path, a.limit)?))
+            },
+        },
+        Tool {
+            name: "get_history",
+            title: "Commit history",
+            description: "The commit times (ISO-8601) of the model's recent states, oldest first; pass one as get_state `at` to read that state.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: IdArgs = args("get_history", a)?;
+                Ok(json!(c.server.service.history(&a.id)?))
+            },
+        },
+        Tool {
+            name: "get_audit",
+            title: "Audit trail",
+            description: "Audit records (one per committed cycle: mutations, derivedUpdated, traces, flagged constraints, dispatched effects, source, sequence, hashes), newest first, filtered by pathPrefix and an ISO-8601 from/to window; limit defaults to 100.",
+            input_schema: schema_of::<AuditArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: AuditArgs = args("get_audit", a)?;
+                let instant = |s: Option<String>| -> Result<Option<i64>, ToolError> {
+                    s.map(|s| parse_iso(&s).map_err(ToolError::Message)).transpose()
+                };
+                let q = AuditQuery {
+                    path_prefix: a.path_prefix,
+                    from_us: instant(a.from)?,
+                    to_us: instant(a.to)?,
+                    limit: a.limit,
+                };
+                Ok(json!(c.server.service.audit(&a.id, q)?))
+            },
+        },
+        Tool {
+            name: "verify_audit",
+            title: "Verify the audit chain",
+            description: "Walk the audit trail's hash chain and report {valid, recordsChecked, firstBrokenSequence, detail}: the first altered, reordered or deleted record.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(verify_schema()),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: IdArgs = args("verify_audit", a)?;
+                Ok(c.server.service.verify_audit(&a.id)?)
+            },
+        },
+        Tool {
+            name: "snapshot",
+            title: "Snapshot a model",
+            description: "An immutable point-in-time copy of the model's state {modelId, modelVersion, baseDoc, derivedCache, metaCache}; hand it back verbatim to restore.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "modelId": {"type": "string"},
+                    "modelVersion": {"type": "string"},
+                    "takenAt": {"type": "string"},
+                    "baseDoc": {"type": "object"},
+                    "derivedCache": {"type": "object"},
+                    "metaCache": {"type": "object"}
+                },
+                "required": ["modelId", "modelVersion", "baseDoc", "derivedCache", "metaCache"]
+            })),
+            annotations: annotations(false, false, true),
+            handler: |c, a| {
+                let a: IdArgs = args("snapshot", a)?;
+                Ok(c.server.service.snapshot(&a.id)?)
+            },
+        },
+        Tool {
+            name: "restore",
+            title: "Restore a snapshot",
+            description: "Roll the model's state back to a snapshot (as `snapshot` returned it). The base document is schema-checked, everything derived is recomputed, and the history and explain rings restart.",
+            input_schema: schema_of::<RestoreArgs>(),
+            output_schema: Some(any_object()),
+            annotations: annotations(false, false, true),
+            handler: |c, a| {
+                let a: RestoreArgs = args("restore", a)?;
+                Ok(c.server.service.restore(&a.id, Json::Object(a.snapshot))?)
+            },
+        },
+        Tool {
+            name: "evolve_spec",
+            title: "Evolve a model's spec",
+            description: "Change a live model's spec with a SpecEvolution (keyed upserts/removes, wholesale or targeted schema/view/constants edits, backfill). Pass expectedVersion to guard against concurrent changes (a mismatch returns a Version conflict). The state is kept, checked against the new schema (stranding evolutions are refused) and recomputed. The version changes only with newVersion. Returns the new model info.",
+            input_schema: object_schema(
+                json!({
+                    "id": {"type": "string", "description": "The model id."},
+                    "evolution": crate::spec::schema::spec_evolution_schema(),
+                }),
+                &["id", "evolution"],
+            ),
+            output_schema: Some(schema_of::<ModelInfo>()),
+            annotations: annotations(false, true, false),
+            handler: |c, a| {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct A {
+                    id: String,
+                    evolution: Json,
+                }
+                let a: A = args("evolve_spec", a)?;
+                let evo = parse_evolution(&a.evolution).map_err(|e| {
+                    ToolError::Message(format!("invalid evolution at {}: {}", e.location(), e.message()))
+                })?;
+                Ok(json!(c.server.service.evolve(&a.id, evo)?))
+            },
+        },
+        Tool {
+            name: "delete_model",
+            title: "Delete a model",
+            description: "Remove a model and its state from the registry.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {"deleted": {"type": "boolean"}, "id": {"type": "string"}},
+                "required": ["deleted", "id"]
+            })),
+            annotations: annotations(false, true, true),
+            handler: |c, a| {
+                let a: IdArgs = args("delete_model", a)?;
+                c.server.service.delete(&a.id)?;
+                Ok(json!({"deleted": true, "id": a.id}))
+            },
+        },
+        Tool {
+            name: "get_view",
+            title: "Evaluate a view",
+            description: "The model's view definition evaluated against its current state: the component tree with bound values, labels, visibility, read-only and required flags and resolved options.",
+            input_schema: schema_of::<ViewArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: ViewArgs = args("get_view", a)?;
+                Ok(c.server.service.view(&a.id, a.view_id.as_deref())?)
+            },
+        },
+        Tool {
+            name: "get_library",
+            title: "A model's library",
+            description: "The JSONata function library the model binds: its layers and exports (name, kind, signature, arity).",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: IdArgs = args("get_library", a)?;
+                c.server.service.library(&a.id)?.ok_or_else(|| {
+                    ToolError::Message(format!("model `{}` has no library", a.id))
+                })
+            },
+        },
+        Tool {
+            name: "upload_blob",
+            title: "Upload a blob",
+            description: "Store binary content (base64 in `data`) in the content-addressed blob store; returns {blobId, bytes, mediaType}. For small binaries: results over ~50 KB are withheld.",
+            input_schema: schema_of::<UploadArgs>(),
+            output_schema: Some(schema_of::<BlobRef>()),
+            annotations: annotations(false, false, true),
+            handler: |c, a| {
+                use base64::Engine;
+                let a: UploadArgs = args("upload_blob", a)?;
+                let data = base64::engine::general_purpose::STANDARD
+                    .decode(a.data.trim())
+                    .map_err(|e| ToolError::Message(format!("`data` is not valid base64: {e}")))?;
+                Ok(json!(c.server.service.upload_blob(data, a.media_type)?))
+            },
+        },
+        Tool {
+            name: "download_blob",
+            title: "Download a blob",
+            description: "A blob's content as base64 {blobId, bytes, mediaType, data}; with modelId, only if that model's state references the blob.",
+            input_schema: schema_of::<DownloadArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "blobId": {"type": "string"},
+                    "bytes": {"type": "integer"},
+                    "mediaType": {"type": "string"},
+                    "data": {"type": "string"}
+                },
+                "required": ["blobId", "bytes", "mediaType", "data"]
+            })),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                use base64::Engine;
+                let a: DownloadArgs = args("download_blob", a)?;
+                let (r, bytes) = c
+                    .server
+                    .service
+                    .download_blob(&a.blob_id, a.model_id.as_deref())?;
+                Ok(json!({
+                    "blobId": r.blob_id,
+                    "bytes": r.bytes,
+                    "mediaType": r.media_type,
+                    "data": base64::engine::general_purpose::STANDARD.encode(&bytes),
+                }))
+            },
+        },
+        // --- authoring: never touch the registry ---------------------------------------------
+        Tool {
+            name: "get_domain_guidance",
+            title: "Domain guidance for authoring",
+            description: "Vetted instructions for modelling common domains (amortization, progressive charges, classification, date math, percentages, unit conversion, proration, …). Read the model's description, pick the matching topic ids, and call this before authoring the spec.",
+            input_schema: guidance_schema,
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: GuidanceArgs = args("get_domain_guidance", a)?;
+                Ok(c.server.guidance.guidance(&a.topics))
+            },
+        },
+        Tool {
+            name: "validate_spec",
+            title: "Validate a spec",
+            description: "Check a candidate ModelSpec without creating it: {valid, errors: [{location, message}], warnings}. Draft → validate → fix → repeat.",
+            input_schema: schema_of::<SpecArg>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "valid": {"type": "boolean"},
+                    "errors": {"type": "array", "items": {"type": "object", "properties": {"location": {"type": "string"}, "message": {"type": "string"}}, "required": ["location", "message"]}},
+                    "warnings": {"type": "array", "items": {"type": "object", "properties": {"location": {"type": "string"}, "message": {"type": "string"}}, "required": ["location", "message"]}}
+                },
+                "required": ["valid", "errors", "warnings"]
+            })),
+            annotations: ro.clone(),
+            handler: |c, a| {
+                let a: SpecArg = args("validate_spec", a)?;
+                let report = crate::spec::validate::validate_json(
+                    &Json::Object(a.spec),
+                    &c.server.service.limits().engine,
+                );
+                Ok(json!(report))
+            },
+        },
+        Tool {
+            name: "eval_expression",
+            title: "Evaluate a JSONata expression",
+            description: "Evaluate one JSONata expression against a sample input (with optional library and $const constants): {ok: true, undefined, result} or {ok: false, error: \"compile\"|\"evaluation\"|\"library\", message}. Check a derivation or constraint before committing it.",
+            input_schema: schema_of::<EvalArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "ok": {"type": "boolean"},
+                    "undefined": {"type": "boolean"},
+                    "result": {},
+                    "libraryExports": {"type": "array", "items": {"type": "string"}},
+                    "error": {"enum": ["compile", "evaluation", "library"]},
+                    "message": {"type": "string"},
+                    "code": {"type": ["string", "null"]},
+                    "position": {"type": ["integer", "null"]}
+                },
+                "required": ["ok"]
+            })),
+            annotations: ro.clone(),
+            handler: eval_expression,
+        },
+        Tool {
+            name: "test_spec",
+            title: "Run a spec's tests",
+            description: "Run the spec's embedded tests (or ad-hoc `tests` cases given → expect, keyed by canonical address, which replace them) in throwaway models: {total, passed, failed, results: [{description, passed, failures: [{path, expected, actual, message}]}]}.",
+            input_schema: schema_of::<TestArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "total": {"type": "integer"},
+                    "passed": {"type": "integer"},
+                    "failed": {"type": "integer"},
+                    "results": {"type": "array", "items": {"type": "object"}}
+                },
+                "required": ["total", "passed", "failed", "results"]
+            })),
+            annotations: ro.clone(),
+            handler: test_spec,
+        },
+        Tool {
+            name: "dry_run",
+            title: "Dry-run a spec",
+            description: "Compile a candidate spec in a throwaway model, apply optional sample mutations (one {\"$.path\": value} map or an array of them), and return the resulting merged state. Nothing is registered.",
+            input_schema: schema_of::<DryRunArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro,
+            handler: |c, a| {
+                let a: DryRunArgs = args("dry_run", a)?;
+                let spec = parse_spec(&Json::Object(a.spec))
+                    .map_err(|e| ToolError::Message(format!("invalid spec at {}: {}", e.location(), e.message())))?;
+                let batches = match &a.mutations {
+                    None | Some(Json::Null) => Vec::new(),
+                    Some(m) => parse_batches(m).map_err(ToolError::Message)?,
+                };
+                let limits = &c.server.service.limits().engine;
+                dry_run(&spec, &batches, now_us() / 1000, limits).map_err(|e| match e {
+                    DryRunError::Mutation { index, error: m @ (MutationError::Schema(_) | MutationError::Constraint { .. }) } => {
+                        let mut body = m.to_json();
+                        body["batch"] = json!(index);
+                        ToolError::Structured(body)
+                    }
+                    other => ToolError::Message(other.to_string()),
+                })
+            },
+        },
+    ]
+}
+
+fn get_state(c: &Ctx<'_>, a: Json) -> Outcome {
+    let a: StateArgs = args("get_state", a)?;
+    let at =
+        a.at.as_deref()
+            .map(parse_iso)
+            .transpose()
+            .map_err(ToolError::Message)?;
+    let mut doc = c.server.service.state(&a.id, at)?;
+    if let Some(paths) = &a.paths {
+        doc = project(&doc, paths)?;
+    }
+    if let Some(d) = a.depth {
+        doc = trim(&doc, d, 0);
+    }
+    Ok(doc)
+}
+
+/// Keep only the subtrees at `paths`, at their addresses (absent ones skipped).
+fn project(doc: &Json, paths: &[String]) -> Result<Json, ToolError> {
+    use crate::value::Seg;
+    let mut out = Json::Object(Map::new());
+    for p in paths {
+        let addr =
+            Address::parse(p).map_err(|e| ToolError::Message(format!("paths: {}", e.message)))?;
+        let Some(segs) = addr.concrete() else {
+            return Err(ToolError::Message(format!(
+                "paths: `{p}` contains `[*]`; project a container (e.g. \"$.items\") instead"
+            )));
+        };
+        let mut cur = doc;
+        let mut found = true;
+        for s in &segs {
+            let next = match (s, cur) {
+                (Seg::Field(k), Json::Object(m)) => m.get(&**k),
+                (Seg::Index(i), Json::Array(a)) => a.get(*i),
+                _ => None,
+            };
+            match next {
+                Some(n) => cur = n,
+                None => {
+                    found = false;
+                    break;
+                }
+            }
+        }
+        if !found {
+            continue;
+        }
+        if segs.is_empty() {
+            return Ok(doc.clone());
+        }
+        // Splice `cur` into `out` at `segs`, creating containers as in `doc`.
+        let mut slot = &mut out;
+        for (i, s) in segs.iter().enumerate() {
+            let last = i + 1 == segs.len();
+            slot = match s {
+                Seg::Field(k) => {
+                    if !slot.is_object() {
+                        *slot = Json::Object(Map::new());
+                    }
+                    let Json::Object(m) = slot else {
+                        unreachable!()
+                    };
+                    let e = m.entry(k.to_string()).or_insert(Json::Null);
+                    e
+                }
+                Seg::Index(ix) => {
+                    if !slot.is_array() {
+                        *slot = Json::Array(Vec::new());
+                    }
+                    let Json::Array(a) = slot else { unreachable!() };
+                    if a.len() <= *ix {
+                        a.resize(ix + 1, Json::Null);
+                    }
+                    &mut a[*ix]
+                }
+            };
+            if last {
+                *slot = cur.clone();
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Collapse containers nested deeper than `depth` into a marker string.
+fn trim(v: &Json, depth: usize, level: usize) -> Json {
+    match v {
+        Json::Object(m) if level > depth => Json::String(format!("<object: {} fields>", m.len())),
+        Json::Array(a) if level > depth => Json::String(format!("<array: {} items>", a.len())),
+        Json::Object(m) => Json::Object(
+            m.iter()
+                .map(|(k, x)| (k.clone(), trim(x, depth, level + 1)))
+                .collect(),
+        ),
+        Json::Array(a) => Json::Array(a.iter().map(|x| trim(x, depth, level + 1)).collect()),
+        other => other.clone(),
+    }
+}
+
+fn eval_expression(c: &Ctx<'_>, a: Json) -> Outcome {
+    use crate::expr::{json_to_jvalue, jvalue_to_json, Compiled, Env, Phase};
+    use std::rc::Rc;
+    let a: EvalArgs = args("eval_expression", a)?;
+    let limits = &c.server.service.limits().engine.expr;
+    let mut env = Env {
+        now_ms: Some(now_us() / 1000),
+        ..Env::default()
+    };
+    if let Some(k) = &a.constants {
+        env.vars
+            .push((Rc::from("const"), json_to_jvalue(&Json::Object(k.clone()))));
+    }
+    let mut exports = Vec::new();
+    if let Some(lib) = &a.library {
+        let lib: crate::spec::LibrarySpec = match serde_json::from_value(lib.clone()) {
+            Ok(l) => l,
+            Err(e) => {
+                return Ok(
+                    json!({"ok": false, "error": "library", "message": format!("`library` is not a library definition: {e}")}),
+                )
+            }
+        };
+        for layer in lib.layers() {
+            match crate::engine::compile::eval_library_layer(&layer.define, &env, limits) {
+                Ok(bound) => {
+                    for (name, v) in bound {
+                        exports.push(name.clone());
+                        env.vars.push((Rc::from(name.as_str()), v));
+                    }
+                }
+                Err(m) => return Ok(json!({"ok": false, "error": "library", "message": m})),
+            }
+        }
+    }
+    let fail = |e: crate::expr::ExprError| {
+        let kind = if e.phase == Phase::Compile {
+            "compile"
+        } else {
+            "evaluation"
+        };
+        json!({"ok": false, "error": kind, "message": e.message, "code": e.code, "position": e.position})
+    };
+    let compiled = match Compiled::compile(&a.expr, limits) {
+        Ok(c) => c,
+        Err(e) => return Ok(fail(e)),
+    };
+    let input = a
+        .input
+        .as_ref()
+        .map_or(crate::expr::Value::Undefined, json_to_jvalue);
+    let mut out = match compiled.eval(&input, &env, limits) {
+        Ok(Some(v)) => json!({"ok": true, "undefined": false, "result": jvalue_to_json(&v)}),
+        Ok(None) => json!({"ok": true, "undefined": true, "result": null}),
+        Err(e) => return Ok(fail(e)),
+    };
+    if a.library.is_some() {
+        out["libraryExports"] = json!(exports);
+    }
+    Ok(out)
+}
+
+fn test_spec(c: &Ctx<'_>, a: Json) -> Outcome {
+    let a: TestArgs = args("test_spec", a)?;
+    let spec = parse_spec(&Json::Object(a.spec)).map_err(|e| {
+        ToolError::Message(format!("invalid spec at {}: {}", e.location(), e.message()))
+    })?;
+    let tests: Option<Vec<TestCase>> = match a.tests {
+        None => None,
+        Some(t) => Some(
+            serde_path_to_error::deserialize(Json::Array(t)).map_err(|e| {
+                ToolError::Message(format!(
+                    "invalid test case at `tests{}`: {}",
+                    e.path(),
+                    e.inner()
+                ))
+            })?,
+        ),
+    };
+    let limits = &c.server.service.limits().engine;
+    match run_tests(&spec, tests.as_deref(), now_us() / 1000, limits) {
+        Ok(report) => Ok(json!(report)),
+        Err(CreateError::Compile(errs)) => Err(ToolError::Message(format!(
+            "the spec does not compile: {}",
+            errs.iter()
+                .map(|e| format!("{}: {}", e.location, e.message))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ))),
+        Err(e) => Err(ToolError::Message(e.to_string())),
+    }
+}

@@ -1,0 +1,273 @@
+//! The session audit trail kept in memory by the embedded service: one record per committed
+//! cycle, chained by blake3 over the canonical JSON of each record (keys sorted, compact), so
+//! `verify_audit` is meaningful even before the durable store exists. Bounded: the oldest
+//! records are dropped past the limit (verification then starts at the oldest kept record).
+
+use std::collections::VecDeque;
+
+use serde_json::{json, Map, Value as Json};
+
+use super::time::iso;
+
+/// The genesis `prevHash`: 64 zeros.
+pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// One committed cycle.
+#[derive(Clone, Debug)]
+pub struct AuditRecord {
+    pub sequence: u64,
+    pub at_us: i64,
+    /// The record as served (with `prevHash` and `hash`).
+    pub json: Json,
+    /// Paths a `pathPrefix` filter matches: mutation keys, derived updates, trace targets.
+    pub paths: Vec<String>,
+}
+
+/// Filters of `get_audit`.
+#[derive(Clone, Debug, Default)]
+pub struct AuditQuery {
+    pub path_prefix: Option<String>,
+    pub from_us: Option<i64>,
+    pub to_us: Option<i64>,
+    pub limit: Option<usize>,
+}
+
+pub struct AuditTrail {
+    records: VecDeque<AuditRecord>,
+    next_seq: u64,
+    last_hash: String,
+    max: usize,
+}
+
+/// What one record says, before chaining.
+pub struct Entry<'a> {
+    pub model_id: &'a str,
+    pub model_version: &'a str,
+    pub source: &'a str,
+    pub at_us: i64,
+    pub mutations: Map<String, Json>,
+    pub result: &'a crate::engine::MutationResult,
+}
+
+impl AuditTrail {
+    pub fn new(max: usize) -> AuditTrail {
+        AuditTrail {
+            records: VecDeque::new(),
+            next_seq: 0,
+            last_hash: GENESIS.to_string(),
+            max: max.max(1),
+        }
+    }
+
+    pub fn append(&mut self, e: Entry<'_>) {
+        let r = e.result;
+        let mut paths: Vec<String> = e.mutations.keys().cloned().collect();
+        paths.extend(r.derived_updated.iter().cloned());
+        paths.extend(r.traces.iter().map(|t| t.target_path.to_string()));
+        let mut rec = json!({
+            "modelId": e.model_id,
+            "sequence": self.next_seq,
+            "timestamp": iso(e.at_us),
+            "modelVersion": e.model_version,
+            "source": e.source,
+            "mutations": e.mutations,
+            "derivedUpdated": r.derived_updated,
+            "flaggedConstraints": r.flagged_constraints.iter().map(|c| c.constraint_id.clone()).collect::<Vec<_>>(),
+            "dispatchedEffects": r.dispatched_effects.iter().map(|c| c.effect_id.clone()).collect::<Vec<_>>(),
+            "traces": r.traces,
+            "prevHash": self.last_hash,
+        });
+        let hash = record_hash(&rec);
+        if let Json::Object(m) = &mut rec {
+            m.insert("hash".into(), Json::String(hash.clone()));
+        }
+        self.records.push_back(AuditRecord {
+            sequence: self.next_seq,
+            at_us: e.at_us,
+            json: rec,
+            paths,
+        });
+        self.next_seq += 1;
+        self.last_hash = hash;
+        while self.records.len() > self.max {
+            self.records.pop_front();
+        }
+    }
+
+    /// Newest first, filtered.
+    pub fn query(&self, q: &AuditQuery) -> Vec<Json> {
+        let limit = q.limit.unwrap_or(100);
+        self.records
+            .iter()
+            .rev()
+            .filter(|r| q.from_us.is_none_or(|f| r.at_us >= f))
+            .filter(|r| q.to_us.is_none_or(|t| r.at_us <= t))
+            .filter(|r| {
+                q.path_prefix
+                    .as_deref()
+                    .is_none_or(|p| r.paths.iter().any(|x| x.starts_with(p)))
+            })
+            .take(limit)
+            .map(|r| r.json.clone())
+            .collect()
+    }
+
+    /// Walk the chain oldest first; report the first broken record.
+    pub fn verify(&self) -> Json {
+        verify_records(self.records.iter().map(|r| &r.json))
+    }
+}
+
+/// Verify a sequence of records (oldest first): each `prevHash` must be the previous record's
+/// `hash`, and each `hash` must be the hash of the record's content.
+pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>) -> Json {
+    let mut expected_prev: Option<String> = None;
+    let mut checked = 0u64;
+    for r in records {
+        let seq = r.get("sequence").cloned().unwrap_or(Json::Null);
+        let (Some(prev), Some(hash)) = (
+            r.get("prevHash").and_then(|h| h.as_str()),
+            r.get("hash").and_then(|h| h.as_str()),
+        ) else {
+            return broken(checked, seq, "record is not hash-chained");
+        };
+        if let Some(exp) = &expected_prev {
+            if prev != exp {
+                return broken(
+                    checked,
+                    seq,
+                    "prevHash does not match the preceding record (reorder or deletion)",
+                );
+            }
+        }
+        let mut content = r.clone();
+        if let Json::Object(m) = &mut content {
+            m.shift_remove("hash");
+        }
+        if record_hash(&content) != hash {
+            return broken(checked, seq, "content hash mismatch (record was altered)");
+        }
+        expected_prev = Some(hash.to_string());
+        checked += 1;
+    }
+    json!({"valid": true, "recordsChecked": checked, "firstBrokenSequence": null, "detail": "ok"})
+}
+
+fn broken(checked: u64, seq: Json, detail: &str) -> Json {
+    json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail})
+}
+
+/// blake3 (hex) over `prevHash + "\n" + canonical(record without hash)`.
+pub fn record_hash(record_without_hash: &Json) -> String {
+    let prev = record_without_hash
+        .get("prevHash")
+        .and_then(|h| h.as_str())
+        .unwrap_or(GENESIS);
+    let mut text = String::with_capacity(256);
+    text.push_str(prev);
+    text.push('\n');
+    canonical(record_without_hash, &mut text);
+    blake3::hash(text.as_bytes()).to_hex().to_string()
+}
+
+/// Compact JSON with every object's keys sorted (recursively).
+pub fn canonical(v: &Json, out: &mut String) {
+    match v {
+        Json::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Json::String(k.clone()).to_string());
+                out.push(':');
+                canonical(&m[k], out);
+            }
+            out.push('}');
+        }
+        Json::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical(x, out);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::MutationResult;
+
+    fn trail(n: usize) -> AuditTrail {
+        let mut t = AuditTrail::new(100);
+        let r = MutationResult {
+            success: true,
+            derived_updated: vec!["$.total".into()],
+            ..Default::default()
+        };
+        for i in 0..n {
+            let mut m = Map::new();
+            m.insert("$.qty".into(), json!(i));
+            t.append(Entry {
+                model_id: "m",
+                model_version: "1.0.0",
+                source: "client",
+                at_us: i as i64,
+                mutations: m,
+                result: &r,
+            });
+        }
+        t
+    }
+
+    #[test]
+    fn chain_verifies_and_detects_tampering() {
+        let t = trail(5);
+        assert_eq!(t.verify()["valid"], true);
+        assert_eq!(t.verify()["recordsChecked"], 5);
+        let mut recs: Vec<Json> = t.records.iter().map(|r| r.json.clone()).collect();
+        recs[2]["mutations"]["$.qty"] = json!(99);
+        let v = verify_records(recs.iter());
+        assert_eq!(v["valid"], false);
+        assert_eq!(v["firstBrokenSequence"], 2);
+        assert!(v["detail"].as_str().unwrap().contains("altered"));
+        let mut recs: Vec<Json> = t.records.iter().map(|r| r.json.clone()).collect();
+        recs.remove(1);
+        let v = verify_records(recs.iter());
+        assert_eq!(v["firstBrokenSequence"], 2);
+        assert!(v["detail"].as_str().unwrap().contains("deletion"));
+    }
+
+    #[test]
+    fn query_filters_newest_first() {
+        let t = trail(5);
+        let all = t.query(&AuditQuery::default());
+        assert_eq!(all[0]["sequence"], 4);
+        let q = AuditQuery {
+            from_us: Some(1),
+            to_us: Some(3),
+            limit: Some(2),
+            ..Default::default()
+        };
+        let got: Vec<_> = t.query(&q).iter().map(|r| r["sequence"].clone()).collect();
+        assert_eq!(got, vec![json!(3), json!(2)]);
+        let q = AuditQuery {
+            path_prefix: Some("$.tot".into()),
+            ..Default::default()
+        };
+        assert_eq!(t.query(&q).len(), 5);
+        let q = AuditQuery {
+            path_prefix: Some("$.nothing".into()),
+            ..Default::default()
+        };
+        assert!(t.query(&q).is_empty());
+    }
+}

@@ -1,0 +1,509 @@
+//! ModelService: the one API every surface (MCP, REST, console, WebSocket) calls. Owns the
+//! registry of live models, spread over shard threads (a model lives on one shard, chosen by a
+//! hash of its id, and is touched only by that thread: no locks on the hot path), the per-model
+//! history and explain rings, the session audit trail, the blob store and change subscriptions.
+//! Never speaks a wire protocol: surfaces translate to and from these calls.
+
+mod audit;
+mod blobs;
+mod shard;
+pub mod time;
+
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+use serde_json::{Map, Value as Json};
+
+pub use audit::{AuditQuery, AuditRecord};
+pub use blobs::{BlobRef, BlobStore};
+use shard::Shard;
+
+use crate::engine::{EngineLimits, MutationError, MutationResult, Trace};
+use crate::spec::evolve::Incompatibility;
+use crate::spec::validate::Finding;
+use crate::spec::{ModelSpec, SpecEvolution};
+
+/// Limits of the service (each configurable; a limit hit is a clear error).
+#[derive(Clone, Debug)]
+pub struct ServiceLimits {
+    pub engine: EngineLimits,
+    /// Most live models in the registry.
+    pub max_models: usize,
+    /// Commit times (and states) kept per model for `get_history` and `at=` reads.
+    pub history_entries: usize,
+    /// Traces kept per model for `explain`.
+    pub explain_entries: usize,
+    /// Audit records kept per model in memory (the durable store has no such bound).
+    pub audit_entries: usize,
+    /// Largest blob, in bytes.
+    pub blob_max_bytes: usize,
+    /// All blobs together, in bytes.
+    pub blob_max_total_bytes: usize,
+}
+
+impl Default for ServiceLimits {
+    fn default() -> Self {
+        ServiceLimits {
+            engine: EngineLimits::default(),
+            max_models: 1000,
+            history_entries: 50,
+            explain_entries: 500,
+            audit_entries: 10_000,
+            blob_max_bytes: 50 << 20,
+            blob_max_total_bytes: 512 << 20,
+        }
+    }
+}
+
+/// What `create_model` and `get_model_info` return.
+#[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelInfo {
+    pub id: String,
+    pub version: String,
+    pub derivation_count: usize,
+    pub meta_derivation_count: usize,
+    pub constraint_count: usize,
+    pub effect_count: usize,
+    pub test_count: usize,
+    /// View ids of the spec's `viewDefinition` (empty when it has none).
+    pub views: Vec<String>,
+    pub has_library: bool,
+}
+
+impl ModelInfo {
+    fn of(spec: &ModelSpec) -> ModelInfo {
+        let views = spec
+            .view_definition
+            .as_ref()
+            .and_then(|v| v.get("views"))
+            .and_then(|v| v.as_array())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.get("id").and_then(|i| i.as_str()).map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ModelInfo {
+            id: spec.id.clone(),
+            version: spec.version_or_default().to_string(),
+            derivation_count: spec.derivations.len(),
+            meta_derivation_count: spec.meta_derivations.len(),
+            constraint_count: spec.constraints.len(),
+            effect_count: spec.effects.len(),
+            test_count: spec.tests.len(),
+            views,
+            has_library: spec.library.is_some(),
+        }
+    }
+}
+
+/// Where a mutation came from (recorded in the audit trail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Client,
+    Patch,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Client => "client",
+            Source::Patch => "patch",
+        }
+    }
+}
+
+/// Every way a service call can fail. Surfaces map these to their wire shapes.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ServiceError {
+    #[error("model `{0}` not found")]
+    NotFound(String),
+    #[error("model `{0}` already exists; delete it first or choose another id")]
+    Duplicate(String),
+    #[error("the registry is full ({0} models); delete a model first")]
+    TooManyModels(usize),
+    #[error("invalid spec: {}", findings_text(.0))]
+    InvalidSpec(Vec<Finding>),
+    #[error("{0}")]
+    Mutation(MutationError),
+    #[error("Version conflict: expected version `{expected}` but the model is at `{actual}`")]
+    VersionConflict { expected: String, actual: String },
+    #[error("Evolved spec failed validation: {}", findings_text(.0))]
+    EvolutionInvalid(Vec<Finding>),
+    #[error("the evolved schema strands existing state: {}", .0.iter().map(|i| format!("{}: {}", i.path, i.message)).collect::<Vec<_>>().join("; "))]
+    Stranded(Vec<Incompatibility>),
+    #[error("no state recorded at or before {0}")]
+    HistoryNotFound(String),
+    #[error("blob `{0}` not found")]
+    BlobNotFound(String),
+    #[error("{0}")]
+    TooLarge(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("the service is shutting down")]
+    Unavailable,
+}
+
+fn findings_text(f: &[Finding]) -> String {
+    f.iter()
+        .map(|f| {
+            if f.location.is_empty() {
+                f.message.clone()
+            } else {
+                format!("{}: {}", f.location, f.message)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// A committed change, as subscribers see it.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Mutation {
+        model_id: String,
+        result: Arc<MutationResult>,
+    },
+    SpecEvolved {
+        model_id: String,
+        version: String,
+    },
+    Restored {
+        model_id: String,
+    },
+    Deleted {
+        model_id: String,
+    },
+}
+
+impl Event {
+    pub fn model_id(&self) -> &str {
+        match self {
+            Event::Mutation { model_id, .. }
+            | Event::SpecEvolved { model_id, .. }
+            | Event::Restored { model_id }
+            | Event::Deleted { model_id } => model_id,
+        }
+    }
+}
+
+/// Change subscribers; a closed receiver is dropped at the next event.
+#[derive(Default)]
+pub(crate) struct Subscribers {
+    list: Mutex<Vec<Sender<Event>>>,
+}
+
+impl Subscribers {
+    pub(crate) fn publish(&self, e: Event) {
+        if let Ok(mut l) = self.list.lock() {
+            l.retain(|s| s.send(e.clone()).is_ok());
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce(&mut Shard) + Send>;
+
+/// The model service. Cheap to share (`Arc`); every call blocks the caller until the owning
+/// shard answers.
+pub struct ModelService {
+    shards: Vec<SyncSender<Job>>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    limits: ServiceLimits,
+    blobs: Mutex<BlobStore>,
+    subscribers: Arc<Subscribers>,
+    count: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Jobs queued per shard before callers wait (back-pressure, not an error).
+const SHARD_QUEUE: usize = 1024;
+
+impl ModelService {
+    /// Start a service with `shards` shard threads (0: one per available core).
+    pub fn new(shards: usize, limits: ServiceLimits) -> Arc<ModelService> {
+        let n = if shards == 0 {
+            std::thread::available_parallelism().map_or(2, |n| n.get())
+        } else {
+            shards
+        };
+        let subscribers = Arc::new(Subscribers::default());
+        let mut senders = Vec::with_capacity(n);
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n {
+            let (tx, rx) = mpsc::sync_channel::<Job>(SHARD_QUEUE);
+            let subs = subscribers.clone();
+            let lim = limits.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("valem-shard-{i}"))
+                .spawn(move || {
+                    let mut shard = Shard::new(lim, subs);
+                    while let Ok(job) = rx.recv() {
+                        job(&mut shard);
+                    }
+                });
+            if let Ok(h) = spawned {
+                threads.push(h);
+                senders.push(tx);
+            }
+        }
+        Arc::new(ModelService {
+            shards: senders,
+            threads: Mutex::new(threads),
+            blobs: Mutex::new(BlobStore::new(
+                limits.blob_max_bytes,
+                limits.blob_max_total_bytes,
+            )),
+            limits,
+            subscribers,
+            count: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        })
+    }
+
+    pub fn limits(&self) -> &ServiceLimits {
+        &self.limits
+    }
+
+    /// Receive every committed change from now on.
+    pub fn subscribe(&self) -> Receiver<Event> {
+        let (tx, rx) = mpsc::channel();
+        if let Ok(mut l) = self.subscribers.list.lock() {
+            l.push(tx);
+        }
+        rx
+    }
+
+    fn shard_of(&self, id: &str) -> usize {
+        let h = blake3::hash(id.as_bytes());
+        let b = h.as_bytes();
+        (u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as usize)
+            % self.shards.len().max(1)
+    }
+
+    /// Run `f` on shard `i` and wait for its answer.
+    fn on_shard<R: Send + 'static>(
+        &self,
+        i: usize,
+        f: impl FnOnce(&mut Shard) -> R + Send + 'static,
+    ) -> Result<R, ServiceError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let job: Job = Box::new(move |s| {
+            let _ = tx.send(f(s));
+        });
+        self.shards
+            .get(i)
+            .ok_or(ServiceError::Unavailable)?
+            .send(job)
+            .map_err(|_| ServiceError::Unavailable)?;
+        rx.recv().map_err(|_| ServiceError::Unavailable)
+    }
+
+    /// Run `f` on the shard owning `id`.
+    fn on_model<R: Send + 'static>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Shard) -> Result<R, ServiceError> + Send + 'static,
+    ) -> Result<R, ServiceError> {
+        self.on_shard(self.shard_of(id), f)?
+    }
+
+    // --- registry ---------------------------------------------------------------------------
+
+    /// Validate, compile and register a new model.
+    pub fn create(&self, spec: ModelSpec) -> Result<ModelInfo, ServiceError> {
+        use std::sync::atomic::Ordering;
+        let report = crate::spec::validate::validate(&spec, &self.limits.engine);
+        if !report.valid {
+            return Err(ServiceError::InvalidSpec(report.errors));
+        }
+        let max = self.limits.max_models;
+        if self
+            .count
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| {
+                (c < max).then_some(c + 1)
+            })
+            .is_err()
+        {
+            return Err(ServiceError::TooManyModels(max));
+        }
+        let id = spec.id.clone();
+        let r = self.on_model(&id, move |s| s.create(spec));
+        if r.is_err() {
+            self.count.fetch_sub(1, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// Model ids, alphabetical.
+    pub fn list(&self) -> Result<Vec<String>, ServiceError> {
+        let mut all = Vec::new();
+        for i in 0..self.shards.len() {
+            all.extend(self.on_shard(i, |s| s.ids())?);
+        }
+        all.sort();
+        Ok(all)
+    }
+
+    pub fn delete(&self, id: &str) -> Result<(), ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.delete(&owned))?;
+        self.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.subscribers.publish(Event::Deleted {
+            model_id: id.to_string(),
+        });
+        Ok(())
+    }
+
+    pub fn info(&self, id: &str) -> Result<ModelInfo, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| Ok(ModelInfo::of(&s.entry(&owned)?.spec)))
+    }
+
+    pub fn spec(&self, id: &str) -> Result<Arc<ModelSpec>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| Ok(s.entry(&owned)?.spec.clone()))
+    }
+
+    /// The library a model binds: layers and exports (`None` when it has none).
+    pub fn library(&self, id: &str) -> Result<Option<Json>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.library(&owned))
+    }
+
+    // --- reads ------------------------------------------------------------------------------
+
+    /// The merged state, now or as of `at` (epoch µs).
+    pub fn state(&self, id: &str, at: Option<i64>) -> Result<Json, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.state(&owned, at))
+    }
+
+    /// The merged value at `path`; `None` when absent.
+    pub fn field(&self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {
+        let (owned, p) = (id.to_string(), path.to_string());
+        self.on_model(id, move |s| s.field(&owned, &p))
+    }
+
+    /// The static schema at `path` overlaid with live meta.
+    pub fn effective_schema(&self, id: &str, path: &str) -> Result<Json, ServiceError> {
+        let (owned, p) = (id.to_string(), path.to_string());
+        self.on_model(id, move |s| s.effective_schema(&owned, &p))
+    }
+
+    /// Traces whose target starts with `path`, oldest first (the most recent `limit`).
+    pub fn explain(
+        &self,
+        id: &str,
+        path: &str,
+        limit: Option<usize>,
+    ) -> Result<Vec<Trace>, ServiceError> {
+        let (owned, p) = (id.to_string(), path.to_string());
+        self.on_model(id, move |s| s.explain(&owned, &p, limit))
+    }
+
+    /// Commit times (ISO-8601), oldest first.
+    pub fn history(&self, id: &str) -> Result<Vec<String>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.history(&owned))
+    }
+
+    pub fn audit(&self, id: &str, q: AuditQuery) -> Result<Vec<Json>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.audit(&owned, &q))
+    }
+
+    pub fn verify_audit(&self, id: &str) -> Result<Json, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.verify_audit(&owned))
+    }
+
+    pub fn view(&self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
+        let (owned, v) = (id.to_string(), view_id.map(String::from));
+        self.on_model(id, move |s| s.view(&owned, v.as_deref()))
+    }
+
+    // --- writes -----------------------------------------------------------------------------
+
+    /// One reactive cycle for a flat `{"$.path": value}` mutation set.
+    pub fn mutate(
+        &self,
+        id: &str,
+        mutations: Vec<(String, Json)>,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.mutate(&owned, mutations, Source::Client))
+    }
+
+    /// One reactive cycle for an RFC 6902 JSON Patch of the base document.
+    pub fn patch(
+        &self,
+        id: &str,
+        patch: json_patch::Patch,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.patch(&owned, patch))
+    }
+
+    pub fn snapshot(&self, id: &str) -> Result<Json, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.snapshot(&owned))
+    }
+
+    pub fn restore(&self, id: &str, snapshot: Json) -> Result<Json, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.restore(&owned, snapshot))
+    }
+
+    pub fn evolve(&self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.evolve(&owned, evo))
+    }
+
+    // --- blobs ------------------------------------------------------------------------------
+
+    pub fn upload_blob(
+        &self,
+        data: Vec<u8>,
+        media_type: Option<String>,
+    ) -> Result<BlobRef, ServiceError> {
+        self.blobs
+            .lock()
+            .map_err(|_| ServiceError::Unavailable)?
+            .put(data, media_type)
+    }
+
+    /// A blob's bytes; with `model`, only when that model's state references it.
+    pub fn download_blob(
+        &self,
+        blob_id: &str,
+        model: Option<&str>,
+    ) -> Result<(BlobRef, Arc<[u8]>), ServiceError> {
+        if let Some(m) = model {
+            let (owned, b) = (m.to_string(), blob_id.to_string());
+            if !self.on_model(m, move |s| s.references(&owned, &b))? {
+                return Err(ServiceError::BlobNotFound(blob_id.to_string()));
+            }
+        }
+        self.blobs
+            .lock()
+            .map_err(|_| ServiceError::Unavailable)?
+            .get(blob_id)
+            .ok_or_else(|| ServiceError::BlobNotFound(blob_id.to_string()))
+    }
+}
+
+impl Drop for ModelService {
+    fn drop(&mut self) {
+        self.shards.clear();
+        if let Ok(mut t) = self.threads.lock() {
+            for h in t.drain(..) {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// A JSON object's entries as the ordered mutation list the engine takes.
+pub fn mutation_list(m: &Map<String, Json>) -> Vec<(String, Json)> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}

@@ -1,0 +1,560 @@
+//! One shard: the models it owns and every operation on them. Runs on the shard's own thread
+//! only (compiled models are not `Send`), so nothing here locks.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use serde_json::{json, Map, Value as Json};
+
+use super::audit::{AuditTrail, Entry as AuditEntry};
+use super::time::{iso, now_us};
+use super::{AuditQuery, Event, ModelInfo, ServiceError, ServiceLimits, Source, Subscribers};
+use crate::engine::schema::{effective_schema, SchemaViolation};
+use crate::engine::{
+    compile_cached, ordered_json, CreateError, Model, MutationError, MutationResult, State, Trace,
+};
+use crate::expr::path::{render, Address};
+use crate::spec::evolve;
+use crate::spec::validate::Finding;
+use crate::spec::{ModelSpec, SpecEvolution};
+use crate::value::{Seg, Val};
+
+/// A live model and its rings.
+pub(super) struct Entry {
+    pub spec: Arc<ModelSpec>,
+    pub model: Model,
+    /// (commit time µs, state after the commit), oldest first.
+    history: VecDeque<(i64, State)>,
+    /// Most recent traces, oldest first.
+    traces: VecDeque<Trace>,
+    audit: AuditTrail,
+    /// Last commit time: commit times are strictly increasing per model.
+    last_us: i64,
+}
+
+impl Entry {
+    fn tick(&mut self) -> i64 {
+        let t = now_us().max(self.last_us + 1);
+        self.last_us = t;
+        t
+    }
+}
+
+pub(super) struct Shard {
+    models: HashMap<String, Entry>,
+    limits: ServiceLimits,
+    subscribers: Arc<Subscribers>,
+}
+
+fn compile_findings(errs: Vec<crate::engine::CompileError>) -> Vec<Finding> {
+    errs.into_iter()
+        .map(|e| Finding {
+            location: e.location,
+            message: e.message,
+        })
+        .collect()
+}
+
+fn create_error(e: CreateError) -> ServiceError {
+    match e {
+        CreateError::Compile(errs) => ServiceError::InvalidSpec(compile_findings(errs)),
+        CreateError::Initial(m) => ServiceError::Mutation(m),
+    }
+}
+
+fn concrete(path: &str) -> Result<Vec<Seg>, ServiceError> {
+    let addr = Address::parse(path).map_err(|e| ServiceError::BadRequest(e.message))?;
+    addr.concrete().ok_or_else(|| {
+        ServiceError::BadRequest(format!(
+            "`{path}` contains `[*]`; name one element (e.g. `[0]`)"
+        ))
+    })
+}
+
+impl Shard {
+    pub fn new(limits: ServiceLimits, subscribers: Arc<Subscribers>) -> Shard {
+        Shard {
+            models: HashMap::new(),
+            limits,
+            subscribers,
+        }
+    }
+
+    pub fn entry(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
+        self.models
+            .get_mut(id)
+            .ok_or_else(|| ServiceError::NotFound(id.to_string()))
+    }
+
+    pub fn ids(&self) -> Vec<String> {
+        self.models.keys().cloned().collect()
+    }
+
+    pub fn create(&mut self, spec: ModelSpec) -> Result<ModelInfo, ServiceError> {
+        if self.models.contains_key(&spec.id) {
+            return Err(ServiceError::Duplicate(spec.id));
+        }
+        let t = now_us();
+        let (model, _) =
+            Model::create(&spec, t / 1000, self.limits.engine.clone()).map_err(create_error)?;
+        let info = ModelInfo::of(&spec);
+        let mut history = VecDeque::new();
+        history.push_back((t, model.state().clone()));
+        self.models.insert(
+            spec.id.clone(),
+            Entry {
+                spec: Arc::new(spec),
+                model,
+                history,
+                traces: VecDeque::new(),
+                audit: AuditTrail::new(self.limits.audit_entries),
+                last_us: t,
+            },
+        );
+        Ok(info)
+    }
+
+    pub fn delete(&mut self, id: &str) -> Result<(), ServiceError> {
+        self.models
+            .remove(id)
+            .map(|_| ())
+            .ok_or_else(|| ServiceError::NotFound(id.to_string()))
+    }
+
+    pub fn library(&mut self, id: &str) -> Result<Option<Json>, ServiceError> {
+        let e = self.entry(id)?;
+        let Some(lib) = &e.spec.library else {
+            return Ok(None);
+        };
+        let layers: Vec<Json> = lib
+            .layers()
+            .into_iter()
+            .map(|l| {
+                json!({
+                    "define": l.define,
+                    "description": l.description,
+                    "extends": l.extends,
+                    "origin": l.origin,
+                })
+            })
+            .collect();
+        let exports: Vec<Json> = e
+            .model
+            .compiled
+            .exports
+            .iter()
+            .map(|x| {
+                json!({
+                    "name": x.name,
+                    "kind": if x.is_function { "function" } else { "value" },
+                    "signature": x.signature,
+                    "arity": x.arity,
+                    "layer": x.layer,
+                })
+            })
+            .collect();
+        let description = layers
+            .iter()
+            .rev()
+            .find_map(|l| l.get("description").filter(|d| !d.is_null()).cloned())
+            .unwrap_or(Json::Null);
+        Ok(Some(
+            json!({"description": description, "layers": layers, "exports": exports}),
+        ))
+    }
+
+    pub fn state(&mut self, id: &str, at: Option<i64>) -> Result<Json, ServiceError> {
+        let e = self.entry(id)?;
+        match at {
+            None => {
+                let now = now_us() / 1000;
+                Ok(e.model.merged_json(now))
+            }
+            Some(at) => {
+                let st = e
+                    .history
+                    .iter()
+                    .rev()
+                    .find(|(t, _)| *t <= at)
+                    .map(|(_, s)| s)
+                    .ok_or_else(|| ServiceError::HistoryNotFound(iso(at)))?;
+                Ok(ordered_json(Some(&st.base), &st.merged))
+            }
+        }
+    }
+
+    pub fn field(&mut self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {
+        let segs = concrete(path)?;
+        let e = self.entry(id)?;
+        Ok(e.model.get(&segs, now_us() / 1000))
+    }
+
+    pub fn effective_schema(&mut self, id: &str, path: &str) -> Result<Json, ServiceError> {
+        let segs = concrete(path)?;
+        let e = self.entry(id)?;
+        e.model.materialize(now_us() / 1000);
+        effective_schema(&e.model.compiled, &e.model.state().meta, &segs).ok_or_else(|| {
+            ServiceError::BadRequest(format!(
+                "`{path}` has no schema: it is not a field the model's schema admits"
+            ))
+        })
+    }
+
+    pub fn explain(
+        &mut self,
+        id: &str,
+        path: &str,
+        limit: Option<usize>,
+    ) -> Result<Vec<Trace>, ServiceError> {
+        let e = self.entry(id)?;
+        let prefix = if path.is_empty() { "$" } else { path };
+        let all = prefix == "$";
+        let hits: Vec<&Trace> = e
+            .traces
+            .iter()
+            .filter(|t| all || t.target_path.starts_with(prefix))
+            .collect();
+        let skip = limit.map_or(0, |l| hits.len().saturating_sub(l));
+        Ok(hits.into_iter().skip(skip).cloned().collect())
+    }
+
+    pub fn history(&mut self, id: &str) -> Result<Vec<String>, ServiceError> {
+        Ok(self
+            .entry(id)?
+            .history
+            .iter()
+            .map(|(t, _)| iso(*t))
+            .collect())
+    }
+
+    pub fn audit(&mut self, id: &str, q: &AuditQuery) -> Result<Vec<Json>, ServiceError> {
+        Ok(self.entry(id)?.audit.query(q))
+    }
+
+    pub fn verify_audit(&mut self, id: &str) -> Result<Json, ServiceError> {
+        Ok(self.entry(id)?.audit.verify())
+    }
+
+    pub fn view(&mut self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
+        let limits = self.limits.engine.expr.clone();
+        let e = self.entry(id)?;
+        let now = now_us() / 1000;
+        let merged = e.model.merged_json(now);
+        let meta = e.model.state().meta_json();
+        crate::engine::view::evaluate_view(&e.spec, &merged, &meta, view_id, now, &limits)
+            .map_err(|v| ServiceError::BadRequest(v.to_string()))
+    }
+
+    pub fn references(&mut self, id: &str, blob_id: &str) -> Result<bool, ServiceError> {
+        fn walk(v: &Json, id: &str) -> bool {
+            match v {
+                Json::String(s) => s == id || s.ends_with(&format!("/{id}")),
+                Json::Array(a) => a.iter().any(|x| walk(x, id)),
+                Json::Object(m) => m.values().any(|x| walk(x, id)),
+                _ => false,
+            }
+        }
+        let e = self.entry(id)?;
+        Ok(walk(&e.model.merged_json(now_us() / 1000), blob_id))
+    }
+
+    // --- writes -----------------------------------------------------------------------------
+
+    pub fn mutate(
+        &mut self,
+        id: &str,
+        mutations: Vec<(String, Json)>,
+        source: Source,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let max = self.limits.engine.max_mutations;
+        if mutations.len() > max {
+            return Err(ServiceError::Mutation(MutationError::Invalid(format!(
+                "{} mutations in one cycle; the limit is {max}",
+                mutations.len()
+            ))));
+        }
+        let mut parsed = Vec::with_capacity(mutations.len());
+        for (k, v) in &mutations {
+            let addr = Address::parse(k)
+                .map_err(|e| ServiceError::Mutation(MutationError::Invalid(e.message)))?;
+            let Some(segs) = addr.concrete() else {
+                return Err(ServiceError::Mutation(MutationError::Invalid(format!(
+                    "mutation address `{k}` contains `[*]`; write concrete element addresses"
+                ))));
+            };
+            parsed.push((segs, v.clone()));
+        }
+        self.commit(id, parsed, source)
+    }
+
+    fn commit(
+        &mut self,
+        id: &str,
+        parsed: Vec<(Vec<Seg>, Json)>,
+        source: Source,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
+        let e = self.entry(id)?;
+        let t = e.tick();
+        let result = match e.model.mutate_parsed(&parsed, t / 1000) {
+            Ok(r) => r,
+            Err(err) => {
+                // Rejected cycles leave no history or audit, but their traces explain the refusal.
+                if let MutationError::Constraint { traces, .. } = &err {
+                    push_traces(&mut e.traces, traces, explain_max);
+                }
+                return Err(ServiceError::Mutation(err));
+            }
+        };
+        push_traces(&mut e.traces, &result.traces, explain_max);
+        e.history.push_back((t, e.model.state().clone()));
+        while e.history.len() > history_max.max(1) {
+            e.history.pop_front();
+        }
+        let mutations: Map<String, Json> = parsed
+            .into_iter()
+            .map(|(segs, v)| (render(&segs), v))
+            .collect();
+        let version = e.spec.version_or_default().to_string();
+        e.audit.append(AuditEntry {
+            model_id: id,
+            model_version: &version,
+            source: source.as_str(),
+            at_us: t,
+            mutations,
+            result: &result,
+        });
+        let result = Arc::new(result);
+        self.subscribers.publish(Event::Mutation {
+            model_id: id.to_string(),
+            result: result.clone(),
+        });
+        Ok(result)
+    }
+
+    /// Apply an RFC 6902 patch to the base document and commit the difference as one cycle.
+    pub fn patch(
+        &mut self,
+        id: &str,
+        patch: json_patch::Patch,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let e = self.entry(id)?;
+        let old = e.model.state().base.to_json();
+        let mut new = old.clone();
+        json_patch::patch(&mut new, &patch).map_err(|err| {
+            ServiceError::Mutation(MutationError::Invalid(format!("invalid patch: {err}")))
+        })?;
+        if !new.is_object() {
+            return Err(ServiceError::Mutation(MutationError::Invalid(
+                "the patched document must stay a JSON object".into(),
+            )));
+        }
+        let mut writes = Vec::new();
+        diff(&old, &new, &mut Vec::new(), &mut writes);
+        if writes.is_empty() {
+            return Ok(Arc::new(MutationResult {
+                success: true,
+                ..Default::default()
+            }));
+        }
+        self.commit(id, writes, Source::Patch)
+    }
+
+    pub fn snapshot(&mut self, id: &str) -> Result<Json, ServiceError> {
+        let e = self.entry(id)?;
+        let now = now_us();
+        let derived = e.model.derived_cache(now / 1000);
+        let st = e.model.state();
+        Ok(json!({
+            "modelId": id,
+            "modelVersion": e.spec.version_or_default(),
+            "takenAt": iso(now),
+            "baseDoc": st.base.to_json(),
+            "derivedCache": derived,
+            "metaCache": st.meta_json(),
+        }))
+    }
+
+    pub fn restore(&mut self, id: &str, snapshot: Json) -> Result<Json, ServiceError> {
+        let bad = |m: String| ServiceError::BadRequest(m);
+        let e = self.entry(id)?;
+        let Json::Object(snap) = snapshot else {
+            return Err(bad(
+                "a snapshot is an object as `snapshot` returns it: {modelId, modelVersion, baseDoc, …}"
+                    .into(),
+            ));
+        };
+        if let Some(m) = snap.get("modelId").and_then(|m| m.as_str()) {
+            if m != id {
+                return Err(bad(format!("this snapshot is of model `{m}`, not `{id}`")));
+            }
+        }
+        let Some(base @ Json::Object(_)) = snap.get("baseDoc") else {
+            return Err(bad("the snapshot has no `baseDoc` object".into()));
+        };
+        // A base document may not hold derived values, and must satisfy the schema.
+        let mut leaves = Vec::new();
+        collect_leaves(base, &mut Vec::new(), &mut leaves);
+        let mut violations = Vec::new();
+        for segs in &leaves {
+            if e.model.compiled.producers.above(segs).is_some() {
+                violations.push(SchemaViolation {
+                    path: render(segs),
+                    keyword: "readOnly".into(),
+                    message: "a derived field cannot be part of baseDoc".into(),
+                });
+            }
+        }
+        for i in evolve::strand_check(&e.model.compiled.schema, base) {
+            violations.push(SchemaViolation {
+                path: i.path,
+                keyword: "schema".into(),
+                message: i.message,
+            });
+        }
+        if !violations.is_empty() {
+            return Err(ServiceError::Mutation(MutationError::Schema(violations)));
+        }
+        let t = e.tick();
+        e.model.reset_base(Val::from_json(base), t / 1000);
+        e.traces.clear();
+        e.history.clear();
+        e.history.push_back((t, e.model.state().clone()));
+        let version = e.spec.version_or_default().to_string();
+        self.subscribers.publish(Event::Restored {
+            model_id: id.to_string(),
+        });
+        Ok(json!({"restored": true, "id": id, "version": version, "restoredAt": iso(t)}))
+    }
+
+    pub fn evolve(&mut self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
+        let limits = self.limits.engine.clone();
+        let e = self.entry(id)?;
+        let actual = e.spec.version_or_default().to_string();
+        if let Some(expected) = &evo.expected_version {
+            if *expected != actual {
+                return Err(ServiceError::VersionConflict {
+                    expected: expected.clone(),
+                    actual,
+                });
+            }
+        }
+        let spec = evolve::apply(&e.spec, &evo).map_err(|x| ServiceError::BadRequest(x.0))?;
+        let report = crate::spec::validate::validate(&spec, &limits);
+        if !report.valid {
+            return Err(ServiceError::EvolutionInvalid(report.errors));
+        }
+        let compiled = compile_cached(&spec, &limits)
+            .map_err(|errs| ServiceError::EvolutionInvalid(compile_findings(errs)))?;
+        let t = e.tick();
+        let st = e.model.state();
+        let base = st.base.clone();
+        let mut model = Model::from_base(
+            compiled,
+            base.clone(),
+            st.effect_keys.clone(),
+            t / 1000,
+            limits,
+        );
+        if let Some(backfill) = &evo.backfill {
+            let mut writes = Vec::new();
+            for (k, v) in backfill {
+                let segs = concrete(k)?;
+                if base.get_path(&segs).is_none() {
+                    writes.push((segs, v.clone()));
+                }
+            }
+            if !writes.is_empty() {
+                model
+                    .mutate_parsed(&writes, t / 1000)
+                    .map_err(ServiceError::Mutation)?;
+            }
+        }
+        let schema_touched = evo.new_schema.is_some()
+            || evo.upsert_schema_defs.is_some()
+            || !evo.remove_schema_defs.is_empty()
+            || !evo.upsert_schema_nodes.is_empty()
+            || !evo.remove_schema_nodes.is_empty();
+        if schema_touched {
+            let stranded = evolve::strand_check(&spec.schema, &model.state().base.to_json());
+            if !stranded.is_empty() {
+                return Err(ServiceError::Stranded(stranded));
+            }
+        }
+        let info = ModelInfo::of(&spec);
+        e.spec = Arc::new(spec);
+        e.model = model;
+        e.traces.clear();
+        e.history.clear();
+        e.history.push_back((t, e.model.state().clone()));
+        self.subscribers.publish(Event::SpecEvolved {
+            model_id: id.to_string(),
+            version: info.version.clone(),
+        });
+        Ok(info)
+    }
+}
+
+fn push_traces(ring: &mut VecDeque<Trace>, traces: &[Trace], max: usize) {
+    for t in traces.iter().skip(traces.len().saturating_sub(max)) {
+        if ring.len() >= max {
+            ring.pop_front();
+        }
+        ring.push_back(t.clone());
+    }
+}
+
+fn collect_leaves(v: &Json, at: &mut Vec<Seg>, out: &mut Vec<Vec<Seg>>) {
+    match v {
+        Json::Object(m) if !m.is_empty() => {
+            for (k, x) in m {
+                at.push(Seg::Field(crate::value::intern(k)));
+                collect_leaves(x, at, out);
+                at.pop();
+            }
+        }
+        Json::Array(a) if !a.is_empty() => {
+            for (i, x) in a.iter().enumerate() {
+                at.push(Seg::Index(i));
+                collect_leaves(x, at, out);
+                at.pop();
+            }
+        }
+        _ => out.push(at.clone()),
+    }
+}
+
+/// The writes that turn `old` into `new`: objects are compared member by member (a removed
+/// member rewrites its parent), arrays element by element when their length is unchanged
+/// (otherwise the array is rewritten whole).
+fn diff(old: &Json, new: &Json, at: &mut Vec<Seg>, out: &mut Vec<(Vec<Seg>, Json)>) {
+    if old == new {
+        return;
+    }
+    match (old, new) {
+        (Json::Object(o), Json::Object(n)) if o.keys().all(|k| n.contains_key(k)) => {
+            for (k, nv) in n {
+                match o.get(k) {
+                    Some(ov) => {
+                        at.push(Seg::Field(crate::value::intern(k)));
+                        diff(ov, nv, at, out);
+                        at.pop();
+                    }
+                    None => {
+                        let mut p = at.clone();
+                        p.push(Seg::Field(crate::value::intern(k)));
+                        out.push((p, nv.clone()));
+                    }
+                }
+            }
+        }
+        (Json::Array(o), Json::Array(n)) if o.len() == n.len() => {
+            for (i, (ov, nv)) in o.iter().zip(n).enumerate() {
+                at.push(Seg::Index(i));
+                diff(ov, nv, at, out);
+                at.pop();
+            }
+        }
+        _ => out.push((at.clone(), new.clone())),
+    }
+}
