@@ -1333,47 +1333,74 @@ mod tests {
         }
     }
 
-    #[test]
-    fn every_bundled_view_evaluates_cleanly() {
-        let mut evaluated = 0;
-        for (name, text) in crate::examples::ALL {
-            let spec = crate::spec::parse_spec_text(text).unwrap();
-            let Some(def) = &spec.view_definition else {
-                continue;
-            };
-            let (mut model, _) =
-                crate::engine::Model::create(&spec, 0, Default::default()).unwrap();
-            let merged = model.merged_json(0);
-            let meta = model.state().meta_json();
-            let merged_val = crate::value::Val::from_json(&merged);
-            for view in def["views"].as_array().unwrap() {
-                let id = view["id"].as_str().unwrap();
-                let v = evaluate_view(&spec, &merged, &meta, Some(id), 0, &Limits::default())
-                    .unwrap_or_else(|e| panic!("{name}/{id}: {e}"));
-                assert_eq!(v["viewId"], json!(id));
-                let mut all = Vec::new();
-                walk(&v["components"], &mut all);
-                assert!(!all.is_empty(), "{name}/{id}");
-                for c in all {
-                    assert!(c.get("errors").is_none(), "{name}/{id}: {c}");
-                    if c["type"] != "effectStatus" {
-                        assert!(c.get("error").is_none(), "{name}/{id}: {c}");
-                    }
-                    if let Some(b) = c.get("bind").and_then(Json::as_str) {
-                        if c.get("value").is_none() {
-                            continue; // a declaration (trace panels)
-                        }
-                        let a = Address::parse(b).unwrap();
-                        let want = a
-                            .concrete()
-                            .and_then(|s| merged_val.get_path(&s).map(|x| x.to_json()))
-                            .unwrap_or(Json::Null);
-                        assert_eq!(c["value"], want, "{name}/{id}: {c}");
-                    }
+    /// Evaluate every view of `spec` in `model`'s state; assert no component failed and every
+    /// bind shows the merged value. Returns the number of item-view rows seen.
+    fn check_views(label: &str, spec: &ModelSpec, model: &mut crate::engine::Model) -> usize {
+        let merged = model.merged_json(0);
+        let meta = model.state().meta_json();
+        let merged_val = crate::value::Val::from_json(&merged);
+        let mut rows = 0;
+        let def = spec.view_definition.as_ref().unwrap();
+        for view in def["views"].as_array().unwrap() {
+            let id = view["id"].as_str().unwrap();
+            let v = evaluate_view(spec, &merged, &meta, Some(id), 0, &Limits::default())
+                .unwrap_or_else(|e| panic!("{label}/{id}: {e}"));
+            assert_eq!(v["viewId"], json!(id));
+            let mut all = Vec::new();
+            walk(&v["components"], &mut all);
+            assert!(!all.is_empty(), "{label}/{id}");
+            for c in all {
+                assert!(c.get("errors").is_none(), "{label}/{id}: {c}");
+                if c["type"] != "effectStatus" {
+                    assert!(c.get("error").is_none(), "{label}/{id}: {c}");
                 }
-                evaluated += 1;
+                rows += c["rows"].as_array().map_or(0, Vec::len);
+                if let Some(b) = c.get("bind").and_then(Json::as_str) {
+                    if c.get("value").is_none() {
+                        continue; // a declaration (trace panels)
+                    }
+                    let a = Address::parse(b).unwrap();
+                    let want = a
+                        .concrete()
+                        .and_then(|s| merged_val.get_path(&s).map(|x| x.to_json()))
+                        .unwrap_or(Json::Null);
+                    assert_eq!(c["value"], want, "{label}/{id}: {c}");
+                }
             }
         }
-        assert!(evaluated >= 11, "{evaluated}");
+        rows
+    }
+
+    #[test]
+    fn every_bundled_view_evaluates_cleanly() {
+        let mut with_views = 0;
+        let mut rows = 0;
+        for (name, text) in crate::examples::ALL {
+            let spec = crate::spec::parse_spec_text(text).unwrap();
+            if spec.view_definition.is_none() {
+                continue;
+            }
+            with_views += 1;
+            let create = || {
+                crate::engine::Model::create(&spec, 0, Default::default())
+                    .unwrap()
+                    .0
+            };
+            rows += check_views(name, &spec, &mut create());
+            // And in the state each of the spec's own tests sets up.
+            for (i, t) in spec.tests.iter().enumerate() {
+                let mut model = create();
+                let given: Vec<(String, Json)> = t
+                    .given
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                if model.mutate(&given, 0).is_ok() {
+                    rows += check_views(&format!("{name} tests[{i}]"), &spec, &mut model);
+                }
+            }
+        }
+        assert!(with_views >= 11, "{with_views}");
+        assert!(rows > 0, "no example state exercised an itemView");
     }
 }
