@@ -897,7 +897,7 @@ fn add_reads(
 }
 
 /// Evaluate the library layers in order and bind their exports into `env`.
-fn bind_library(
+pub(crate) fn bind_library(
     spec: &ModelSpec,
     env: &mut Env,
     limits: &Limits,
