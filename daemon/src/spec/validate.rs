@@ -1092,7 +1092,7 @@ mod tests {
         assert!(!r.valid);
         let e = &r.errors;
         assert!(has(e, "id", "coordinate"), "{e:#?}");
-        assert!(has(e, "version", "semver"));
+        assert!(has(&r.warnings, "version", "semver"), "{:#?}", r.warnings);
         assert!(has(e, "initialState", "removed"));
         assert!(has(e, "schema.properties.a.$ref", "only local"));
         assert!(has(e, "derivations[0].path", "$.items[0].x"));
