@@ -16,6 +16,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use imbl::{OrdMap, OrdSet};
+use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value as Json};
 
@@ -97,15 +98,21 @@ impl State {
 }
 
 /// One evaluation, as `explain` and `includeTraces` report it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Trace {
+    /// What was computed: a field address, a meta key (`$.path#prop`) or a constraint/effect id.
     pub target_path: Arc<str>,
     pub expression: Arc<str>,
+    /// The addresses the expression read.
     pub input_paths: Arc<[String]>,
+    /// The value computed (any JSON).
     #[serde(serialize_with = "serialize_val")]
+    #[schemars(schema_with = "crate::spec::schema::any_token")]
     pub result: Val,
+    /// Constraints: whether it held; `null` otherwise.
     pub constraint_passed: Option<bool>,
+    /// The evaluation error, if it failed.
     pub error_message: Option<String>,
 }
 
@@ -114,16 +121,17 @@ fn serialize_val<S: serde::Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error>
 }
 
 /// A failed constraint (the contract's violation item).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ConstraintViolation {
     pub constraint_id: String,
     pub message: String,
+    #[schemars(extend("enum" = ["rollback", "flag"]))]
     pub policy: &'static str,
 }
 
 /// An effect the cycle requested; executed (if at all) by the shell after commit.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EffectRequest {
     pub effect_id: String,
@@ -144,17 +152,41 @@ pub struct EffectRequest {
 }
 
 /// The outcome of a committed cycle.
-#[derive(Clone, Debug, PartialEq, Serialize, Default)]
+#[derive(Clone, Debug, PartialEq, Serialize, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = traces_schema)]
 pub struct MutationResult {
     pub success: bool,
+    /// The base addresses the mutation wrote.
     pub mutated_paths: Vec<String>,
+    /// The derived addresses whose values changed.
     pub derived_updated: Vec<String>,
+    /// The meta keys (`$.path#prop`) whose values changed.
     pub meta_updated: Vec<String>,
+    /// Violated `flag` constraints (the mutation committed anyway).
     pub flagged_constraints: Vec<ConstraintViolation>,
+    /// Effects the cycle requested.
     pub dispatched_effects: Vec<EffectRequest>,
+    /// Not serialized: `to_json(true)` adds it (the schema gets it from `traces_schema`).
     #[serde(skip)]
     pub traces: Vec<Trace>,
+}
+
+/// The schema of the optional `traces` array `to_json(true)` adds. Self-contained (inlined), as a
+/// transform has no generator to reference `Trace` through.
+fn traces_schema(schema: &mut schemars::Schema) {
+    let mut traces = schemars::generate::SchemaSettings::draft2020_12()
+        .for_serialize()
+        .with(|s| s.inline_subschemas = true)
+        .into_generator()
+        .subschema_for::<Vec<Trace>>();
+    traces.insert(
+        "description".into(),
+        "Every evaluation of the cycle; present only when traces were requested.".into(),
+    );
+    if let Some(Json::Object(props)) = schema.ensure_object().get_mut("properties") {
+        props.insert("traces".into(), traces.to_value());
+    }
 }
 
 impl MutationResult {

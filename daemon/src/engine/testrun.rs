@@ -1,6 +1,7 @@
 //! Embedded tests (`given` → `expect`, with `$meta` assertions), dry runs and their result
 //! shapes. Each case runs in a fresh throwaway model; nothing here touches a registry.
 
+use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value as Json};
 
@@ -9,15 +10,16 @@ use crate::expr::path::Address;
 use crate::spec::{MetaProp, ModelSpec, TestCase};
 
 /// One failed expectation.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 pub struct Failure {
+    /// The asserted address (`$` when the case could not run).
     pub path: String,
     pub expected: Json,
     pub actual: Json,
     pub message: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 pub struct CaseResult {
     pub description: String,
     pub passed: bool,
@@ -26,7 +28,7 @@ pub struct CaseResult {
 }
 
 /// The `test_spec` result shape.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 pub struct TestReport {
     pub total: usize,
     pub passed: usize,

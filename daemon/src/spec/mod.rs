@@ -6,47 +6,73 @@ pub mod evolve;
 pub mod schema;
 pub mod validate;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value as Json};
 
 /// A complete model specification, as the reference defines it. Unknown top-level keys are kept
 /// in `extra` (so a spec round-trips verbatim) and reported as validator warnings.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelSpec {
+    /// Model identifier: `[namespace/]name`, each segment starting with a letter (then
+    /// letters, digits, `-`, `_`).
     pub id: String,
+    /// Semantic version `MAJOR.MINOR.PATCH`; absent or blank means `1.0.0`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,
+    /// Branch this model from another model's spec (flattened into this one at creation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<TemplateRef>,
+    /// The ancestor chain of a branch, written by the materializer; leave it out when authoring.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lineage: Vec<LineageEntry>,
+    /// JSON Schema (draft 2020-12, `$defs`/`$ref` allowed) of the base document the caller
+    /// writes; derived fields may be declared in it too.
+    #[schemars(schema_with = "schema::json_schema_value")]
     pub schema: Json,
+    /// Named immutable values (any JSON), read as `$const.name` in every expression.
     #[serde(default, skip_serializing_if = "Map::is_empty")]
     pub constants: Map<String, Json>,
+    /// Named JSONata functions/values callable as `$name(...)` from every expression; they see
+    /// only their arguments and `$const`, never the document.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub library: Option<LibrarySpec>,
+    /// Rules that fill fields of a newly created container (`$` seeds the document).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub default_values: Vec<DefaultValueSpec>,
+    /// Computed read-only fields, re-evaluated when what they read changes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub derivations: Vec<DerivationSpec>,
+    /// Live per-field metadata (required, bounds, readOnly, relevant, ...) computed by
+    /// expressions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub meta_derivations: Vec<MetaDerivationSpec>,
+    /// Boolean invariants checked after every mutation, with a rollback or flag policy.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<ConstraintSpec>,
+    /// Side effects requested when a trigger becomes true, run by a shell (caller, server,
+    /// llm, timer).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub effects: Vec<EffectSpec>,
+    /// Embedded test cases: mutations to apply (`given`) and values to expect.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tests: Vec<TestCase>,
+    /// Declarative UI: `{views: [...], defaultView}` of components bound to fields.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub view_definition: Option<Json>,
-    /// Removed in the reference; a non-empty value is rejected by the validator.
+    /// Removed in the reference; a non-empty value is rejected by the validator. Not in the
+    /// JSON Schema (it only advertises what a spec should contain).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
     pub initial_state: Option<Json>,
-    /// Removed in the reference; a non-empty value is rejected by the validator.
+    /// Removed in the reference; a non-empty value is rejected by the validator. Not in the
+    /// JSON Schema.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
     pub actions: Option<Json>,
     #[serde(flatten)]
+    #[schemars(skip)]
     pub extra: Map<String, Json>,
 }
 
@@ -70,15 +96,17 @@ impl ModelSpec {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 pub struct TemplateRef {
+    /// Coordinate of the template model (`[namespace/]name`).
     #[serde(rename = "ref")]
     pub reference: String,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LineageEntry {
+    /// Coordinate of the ancestor model.
     #[serde(rename = "ref")]
     pub reference: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -92,10 +120,12 @@ pub struct LineageEntry {
 }
 
 /// `library`: a bare definition string, one layer object, or the stored `{layers: [...]}` form.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(untagged)]
 pub enum LibrarySpec {
+    /// Shorthand for `{"define": ...}`.
     Define(String),
+    /// The stored form: layers in binding order (inherited first, own last).
     Layered {
         layers: Vec<LibraryLayer>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -117,41 +147,54 @@ impl LibrarySpec {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LibraryLayer {
+    /// A JSONata block that binds functions/values and returns the array of names it exports,
+    /// e.g. `( $money := function($n){ $round($n, 2) }; ["money"] )`.
     pub define: String,
+    /// Export name → declared signature (documentation for agents).
     #[serde(default, skip_serializing_if = "Map::is_empty")]
     pub signatures: Map<String, Json>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// Layers this one builds on: one name or an array of names.
     #[serde(
         default,
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "one_or_many"
     )]
+    #[schemars(schema_with = "schema::one_or_many_strings")]
     pub extends: Vec<String>,
     /// Which model contributed the layer (written when a branch inherits it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub origin: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DefaultValueSpec {
+    /// The container the rule fills: `$` (the document, at creation), an object (`$.customer`)
+    /// or array elements (`$.items[*]`), in canonical JSON Path.
     pub path: String,
+    /// JSONata returning an object whose fields fill the new container where the caller gave
+    /// none (`$parent` and `$self` are bound).
     pub expr: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DerivationSpec {
+    /// The computed field, in canonical JSON Path (`$.total`, `$.items[*].lineTotal` for one
+    /// value per element, with `$parent` bound to the element).
     pub path: String,
+    /// JSONata over the merged document (no `$.` prefix: `price * qty`).
     pub expr: String,
-    /// `"eager"` (default) or `"lazy"`.
+    /// `"eager"` (default: computed in every mutation) or `"lazy"` (computed when read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["eager", "lazy", null]))]
     pub evaluation: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
@@ -165,37 +208,51 @@ impl DerivationSpec {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MetaDerivationSpec {
+    /// The field the metadata is about, in canonical JSON Path.
     pub path: String,
+    /// The metadata property computed.
+    #[schemars(extend("enum" = ["required", "minimum", "maximum", "multipleOf", "minLength", "maxLength", "pattern", "enum", "readOnly", "relevant"]))]
     pub property: String,
-    /// Any JSON token is accepted; non-strings are stringified (`100` → `"100"`).
+    /// JSONata computing the property's value over the merged document. Any JSON token is
+    /// accepted: a non-string is used as its JSON text (`100` is the expression `"100"`).
     #[serde(deserialize_with = "stringified")]
+    #[schemars(schema_with = "schema::any_token")]
     pub expr: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = schema::require_policy)]
 pub struct ConstraintSpec {
+    /// Unique constraint id.
     pub id: String,
     /// Absent: global; a string: one field (or per element with `[*]`); an array: several fields.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<ConstraintPath>,
+    /// JSONata boolean over the merged document; `false` is a violation.
     pub expr: String,
+    /// What the caller is told when the constraint fails.
     #[serde(default)]
     pub message: String,
-    /// `"rollback"` or `"flag"`.
+    /// `"rollback"`: a violating mutation is undone and fails; `"flag"`: it commits and the
+    /// violation is reported in `flaggedConstraints`. Required (the validator rejects a missing
+    /// policy; other letter cases are accepted with a warning).
     #[serde(default)]
+    #[schemars(extend("enum" = ["rollback", "flag"]))]
     pub policy: String,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(untagged)]
 pub enum ConstraintPath {
+    /// One field, in canonical JSON Path (`$.items[*]` checks each element).
     One(String),
+    /// Several fields.
     Many(Vec<String>),
 }
 
@@ -235,51 +292,76 @@ impl Policy {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EffectSpec {
+    /// Unique effect id.
     pub id: String,
-    /// `caller`, `server` (the default), `llm`, `timer`, or a plugin kind.
+    /// Who runs the effect: `caller` (returned to the mutating caller), `server` (HTTP or a
+    /// model link, the default), `llm` or `timer`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub executor: Option<String>,
+    /// JSONata boolean over the merged document; the effect is requested when it is true after
+    /// a mutation.
     pub trigger: String,
+    /// JSONata edge key: the effect fires again only when this value changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dedupe_key: Option<String>,
+    /// Canonical address where the runtime keeps the effect's `{phase, key, at, error}` status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status_path: Option<String>,
+    /// Caller effects: the event name returned to the caller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub emit: Option<String>,
+    /// Payload field → JSONata over the merged document.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<Map<String, Json>>,
+    /// Server effects: `{method, url, headers, body}`; `{ expr }` segments of url and headers
+    /// interpolate JSONata.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<Json>,
+    /// Server effects: JSONata producing an array of request descriptors (fan-out).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requests: Option<String>,
+    /// Server effects: a link to another model, `{ref, path}` (write, with `body`) or
+    /// `{ref, read}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<Json>,
+    /// With a write-link `target`: JSONata producing the value written at `target.path`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body: Option<String>,
+    /// Server effects: a transport binding, `{transport, ...}` (`transport` is required).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub binding: Option<Json>,
+    /// Execution policy: `{timeoutMs, retries, backoff, egressProfile}`; for llm effects
+    /// `{model, temperature}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<Json>,
+    /// Llm effects: JSONata producing the prompt text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
+    /// Llm effects: JSON Schema of the structured completion (bound as `$response`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_schema: Option<Json>,
+    /// Timer effects: JSONata producing the fire time (epoch ms or ISO-8601).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at: Option<String>,
+    /// Timer effects: the delay in milliseconds, as JSONata (a number is accepted too).
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
         deserialize_with = "opt_stringified"
     )]
+    #[schemars(schema_with = "schema::any_token")]
     pub after_ms: Option<String>,
+    /// How the executor's result folds back into the model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response: Option<EffectResponse>,
+    /// Where an inherited effect came from (written when a branch inherits it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub origin: Option<Json>,
     #[serde(flatten)]
+    #[schemars(skip)]
     pub extra: Map<String, Json>,
 }
 
@@ -289,111 +371,152 @@ impl EffectSpec {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default, JsonSchema)]
 pub struct EffectResponse {
+    /// Canonical address → JSONata (`$response` is the executor's result), applied as one
+    /// ordinary mutation.
     #[serde(default)]
     pub set: Map<String, Json>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TestCase {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// Canonical address → value: the mutation applied to a fresh model.
     pub given: Map<String, Json>,
+    /// Canonical address → expected value, or `{"$meta": {property: value}}` to assert
+    /// metadata.
     pub expect: Map<String, Json>,
 }
 
 /// An incremental change to a live model's spec (`evolve_spec`). Every field is optional.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SpecEvolution {
+    /// The version after the change (semver).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_version: Option<String>,
+    /// Apply only if the live version still equals this (optimistic concurrency).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expected_version: Option<String>,
+    /// Replace the whole document schema.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::opt_json_schema_value")]
     pub new_schema: Option<Json>,
+    /// Replace the whole view definition (absent keeps it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_view_definition: Option<Json>,
+    /// Replace the whole `constants` map (absent keeps it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_constants: Option<Map<String, Json>>,
-    /// Absent keeps the own layer; explicit `null` drops it.
+    /// Replace this model's own library layer: absent keeps it, explicit `null` drops it.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
         deserialize_with = "double_option"
     )]
     pub new_library: Option<Option<LibrarySpec>>,
+    /// Replace the embedded tests wholesale (`[]` clears them; absent keeps them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_tests: Option<Vec<TestCase>>,
+    /// Add derivations, or replace those with the same `path`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_derivations: Vec<DerivationSpec>,
+    /// Derivation paths to remove.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_derivations: Vec<String>,
+    /// Add constraints, or replace those with the same `id`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_constraints: Vec<ConstraintSpec>,
+    /// Constraint ids to remove.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_constraints: Vec<String>,
+    /// Add effects, or replace those with the same `id`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_effects: Vec<EffectSpec>,
+    /// Effect ids to remove.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_effects: Vec<String>,
+    /// Add meta-derivations, or replace those with the same `path` and `property`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_meta_derivations: Vec<MetaDerivationSpec>,
+    /// Meta-derivations to remove, as `$.path#property` keys.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_meta_derivations: Vec<String>,
+    /// Add default-value rules, or replace those with the same `path`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_default_values: Vec<DefaultValueSpec>,
+    /// Default-value rule paths to remove.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_default_values: Vec<String>,
+    /// Schema `$defs` name → definition, replacing (or adding) each one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upsert_schema_defs: Option<Map<String, Json>>,
+    /// `$defs` names to remove (rejected while still referenced).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_schema_defs: Vec<String>,
+    /// Schema nodes to replace (or create) at canonical data paths.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_schema_nodes: Vec<SchemaNodeUpsert>,
+    /// Schema nodes to remove, by canonical data path.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_schema_nodes: Vec<String>,
+    /// Set `viewDefinition.defaultView`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_default_view: Option<String>,
+    /// Whole views to add, or replace by `id`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_views: Vec<Json>,
+    /// View ids to remove.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_views: Vec<String>,
+    /// Components to replace in place (by id) or to place/move.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upsert_components: Vec<ComponentUpsert>,
+    /// Components to remove (with their subtrees).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_components: Vec<ComponentRemove>,
+    /// Constant name → value, replacing (or adding) each one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upsert_constants: Option<Map<String, Json>>,
+    /// Constant names to remove (rejected while an expression reads `$const.<name>`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_constants: Vec<String>,
+    /// Canonical address → value written into the live document where it lacks the field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backfill: Option<Map<String, Json>>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SchemaNodeUpsert {
+    /// Canonical data path of the node (`$.order.items[*].qty`); may not cross a `$ref`.
     pub path: String,
+    /// The node's new schema, replacing the old one wholesale.
+    #[schemars(schema_with = "schema::json_schema_value")]
     pub schema: Json,
+    /// `true`/`false` adds/removes the field from its parent's `required`; absent leaves it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub required: Option<bool>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ComponentUpsert {
     pub view_id: String,
+    /// The component (with its `id`, `type` and fields).
     pub component: Json,
+    /// The container to place it in (absent: the view root).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_id: Option<String>,
+    /// The sibling to place it before (absent: append).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub before_id: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ComponentRemove {
     pub view_id: String,

@@ -6,6 +6,7 @@
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
+use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value as Json};
 
@@ -17,15 +18,17 @@ use crate::expr::path::Address;
 use crate::expr::{Compiled, Limits, RESERVED};
 
 /// One finding: where, and what is wrong.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord, JsonSchema)]
 pub struct Finding {
+    /// Where in the spec: `derivations[0].expr`, `schema`, `line 3, column 7`, ...
     pub location: String,
     pub message: String,
 }
 
 /// The `validate_spec` result.
-#[derive(Clone, Debug, PartialEq, Serialize, Default)]
+#[derive(Clone, Debug, PartialEq, Serialize, Default, JsonSchema)]
 pub struct Report {
+    /// No errors (warnings do not make a spec invalid).
     pub valid: bool,
     pub errors: Vec<Finding>,
     pub warnings: Vec<Finding>,
