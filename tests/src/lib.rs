@@ -55,3 +55,148 @@ pub fn stdout(o: &Output) -> String {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// A running `valem mcp` driven over raw newline-delimited JSON-RPC.
+pub struct Mcp {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Mcp {
+    /// Start `valem mcp ARGS` with `env` added to its environment.
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> Mcp {
+        use std::io::BufRead;
+        let mut cmd = Command::new(valem_bin());
+        cmd.arg("mcp")
+            .args(args)
+            .current_dir(repo_root())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn valem mcp");
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Mcp {
+            child,
+            stdin,
+            lines: rx,
+        }
+    }
+
+    /// Write raw bytes (no newline added).
+    pub fn send_raw(&mut self, bytes: &[u8]) {
+        let s = self.stdin.as_mut().expect("stdin open");
+        s.write_all(bytes).expect("write to valem mcp");
+        s.flush().expect("flush");
+    }
+
+    /// Write one message as a line.
+    pub fn send(&mut self, msg: &serde_json::Value) {
+        let mut line = serde_json::to_vec(msg).expect("json");
+        line.push(b'\n');
+        self.send_raw(&line);
+    }
+
+    /// The next line of stdout, parsed; panics after `secs` seconds.
+    pub fn recv(&self, secs: u64) -> serde_json::Value {
+        let line = self
+            .lines
+            .recv_timeout(std::time::Duration::from_secs(secs))
+            .expect("valem mcp answered in time");
+        serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {line}"))
+    }
+
+    /// The next message that is not a notification.
+    pub fn recv_reply(&self) -> serde_json::Value {
+        loop {
+            let m = self.recv(10);
+            if m.get("method").is_none() {
+                return m;
+            }
+        }
+    }
+
+    /// Nothing more arrives within `ms` milliseconds.
+    pub fn quiet_for(&self, ms: u64) -> Option<String> {
+        self.lines
+            .recv_timeout(std::time::Duration::from_millis(ms))
+            .ok()
+    }
+
+    /// Send a request and wait for its reply (skipping notifications).
+    pub fn call(&mut self, id: u64, method: &str, params: serde_json::Value) -> serde_json::Value {
+        self.send(
+            &serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}),
+        );
+        let r = self.recv_reply();
+        assert_eq!(r["id"], serde_json::json!(id), "reply to request {id}: {r}");
+        r
+    }
+
+    /// `initialize` at `version` and `notifications/initialized`; returns the initialize result.
+    pub fn handshake(&mut self, version: &str) -> serde_json::Value {
+        let r = self.call(
+            0,
+            "initialize",
+            serde_json::json!({"protocolVersion": version, "capabilities": {}}),
+        );
+        self.send(&serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+        r["result"].clone()
+    }
+
+    /// `tools/call`; returns the result object.
+    pub fn tool(&mut self, id: u64, name: &str, args: serde_json::Value) -> serde_json::Value {
+        let r = self.call(
+            id,
+            "tools/call",
+            serde_json::json!({"name": name, "arguments": args}),
+        );
+        r["result"].clone()
+    }
+
+    /// Close stdin and wait for the process to exit (panics after `secs`); returns its status
+    /// and the stdout lines not yet received.
+    pub fn close(mut self, secs: u64) -> (std::process::ExitStatus, Vec<String>) {
+        drop(self.stdin.take());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                let mut rest = Vec::new();
+                // The reader thread ends at stdout's EOF, closing the channel.
+                while let Ok(l) = self
+                    .lines
+                    .recv_timeout(std::time::Duration::from_secs(secs))
+                {
+                    rest.push(l);
+                }
+                return (s, rest);
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "valem mcp did not exit within {secs}s of stdin closing"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Mcp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -170,13 +170,10 @@ fn args<T: DeserializeOwned>(tool: &str, v: Json) -> Result<T, ToolError> {
     })
 }
 
-/// A draft 2020-12 object schema for `T` with every subschema inlined.
+/// A draft 2020-12 object schema for `T` with every subschema inlined (without the root
+/// `$schema`/`title`, which a tool's schema does not need).
 pub fn schema_of<T: JsonSchema>() -> Json {
-    let settings = schemars::generate::SchemaSettings::draft2020_12().with(|s| {
-        s.inline_subschemas = true;
-    });
-    let root = settings.into_generator().into_root_schema_for::<T>();
-    let mut v = serde_json::to_value(root).unwrap_or(json!({"type": "object"}));
+    let mut v = crate::spec::schema::output_schema::<T>();
     if let Json::Object(m) = &mut v {
         m.shift_remove("$schema");
         m.shift_remove("title");
@@ -393,19 +390,7 @@ fn any_object() -> Json {
 }
 
 fn mutation_result_schema() -> Json {
-    json!({
-        "type": "object",
-        "properties": {
-            "success": {"type": "boolean"},
-            "mutatedPaths": {"type": "array", "items": {"type": "string"}},
-            "derivedUpdated": {"type": "array", "items": {"type": "string"}},
-            "metaUpdated": {"type": "array", "items": {"type": "string"}},
-            "flaggedConstraints": {"type": "array", "items": {"type": "object"}},
-            "dispatchedEffects": {"type": "array", "items": {"type": "object"}},
-            "traces": {"type": "array", "items": {"type": "object"}}
-        },
-        "required": ["success", "mutatedPaths", "derivedUpdated", "metaUpdated", "flaggedConstraints", "dispatchedEffects"]
-    })
+    crate::spec::schema::output_schema::<crate::engine::MutationResult>()
 }
 
 fn verify_schema() -> Json {
@@ -426,10 +411,12 @@ fn verify_schema() -> Json {
 fn all_tools(guidance: &Guidance) -> Vec<Tool> {
     let ro = annotations(true, false, true);
     let mut guidance_schema = schema_of::<GuidanceArgs>();
-    guidance_schema["properties"]["topics"]["items"] = json!({
-        "type": "string",
-        "enum": guidance.ids(),
-    });
+    if !guidance.ids().is_empty() {
+        guidance_schema["properties"]["topics"]["items"] = json!({
+            "type": "string",
+            "enum": guidance.ids(),
+        });
+    }
     guidance_schema["properties"]["topics"]["description"] = json!(format!(
         "Topic ids matching the model being authored: {}",
         guidance.menu()
@@ -779,15 +766,9 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Validate a spec",
             description: "Check a candidate ModelSpec without creating it: {valid, errors: [{location, message}], warnings}. Draft → validate → fix → repeat.",
             input_schema: schema_of::<SpecArg>(),
-            output_schema: Some(json!({
-                "type": "object",
-                "properties": {
-                    "valid": {"type": "boolean"},
-                    "errors": {"type": "array", "items": {"type": "object", "properties": {"location": {"type": "string"}, "message": {"type": "string"}}, "required": ["location", "message"]}},
-                    "warnings": {"type": "array", "items": {"type": "object", "properties": {"location": {"type": "string"}, "message": {"type": "string"}}, "required": ["location", "message"]}}
-                },
-                "required": ["valid", "errors", "warnings"]
-            })),
+            output_schema: Some(crate::spec::schema::output_schema::<
+                crate::spec::validate::Report,
+            >()),
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: SpecArg = args("validate_spec", a)?;
@@ -825,16 +806,9 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Run a spec's tests",
             description: "Run the spec's embedded tests (or ad-hoc `tests` cases given → expect, keyed by canonical address, which replace them) in throwaway models: {total, passed, failed, results: [{description, passed, failures: [{path, expected, actual, message}]}]}.",
             input_schema: schema_of::<TestArgs>(),
-            output_schema: Some(json!({
-                "type": "object",
-                "properties": {
-                    "total": {"type": "integer"},
-                    "passed": {"type": "integer"},
-                    "failed": {"type": "integer"},
-                    "results": {"type": "array", "items": {"type": "object"}}
-                },
-                "required": ["total", "passed", "failed", "results"]
-            })),
+            output_schema: Some(crate::spec::schema::output_schema::<
+                crate::engine::testrun::TestReport,
+            >()),
             annotations: ro.clone(),
             handler: test_spec,
         },

@@ -1,0 +1,331 @@
+//! `valem mcp` over raw newline-delimited JSON-RPC, as a client's transport sees it: the
+//! contract's worked example byte for byte, the handshake, version negotiation, and every kind of
+//! bad input answered with the right error while the server keeps serving.
+
+use serde_json::{json, Value};
+use valem_tests::Mcp;
+
+fn text_json(result: &Value) -> Value {
+    let text = result["content"][0]["text"].as_str().expect("text block");
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
+}
+
+#[test]
+fn worked_example_reproduces() {
+    let mut m = Mcp::start(&[], &[]);
+    m.send_raw(br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{}}}
+"#);
+    let r = m.recv_reply();
+    assert_eq!(r["id"], 1);
+    assert_eq!(r["result"]["protocolVersion"], "2025-06-18");
+    assert!(r["result"]["capabilities"]["tools"].is_object());
+    assert_eq!(r["result"]["serverInfo"]["name"], "valem");
+    assert!(r["result"]["instructions"].as_str().unwrap().len() > 100);
+    m.send_raw(br#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"create_model","arguments":{"spec":{"id":"demo","version":"1","schema":{},"derivations":[{"path":"$.total","expr":"price * qty"}],"constraints":[],"metaDerivations":[],"tests":[]}}}}
+"#);
+    let r = m.recv_reply();
+    assert_eq!(r["result"]["isError"], false, "{r}");
+    let info = &r["result"]["structuredContent"];
+    assert_eq!(info["id"], "demo");
+    assert_eq!(info["version"], "1");
+    assert_eq!(info["derivationCount"], 1);
+    assert_eq!(text_json(&r["result"]), *info);
+    m.send_raw(br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"mutate","arguments":{"id":"demo","mutations":{"$.price":10,"$.qty":3}}}}
+"#);
+    let r = m.recv_reply();
+    let s = &r["result"]["structuredContent"];
+    assert_eq!(r["result"]["isError"], false);
+    assert_eq!(s["success"], true);
+    assert_eq!(s["derivedUpdated"], json!(["$.total"]));
+    assert!(s.get("traces").is_none(), "traces only on request");
+    assert_eq!(text_json(&r["result"]), *s);
+    m.send_raw(br#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"get_state","arguments":{"id":"demo"}}}
+"#);
+    let r = m.recv_reply();
+    assert_eq!(r["result"]["isError"], false);
+    assert_eq!(
+        r["result"]["structuredContent"],
+        json!({"price": 10, "qty": 3, "total": 30})
+    );
+    assert_eq!(
+        r["result"]["content"][0]["text"],
+        "{\n  \"price\": 10,\n  \"qty\": 3,\n  \"total\": 30\n}"
+    );
+    let (status, rest) = m.close(10);
+    assert!(status.success());
+    assert!(rest.is_empty(), "nothing after the last reply: {rest:?}");
+}
+
+#[test]
+fn version_negotiation_echoes_known_revisions_else_the_newest() {
+    for (asked, got) in [
+        ("2024-11-05", "2024-11-05"),
+        ("2025-03-26", "2025-03-26"),
+        ("2025-06-18", "2025-06-18"),
+        ("2025-11-25", "2025-11-25"),
+        ("2099-01-01", "2025-11-25"),
+        ("", "2025-11-25"),
+    ] {
+        let mut m = Mcp::start(&[], &[]);
+        let r = m.handshake(asked);
+        assert_eq!(r["protocolVersion"], got, "asked {asked}");
+        assert_eq!(r["capabilities"]["resources"]["subscribe"], true);
+        assert!(r["capabilities"]["logging"].is_object());
+        assert!(r["capabilities"].get("prompts").is_none());
+    }
+}
+
+#[test]
+fn readiness_log_follows_initialized_and_respects_the_level() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let log = m.recv(10);
+    assert_eq!(log["method"], "notifications/message");
+    assert_eq!(log["params"]["level"], "info");
+    assert!(log["params"]["data"].as_str().unwrap().contains("ready"));
+    // Below-floor messages are suppressed: a second session raises the floor first.
+    let mut m = Mcp::start(&[], &[]);
+    m.call(
+        1,
+        "initialize",
+        json!({"protocolVersion": "2025-11-25", "capabilities": {}}),
+    );
+    let r = m.call(2, "logging/setLevel", json!({"level": "warning"}));
+    assert_eq!(r["result"], json!({}));
+    m.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+    let r = m.call(3, "ping", json!({}));
+    assert_eq!(r["result"], json!({}));
+    assert!(m.quiet_for(200).is_none());
+    let r = m.call(4, "logging/setLevel", json!({"level": "loud"}));
+    assert_eq!(r["error"]["code"], -32602);
+}
+
+#[test]
+fn bad_input_gets_the_right_error_and_the_server_keeps_serving() {
+    let mut m = Mcp::start(&[], &[]);
+    // A leading BOM is tolerated.
+    m.send_raw(b"\xEF\xBB\xBF{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"}\n");
+    assert_eq!(m.recv_reply()["result"], json!({}));
+    // A request before initialize: an error, not an exit.
+    let r = m.call(2, "tools/list", json!({}));
+    assert_eq!(r["error"]["code"], -32600);
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("initialize"));
+    // server/discover (the stateless revision probe of newer clients): -32601 at once.
+    let r = m.call(3, "server/discover", json!({}));
+    assert_eq!(r["error"]["code"], -32601);
+    m.handshake("2025-11-25");
+    let _ready = m.recv(10);
+    // Not JSON.
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":4,\"method\"\n");
+    let r = m.recv_reply();
+    assert_eq!(r["error"]["code"], -32700);
+    assert_eq!(r["id"], Value::Null);
+    m.send_raw(b"hello\n\n   \n");
+    assert_eq!(m.recv_reply()["error"]["code"], -32700);
+    // Not a request object.
+    m.send_raw(b"42\n");
+    assert_eq!(m.recv_reply()["error"]["code"], -32600);
+    m.send(&json!({"jsonrpc": "1.0", "id": 5, "method": "ping"}));
+    assert_eq!(m.recv_reply()["error"]["code"], -32600);
+    // Unknown method, unknown tool, missing name, wrong argument types.
+    assert_eq!(
+        m.call(6, "tools/frobnicate", json!({}))["error"]["code"],
+        -32601
+    );
+    assert_eq!(
+        m.call(7, "prompts/list", json!({}))["error"]["code"],
+        -32601
+    );
+    let r = m.call(
+        8,
+        "tools/call",
+        json!({"name": "no_such_tool", "arguments": {}}),
+    );
+    assert_eq!(r["error"]["code"], -32602);
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no_such_tool"));
+    assert_eq!(
+        m.call(9, "tools/call", json!({"arguments": {}}))["error"]["code"],
+        -32602
+    );
+    let r = m.tool(10, "mutate", json!({"id": "x", "mutations": "not a map"}));
+    assert_eq!(r["isError"], true);
+    let msg = r["content"][0]["text"].as_str().unwrap();
+    assert!(msg.contains("mutations"), "{msg}");
+    let r = m.tool(11, "get_state", json!({"id": 7}));
+    assert_eq!(r["isError"], true);
+    assert!(r["content"][0]["text"].as_str().unwrap().contains("id"));
+    let r = m.tool(12, "get_state", json!({"id": "x", "typo": 1}));
+    assert!(r["content"][0]["text"].as_str().unwrap().contains("typo"));
+    // An unknown resource.
+    let r = m.call(13, "resources/read", json!({"uri": "valem://nope"}));
+    assert_eq!(r["error"]["code"], -32002);
+    // Still serving.
+    assert_eq!(m.call(14, "ping", json!({}))["result"], json!({}));
+}
+
+#[test]
+fn oversized_messages_are_refused_and_skipped() {
+    let mut m = Mcp::start(&["--max-message-bytes", "1000"], &[]);
+    m.handshake("2025-11-25");
+    let _ready = m.recv(10);
+    let big = format!(
+        "{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\",\"params\":{{\"name\":\"eval_expression\",\"arguments\":{{\"expr\":\"{}\"}}}}}}\n",
+        "1+".repeat(5000) + "1"
+    );
+    m.send_raw(big.as_bytes());
+    let r = m.recv_reply();
+    assert_eq!(r["error"]["code"], -32600);
+    assert!(r["error"]["message"].as_str().unwrap().contains("limit"));
+    assert_eq!(m.call(2, "ping", json!({}))["result"], json!({}));
+}
+
+#[test]
+fn huge_arguments_within_the_limit_are_served() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let spec = json!({"id": "wide", "schema": {}, "derivations": [{"path": "$.n", "expr": "$count(items)"}]});
+    assert_eq!(
+        m.tool(1, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    let items: Vec<Value> = (0..20_000).map(|i| json!({"k": i})).collect();
+    let r = m.tool(
+        2,
+        "mutate",
+        json!({"id": "wide", "mutations": {"$.items": items}}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    let r = m.tool(3, "get_field", json!({"id": "wide", "path": "$.n"}));
+    assert_eq!(r["content"][0]["text"], "20000");
+    assert!(
+        r.get("structuredContent").is_none(),
+        "scalars are text only"
+    );
+    // The whole state is far over the result guard.
+    let r = m.tool(4, "get_state", json!({"id": "wide"}));
+    assert_eq!(r["isError"], true);
+    let note = text_json(&r);
+    assert_eq!(note["error"], "Result too large");
+    assert_eq!(note["limitChars"], 50_000);
+    assert!(note["hint"].as_str().unwrap().contains("paths"));
+    let r = m.tool(5, "get_state", json!({"id": "wide", "depth": 0}));
+    assert_eq!(
+        r["structuredContent"],
+        json!({"items": "<array: 20000 items>", "n": 20000})
+    );
+}
+
+#[test]
+fn batches_follow_the_negotiated_revision() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-03-26");
+    let _ready = m.recv(10);
+    m.send(&json!([
+        {"jsonrpc": "2.0", "id": 1, "method": "ping"},
+        {"jsonrpc": "2.0", "method": "notifications/roots/list_changed"},
+        {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "list_models", "arguments": {}}},
+    ]));
+    let r = m.recv(10);
+    let arr = r.as_array().expect("a batch answer is an array");
+    assert_eq!(arr.len(), 2);
+    assert_eq!(arr[0]["id"], 1);
+    assert_eq!(arr[1]["id"], 2);
+    assert_eq!(arr[1]["result"]["content"][0]["text"], "[]");
+    // Batches left MCP in 2025-06-18.
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-06-18");
+    let _ready = m.recv(10);
+    m.send(&json!([{"jsonrpc": "2.0", "id": 1, "method": "ping"}]));
+    let r = m.recv_reply();
+    assert_eq!(r["error"]["code"], -32600);
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("2025-06-18"));
+}
+
+#[test]
+fn a_cancelled_request_gets_no_reply() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let _ready = m.recv(10);
+    // Cancel arrives on the read loop, ahead of the queued request it names.
+    m.send_raw(
+        b"{\"jsonrpc\":\"2.0\",\"method\":\"notifications/cancelled\",\"params\":{\"requestId\":7,\"reason\":\"user\"}}\n{\"jsonrpc\":\"2.0\",\"id\":7,\"method\":\"tools/call\",\"params\":{\"name\":\"list_models\",\"arguments\":{}}}\n{\"jsonrpc\":\"2.0\",\"id\":8,\"method\":\"ping\"}\n",
+    );
+    let r = m.recv_reply();
+    assert_eq!(r["id"], 8, "request 7 was cancelled: {r}");
+}
+
+#[test]
+fn exits_promptly_at_end_of_input_after_answering_what_is_owed() {
+    let mut m = Mcp::start(&[], &[]);
+    let mut burst = String::new();
+    burst.push_str("{\"jsonrpc\":\"2.0\",\"id\":0,\"method\":\"initialize\",\"params\":{\"protocolVersion\":\"2025-11-25\",\"capabilities\":{}}}\n");
+    for i in 1..=200 {
+        burst.push_str(&format!(
+            "{{\"jsonrpc\":\"2.0\",\"id\":{i},\"method\":\"tools/call\",\"params\":{{\"name\":\"eval_expression\",\"arguments\":{{\"expr\":\"{i} * 2\"}}}}}}\n"
+        ));
+    }
+    m.send_raw(burst.as_bytes());
+    let (status, rest) = m.close(10);
+    assert!(status.success());
+    let replies: Vec<Value> = rest
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(replies.len(), 201, "every request answered before exit");
+    assert_eq!(replies[200]["result"]["structuredContent"]["result"], 400);
+}
+
+#[test]
+fn subscribe_then_mutate_notifies_until_unsubscribed() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let _ready = m.recv(10);
+    let spec = json!({"id": "s", "schema": {}, "derivations": [{"path": "$.d", "expr": "a * 2"}]});
+    m.tool(1, "create_model", json!({"spec": spec}));
+    let r = m.call(2, "resources/subscribe", json!({"uri": "valem://state/s"}));
+    assert_eq!(r["result"], json!({}));
+    m.send(&json!({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "mutate", "arguments": {"id": "s", "mutations": {"$.a": 2}}}}));
+    let mut got_note = false;
+    let mut got_reply = false;
+    while !(got_note && got_reply) {
+        let msg = m.recv(10);
+        if msg["method"] == "notifications/resources/updated" {
+            assert_eq!(msg["params"]["uri"], "valem://state/s");
+            got_note = true;
+        } else {
+            assert_eq!(msg["id"], 3);
+            got_reply = true;
+        }
+    }
+    let r = m.call(4, "resources/read", json!({"uri": "valem://state/s"}));
+    let c = &r["result"]["contents"][0];
+    assert_eq!(c["mimeType"], "application/json");
+    let state: Value = serde_json::from_str(c["text"].as_str().unwrap()).unwrap();
+    assert_eq!(state, json!({"a": 2, "d": 4}));
+    m.call(
+        5,
+        "resources/unsubscribe",
+        json!({"uri": "valem://state/s"}),
+    );
+    m.tool(6, "mutate", json!({"id": "s", "mutations": {"$.a": 3}}));
+    assert_eq!(m.call(7, "ping", json!({}))["id"], 7);
+    assert!(
+        m.quiet_for(200).is_none(),
+        "no notification after unsubscribe"
+    );
+    let r = m.call(
+        8,
+        "resources/subscribe",
+        json!({"uri": "valem://guide/jsonata-gotchas"}),
+    );
+    assert_eq!(r["error"]["code"], -32002);
+}
