@@ -989,3 +989,40 @@ fn pointer_address(doc: &Json, pointer: &str) -> String {
     }
     render(&segs)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn constant_mentions_respect_name_boundaries_and_quoted_forms() {
+        assert!(mentions_constant("$const.rate * 2", "rate"));
+        assert!(mentions_constant("x + $const.rate", "rate"));
+        assert!(!mentions_constant("$const.rateLimit", "rate"));
+        assert!(!mentions_constant("$const.rate_2", "rate"));
+        assert!(mentions_constant("$const.rateLimit + $const.rate", "rate"));
+        assert!(mentions_constant("$const.\"odd-name\"", "odd-name"));
+        assert!(mentions_constant("$const.`odd-name`", "odd-name"));
+        assert!(!mentions_constant("$const[\"rate\"]", "rate"));
+    }
+
+    #[test]
+    fn pointers_become_canonical_addresses_using_the_document() {
+        let doc = json!({"items": [{"qty": 1}], "m": {"0": {"a b": 1}}});
+        assert_eq!(pointer_address(&doc, ""), "$");
+        assert_eq!(pointer_address(&doc, "/items/0/qty"), "$.items[0].qty");
+        assert_eq!(pointer_address(&doc, "/m/0/a b"), "$.m['0']['a b']");
+    }
+
+    #[test]
+    fn meta_keys_are_canonical() {
+        assert_eq!(
+            meta_key("$.items.*.x", "readOnly"),
+            "$.items[*].x#read_only"
+        );
+        assert_eq!(meta_key("$.x", "multiple_of"), "$.x#multiple_of");
+        assert_eq!(parse_meta_key("$.x#minLength").unwrap(), "$.x#min_length");
+        assert_eq!(meta_key("$.x", "bogus"), "$.x#bogus");
+    }
+}
