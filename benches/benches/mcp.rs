@@ -4,6 +4,7 @@
 //!   envelope and pretty text), no transport. Target p50 ≤ 100 µs.
 //! - `mcp/stdio_mutate`: the real `valem mcp` binary over pipes with a minimal Rust client
 //!   (one request in flight), i.e. what a client sees end to end.
+//!
 //! Before the criterion groups, a fixed run of calls through each prints p50/p99/calls-per-s.
 
 use std::hint::black_box;

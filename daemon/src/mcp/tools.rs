@@ -170,15 +170,42 @@ fn args<T: DeserializeOwned>(tool: &str, v: Json) -> Result<T, ToolError> {
     })
 }
 
-/// A draft 2020-12 object schema for `T` with every subschema inlined (without the root
-/// `$schema`/`title`, which a tool's schema does not need).
+/// A tool's input schema: `T` as it is deserialized.
 pub fn schema_of<T: JsonSchema>() -> Json {
+    crate::spec::schema::input_schema::<T>()
+}
+
+/// The output schema of an always-object result `T` as it is serialized.
+fn output_of<T: JsonSchema>() -> Json {
     let mut v = crate::spec::schema::output_schema::<T>();
     if let Json::Object(m) = &mut v {
         m.shift_remove("$schema");
-        m.shift_remove("title");
     }
     v
+}
+
+/// An output schema that also admits the contract's structured failures (`isError` results
+/// carry them as structuredContent, and clients validate that too).
+fn or_structured_error(result: Json) -> Json {
+    json!({
+        "type": "object",
+        "anyOf": [
+            result,
+            {
+                "type": "object",
+                "description": "A structured failure (isError: true): Schema violation, Constraint violation, Version conflict or Invalid mutation.",
+                "properties": {
+                    "error": {"enum": ["Schema violation", "Constraint violation", "Version conflict", "Invalid mutation"]},
+                    "message": {"type": "string"},
+                    "violations": {"type": "array", "items": {"type": "object"}},
+                    "expected": {"type": "string"},
+                    "actual": {"type": "string"},
+                    "batch": {"type": "integer"}
+                },
+                "required": ["error"]
+            }
+        ]
+    })
 }
 
 fn object_schema(props: Json, required: &[&str]) -> Json {
@@ -390,7 +417,7 @@ fn any_object() -> Json {
 }
 
 fn mutation_result_schema() -> Json {
-    crate::spec::schema::output_schema::<crate::engine::MutationResult>()
+    or_structured_error(output_of::<crate::engine::MutationResult>())
 }
 
 fn verify_schema() -> Json {
@@ -442,7 +469,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 json!({"spec": crate::spec::schema::model_spec_schema()}),
                 &["spec"],
             ),
-            output_schema: Some(schema_of::<ModelInfo>()),
+            output_schema: Some(output_of::<ModelInfo>()),
             annotations: annotations(false, false, false),
             handler: |c, a| {
                 let a: SpecArg = args("create_model", a)?;
@@ -456,7 +483,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Model info",
             description: "A model's id, version and section counts.",
             input_schema: schema_of::<IdArgs>(),
-            output_schema: Some(schema_of::<ModelInfo>()),
+            output_schema: Some(output_of::<ModelInfo>()),
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: IdArgs = args("get_model_info", a)?;
@@ -642,7 +669,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 }),
                 &["id", "evolution"],
             ),
-            output_schema: Some(schema_of::<ModelInfo>()),
+            output_schema: Some(or_structured_error(output_of::<ModelInfo>())),
             annotations: annotations(false, true, false),
             handler: |c, a| {
                 #[derive(Deserialize)]
@@ -706,7 +733,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Upload a blob",
             description: "Store binary content (base64 in `data`) in the content-addressed blob store; returns {blobId, bytes, mediaType}. For small binaries: results over ~50 KB are withheld.",
             input_schema: schema_of::<UploadArgs>(),
-            output_schema: Some(schema_of::<BlobRef>()),
+            output_schema: Some(output_of::<BlobRef>()),
             annotations: annotations(false, false, true),
             handler: |c, a| {
                 use base64::Engine;
@@ -766,9 +793,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Validate a spec",
             description: "Check a candidate ModelSpec without creating it: {valid, errors: [{location, message}], warnings}. Draft → validate → fix → repeat.",
             input_schema: schema_of::<SpecArg>(),
-            output_schema: Some(crate::spec::schema::output_schema::<
-                crate::spec::validate::Report,
-            >()),
+            output_schema: Some(output_of::<crate::spec::validate::Report>()),
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: SpecArg = args("validate_spec", a)?;
@@ -806,9 +831,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Run a spec's tests",
             description: "Run the spec's embedded tests (or ad-hoc `tests` cases given → expect, keyed by canonical address, which replace them) in throwaway models: {total, passed, failed, results: [{description, passed, failures: [{path, expected, actual, message}]}]}.",
             input_schema: schema_of::<TestArgs>(),
-            output_schema: Some(crate::spec::schema::output_schema::<
-                crate::engine::testrun::TestReport,
-            >()),
+            output_schema: Some(output_of::<crate::engine::testrun::TestReport>()),
             annotations: ro.clone(),
             handler: test_spec,
         },
@@ -817,7 +840,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Dry-run a spec",
             description: "Compile a candidate spec in a throwaway model, apply optional sample mutations (one {\"$.path\": value} map or an array of them), and return the resulting merged state. Nothing is registered.",
             input_schema: schema_of::<DryRunArgs>(),
-            output_schema: Some(any_object()),
+            output_schema: Some(or_structured_error(any_object())),
             annotations: ro,
             handler: |c, a| {
                 let a: DryRunArgs = args("dry_run", a)?;

@@ -55,6 +55,18 @@ pub fn output_schema<T: JsonSchema>() -> Json {
     schema
 }
 
+/// The schema of a tool's arguments `T` as they are deserialized (optional fields are not
+/// required), draft 2020-12, inlined, without the root `$schema`/`title`.
+pub fn input_schema<T: JsonSchema>() -> Json {
+    let mut schema = generate::<T>(SchemaSettings::draft2020_12().for_deserialize(), "", "");
+    if let Json::Object(m) = &mut schema {
+        m.shift_remove("$schema");
+        m.shift_remove("title");
+        m.insert("type".into(), "object".into());
+    }
+    schema
+}
+
 /// Generate `T`'s root schema with every subschema inlined (a recursive type would still get a
 /// `$ref`; the tests check there is none). An empty `title`/`description` keeps what the type's
 /// doc comment gave.
