@@ -193,11 +193,14 @@ impl Shard {
         let segs = concrete(path)?;
         let e = self.entry(id)?;
         e.model.materialize(now_us() / 1000);
-        effective_schema(&e.model.compiled, &e.model.state().meta, &segs).ok_or_else(|| {
-            ServiceError::BadRequest(format!(
-                "`{path}` has no schema: it is not a field the model's schema admits"
-            ))
-        })
+        let node =
+            effective_schema(&e.model.compiled, &e.model.state().meta, &segs).ok_or_else(|| {
+                ServiceError::BadRequest(format!(
+                    "`{path}` has no schema: it is not a field the model's schema admits"
+                ))
+            })?;
+        // Served on its own, a node's local `$ref`s would dangle: inline them.
+        Ok(inline_refs(&node, &e.model.compiled.schema, 0))
     }
 
     pub fn explain(
@@ -495,6 +498,39 @@ impl Shard {
     }
 }
 
+/// Replace local `{"$ref": "#/…"}` nodes by their targets. At most 16 references are followed
+/// along any one branch, so a recursive schema keeps its `$ref` below that.
+fn inline_refs(node: &Json, root: &Json, followed: usize) -> Json {
+    const MAX_FOLLOWED: usize = 16;
+    match node {
+        Json::Object(m) => {
+            if let Some(Json::String(r)) = m.get("$ref") {
+                if followed < MAX_FOLLOWED {
+                    if let Some(target) = r.strip_prefix('#').and_then(|p| root.pointer(p)) {
+                        let mut out = match inline_refs(target, root, followed + 1) {
+                            Json::Object(t) => t,
+                            other => return other,
+                        };
+                        for (k, v) in m {
+                            if k != "$ref" {
+                                out.insert(k.clone(), inline_refs(v, root, followed));
+                            }
+                        }
+                        return Json::Object(out);
+                    }
+                }
+            }
+            Json::Object(
+                m.iter()
+                    .map(|(k, v)| (k.clone(), inline_refs(v, root, followed)))
+                    .collect(),
+            )
+        }
+        Json::Array(a) => Json::Array(a.iter().map(|v| inline_refs(v, root, followed)).collect()),
+        other => other.clone(),
+    }
+}
+
 fn push_traces(ring: &mut VecDeque<Trace>, traces: &[Trace], max: usize) {
     for t in traces.iter().skip(traces.len().saturating_sub(max)) {
         if ring.len() >= max {
@@ -556,5 +592,60 @@ fn diff(old: &Json, new: &Json, at: &mut Vec<Seg>, out: &mut Vec<(Vec<Seg>, Json
             }
         }
         _ => out.push((at.clone(), new.clone())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_refs_resolves_local_refs_and_stops_on_recursion() {
+        let root = json!({
+            "$defs": {
+                "Line": {"type": "object", "properties": {"qty": {"$ref": "#/$defs/Qty"}}},
+                "Qty": {"type": "integer", "minimum": 0},
+                "Tree": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Tree"}}}}
+            }
+        });
+        let got = inline_refs(
+            &json!({"type": "array", "items": {"$ref": "#/$defs/Line"}, "readOnly": false}),
+            &root,
+            0,
+        );
+        assert_eq!(
+            got,
+            json!({"type": "array", "items": {"type": "object", "properties": {"qty": {"type": "integer", "minimum": 0}}}, "readOnly": false})
+        );
+        let tree = inline_refs(&json!({"$ref": "#/$defs/Tree"}), &root, 0).to_string();
+        assert_eq!(tree.matches("\"kids\"").count(), 16);
+        assert!(
+            tree.contains("#/$defs/Tree"),
+            "the 17th level keeps its $ref"
+        );
+        // A dangling ref is left as it is.
+        assert_eq!(
+            inline_refs(&json!({"$ref": "#/$defs/Nope"}), &root, 0),
+            json!({"$ref": "#/$defs/Nope"})
+        );
+    }
+
+    #[test]
+    fn diff_writes_changed_members_and_rewrites_shrunk_containers() {
+        let old = json!({"a": 1, "o": {"x": 1, "y": 2}, "l": [1, 2, 3], "k": [1, 2]});
+        let new = json!({"a": 2, "o": {"x": 1}, "l": [1, 2], "k": [1, 5], "n": true});
+        let mut out = Vec::new();
+        diff(&old, &new, &mut Vec::new(), &mut out);
+        let got: Vec<(String, Json)> = out.into_iter().map(|(s, v)| (render(&s), v)).collect();
+        assert_eq!(
+            got,
+            vec![
+                ("$.a".to_string(), json!(2)),
+                ("$.o".to_string(), json!({"x": 1})),
+                ("$.l".to_string(), json!([1, 2])),
+                ("$.k[1]".to_string(), json!(5)),
+                ("$.n".to_string(), json!(true)),
+            ]
+        );
     }
 }
