@@ -329,3 +329,93 @@ fn subscribe_then_mutate_notifies_until_unsubscribed() {
     );
     assert_eq!(r["error"]["code"], -32002);
 }
+
+#[test]
+fn guidance_topics_extend_from_the_operators_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("topics.json");
+    std::fs::write(
+        &file,
+        json!([
+            {"id": "vat_returns", "title": "VAT returns", "description": "Quarterly VAT boxes", "instructions": "Derive box 1 as $round(sales * rate, 2)."},
+            {"id": "percentage", "description": "Overridden", "instructions": "Our house rule for percentages."}
+        ])
+        .to_string(),
+    )
+    .unwrap();
+    let f = file.to_string_lossy().into_owned();
+    let mut m = Mcp::start(&[], &[("VALEM_DOMAIN_GUIDANCE_TOPICS_FILE", &f)]);
+    m.handshake("2025-11-25");
+    let tools = m.call(1, "tools/list", json!({}));
+    let g = tools["result"]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "get_domain_guidance")
+        .unwrap()
+        .clone();
+    let ids = g["inputSchema"]["properties"]["topics"]["items"]["enum"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(ids.len(), 15, "14 built-in topics plus one new: {ids:?}");
+    assert!(ids.contains(&json!("vat_returns")));
+    assert!(ids.contains(&json!("amortization_schedule")));
+    let r = m.tool(
+        2,
+        "get_domain_guidance",
+        json!({"topics": ["vat_returns", "percentage", "nope"]}),
+    );
+    let s = &r["structuredContent"];
+    assert!(s["guidance"].as_str().unwrap().contains("box 1"));
+    assert!(s["guidance"].as_str().unwrap().contains("house rule"));
+    assert_eq!(s["unknownTopics"], json!(["nope"]));
+    // A broken topics file stops the server at start with a message naming the file.
+    std::fs::write(&file, "[{\"id\": \"Bad Id\"}]").unwrap();
+    let o = std::process::Command::new(valem_tests::valem_bin())
+        .arg("mcp")
+        .env("VALEM_DOMAIN_GUIDANCE_TOPICS_FILE", &f)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("topics.json"), "{err}");
+    assert!(o.stdout.is_empty(), "nothing on stdout but protocol");
+}
+
+#[test]
+fn builtin_guidance_has_the_fourteen_reference_topics() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let all = [
+        "amortization_schedule",
+        "group_by",
+        "date_math",
+        "classification",
+        "currency_conversion",
+        "status_field",
+        "rank_percentile",
+        "regulated_charge",
+        "percentage",
+        "unit_conversion",
+        "compound_growth",
+        "weighted_average",
+        "eligibility",
+        "proration",
+    ];
+    let r = m.tool(1, "get_domain_guidance", json!({"topics": all}));
+    let topics = r["structuredContent"]["topics"].as_array().unwrap();
+    assert_eq!(topics.len(), 14);
+    let guidance = r["structuredContent"]["guidance"].as_str().unwrap();
+    for t in topics {
+        let title = t["title"].as_str().unwrap();
+        let section = guidance
+            .split(&format!("## {title}\n"))
+            .nth(1)
+            .unwrap_or_else(|| panic!("no section for {title}"));
+        let body = section.split("\n## ").next().unwrap();
+        assert!(body.lines().count() >= 5, "{title}: {body}");
+    }
+    assert_eq!(r["structuredContent"]["unknownTopics"], json!([]));
+}

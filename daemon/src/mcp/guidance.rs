@@ -135,7 +135,6 @@ impl Catalog {
                 "id": t.id,
                 "title": t.title.as_deref().unwrap_or(&t.id),
                 "description": t.description,
-                "instructions": t.instructions,
             })).collect::<Vec<_>>(),
             "unknownTopics": unknown,
             "available": self.ids(),
