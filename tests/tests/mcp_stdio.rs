@@ -419,3 +419,144 @@ fn builtin_guidance_has_the_fourteen_reference_topics() {
     }
     assert_eq!(r["structuredContent"]["unknownTopics"], json!([]));
 }
+
+/// An agent's authoring-and-operating session, end to end, through one server.
+#[test]
+fn an_agents_session_from_draft_to_verified_audit() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let mut id = 100;
+    let mut tool = |m: &mut Mcp, name: &str, args: Value| {
+        id += 1;
+        m.tool(id, name, args)
+    };
+    // Draft with a mistake: a non-canonical address and an unknown function.
+    let mut spec = json!({
+        "id": "quote",
+        "version": "1.0.0",
+        "schema": {"type": "object", "properties": {
+            "qty": {"type": "integer", "minimum": 0},
+            "unitPrice": {"type": "number", "minimum": 0}
+        }},
+        "derivations": [{"path": "$.items[0].net", "expr": "$nosuch(qty)"}],
+        "constraints": [{"id": "max-order", "expr": "qty <= 100", "message": "at most 100 units", "policy": "rollback"}],
+        "tests": [{"given": {"$.qty": 2, "$.unitPrice": 5}, "expect": {"$.net": 10}}]
+    });
+    let r = tool(&mut m, "validate_spec", json!({"spec": spec}));
+    let report = &r["structuredContent"];
+    assert_eq!(report["valid"], false);
+    let errors = report["errors"].as_array().unwrap();
+    assert!(errors.iter().any(|e| e["location"]
+        .as_str()
+        .unwrap()
+        .starts_with("derivations[0]")));
+    // Fix and re-validate.
+    spec["derivations"] = json!([{"path": "$.net", "expr": "qty * unitPrice"}]);
+    let r = tool(&mut m, "validate_spec", json!({"spec": spec}));
+    assert_eq!(r["structuredContent"]["valid"], true, "{r}");
+    let r = tool(&mut m, "test_spec", json!({"spec": spec}));
+    assert_eq!(r["structuredContent"]["failed"], 0, "{r}");
+    let r = tool(
+        &mut m,
+        "dry_run",
+        json!({"spec": spec, "mutations": {"$.qty": 3, "$.unitPrice": 2.5}}),
+    );
+    assert_eq!(r["structuredContent"]["net"], 7.5);
+    let r = tool(&mut m, "list_models", json!({}));
+    assert_eq!(
+        r["content"][0]["text"], "[]",
+        "authoring tools register nothing"
+    );
+    // Create and operate.
+    let r = tool(&mut m, "create_model", json!({"spec": spec}));
+    assert_eq!(r["structuredContent"]["version"], "1.0.0");
+    let r = tool(
+        &mut m,
+        "mutate",
+        json!({"id": "quote", "mutations": {"$.qty": 4, "$.unitPrice": 10}}),
+    );
+    assert_eq!(r["structuredContent"]["derivedUpdated"], json!(["$.net"]));
+    let r = tool(
+        &mut m,
+        "mutate",
+        json!({"id": "quote", "mutations": {"$.qty": 500}}),
+    );
+    assert_eq!(r["isError"], true);
+    assert_eq!(r["structuredContent"]["error"], "Constraint violation");
+    assert_eq!(
+        r["structuredContent"]["violations"][0]["constraintId"],
+        "max-order"
+    );
+    let r = tool(
+        &mut m,
+        "mutate",
+        json!({"id": "quote", "mutations": {"$.qty": -1}}),
+    );
+    assert_eq!(r["structuredContent"]["error"], "Schema violation");
+    assert_eq!(r["structuredContent"]["violations"][0]["path"], "$.qty");
+    let r = tool(&mut m, "get_field", json!({"id": "quote", "path": "$.qty"}));
+    assert_eq!(
+        r["content"][0]["text"], "4",
+        "refused writes changed nothing"
+    );
+    let r = tool(
+        &mut m,
+        "explain",
+        json!({"id": "quote", "path": "$.net", "limit": 1}),
+    );
+    let traces = text_json(&r);
+    assert_eq!(traces.as_array().unwrap().len(), 1);
+    assert_eq!(traces[0]["expression"], "qty * unitPrice");
+    assert_eq!(traces[0]["result"], 40);
+    let snap = tool(&mut m, "snapshot", json!({"id": "quote"}))["structuredContent"].clone();
+    assert_eq!(snap["baseDoc"], json!({"qty": 4, "unitPrice": 10}));
+    // Evolve: a stale expectedVersion first.
+    let evo = json!({"expectedVersion": "0.9.0", "newVersion": "1.1.0",
+        "upsertDerivations": [{"path": "$.gross", "expr": "net * 1.2"}]});
+    let r = tool(
+        &mut m,
+        "evolve_spec",
+        json!({"id": "quote", "evolution": evo}),
+    );
+    assert_eq!(r["isError"], true);
+    assert_eq!(r["structuredContent"]["error"], "Version conflict");
+    assert_eq!(r["structuredContent"]["expected"], "0.9.0");
+    assert_eq!(r["structuredContent"]["actual"], "1.0.0");
+    let mut evo = evo;
+    evo["expectedVersion"] = json!("1.0.0");
+    let r = tool(
+        &mut m,
+        "evolve_spec",
+        json!({"id": "quote", "evolution": evo}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    assert_eq!(r["structuredContent"]["version"], "1.1.0");
+    assert_eq!(r["structuredContent"]["derivationCount"], 2);
+    let r = tool(&mut m, "get_state", json!({"id": "quote"}));
+    assert_eq!(
+        r["structuredContent"],
+        json!({"qty": 4, "unitPrice": 10, "net": 40, "gross": 48})
+    );
+    tool(
+        &mut m,
+        "mutate",
+        json!({"id": "quote", "mutations": {"$.qty": 1}}),
+    );
+    // Roll the state back to the snapshot; derived values follow the current spec.
+    let r = tool(&mut m, "restore", json!({"id": "quote", "snapshot": snap}));
+    assert_eq!(r["isError"], false, "{r}");
+    let r = tool(&mut m, "get_state", json!({"id": "quote"}));
+    assert_eq!(
+        r["structuredContent"],
+        json!({"qty": 4, "unitPrice": 10, "net": 40, "gross": 48})
+    );
+    let r = tool(&mut m, "get_audit", json!({"id": "quote"}));
+    let records = text_json(&r);
+    assert_eq!(records.as_array().unwrap().len(), 2, "two committed cycles");
+    assert_eq!(records[0]["modelVersion"], "1.1.0", "newest first");
+    let r = tool(&mut m, "verify_audit", json!({"id": "quote"}));
+    assert_eq!(
+        r["structuredContent"],
+        json!({"valid": true, "recordsChecked": 2, "firstBrokenSequence": null, "detail": "ok"})
+    );
+}

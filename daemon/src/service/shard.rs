@@ -302,9 +302,15 @@ impl Shard {
         let result = match e.model.mutate_parsed(&parsed, t / 1000) {
             Ok(r) => r,
             Err(err) => {
-                // Rejected cycles leave no history or audit, but their traces explain the refusal.
+                // Rejected cycles leave no history or audit; their constraint traces explain the
+                // refusal (the derivation traces describe values that were never committed).
                 if let MutationError::Constraint { traces, .. } = &err {
-                    push_traces(&mut e.traces, traces, explain_max);
+                    let refusal: Vec<Trace> = traces
+                        .iter()
+                        .filter(|t| t.target_path.starts_with("$constraint:"))
+                        .cloned()
+                        .collect();
+                    push_traces(&mut e.traces, &refusal, explain_max);
                 }
                 return Err(ServiceError::Mutation(err));
             }
