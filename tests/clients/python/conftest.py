@@ -1,0 +1,139 @@
+"""Shared helpers: a real `valem mcp` subprocess per test, driven by the official SDK's high-level
+`mcp.Client` (which probes `server/discover` first and falls back to `initialize`), and checks
+applied to every tool result: structuredContent validates against the tool's outputSchema and
+equals the parsed text block; arrays and scalars come as text only."""
+
+import json
+import os
+import pathlib
+from contextlib import asynccontextmanager
+
+import anyio
+import jsonschema
+import mcp
+import pytest
+from mcp import StdioServerParameters
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+VALEM_BIN = os.environ.get("VALEM_BIN", str(REPO / "target" / "debug" / "valem"))
+EXAMPLES = sorted((REPO / "examples").glob("*.json"))
+TIMEOUT = 30
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Session:
+    """One connected client plus the notifications it has seen."""
+
+    def __init__(self, client, logs, messages):
+        self.client = client
+        self.logs = logs
+        self.messages = messages
+        self._schemas = None
+
+    async def output_schemas(self):
+        if self._schemas is None:
+            tools = (await self.client.list_tools()).tools
+            self._schemas = {t.name: t.output_schema for t in tools}
+        return self._schemas
+
+    async def call(self, name, args=None):
+        """Call a tool; return (is_error, value) where value is structuredContent or the parsed text."""
+        r = await self.client.call_tool(name, args or {})
+        text = r.content[0].text
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = text
+        sc = r.structured_content
+        if sc is not None:
+            assert sc == parsed, f"{name}: structuredContent differs from the text block"
+        else:
+            assert r.is_error or not isinstance(parsed, dict), f"{name}: object result without structuredContent"
+        if not r.is_error:
+            schema = (await self.output_schemas()).get(name)
+            if schema is not None:
+                assert sc is not None, f"{name} declares an outputSchema but returned no structuredContent"
+                jsonschema.Draft202012Validator(schema).validate(sc)
+        return r.is_error, (sc if sc is not None else parsed)
+
+    async def ok(self, name, args=None):
+        err, v = await self.call(name, args)
+        assert not err, f"{name}({args}) failed: {v}"
+        return v
+
+    async def fails(self, name, args=None):
+        err, v = await self.call(name, args)
+        assert err, f"{name}({args}) should fail, got {v}"
+        return v
+
+    async def wait_for(self, predicate, what):
+        with anyio.fail_after(10):
+            while True:
+                for m in list(self.messages):
+                    if predicate(m):
+                        return m
+                await anyio.sleep(0.01)
+
+
+@asynccontextmanager
+async def connect(env=None):
+    logs, messages = [], []
+
+    async def on_log(params):
+        logs.append(params)
+
+    async def on_message(msg):
+        messages.append(msg)
+
+    params = StdioServerParameters(command=VALEM_BIN, args=["mcp"], env={**os.environ, **(env or {})})
+    with anyio.fail_after(TIMEOUT):
+        async with mcp.Client(params, logging_callback=on_log, message_handler=on_message) as client:
+            yield Session(client, logs, messages)
+
+
+def example(path):
+    return json.loads(path.read_text())
+
+
+DEMO = {
+    "id": "demo",
+    "version": "1",
+    "schema": {},
+    "derivations": [{"path": "$.total", "expr": "price * qty"}],
+    "constraints": [],
+    "metaDerivations": [],
+    "tests": [],
+}
+
+SHOP = {
+    "id": "shop",
+    "version": "1.0.0",
+    "schema": {
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "minimum": 0},
+            "qty": {"type": "integer", "minimum": 0},
+            "items": {"type": "array", "items": {"type": "object"}},
+            "photo": {"type": "string"},
+        },
+    },
+    "derivations": [
+        {"path": "$.total", "expr": "price * qty"},
+        {"path": "$.count", "expr": "$count(items)"},
+    ],
+    "metaDerivations": [{"path": "$.qty", "property": "maximum", "expr": "100"}],
+    "constraints": [{"id": "cap", "expr": "total <= 1000", "message": "total above 1000", "policy": "rollback"}],
+    "library": "( $double := function($x) { $x * 2 }; [\"double\"] )",
+    "viewDefinition": {
+        "defaultView": "main",
+        "views": [{"id": "main", "title": "Shop", "components": [
+            {"id": "price", "type": "numericField", "bind": "$.price", "label": "Price"},
+            {"id": "total", "type": "label", "bind": "$.total", "label": "Total"},
+        ]}],
+    },
+    "tests": [{"description": "total", "given": {"$.price": 2, "$.qty": 3}, "expect": {"$.total": 6}}],
+}
