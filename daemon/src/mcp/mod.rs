@@ -10,11 +10,11 @@ pub mod stdio;
 pub mod tools;
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use serde_json::{json, Map, Value as Json};
 
-use crate::service::{Event, ModelService};
+use crate::service::{Event, EventFilter, ModelService};
 use guidance::Catalog;
 
 /// Revisions we speak, oldest first; the last is the default.
@@ -106,6 +106,13 @@ pub struct Session {
     pub server: Arc<Server>,
     out: Outbox,
     state: Mutex<SessionState>,
+    /// Model ids with a `valem://state/{id}` subscription. Read by the service's event filter on
+    /// shard threads, so it has its own lock, never held across a service call.
+    watched: Arc<RwLock<HashSet<String>>>,
+    /// The event forwarder starts on the first subscription: a session that never subscribes
+    /// costs no thread and no wake-up per commit.
+    forwarding: std::sync::Once,
+    me: std::sync::Weak<Session>,
 }
 
 /// A request id as a set key (`1` and `"1"` are different ids).
@@ -123,28 +130,42 @@ fn result(id: Json, result: Json) -> Json {
 
 impl Session {
     pub fn new(server: Arc<Server>, out: Outbox) -> Arc<Session> {
-        let s = Arc::new(Session {
+        Arc::new_cyclic(|me| Session {
             server,
             out,
             state: Mutex::new(SessionState {
                 min_level: 1,
                 ..Default::default()
             }),
-        });
-        // Forward committed changes of subscribed models as `notifications/resources/updated`.
-        let events = s.server.service.subscribe();
-        let weak = Arc::downgrade(&s);
-        let _ = std::thread::Builder::new()
-            .name("valem-mcp-events".into())
-            .spawn(move || {
-                while let Ok(ev) = events.recv() {
-                    let Some(session) = weak.upgrade() else {
-                        break;
-                    };
-                    session.on_event(&ev);
-                }
+            watched: Arc::default(),
+            forwarding: std::sync::Once::new(),
+            me: me.clone(),
+        })
+    }
+
+    /// Forward committed changes of watched models as `notifications/resources/updated`.
+    fn start_forwarding(&self) {
+        self.forwarding.call_once(|| {
+            let watched = self.watched.clone();
+            let filter: EventFilter = Arc::new(move |ev: &Event| {
+                watched
+                    .read()
+                    .map(|w| w.contains(ev.model_id()))
+                    .unwrap_or(false)
             });
-        s
+            let events = self.server.service.subscribe(filter);
+            let weak = self.me.clone();
+            let _ = std::thread::Builder::new()
+                .name("valem-mcp-events".into())
+                .spawn(move || {
+                    while let Ok(ev) = events.recv() {
+                        let Some(session) = weak.upgrade() else {
+                            break;
+                        };
+                        session.on_event(&ev);
+                    }
+                });
+        });
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SessionState> {
@@ -394,6 +415,19 @@ impl Session {
                     st.subscriptions.insert(uri.to_string());
                 } else {
                     st.subscriptions.remove(uri);
+                }
+                drop(st);
+                if let Some(model) = uri.strip_prefix(resources::STATE_PREFIX) {
+                    if let Ok(mut w) = self.watched.write() {
+                        if method == "resources/subscribe" {
+                            w.insert(model.to_string());
+                        } else {
+                            w.remove(model);
+                        }
+                    }
+                }
+                if method == "resources/subscribe" {
+                    self.start_forwarding();
                 }
                 result(id, json!({}))
             }

@@ -104,8 +104,11 @@ pub fn templates() -> Json {
     ]})
 }
 
+/// The URI prefix of a model's live state resource.
+pub const STATE_PREFIX: &str = "valem://state/";
+
 pub fn subscribable(uri: &str) -> bool {
-    uri.strip_prefix("valem://state/")
+    uri.strip_prefix(STATE_PREFIX)
         .is_some_and(|id| !id.is_empty())
 }
 

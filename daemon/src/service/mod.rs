@@ -189,16 +189,21 @@ impl Event {
     }
 }
 
-/// Change subscribers; a closed receiver is dropped at the next event.
+/// Which events a subscriber wants; evaluated on the shard thread, so it must be cheap and
+/// must not wait on anything that may wait on the service.
+pub type EventFilter = Arc<dyn Fn(&Event) -> bool + Send + Sync>;
+
+/// Change subscribers; a closed receiver is dropped at the next event it would receive.
+/// Events nobody asked for are not sent, so an idle subscriber costs no thread wake-up.
 #[derive(Default)]
 pub(crate) struct Subscribers {
-    list: Mutex<Vec<Sender<Event>>>,
+    list: Mutex<Vec<(EventFilter, Sender<Event>)>>,
 }
 
 impl Subscribers {
     pub(crate) fn publish(&self, e: Event) {
         if let Ok(mut l) = self.list.lock() {
-            l.retain(|s| s.send(e.clone()).is_ok());
+            l.retain(|(wants, tx)| !wants(&e) || tx.send(e.clone()).is_ok());
         }
     }
 }
@@ -219,6 +224,30 @@ pub struct ModelService {
 /// Jobs queued per shard before callers wait (back-pressure, not an error).
 const SHARD_QUEUE: usize = 1024;
 
+/// How long a caller polls for its shard's answer, and a shard for its next job, before
+/// parking. A park/unpark pair costs tens of µs on a busy or virtualised host, more than a
+/// small cycle; a short poll keeps a conversation of calls (an agent's session, a bench)
+/// off the scheduler, and an idle shard parks after this long.
+const REPLY_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+const SHARD_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Receive with a bounded poll before blocking; `None` when the sender is gone.
+fn spin_recv<T>(rx: &Receiver<T>, spin: std::time::Duration) -> Option<T> {
+    let start = std::time::Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Some(v),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) if start.elapsed() < spin => std::hint::spin_loop(),
+            Err(mpsc::TryRecvError::Empty) => return rx.recv().ok(),
+        }
+    }
+}
+
+fn next_job(rx: &Receiver<Job>) -> Option<Job> {
+    spin_recv(rx, SHARD_SPIN)
+}
+
 impl ModelService {
     /// Start a service with `shards` shard threads (0: one per available core).
     pub fn new(shards: usize, limits: ServiceLimits) -> Arc<ModelService> {
@@ -238,7 +267,7 @@ impl ModelService {
                 .name(format!("valem-shard-{i}"))
                 .spawn(move || {
                     let mut shard = Shard::new(lim, subs);
-                    while let Ok(job) = rx.recv() {
+                    while let Some(job) = next_job(&rx) {
                         job(&mut shard);
                     }
                 });
@@ -264,11 +293,11 @@ impl ModelService {
         &self.limits
     }
 
-    /// Receive every committed change from now on.
-    pub fn subscribe(&self) -> Receiver<Event> {
+    /// Receive the committed changes that `filter` accepts, from now on.
+    pub fn subscribe(&self, filter: EventFilter) -> Receiver<Event> {
         let (tx, rx) = mpsc::channel();
         if let Ok(mut l) = self.subscribers.list.lock() {
-            l.push(tx);
+            l.push((filter, tx));
         }
         rx
     }
@@ -295,7 +324,7 @@ impl ModelService {
             .ok_or(ServiceError::Unavailable)?
             .send(job)
             .map_err(|_| ServiceError::Unavailable)?;
-        rx.recv().map_err(|_| ServiceError::Unavailable)
+        spin_recv(&rx, REPLY_SPIN).ok_or(ServiceError::Unavailable)
     }
 
     /// Run `f` on the shard owning `id`.
