@@ -7,6 +7,7 @@ pub mod cli;
 pub mod engine;
 pub mod examples;
 pub mod expr;
+pub mod http;
 pub mod mcp;
 pub mod service;
 pub mod spec;

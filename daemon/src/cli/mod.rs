@@ -70,6 +70,44 @@ pub enum Command {
         #[arg(long, env = "VALEM_DATA_DIR")]
         data_dir: Option<PathBuf>,
     },
+    /// Run the daemon: REST, Streamable HTTP MCP at /mcp, WebSocket, /healthz, /metrics.
+    ///
+    /// Listens on loopback by default. Requests must name a loopback Host (or one of
+    /// --allowed-hosts) and, from a browser, a loopback Origin (or one of --allowed-origins).
+    /// With --api-key every request but /healthz must carry `Authorization: Bearer <key>`
+    /// (the WebSocket may pass `?token=<key>`). Stops on SIGINT/SIGTERM after finishing
+    /// in-flight requests. Logs go to stderr; RUST_LOG sets the level (default info).
+    Serve {
+        /// Address to listen on (port 0 picks a free port; the chosen address is printed).
+        #[arg(long, env = "VALEM_LISTEN", default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Require this API key on every request but /healthz.
+        #[arg(long, env = "VALEM_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// Comma-separated browser origins allowed besides loopback ones (`*`: any).
+        #[arg(long, env = "VALEM_ALLOWED_ORIGINS", value_delimiter = ',')]
+        allowed_origins: Vec<String>,
+        /// Comma-separated Host names allowed besides loopback ones (needed when listening
+        /// on a non-loopback address; `*`: any).
+        #[arg(long, env = "VALEM_ALLOWED_HOSTS", value_delimiter = ',')]
+        allowed_hosts: Vec<String>,
+        /// Largest accepted request body in bytes.
+        #[arg(long, env = "VALEM_MAX_BODY_BYTES", default_value_t = 16 << 20)]
+        max_body_bytes: usize,
+        /// Shard threads running the models (0: one per core).
+        #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
+        shards: usize,
+        /// Most live models.
+        #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
+        max_models: usize,
+        /// Keep models in this directory (durable mode). Not available yet: state is in memory.
+        #[arg(long, env = "VALEM_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+        /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
+        /// conformance tests only; never enable it on a real daemon.
+        #[arg(long, hide = true)]
+        conformance_fixtures: bool,
+    },
     /// List the bundled example specs, or print one.
     Examples {
         /// Print this example's spec.
@@ -366,6 +404,77 @@ fn run(cli: Cli) -> Result<i32, String> {
                 }
             }
         }
+        Command::Serve {
+            listen,
+            api_key,
+            allowed_origins,
+            allowed_hosts,
+            max_body_bytes,
+            shards,
+            max_models,
+            data_dir,
+            conformance_fixtures,
+        } => {
+            init_logging();
+            if let Some(d) = data_dir {
+                eprintln!(
+                    "valem serve: --data-dir {} is not supported yet (durable storage is a later release); models live in memory",
+                    d.display()
+                );
+                return Ok(2);
+            }
+            let guidance = match crate::mcp::guidance::Catalog::from_env() {
+                Ok(g) => g,
+                Err(e) => {
+                    eprintln!("valem serve: {e}");
+                    return Ok(2);
+                }
+            };
+            let limits = crate::service::ServiceLimits {
+                max_models,
+                ..Default::default()
+            };
+            let service = crate::service::ModelService::new(shards, limits);
+            let mode = if conformance_fixtures {
+                crate::mcp::Mode::DaemonWithFixtures
+            } else {
+                crate::mcp::Mode::Daemon
+            };
+            let server = crate::mcp::Server::new(service.clone(), guidance, mode);
+            let config = crate::http::Config {
+                listen,
+                api_key: api_key.filter(|k| !k.is_empty()),
+                allowed_origins: allowed_origins
+                    .into_iter()
+                    .filter(|o| !o.is_empty())
+                    .collect(),
+                allowed_hosts: allowed_hosts
+                    .into_iter()
+                    .filter(|o| !o.is_empty())
+                    .collect(),
+                max_body_bytes,
+                conformance_fixtures,
+                ..Default::default()
+            };
+            let keyed = config.api_key.is_some();
+            let result = crate::http::serve(config, service, server, |addr| {
+                // The one line on stdout: scripts and tests read the bound address from it.
+                println!("valem serve: listening on http://{addr}");
+                let _ = std::io::stdout().flush();
+                eprintln!(
+                    "valem serve {}: in-memory models; REST at http://{addr}/models, MCP at http://{addr}/mcp{}",
+                    env!("CARGO_PKG_VERSION"),
+                    if keyed { " (API key required)" } else { "" }
+                );
+            });
+            match result {
+                Ok(()) => Ok(0),
+                Err(e) => {
+                    eprintln!("valem serve: {e}");
+                    Ok(1)
+                }
+            }
+        }
         Command::Examples { name } => {
             match name {
                 None => {
@@ -385,6 +494,18 @@ fn run(cli: Cli) -> Result<i32, String> {
             Ok(0)
         }
     }
+}
+
+/// Structured logs to stderr; `RUST_LOG` sets the filter (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
 }
 
 /// Where the bundled example files live in a source checkout (for tests and docs).

@@ -39,6 +39,10 @@ pub type Outbox = Arc<dyn Fn(&Json) + Send + Sync>;
 pub enum Mode {
     /// An in-process engine, state in memory.
     Embedded,
+    /// The daemon's `/mcp`: models shared with every other client of the daemon.
+    Daemon,
+    /// The daemon with the conformance suite's fixtures (tests only).
+    DaemonWithFixtures,
 }
 
 /// What every session shares: the service, the tool catalog, the guidance topics.
@@ -69,9 +73,15 @@ impl Server {
          recomputes what depends on it — and read with get_state (use paths/depth on large \
          models), get_field or get_view. Call explain when a value looks wrong, snapshot before \
          a risky evolve_spec, restore to roll back. Addresses are canonical JSON paths such as \
-         $.order.items[0].qty. In embedded mode models live in this process's memory and are \
-         gone when it exits."
-            .to_string()
+         $.order.items[0].qty. "
+            .to_string() + match self.mode {
+            Mode::Embedded => {
+                "In embedded mode models live in this process's memory and are gone when it exits."
+            }
+            Mode::Daemon | Mode::DaemonWithFixtures => {
+                "Models live on a shared daemon: other clients may read and change them too."
+            }
+        }
     }
 }
 
@@ -340,6 +350,7 @@ impl Session {
                 let tools = self.server.tools.tools.len();
                 let mode = match self.server.mode {
                     Mode::Embedded => "embedded, in-memory",
+                    Mode::Daemon | Mode::DaemonWithFixtures => "daemon, shared models",
                 };
                 self.log(
                     "info",

@@ -6,10 +6,11 @@
 
 mod audit;
 mod blobs;
+pub mod metrics;
 mod shard;
 pub mod time;
 
-use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
@@ -197,13 +198,16 @@ pub type EventFilter = Arc<dyn Fn(&Event) -> bool + Send + Sync>;
 /// Events nobody asked for are not sent, so an idle subscriber costs no thread wake-up.
 #[derive(Default)]
 pub(crate) struct Subscribers {
-    list: Mutex<Vec<(EventFilter, Sender<Event>)>>,
+    list: Mutex<Vec<(EventFilter, EventSink)>>,
 }
+
+/// Where a subscriber's events go; returns false once the subscriber is gone (it is dropped).
+pub type EventSink = Box<dyn Fn(&Event) -> bool + Send>;
 
 impl Subscribers {
     pub(crate) fn publish(&self, e: Event) {
         if let Ok(mut l) = self.list.lock() {
-            l.retain(|(wants, tx)| !wants(&e) || tx.send(e.clone()).is_ok());
+            l.retain(|(wants, sink)| !wants(&e) || sink(&e));
         }
     }
 }
@@ -219,6 +223,7 @@ pub struct ModelService {
     blobs: Mutex<BlobStore>,
     subscribers: Arc<Subscribers>,
     count: Arc<std::sync::atomic::AtomicUsize>,
+    metrics: Arc<metrics::CycleMetrics>,
 }
 
 /// Jobs queued per shard before callers wait (back-pressure, not an error).
@@ -257,16 +262,18 @@ impl ModelService {
             shards
         };
         let subscribers = Arc::new(Subscribers::default());
+        let metrics = Arc::new(metrics::CycleMetrics::default());
         let mut senders = Vec::with_capacity(n);
         let mut threads = Vec::with_capacity(n);
         for i in 0..n {
             let (tx, rx) = mpsc::sync_channel::<Job>(SHARD_QUEUE);
             let subs = subscribers.clone();
             let lim = limits.clone();
+            let cycle_metrics = metrics.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("valem-shard-{i}"))
                 .spawn(move || {
-                    let mut shard = Shard::new(lim, subs);
+                    let mut shard = Shard::new(lim, subs, cycle_metrics);
                     while let Some(job) = next_job(&rx) {
                         job(&mut shard);
                     }
@@ -286,6 +293,7 @@ impl ModelService {
             limits,
             subscribers,
             count: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            metrics,
         })
     }
 
@@ -295,11 +303,34 @@ impl ModelService {
 
     /// Receive the committed changes that `filter` accepts, from now on.
     pub fn subscribe(&self, filter: EventFilter) -> Receiver<Event> {
-        let (tx, rx) = mpsc::channel();
-        if let Ok(mut l) = self.subscribers.list.lock() {
-            l.push((filter, tx));
-        }
+        let (tx, rx) = mpsc::channel::<Event>();
+        self.subscribe_with(filter, Box::new(move |e| tx.send(e.clone()).is_ok()));
         rx
+    }
+
+    /// Hand the committed changes that `filter` accepts to `sink`, on the shard thread, until
+    /// it returns false (an async surface passes a non-blocking channel send).
+    pub fn subscribe_with(&self, filter: EventFilter, sink: EventSink) {
+        if let Ok(mut l) = self.subscribers.list.lock() {
+            l.push((filter, sink));
+        }
+    }
+
+    /// Live models.
+    pub fn model_count(&self) -> usize {
+        self.count.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Cycle counters and latency histogram.
+    pub fn metrics(&self) -> &metrics::CycleMetrics {
+        &self.metrics
+    }
+
+    /// Wait until every job queued so far on every shard has run (in-flight cycles finish).
+    pub fn drain(&self) {
+        for i in 0..self.shards.len() {
+            let _ = self.on_shard(i, |_| ());
+        }
     }
 
     fn shard_of(&self, id: &str) -> usize {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value as Json};
 
 use super::audit::{AuditTrail, Entry as AuditEntry};
+use super::metrics::CycleMetrics;
 use super::time::{iso, now_us};
 use super::{AuditQuery, Event, ModelInfo, ServiceError, ServiceLimits, Source, Subscribers};
 use crate::engine::schema::{effective_schema, SchemaViolation};
@@ -44,6 +45,7 @@ pub(super) struct Shard {
     models: HashMap<String, Entry>,
     limits: ServiceLimits,
     subscribers: Arc<Subscribers>,
+    metrics: Arc<CycleMetrics>,
 }
 
 fn compile_findings(errs: Vec<crate::engine::CompileError>) -> Vec<Finding> {
@@ -72,11 +74,16 @@ fn concrete(path: &str) -> Result<Vec<Seg>, ServiceError> {
 }
 
 impl Shard {
-    pub fn new(limits: ServiceLimits, subscribers: Arc<Subscribers>) -> Shard {
+    pub fn new(
+        limits: ServiceLimits,
+        subscribers: Arc<Subscribers>,
+        metrics: Arc<CycleMetrics>,
+    ) -> Shard {
         Shard {
             models: HashMap::new(),
             limits,
             subscribers,
+            metrics,
         }
     }
 
@@ -297,11 +304,21 @@ impl Shard {
         source: Source,
     ) -> Result<Arc<MutationResult>, ServiceError> {
         let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
+        let metrics = self.metrics.clone();
         let e = self.entry(id)?;
         let t = e.tick();
-        let result = match e.model.mutate_parsed(&parsed, t / 1000) {
+        let started = std::time::Instant::now();
+        let outcome = e.model.mutate_parsed(&parsed, t / 1000);
+        let took = started.elapsed();
+        let result = match outcome {
             Ok(r) => r,
             Err(err) => {
+                let counter = match &err {
+                    MutationError::Schema(_) => &metrics.rejected_schema,
+                    MutationError::Constraint { .. } => &metrics.rejected_constraint,
+                    _ => &metrics.rejected_other,
+                };
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // Rejected cycles leave no history or audit; their constraint traces explain the
                 // refusal (the derivation traces describe values that were never committed).
                 if let MutationError::Constraint { traces, .. } = &err {
@@ -334,6 +351,7 @@ impl Shard {
             result: &result,
         });
         let result = Arc::new(result);
+        metrics.committed(took);
         self.subscribers.publish(Event::Mutation {
             model_id: id.to_string(),
             result: result.clone(),

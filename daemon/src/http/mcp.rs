@@ -1,0 +1,410 @@
+//! Streamable HTTP transport of the MCP core at `/mcp` (revisions 2025-03-26 … 2025-11-25; the
+//! 2024-11-05 HTTP+SSE transport is not served).
+//!
+//! - `POST /mcp`: one JSON-RPC message (or a batch where the revision allows it). `initialize`
+//!   opens a session and the reply carries `Mcp-Session-Id`; every later request must carry it
+//!   (400 without, 404 for an unknown or ended one). A body of notifications and responses
+//!   only gets 202. Requests are answered with `application/json`, or with a one-event
+//!   `text/event-stream` when the client accepts only that.
+//! - `GET /mcp` (`Accept: text/event-stream`): the session's stream of server messages
+//!   (`notifications/resources/updated`, log messages). Several streams may be open; each
+//!   message goes to exactly one. Messages sent while none is open wait (up to 1,000).
+//! - `DELETE /mcp`: ends the session.
+//!
+//! `MCP-Protocol-Version`, when sent, must be a revision we speak (400 otherwise).
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{json, Value as Json};
+use tokio::sync::mpsc;
+
+use super::AppState;
+use crate::mcp::{code, Outbox, Session, PROTOCOL_VERSIONS};
+
+pub const SESSION_HEADER: &str = "mcp-session-id";
+pub const VERSION_HEADER: &str = "mcp-protocol-version";
+
+/// Server messages kept for a session while no stream is open.
+const PENDING_MAX: usize = 1000;
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/mcp", post(post_mcp).get(get_mcp).delete(delete_mcp))
+}
+
+/// Where a session's server messages go: its open GET streams, else a bounded queue.
+#[derive(Default)]
+struct Outbound {
+    streams: Vec<mpsc::UnboundedSender<Json>>,
+    pending: VecDeque<Json>,
+}
+
+pub struct HttpSession {
+    session: Arc<Session>,
+    out: Arc<Mutex<Outbound>>,
+    last_used: Mutex<Instant>,
+}
+
+impl HttpSession {
+    fn touch(&self) {
+        if let Ok(mut t) = self.last_used.lock() {
+            *t = Instant::now();
+        }
+    }
+
+    fn idle_for(&self) -> Duration {
+        self.last_used
+            .lock()
+            .map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    fn open_streams(&self) -> usize {
+        self.out
+            .lock()
+            .map_or(0, |o| o.streams.iter().filter(|s| !s.is_closed()).count())
+    }
+}
+
+/// The live sessions of the daemon.
+pub struct Sessions {
+    map: Mutex<HashMap<String, Arc<HttpSession>>>,
+    max: usize,
+    idle: Duration,
+}
+
+impl Sessions {
+    pub fn new(max: usize, idle: Duration) -> Sessions {
+        Sessions {
+            map: Mutex::new(HashMap::new()),
+            max,
+            idle,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().map_or(0, |m| m.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<HttpSession>> {
+        self.map.lock().ok()?.get(id).cloned()
+    }
+
+    fn remove(&self, id: &str) -> Option<Arc<HttpSession>> {
+        self.map.lock().ok()?.remove(id)
+    }
+
+    /// Drop sessions idle past the limit with no open stream.
+    fn reap(&self) -> usize {
+        let Ok(mut m) = self.map.lock() else {
+            return 0;
+        };
+        let before = m.len();
+        m.retain(|_, s| s.open_streams() > 0 || s.idle_for() < self.idle);
+        before - m.len()
+    }
+}
+
+pub fn spawn_reaper(sessions: Arc<Sessions>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(30));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    let n = sessions.reap();
+                    if n > 0 {
+                        tracing::info!(dropped = n, "idle MCP sessions dropped");
+                    }
+                }
+                _ = stop.changed() => break,
+            }
+        }
+    });
+}
+
+/// 128 random bits, hex.
+fn new_session_id() -> Option<String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).ok()?;
+    Some(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn rpc_error(status: StatusCode, code: i64, message: impl Into<String>) -> Response {
+    let body =
+        json!({"jsonrpc": "2.0", "id": null, "error": {"code": code, "message": message.into()}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn accepts(headers: &HeaderMap, what: &str) -> bool {
+    let Some(a) = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    a.split(',').any(|part| {
+        let t = part.split(';').next().unwrap_or("").trim();
+        t.eq_ignore_ascii_case(what) || t == "*/*"
+    })
+}
+
+fn is_json_content(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+}
+
+fn check_version(headers: &HeaderMap) -> Result<(), Response> {
+    match headers.get(VERSION_HEADER).map(|v| v.to_str()) {
+        None => Ok(()),
+        Some(Ok(v)) if PROTOCOL_VERSIONS.contains(&v) => Ok(()),
+        Some(v) => Err(rpc_error(
+            StatusCode::BAD_REQUEST,
+            code::INVALID_REQUEST,
+            format!(
+                "unsupported MCP-Protocol-Version `{}`; this server speaks {}",
+                v.unwrap_or("?"),
+                PROTOCOL_VERSIONS.join(", ")
+            ),
+        )),
+    }
+}
+
+fn session_of(st: &AppState, headers: &HeaderMap) -> Result<(String, Arc<HttpSession>), Response> {
+    let Some(id) = headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok()) else {
+        return Err(rpc_error(
+            StatusCode::BAD_REQUEST,
+            code::INVALID_REQUEST,
+            "Bad Request: no Mcp-Session-Id header; send `initialize` first and pass the id it returns",
+        ));
+    };
+    match st.sessions.get(id) {
+        Some(s) => {
+            s.touch();
+            Ok((id.to_string(), s))
+        }
+        None => Err(rpc_error(
+            StatusCode::NOT_FOUND,
+            code::INVALID_REQUEST,
+            "Session not found: it ended or never existed; send `initialize` to start a new one",
+        )),
+    }
+}
+
+/// Is this message (or every member of this batch) something that gets no reply?
+fn needs_reply(msg: &Json) -> bool {
+    match msg {
+        Json::Array(items) => items.iter().any(needs_reply),
+        Json::Object(m) => m.contains_key("method") && m.contains_key("id"),
+        _ => true,
+    }
+}
+
+fn is_initialize(msg: &Json) -> bool {
+    msg.get("method").and_then(|m| m.as_str()) == Some("initialize")
+}
+
+async fn post_mcp(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = check_version(&headers) {
+        return r;
+    }
+    let json_ok = accepts(&headers, "application/json");
+    let sse_ok = accepts(&headers, "text/event-stream");
+    if !json_ok && !sse_ok {
+        return rpc_error(
+            StatusCode::NOT_ACCEPTABLE,
+            code::INVALID_REQUEST,
+            "Not Acceptable: the client must accept application/json and text/event-stream",
+        );
+    }
+    if !is_json_content(&headers) {
+        return rpc_error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            code::INVALID_REQUEST,
+            "Unsupported Media Type: the body must be application/json",
+        );
+    }
+    let msg: Json = match serde_json::from_slice(&body) {
+        Ok(m) => m,
+        Err(e) => {
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::PARSE_ERROR,
+                format!("Parse error: {e}"),
+            )
+        }
+    };
+    let (sid, hs, created) = if is_initialize(&msg) {
+        if headers.contains_key(SESSION_HEADER) {
+            // Re-initializing inside a session is refused; a client starts a new one without the header.
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::INVALID_REQUEST,
+                "initialize must be sent without Mcp-Session-Id (it opens a new session)",
+            );
+        }
+        match open_session(&st) {
+            Ok((sid, hs)) => (sid, hs, true),
+            Err(r) => return r,
+        }
+    } else {
+        match session_of(&st, &headers) {
+            Ok((sid, hs)) => (sid, hs, false),
+            Err(r) => return r,
+        }
+    };
+    if !needs_reply(&msg) {
+        let session = hs.session.clone();
+        let _ = st
+            .blocking(move |_| {
+                if !session.intercept(&msg) {
+                    session.handle(msg);
+                }
+            })
+            .await;
+        return StatusCode::ACCEPTED.into_response();
+    }
+    let session = hs.session.clone();
+    let reply = match st.blocking(move |_| session.handle(msg)).await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if created && reply.as_ref().is_none_or(|r| r.get("error").is_some()) {
+        // A failed initialize opens nothing.
+        st.sessions.remove(&sid);
+    }
+    let mut res = match reply {
+        None => StatusCode::ACCEPTED.into_response(),
+        Some(r) if json_ok => axum::Json(r).into_response(),
+        Some(r) => {
+            let one = stream::once(async move {
+                Ok::<_, Infallible>(SseEvent::default().event("message").data(r.to_string()))
+            });
+            Sse::new(one).into_response()
+        }
+    };
+    if created {
+        if let Ok(v) = HeaderValue::from_str(&sid) {
+            res.headers_mut().insert(SESSION_HEADER, v);
+        }
+    }
+    res
+}
+
+fn open_session(st: &AppState) -> Result<(String, Arc<HttpSession>), Response> {
+    if st.sessions.len() >= st.sessions.max {
+        st.sessions.reap();
+        if st.sessions.len() >= st.sessions.max {
+            return Err(rpc_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                code::INTERNAL_ERROR,
+                format!(
+                    "too many MCP sessions ({}); end unused sessions with DELETE /mcp",
+                    st.sessions.max
+                ),
+            ));
+        }
+    }
+    let Some(sid) = new_session_id() else {
+        return Err(rpc_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            code::INTERNAL_ERROR,
+            "no randomness available for a session id",
+        ));
+    };
+    let out: Arc<Mutex<Outbound>> = Arc::default();
+    let sink = out.clone();
+    let outbox: Outbox = Arc::new(move |msg: &Json| {
+        let Ok(mut o) = sink.lock() else { return };
+        o.streams.retain(|s| !s.is_closed());
+        // Round-robin: the first live stream takes it, then goes to the back.
+        if !o.streams.is_empty() {
+            let s = o.streams.remove(0);
+            let ok = s.send(msg.clone()).is_ok();
+            o.streams.push(s);
+            if ok {
+                return;
+            }
+        }
+        if o.pending.len() >= PENDING_MAX {
+            o.pending.pop_front();
+        }
+        o.pending.push_back(msg.clone());
+    });
+    let session = Session::new(st.mcp.clone(), outbox);
+    let hs = Arc::new(HttpSession {
+        session,
+        out,
+        last_used: Mutex::new(Instant::now()),
+    });
+    if let Ok(mut m) = st.sessions.map.lock() {
+        m.insert(sid.clone(), hs.clone());
+    }
+    Ok((sid, hs))
+}
+
+async fn get_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(r) = check_version(&headers) {
+        return r;
+    }
+    if !accepts(&headers, "text/event-stream") {
+        return rpc_error(
+            StatusCode::NOT_ACCEPTABLE,
+            code::INVALID_REQUEST,
+            "Not Acceptable: GET /mcp opens a text/event-stream",
+        );
+    }
+    let (_, hs) = match session_of(&st, &headers) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let (tx, rx) = mpsc::unbounded_channel::<Json>();
+    if let Ok(mut o) = hs.out.lock() {
+        while let Some(m) = o.pending.pop_front() {
+            let _ = tx.send(m);
+        }
+        o.streams.push(tx);
+    }
+    let stop = st.shutdown.clone();
+    Sse::new(event_stream(rx, stop))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+/// Messages as SSE `message` events until the session, the client or the daemon goes away.
+fn event_stream(
+    rx: mpsc::UnboundedReceiver<Json>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    stream::unfold((rx, stop), |(mut rx, mut stop)| async move {
+        if *stop.borrow() {
+            return None;
+        }
+        tokio::select! {
+            m = rx.recv() => m.map(|m| (m, (rx, stop))),
+            _ = stop.changed() => None,
+        }
+    })
+    .map(|m| Ok(SseEvent::default().event("message").data(m.to_string())))
+}
+
+async fn delete_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    let (sid, _) = match session_of(&st, &headers) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    st.sessions.remove(&sid);
+    StatusCode::OK.into_response()
+}

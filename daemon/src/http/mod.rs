@@ -1,0 +1,302 @@
+//! The daemon's HTTP server (`valem serve`): axum on hyper + tokio. Every surface — REST
+//! (`rest.rs`), the WebSocket (`ws.rs`), Streamable HTTP MCP (`mcp.rs`), `/healthz`, `/metrics` —
+//! calls the one [`ModelService`]; none re-implements behaviour.
+//!
+//! One guard runs before every route but `/healthz`: the `Host` must be a loopback name or
+//! listed (DNS rebinding), an `Origin`, when present, must be loopback or listed, and with an
+//! API key configured the request must carry it (`Authorization: Bearer`, or `?token=` on the
+//! WebSocket handshake). Service calls block on a shard, so handlers run them on tokio's
+//! blocking pool, never on a reactor thread.
+
+// `Result<_, Response>` is axum's idiom for early exits; the error is built once per request.
+#![allow(clippy::result_large_err)]
+
+pub mod guard;
+pub mod mcp;
+pub mod metrics;
+pub mod rest;
+pub mod ws;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use serde_json::{json, Value as Json};
+use tokio::sync::watch;
+
+use crate::service::ModelService;
+
+/// What `valem serve` was told.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub api_key: Option<String>,
+    /// Browser origins allowed besides loopback ones (`*` allows any).
+    pub allowed_origins: Vec<String>,
+    /// `Host` names allowed besides loopback ones (`*` allows any).
+    pub allowed_hosts: Vec<String>,
+    /// Largest accepted request body (blob uploads have their own limit).
+    pub max_body_bytes: usize,
+    /// Time allowed to send a request's headers (slow clients are cut off).
+    pub header_timeout: Duration,
+    /// Time allowed for a whole request, body included (not for SSE / WebSocket streams,
+    /// which live past their handler).
+    pub request_timeout: Duration,
+    /// Most open connections; further ones wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// Most live MCP sessions.
+    pub max_mcp_sessions: usize,
+    /// An MCP session unused this long (and with no open stream) is dropped.
+    pub mcp_session_idle: Duration,
+    /// Serve the conformance suite's fixture tools, resources and prompts (tests only).
+    pub conformance_fixtures: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            api_key: None,
+            allowed_origins: Vec::new(),
+            allowed_hosts: Vec::new(),
+            max_body_bytes: 16 << 20,
+            header_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(60),
+            max_connections: 1024,
+            max_mcp_sessions: 10_000,
+            mcp_session_idle: Duration::from_secs(3600),
+            conformance_fixtures: false,
+        }
+    }
+}
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub service: Arc<ModelService>,
+    pub mcp: Arc<crate::mcp::Server>,
+    pub config: Arc<Config>,
+    pub metrics: Arc<metrics::Metrics>,
+    pub sessions: Arc<mcp::Sessions>,
+    /// Flips to true when the daemon starts shutting down: long-lived streams end.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl AppState {
+    /// Run a blocking service call off the reactor.
+    pub async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&ModelService) -> R + Send + 'static,
+    ) -> Result<R, Response> {
+        let svc = self.service.clone();
+        tokio::task::spawn_blocking(move || f(&svc))
+            .await
+            .map_err(|_| {
+                error_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    json!({"error": "Internal error", "message": "the request's worker failed"}),
+                )
+            })
+    }
+}
+
+/// A JSON error body with a status.
+pub fn error_response(status: StatusCode, body: Json) -> Response {
+    let mut r = (status, axum::Json(body)).into_response();
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+/// The whole application: routes, guard, limits.
+pub fn router(state: AppState) -> Router {
+    let guarded = Router::new()
+        .merge(rest::routes())
+        .merge(ws::routes())
+        .merge(mcp::routes())
+        .route("/metrics", get(metrics::serve))
+        .layer(middleware::from_fn_with_state(state.clone(), guard::guard));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .merge(guarded)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            request_limits,
+        ))
+        .with_state(state)
+}
+
+async fn healthz(State(st): State<AppState>) -> Response {
+    let models = st.service.model_count();
+    axum::Json(json!({"status": "ok", "models": models})).into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        json!({"error": "Not found", "message": format!("no route for {} {}", req.method(), req.uri().path())}),
+    )
+}
+
+/// Request timeout (slow bodies) and counting; streams outlive this (their body is polled
+/// after the handler returned).
+async fn request_limits(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let start = std::time::Instant::now();
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let res = match tokio::time::timeout(st.config.request_timeout, next.run(req)).await {
+        Ok(r) => r,
+        Err(_) => error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            json!({"error": "Request timeout", "message": format!("the request was not completed within {} s", st.config.request_timeout.as_secs())}),
+        ),
+    };
+    st.metrics.request(res.status().as_u16(), start.elapsed());
+    tracing::debug!(%method, %path, status = res.status().as_u16(), micros = start.elapsed().as_micros() as u64, "request");
+    res
+}
+
+/// Run the daemon until SIGINT/SIGTERM. `ready` receives the bound address (the port may have
+/// been 0).
+pub fn serve(
+    config: Config,
+    service: Arc<ModelService>,
+    mcp: Arc<crate::mcp::Server>,
+    ready: impl FnOnce(SocketAddr),
+) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("valem-http")
+        .build()?;
+    rt.block_on(run(config, service, mcp, ready))
+}
+
+async fn run(
+    config: Config,
+    service: Arc<ModelService>,
+    mcp_server: Arc<crate::mcp::Server>,
+    ready: impl FnOnce(SocketAddr),
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let metrics = Arc::new(metrics::Metrics::new());
+    let sessions = Arc::new(mcp::Sessions::new(
+        config.max_mcp_sessions,
+        config.mcp_session_idle,
+    ));
+    let config = Arc::new(config);
+    let state = AppState {
+        service: service.clone(),
+        mcp: mcp_server,
+        config: config.clone(),
+        metrics: metrics.clone(),
+        sessions: sessions.clone(),
+        shutdown: stop_rx.clone(),
+    };
+    mcp::spawn_reaper(sessions.clone(), stop_rx.clone());
+    let app = router(state);
+    ready(addr);
+    tracing::info!(%addr, "listening");
+
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(config.header_timeout)
+        .max_buf_size(64 << 10);
+    let builder = builder.http1_only();
+    let slots = Arc::new(tokio::sync::Semaphore::new(config.max_connections.max(1)));
+    let mut signal = std::pin::pin!(shutdown_signal());
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = &mut signal => break,
+        };
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut signal => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let svc = TowerToHyperService::new(app.clone());
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+            .into_owned();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => Some(r),
+                _ = stop.changed() => None,
+            };
+            let r = match ended {
+                Some(r) => r,
+                None => {
+                    // Finish the request in flight, then close (keep-alive ends).
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = r {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    tracing::info!("shutting down: finishing in-flight requests");
+    drop(listener);
+    let _ = stop_tx.send(true);
+    let all = u32::try_from(config.max_connections.max(1)).unwrap_or(u32::MAX);
+    if tokio::time::timeout(Duration::from_secs(10), slots.acquire_many(all))
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after 10 s; closing them");
+    }
+    // Finish in-flight cycles: every shard drains its queue before the service stops.
+    let svc = service.clone();
+    let _ = tokio::task::spawn_blocking(move || svc.drain()).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

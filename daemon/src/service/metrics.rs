@@ -1,0 +1,52 @@
+//! Lock-free counters of the reactive cycles, read by `/metrics`: committed and rejected
+//! cycles, and a latency histogram of committed ones (time on the shard, validation to commit).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds of the latency buckets, in seconds (Prometheus `le`), 10 µs … 10 s.
+pub const BUCKETS: &[f64] = &[
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+#[derive(Default)]
+pub struct CycleMetrics {
+    pub committed: AtomicU64,
+    pub rejected_schema: AtomicU64,
+    pub rejected_constraint: AtomicU64,
+    pub rejected_other: AtomicU64,
+    /// Non-cumulative counts per bucket; the last slot is `+Inf`.
+    buckets: [AtomicU64; 20],
+    sum_nanos: AtomicU64,
+}
+
+impl CycleMetrics {
+    pub fn committed(&self, took: Duration) {
+        self.committed.fetch_add(1, Ordering::Relaxed);
+        let secs = took.as_secs_f64();
+        let i = BUCKETS
+            .iter()
+            .position(|b| secs <= *b)
+            .unwrap_or(BUCKETS.len());
+        if let Some(b) = self.buckets.get(i) {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_nanos
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Cumulative bucket counts (one per `BUCKETS` entry, then `+Inf`) and the sum in seconds.
+    pub fn histogram(&self) -> (Vec<u64>, f64) {
+        let mut acc = 0;
+        let counts = self
+            .buckets
+            .iter()
+            .map(|b| {
+                acc += b.load(Ordering::Relaxed);
+                acc
+            })
+            .collect();
+        (counts, self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9)
+    }
+}
