@@ -200,3 +200,107 @@ impl Drop for Mcp {
         let _ = self.child.wait();
     }
 }
+
+/// A running `valem serve` on a free loopback port; SIGTERM (then kill) on drop.
+pub struct Daemon {
+    child: std::process::Child,
+    /// `127.0.0.1:PORT`
+    pub addr: String,
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Daemon {
+    /// Start `valem serve --listen 127.0.0.1:0 EXTRA…` and wait until it listens.
+    pub fn start(extra: &[&str]) -> Daemon {
+        Daemon::start_env(extra, &[])
+    }
+
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+        use std::io::{BufRead, BufReader, Read};
+        let mut cmd = Command::new(valem_bin());
+        cmd.args(["serve", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .current_dir(repo_root())
+            .env_remove("VALEM_API_KEY")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn valem serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read the listening line");
+        let addr = line
+            .trim()
+            .rsplit("http://")
+            .next()
+            .unwrap_or("")
+            .to_string();
+        let err_buf = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let sink = err_buf.clone();
+        let mut err = child.stderr.take().expect("stderr");
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                if let Ok(mut s) = sink.lock() {
+                    s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            }
+        });
+        assert!(
+            addr.starts_with("127.0.0.1:"),
+            "valem serve did not report its address (stdout: {line:?})"
+        );
+        Daemon {
+            child,
+            addr,
+            stderr: err_buf,
+        }
+    }
+
+    /// `http://127.0.0.1:PORT` + `path`
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// What the daemon wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Send SIGTERM and wait (at most 15 s) for the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+        loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return s;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("valem serve did not stop within 15 s of SIGTERM");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// The process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
