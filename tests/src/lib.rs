@@ -215,10 +215,19 @@ impl Daemon {
         Daemon::start_env(extra, &[])
     }
 
+    /// Start on a given address (to restart a daemon where clients expect it).
+    pub fn start_on(listen: &str, extra: &[&str]) -> Daemon {
+        Daemon::spawn(listen, extra, &[])
+    }
+
     pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+        Daemon::spawn("127.0.0.1:0", extra, env)
+    }
+
+    fn spawn(listen: &str, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         use std::io::{BufRead, BufReader, Read};
         let mut cmd = Command::new(valem_bin());
-        cmd.args(["serve", "--listen", "127.0.0.1:0"])
+        cmd.args(["serve", "--listen", listen])
             .args(extra)
             .current_dir(repo_root())
             .env_remove("VALEM_API_KEY")

@@ -50,13 +50,24 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Serve MCP on stdio (one JSON-RPC message per line) with an embedded in-memory engine.
+    /// Serve MCP on stdio (one JSON-RPC message per line): an embedded in-memory engine, or
+    /// with --url a proxy to a running daemon (`valem serve`).
     ///
-    /// Register it with an MCP client as the command `valem` with the argument `mcp`. Only
-    /// protocol messages go to stdout; diagnostics go to stderr. The process exits when stdin
-    /// closes. Extra domain-guidance topics: set VALEM_DOMAIN_GUIDANCE_TOPICS_FILE to a JSON file
-    /// of [{"id", "description", "instructions", "title"?}].
+    /// Register it with an MCP client as the command `valem` with the argument `mcp` (and
+    /// `--url http://127.0.0.1:8080` to share a daemon's models). Only protocol messages go to
+    /// stdout; diagnostics go to stderr. The process exits when stdin closes. With --url, model
+    /// tools and resources run on the daemon and authoring tools here; a daemon that is down
+    /// gives a tool error and the next call reconnects. Extra domain-guidance topics: set
+    /// VALEM_DOMAIN_GUIDANCE_TOPICS_FILE to a JSON file of [{"id", "description",
+    /// "instructions", "title"?}].
     Mcp {
+        /// Proxy to the daemon at this base URL (e.g. http://127.0.0.1:8080) instead of
+        /// running an embedded engine.
+        #[arg(long, env = "VALEM_URL")]
+        url: Option<String>,
+        /// API key of the daemon (sent as `Authorization: Bearer`).
+        #[arg(long, env = "VALEM_API_KEY", hide_env_values = true, requires = "url")]
+        api_key: Option<String>,
         /// Largest accepted message in bytes; longer lines are refused with -32600 and skipped.
         #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = crate::mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
         max_message_bytes: usize,
@@ -366,11 +377,16 @@ fn run(cli: Cli) -> Result<i32, String> {
             Ok(if out.is_err() { 1 } else { 0 })
         }
         Command::Mcp {
+            url,
+            api_key,
             max_message_bytes,
             shards,
             max_models,
             data_dir,
         } => {
+            if let Some(url) = url {
+                return Ok(mcp_proxy(&url, api_key, max_message_bytes));
+            }
             if let Some(d) = data_dir {
                 eprintln!(
                     "valem mcp: --data-dir {} is not supported yet (durable storage is a later release); models live in memory",
@@ -492,6 +508,46 @@ fn run(cli: Cli) -> Result<i32, String> {
                 },
             }
             Ok(0)
+        }
+    }
+}
+
+fn mcp_proxy(url: &str, api_key: Option<String>, max_message_bytes: usize) -> i32 {
+    if !url.starts_with("http://") {
+        eprintln!(
+            "valem mcp: --url must be an http:// URL of a valem daemon (got `{url}`; https is not supported yet — front the daemon with a local TLS-terminating proxy)"
+        );
+        return 2;
+    }
+    let guidance = match crate::mcp::guidance::Catalog::from_env() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("valem mcp: {e}");
+            return 2;
+        }
+    };
+    // Authoring tools only: they never touch this service's registry.
+    let service = crate::service::ModelService::new(1, Default::default());
+    let server = crate::mcp::Server::new(service, guidance, crate::mcp::Mode::Proxy);
+    eprintln!(
+        "valem mcp {}: proxy to {url}; reading JSON-RPC on stdin",
+        env!("CARGO_PKG_VERSION")
+    );
+    let key = api_key.filter(|k| !k.is_empty());
+    let url = url.to_string();
+    let stdin = std::io::stdin().lock();
+    match crate::mcp::stdio::serve_with(
+        move |out| -> std::sync::Arc<dyn crate::mcp::Handler> {
+            crate::mcp::proxy::Proxy::new(server, &url, key, out)
+        },
+        stdin,
+        std::io::stdout(),
+        max_message_bytes,
+    ) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("valem mcp: {e}");
+            1
         }
     }
 }

@@ -5,6 +5,7 @@
 //! call only the [`ModelService`](crate::service::ModelService) and the authoring functions.
 
 pub mod guidance;
+pub mod proxy;
 pub mod resources;
 pub mod stdio;
 pub mod tools;
@@ -31,6 +32,23 @@ pub mod code {
     pub const RESOURCE_NOT_FOUND: i64 = -32002;
 }
 
+/// What a transport drives: a session, or the stdio proxy in front of a daemon.
+pub trait Handler: Send + Sync {
+    /// Act at once on messages that must not wait behind a running request; true when consumed.
+    fn intercept(&self, msg: &Json) -> bool;
+    /// Handle one message or a batch; the reply to send, if any.
+    fn handle(&self, msg: Json) -> Option<Json>;
+}
+
+impl Handler for Session {
+    fn intercept(&self, msg: &Json) -> bool {
+        Session::intercept(self, msg)
+    }
+    fn handle(&self, msg: Json) -> Option<Json> {
+        Session::handle(self, msg)
+    }
+}
+
 /// Where a session's unsolicited messages (notifications) go.
 pub type Outbox = Arc<dyn Fn(&Json) + Send + Sync>;
 
@@ -43,6 +61,8 @@ pub enum Mode {
     Daemon,
     /// The daemon with the conformance suite's fixtures (tests only).
     DaemonWithFixtures,
+    /// `valem mcp --url`: model tools run on a daemon, authoring tools here.
+    Proxy,
 }
 
 /// What every session shares: the service, the tool catalog, the guidance topics.
@@ -78,7 +98,7 @@ impl Server {
             Mode::Embedded => {
                 "In embedded mode models live in this process's memory and are gone when it exits."
             }
-            Mode::Daemon | Mode::DaemonWithFixtures => {
+            Mode::Daemon | Mode::DaemonWithFixtures | Mode::Proxy => {
                 "Models live on a shared daemon: other clients may read and change them too."
             }
         }
@@ -351,6 +371,7 @@ impl Session {
                 let mode = match self.server.mode {
                     Mode::Embedded => "embedded, in-memory",
                     Mode::Daemon | Mode::DaemonWithFixtures => "daemon, shared models",
+                    Mode::Proxy => "proxy to a daemon",
                 };
                 self.log(
                     "info",

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value as Json};
 
-use super::{code, Outbox, Server, Session};
+use super::{code, Handler, Outbox, Server, Session};
 
 /// Default largest accepted message, in bytes.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
@@ -25,10 +25,25 @@ pub fn serve(
     output: impl Write + Send + 'static,
     max_message_bytes: usize,
 ) -> std::io::Result<()> {
+    serve_with(
+        move |outbox| -> Arc<dyn Handler> { Session::new(server, outbox) },
+        input,
+        output,
+        max_message_bytes,
+    )
+}
+
+/// Serve one session of the handler `make` builds (given where its notifications go).
+pub fn serve_with(
+    make: impl FnOnce(Outbox) -> Arc<dyn Handler>,
+    input: impl BufRead,
+    output: impl Write + Send + 'static,
+    max_message_bytes: usize,
+) -> std::io::Result<()> {
     let output: Arc<Mutex<Box<dyn Write + Send>>> = Arc::new(Mutex::new(Box::new(output)));
     let out_for_box = output.clone();
     let outbox: Outbox = Arc::new(move |msg: &Json| write_line(&out_for_box, msg));
-    let session = Session::new(server, outbox.clone());
+    let session = make(outbox.clone());
     let (tx, rx) = mpsc::sync_channel::<Json>(QUEUE);
     let worker_session = session.clone();
     let worker_out = outbox.clone();

@@ -17,6 +17,15 @@ use crate::service::time::{now_us, parse_iso};
 use crate::service::{mutation_list, AuditQuery, BlobRef, ModelInfo, ServiceError};
 use crate::spec::{parse_evolution, parse_spec, TestCase};
 
+/// The tools that never touch the registry (the proxy runs them locally).
+pub const AUTHORING: &[&str] = &[
+    "get_domain_guidance",
+    "validate_spec",
+    "eval_expression",
+    "test_spec",
+    "dry_run",
+];
+
 /// Pretty-printed results longer than this many characters are withheld.
 pub const RESULT_LIMIT_CHARS: usize = 50_000;
 

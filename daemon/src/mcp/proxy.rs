@@ -1,0 +1,510 @@
+//! `valem mcp --url`: a stdio MCP server in front of a daemon's Streamable HTTP `/mcp`.
+//!
+//! The handshake, `tools/list`, logging and the authoring tools are served here by a local
+//! session (they never touch a registry); model tools and resources go to the daemon over one
+//! upstream MCP session, opened on first use. The daemon's server messages (resource updates)
+//! arrive on its GET stream and are relayed to stdout. When the daemon is down a call gets a
+//! clear error; the next call reconnects (a new upstream session, subscriptions re-made).
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value as Json};
+
+use super::{code, tools, Handler, Outbox, Server, Session, PROTOCOL_VERSIONS};
+
+/// The upstream revision we ask the daemon for.
+const UPSTREAM_VERSION: &str = "2025-11-25";
+
+pub struct Proxy {
+    local: Arc<Session>,
+    up: Arc<Upstream>,
+}
+
+impl Proxy {
+    pub fn new(server: Arc<Server>, url: &str, api_key: Option<String>, out: Outbox) -> Arc<Proxy> {
+        Arc::new(Proxy {
+            local: Session::new(server, out.clone()),
+            up: Arc::new(Upstream::new(url, api_key, out)),
+        })
+    }
+
+    /// Does this request go to the daemon?
+    fn remote(msg: &Json) -> bool {
+        let method = msg.get("method").and_then(|m| m.as_str()).unwrap_or("");
+        match method {
+            "tools/call" => msg
+                .get("params")
+                .and_then(|p| p.get("name"))
+                .and_then(|n| n.as_str())
+                .is_some_and(|n| !tools::AUTHORING.contains(&n)),
+            "resources/list"
+            | "resources/read"
+            | "resources/templates/list"
+            | "resources/subscribe"
+            | "resources/unsubscribe" => true,
+            _ => false,
+        }
+    }
+
+    fn forward(&self, msg: Json) -> Option<Json> {
+        let id = msg.get("id").cloned()?;
+        let method = msg
+            .get("method")
+            .and_then(|m| m.as_str())
+            .unwrap_or("")
+            .to_string();
+        let params = msg.get("params").cloned().unwrap_or_else(|| json!({}));
+        match self.up.call(&method, params.clone()) {
+            Ok(reply) => {
+                if reply.get("error").is_none() {
+                    self.up.note_subscription(&method, &params);
+                }
+                let mut reply = reply;
+                reply["id"] = id;
+                Some(reply)
+            }
+            Err(why) => {
+                let text = format!(
+                    "the valem daemon at {} could not be reached: {why}. Start it with `valem serve` \
+                     (or check --url); the next call reconnects.",
+                    self.up.base
+                );
+                Some(if method == "tools/call" {
+                    json!({"jsonrpc": "2.0", "id": id, "result": {
+                        "content": [{"type": "text", "text": text}],
+                        "isError": true,
+                    }})
+                } else {
+                    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code::INTERNAL_ERROR, "message": text}})
+                })
+            }
+        }
+    }
+
+    fn handle_one(&self, msg: Json) -> Option<Json> {
+        let initialized = self.local.protocol_version().is_some();
+        if initialized && msg.get("id").is_some() && Proxy::remote(&msg) {
+            self.forward(msg)
+        } else {
+            self.local.handle(msg)
+        }
+    }
+}
+
+impl Handler for Proxy {
+    fn intercept(&self, msg: &Json) -> bool {
+        self.local.intercept(msg)
+    }
+
+    fn handle(&self, msg: Json) -> Option<Json> {
+        match msg {
+            Json::Array(items) if items.iter().any(Proxy::remote) => {
+                // Route each member; the local session still checks the revision allows batches.
+                if !matches!(
+                    self.local.protocol_version(),
+                    Some("2024-11-05" | "2025-03-26")
+                ) {
+                    return self.local.handle(Json::Array(items));
+                }
+                let replies: Vec<Json> = items
+                    .into_iter()
+                    .filter_map(|m| {
+                        if self.local.intercept(&m) {
+                            None
+                        } else {
+                            self.handle_one(m)
+                        }
+                    })
+                    .collect();
+                (!replies.is_empty()).then_some(Json::Array(replies))
+            }
+            other => self.handle_one(other),
+        }
+    }
+}
+
+struct UpState {
+    session: Option<String>,
+    version: String,
+    /// `valem://state/…` URIs the client subscribed to (re-made on reconnect).
+    subscriptions: BTreeSet<String>,
+}
+
+struct Upstream {
+    /// The daemon's base URL as given.
+    base: String,
+    /// `…/mcp`
+    endpoint: String,
+    api_key: Option<String>,
+    agent: ureq::Agent,
+    stream_agent: ureq::Agent,
+    state: Mutex<UpState>,
+    next_id: AtomicU64,
+    out: Outbox,
+    /// Bumped for each upstream session: a stream reader of an older one stops.
+    generation: Arc<AtomicU64>,
+}
+
+fn endpoint_of(url: &str) -> String {
+    let u = url.trim_end_matches('/');
+    if u.ends_with("/mcp") {
+        u.to_string()
+    } else {
+        format!("{u}/mcp")
+    }
+}
+
+impl Upstream {
+    fn new(url: &str, api_key: Option<String>, out: Outbox) -> Upstream {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(5)))
+            .timeout_global(Some(Duration::from_secs(300)))
+            .build()
+            .new_agent();
+        let stream_agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(5)))
+            .build()
+            .new_agent();
+        Upstream {
+            base: url.trim_end_matches('/').to_string(),
+            endpoint: endpoint_of(url),
+            api_key,
+            agent,
+            stream_agent,
+            state: Mutex::new(UpState {
+                session: None,
+                version: UPSTREAM_VERSION.to_string(),
+                subscriptions: BTreeSet::new(),
+            }),
+            next_id: AtomicU64::new(1),
+            out,
+            generation: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, UpState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn note_subscription(&self, method: &str, params: &Json) {
+        let Some(uri) = params.get("uri").and_then(|u| u.as_str()) else {
+            return;
+        };
+        let mut st = self.lock();
+        match method {
+            "resources/subscribe" => {
+                st.subscriptions.insert(uri.to_string());
+            }
+            "resources/unsubscribe" => {
+                st.subscriptions.remove(uri);
+            }
+            _ => {}
+        }
+    }
+
+    /// One request to the daemon; its JSON-RPC reply. Reconnects once when the upstream
+    /// session is gone (daemon restarted).
+    fn call(&self, method: &str, params: Json) -> Result<Json, String> {
+        for attempt in 0..2 {
+            let (sid, version) = self.ensure_session()?;
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let msg = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+            match self.post(&msg, Some(&sid), &version) {
+                Ok(Posted::Reply(r)) => return Ok(r),
+                Ok(Posted::SessionGone) if attempt == 0 => {
+                    self.drop_session(&sid);
+                    continue;
+                }
+                Ok(Posted::SessionGone) => return Err("the daemon dropped the session".into()),
+                Ok(Posted::Accepted) => return Err("the daemon sent no reply".into()),
+                Err(e) => {
+                    // The daemon may be down or restarting: start afresh on the next call.
+                    self.drop_session(&sid);
+                    return Err(e);
+                }
+            }
+        }
+        Err("the daemon dropped the session twice".into())
+    }
+
+    fn drop_session(&self, sid: &str) {
+        let mut st = self.lock();
+        if st.session.as_deref() == Some(sid) {
+            st.session = None;
+            self.generation.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn ensure_session(&self) -> Result<(String, String), String> {
+        {
+            let st = self.lock();
+            if let Some(s) = &st.session {
+                return Ok((s.clone(), st.version.clone()));
+            }
+        }
+        let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": UPSTREAM_VERSION,
+            "capabilities": {},
+            "clientInfo": {"name": "valem-mcp-proxy", "version": env!("CARGO_PKG_VERSION")},
+        }});
+        let (reply, sid) = self.post_initialize(&init)?;
+        if let Some(e) = reply.get("error") {
+            return Err(format!("the daemon refused initialize: {e}"));
+        }
+        let version = reply
+            .pointer("/result/protocolVersion")
+            .and_then(|v| v.as_str())
+            .filter(|v| PROTOCOL_VERSIONS.contains(v))
+            .unwrap_or(UPSTREAM_VERSION)
+            .to_string();
+        let _ = self.post(
+            &json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            Some(&sid),
+            &version,
+        )?;
+        let subs: Vec<String> = {
+            let mut st = self.lock();
+            st.session = Some(sid.clone());
+            st.version = version.clone();
+            st.subscriptions.iter().cloned().collect()
+        };
+        let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        self.start_stream(sid.clone(), version.clone(), generation);
+        for uri in subs {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let _ = self.post(
+                &json!({"jsonrpc": "2.0", "id": id, "method": "resources/subscribe", "params": {"uri": uri}}),
+                Some(&sid),
+                &version,
+            );
+        }
+        Ok((sid, version))
+    }
+
+    fn post_builder(&self) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        let mut r = self
+            .agent
+            .post(&self.endpoint)
+            .header("Content-Type", "application/json")
+            .header("Accept", "application/json, text/event-stream");
+        if let Some(k) = &self.api_key {
+            r = r.header("Authorization", &format!("Bearer {k}"));
+        }
+        r
+    }
+
+    fn post_initialize(&self, msg: &Json) -> Result<(Json, String), String> {
+        let res = self
+            .post_builder()
+            .send(msg.to_string().as_bytes())
+            .map_err(describe)?;
+        let status = res.status().as_u16();
+        let sid = res
+            .headers()
+            .get("mcp-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let reply = read_reply(res, msg.get("id"))?;
+        if status >= 400 {
+            return Err(status_error(status, &reply));
+        }
+        let sid = sid.ok_or("the daemon's initialize reply carried no Mcp-Session-Id")?;
+        Ok((reply, sid))
+    }
+
+    fn post(&self, msg: &Json, sid: Option<&str>, version: &str) -> Result<Posted, String> {
+        let mut r = self.post_builder().header("MCP-Protocol-Version", version);
+        if let Some(s) = sid {
+            r = r.header("Mcp-Session-Id", s);
+        }
+        let res = r.send(msg.to_string().as_bytes()).map_err(describe)?;
+        let status = res.status().as_u16();
+        if status == 202 {
+            return Ok(Posted::Accepted);
+        }
+        if status == 404 && sid.is_some() {
+            return Ok(Posted::SessionGone);
+        }
+        let reply = read_reply(res, msg.get("id"))?;
+        if status >= 400 {
+            return Err(status_error(status, &reply));
+        }
+        Ok(Posted::Reply(reply))
+    }
+
+    /// Relay the daemon's server messages for session `sid` until it is replaced.
+    fn start_stream(&self, sid: String, version: String, generation: u64) {
+        let agent = self.stream_agent.clone();
+        let endpoint = self.endpoint.clone();
+        let key = self.api_key.clone();
+        let out = self.out.clone();
+        let current = self.generation.clone();
+        let _ = std::thread::Builder::new()
+            .name("valem-proxy-events".into())
+            .spawn(move || {
+                let mut backoff = Duration::from_millis(200);
+                while current.load(Ordering::SeqCst) == generation {
+                    let mut r = agent
+                        .get(&endpoint)
+                        .header("Accept", "text/event-stream")
+                        .header("Mcp-Session-Id", &sid)
+                        .header("MCP-Protocol-Version", &version);
+                    if let Some(k) = &key {
+                        r = r.header("Authorization", &format!("Bearer {k}"));
+                    }
+                    match r.call() {
+                        Ok(res) if res.status().as_u16() == 200 => {
+                            backoff = Duration::from_millis(200);
+                            let reader = BufReader::new(res.into_body().into_reader());
+                            relay_events(reader, &out, &current, generation);
+                        }
+                        // The session is gone (daemon restarted): the next call reconnects.
+                        Ok(res) if res.status().as_u16() == 404 => break,
+                        _ => {}
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            });
+    }
+}
+
+enum Posted {
+    Reply(Json),
+    Accepted,
+    SessionGone,
+}
+
+fn describe(e: ureq::Error) -> String {
+    match e {
+        ureq::Error::Io(io) => io.to_string(),
+        ureq::Error::ConnectionFailed => "connection failed".into(),
+        ureq::Error::HostNotFound => "host not found".into(),
+        ureq::Error::Timeout(t) => format!("timed out ({t})"),
+        other => other.to_string(),
+    }
+}
+
+fn status_error(status: u16, reply: &Json) -> String {
+    let msg = reply
+        .pointer("/error/message")
+        .or_else(|| reply.get("message"))
+        .and_then(|m| m.as_str())
+        .map_or_else(|| reply.to_string(), str::to_string);
+    format!("HTTP {status}: {msg}")
+}
+
+/// The JSON-RPC reply in a response: a JSON body, or the matching message of an SSE body.
+fn read_reply(res: ureq::http::Response<ureq::Body>, id: Option<&Json>) -> Result<Json, String> {
+    let sse = res
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("text/event-stream"));
+    let mut body = res.into_body();
+    let reader = body.with_config().limit(256 << 20).reader();
+    if !sse {
+        let mut text = Vec::new();
+        let mut r = reader;
+        r.read_to_end(&mut text).map_err(|e| e.to_string())?;
+        if text.is_empty() {
+            return Ok(json!({}));
+        }
+        return serde_json::from_slice(&text)
+            .map_err(|e| format!("the daemon's reply is not JSON: {e}"));
+    }
+    let mut found = None;
+    for_each_event(BufReader::new(reader), |m| {
+        if id.is_some() && m.get("id") == id && m.get("method").is_none() {
+            found = Some(m);
+            return false;
+        }
+        true
+    });
+    found.ok_or_else(|| "the daemon's event stream ended without a reply".to_string())
+}
+
+fn relay_events(reader: impl BufRead, out: &Outbox, current: &AtomicU64, generation: u64) {
+    for_each_event(reader, |m| {
+        if current.load(Ordering::SeqCst) != generation {
+            return false;
+        }
+        if m.get("method").is_some() && m.get("id").is_none() {
+            out(&m);
+        }
+        true
+    });
+}
+
+/// Parse `text/event-stream` frames; `f` gets each `data` payload that is JSON and returns
+/// false to stop.
+fn for_each_event(mut reader: impl BufRead, mut f: impl FnMut(Json) -> bool) {
+    let mut data = String::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let l = line.trim_end_matches(['\r', '\n']);
+        if l.is_empty() {
+            if !data.is_empty() {
+                if let Ok(m) = serde_json::from_str::<Json>(&data) {
+                    if !f(m) {
+                        return;
+                    }
+                }
+                data.clear();
+            }
+            continue;
+        }
+        if let Some(d) = l.strip_prefix("data:") {
+            if !data.is_empty() {
+                data.push('\n');
+            }
+            data.push_str(d.strip_prefix(' ').unwrap_or(d));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint() {
+        assert_eq!(
+            endpoint_of("http://127.0.0.1:8080"),
+            "http://127.0.0.1:8080/mcp"
+        );
+        assert_eq!(endpoint_of("http://h:1/"), "http://h:1/mcp");
+        assert_eq!(endpoint_of("http://h:1/mcp"), "http://h:1/mcp");
+    }
+
+    #[test]
+    fn sse_parsing() {
+        let text = "event: message\ndata: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":\ndata: 2}\n\ndata: not json\n\n";
+        let mut got = Vec::new();
+        for_each_event(text.as_bytes(), |m| {
+            got.push(m);
+            true
+        });
+        assert_eq!(got, vec![json!({"a": 1}), json!({"b": 2})]);
+    }
+
+    #[test]
+    fn routing() {
+        let call = |n: &str| json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": n}});
+        assert!(Proxy::remote(&call("mutate")));
+        assert!(!Proxy::remote(&call("validate_spec")));
+        assert!(Proxy::remote(&json!({"method": "resources/read"})));
+        assert!(!Proxy::remote(&json!({"method": "tools/list"})));
+    }
+}

@@ -1,0 +1,504 @@
+//! Streamable HTTP MCP at `/mcp` of the real daemon, driven with a real HTTP client (ureq), and
+//! the stdio proxy (`valem mcp --url`) in front of it.
+
+use std::io::{BufRead, BufReader};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value as Json};
+use valem_tests::{Daemon, Mcp};
+
+const DEMO: &str = r#"{"id":"demo","schema":{"type":"object","properties":{"price":{"type":"number"},"qty":{"type":"number"}}},"derivations":[{"path":"$.total","expr":"price * qty"}]}"#;
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(20)))
+        .build()
+        .new_agent()
+}
+
+struct Http {
+    agent: ureq::Agent,
+    url: String,
+    session: Option<String>,
+    key: Option<String>,
+}
+
+struct Reply {
+    status: u16,
+    session: Option<String>,
+    content_type: String,
+    body: Json,
+}
+
+impl Http {
+    fn new(d: &Daemon) -> Http {
+        Http {
+            agent: agent(),
+            url: d.url("/mcp"),
+            session: None,
+            key: None,
+        }
+    }
+
+    fn post_with(&self, body: &str, headers: &[(&str, &str)]) -> Reply {
+        let mut r = self.agent.post(&self.url);
+        let mut has_accept = false;
+        let mut has_ct = false;
+        for (k, v) in headers {
+            has_accept |= k.eq_ignore_ascii_case("accept");
+            has_ct |= k.eq_ignore_ascii_case("content-type");
+            r = r.header(*k, *v);
+        }
+        if !has_accept {
+            r = r.header("Accept", "application/json, text/event-stream");
+        }
+        if !has_ct {
+            r = r.header("Content-Type", "application/json");
+        }
+        if let Some(s) = &self.session {
+            r = r.header("Mcp-Session-Id", s);
+        }
+        if let Some(k) = &self.key {
+            r = r.header("Authorization", &format!("Bearer {k}"));
+        }
+        let res = r.send(body.as_bytes()).expect("POST /mcp");
+        reply(res)
+    }
+
+    fn post(&self, msg: &Json) -> Reply {
+        self.post_with(&msg.to_string(), &[])
+    }
+
+    fn initialize(&mut self) -> Json {
+        let r = self.post(&json!({"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {}}}));
+        assert_eq!(r.status, 200, "{}", r.body);
+        self.session = Some(r.session.clone().expect("Mcp-Session-Id on initialize"));
+        let n = self.post(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+        assert_eq!(n.status, 202);
+        r.body["result"].clone()
+    }
+
+    fn call(&self, id: u64, method: &str, params: Json) -> Json {
+        let r = self.post(&json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
+        assert_eq!(r.status, 200, "{method}: {}", r.body);
+        assert_eq!(r.body["id"], json!(id));
+        r.body
+    }
+
+    fn tool(&self, id: u64, name: &str, args: Json) -> Json {
+        self.call(id, "tools/call", json!({"name": name, "arguments": args}))["result"].clone()
+    }
+}
+
+fn reply(res: ureq::http::Response<ureq::Body>) -> Reply {
+    let status = res.status().as_u16();
+    let session = res
+        .headers()
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let content_type = res
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let text = res.into_body().read_to_string().unwrap_or_default();
+    let body = if content_type.starts_with("text/event-stream") {
+        let data: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(str::trim)
+            .collect();
+        serde_json::from_str(&data).unwrap_or(Json::Null)
+    } else {
+        serde_json::from_str(&text).unwrap_or(Json::Null)
+    };
+    Reply {
+        status,
+        session,
+        content_type,
+        body,
+    }
+}
+
+/// A GET stream's messages, read on a thread.
+fn open_stream(h: &Http) -> std::sync::mpsc::Receiver<Json> {
+    let mut r = agent_no_timeout()
+        .get(&h.url)
+        .header("Accept", "text/event-stream");
+    if let Some(s) = &h.session {
+        r = r.header("Mcp-Session-Id", s);
+    }
+    let res = r.call().expect("GET /mcp");
+    assert_eq!(res.status().as_u16(), 200);
+    assert!(res
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .starts_with("text/event-stream"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let reader = BufReader::new(res.into_body().into_reader());
+        for line in reader.lines() {
+            let Ok(line) = line else { break };
+            if let Some(d) = line.strip_prefix("data:") {
+                if let Ok(m) = serde_json::from_str::<Json>(d.trim()) {
+                    if tx.send(m).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    rx
+}
+
+fn agent_no_timeout() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .new_agent()
+}
+
+fn text_of(result: &Json) -> String {
+    result["content"][0]["text"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
+}
+
+#[test]
+fn session_lifecycle_and_tools() {
+    let d = Daemon::start(&[]);
+    let mut h = Http::new(&d);
+    let init = h.initialize();
+    assert_eq!(init["protocolVersion"], "2025-11-25");
+    assert_eq!(init["serverInfo"]["name"], "valem");
+    let tools = h.call(1, "tools/list", json!({}));
+    assert_eq!(tools["result"]["tools"].as_array().map(Vec::len), Some(26));
+
+    let created = h.tool(
+        2,
+        "create_model",
+        json!({"spec": serde_json::from_str::<Json>(DEMO).unwrap()}),
+    );
+    assert_eq!(created["isError"], false, "{created}");
+    let m = h.tool(
+        3,
+        "mutate",
+        json!({"id": "demo", "mutations": {"$.price": 10, "$.qty": 3}}),
+    );
+    assert_eq!(m["isError"], false, "{m}");
+    let f = h.tool(4, "get_field", json!({"id": "demo", "path": "$.total"}));
+    assert_eq!(f["content"][0]["text"], "30", "{f}");
+
+    // A structured failure keeps its shape over HTTP.
+    let bad = h.tool(
+        5,
+        "mutate",
+        json!({"id": "demo", "mutations": {"$.price": "ten"}}),
+    );
+    assert_eq!(bad["isError"], true);
+    assert_eq!(bad["structuredContent"]["error"], "Schema violation");
+
+    // DELETE ends the session; it is then unknown (404).
+    let mut del = h.agent.delete(&h.url);
+    del = del.header("Mcp-Session-Id", h.session.as_deref().unwrap());
+    assert_eq!(del.call().expect("DELETE").status().as_u16(), 200);
+    let after = h.post(&json!({"jsonrpc": "2.0", "id": 6, "method": "ping"}));
+    assert_eq!(after.status, 404);
+    assert!(after.body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("Session not found"));
+
+    // The models belong to the daemon, not the session.
+    let mut h2 = Http::new(&d);
+    h2.initialize();
+    let f = h2.tool(1, "get_field", json!({"id": "demo", "path": "$.total"}));
+    assert_eq!(f["content"][0]["text"], "30");
+}
+
+#[test]
+fn protocol_errors_are_clean() {
+    let d = Daemon::start(&[]);
+    let mut h = Http::new(&d);
+    // No session yet: only initialize opens one.
+    let r = h.post(&json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.body["error"]["code"], -32600);
+    // The stateless 2026 discovery probe of new SDKs gets a 4xx JSON-RPC error at once.
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":1,"method":"server/discover","params":{}}"#,
+        &[("MCP-Protocol-Version", "2026-07-28")],
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("2026-07-28"));
+
+    h.initialize();
+    let unknown = Http {
+        session: Some("0123456789abcdef0123456789abcdef".into()),
+        ..Http::new(&d)
+    };
+    assert_eq!(
+        unknown
+            .post(&json!({"jsonrpc": "2.0", "id": 1, "method": "ping"}))
+            .status,
+        404
+    );
+
+    let r = h.post_with("{not json", &[]);
+    assert_eq!(r.status, 400);
+    assert_eq!(r.body["error"]["code"], -32700);
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+        &[("Content-Type", "text/plain")],
+    );
+    assert_eq!(r.status, 415);
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+        &[("Accept", "text/html")],
+    );
+    assert_eq!(r.status, 406);
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+        &[("MCP-Protocol-Version", "1999-01-01")],
+    );
+    assert_eq!(r.status, 400);
+    // Only SSE accepted: the reply comes as one event.
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#,
+        &[("Accept", "text/event-stream")],
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.content_type.starts_with("text/event-stream"));
+    assert_eq!(r.body, json!({"jsonrpc": "2.0", "id": 7, "result": {}}));
+
+    // DNS rebinding and foreign pages are refused before any handler.
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+        &[("Origin", "https://evil.example")],
+    );
+    assert_eq!(r.status, 403);
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+        &[("Host", "evil.example:8080")],
+    );
+    assert_eq!(r.status, 403);
+    let r = h.post_with(
+        r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+        &[("Origin", "http://localhost:5173")],
+    );
+    assert_eq!(r.status, 200);
+}
+
+#[test]
+fn allowed_origins_and_api_key() {
+    let d = Daemon::start(&[
+        "--api-key",
+        "k-123",
+        "--allowed-origins",
+        "https://app.example",
+    ]);
+    let mut h = Http::new(&d);
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}}});
+    assert_eq!(h.post(&init).status, 401);
+    h.key = Some("wrong".into());
+    assert_eq!(h.post(&init).status, 401);
+    h.key = Some("k-123".into());
+    let r = h.post_with(&init.to_string(), &[("Origin", "https://app.example")]);
+    assert_eq!(r.status, 200);
+    let r = h.post_with(&init.to_string(), &[("Origin", "https://other.example")]);
+    assert_eq!(r.status, 403);
+    // Health stays open.
+    let res = agent().get(&d.url("/healthz")).call().expect("healthz");
+    assert_eq!(res.status().as_u16(), 200);
+}
+
+#[test]
+fn subscriptions_arrive_on_the_get_stream() {
+    let d = Daemon::start(&[]);
+    let mut a = Http::new(&d);
+    a.initialize();
+    a.tool(
+        1,
+        "create_model",
+        json!({"spec": serde_json::from_str::<Json>(DEMO).unwrap()}),
+    );
+    let mut b = Http::new(&d);
+    b.initialize();
+    let events = open_stream(&b);
+    let s = b.call(
+        1,
+        "resources/subscribe",
+        json!({"uri": "valem://state/demo"}),
+    );
+    assert!(s.get("error").is_none(), "{s}");
+    a.tool(
+        2,
+        "mutate",
+        json!({"id": "demo", "mutations": {"$.price": 2}}),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let m = events
+            .recv_timeout(left)
+            .expect("resources/updated on the GET stream");
+        if m["method"] == "notifications/resources/updated" {
+            assert_eq!(m["params"]["uri"], "valem://state/demo");
+            break;
+        }
+    }
+    let read = b.call(2, "resources/read", json!({"uri": "valem://state/demo"}));
+    let text = read["result"]["contents"][0]["text"].as_str().unwrap();
+    assert_eq!(serde_json::from_str::<Json>(text).unwrap()["price"], 2);
+}
+
+#[test]
+fn sigterm_stops_cleanly_with_open_streams() {
+    let d = Daemon::start(&[]);
+    let mut h = Http::new(&d);
+    h.initialize();
+    let _events = open_stream(&h);
+    let status = d.terminate();
+    assert!(status.success(), "exit status {status:?}");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+#[test]
+fn two_proxies_share_a_daemon() {
+    let d = Daemon::start(&[]);
+    let url = d.url("");
+    let mut a = Mcp::start(&["--url", &url], &[]);
+    let mut b = Mcp::start(&["--url", &url], &[]);
+    a.handshake("2025-06-18");
+    b.handshake("2025-11-25");
+    // The same catalog as embedded mode.
+    let tools = a.call(1, "tools/list", json!({}));
+    assert_eq!(tools["result"]["tools"].as_array().map(Vec::len), Some(26));
+
+    let c = a.tool(
+        2,
+        "create_model",
+        json!({"spec": serde_json::from_str::<Json>(DEMO).unwrap()}),
+    );
+    assert_eq!(c["isError"], false, "{c}");
+    let s = b.call(
+        2,
+        "resources/subscribe",
+        json!({"uri": "valem://state/demo"}),
+    );
+    assert!(s.get("error").is_none(), "{s}");
+    let m = a.tool(
+        3,
+        "mutate",
+        json!({"id": "demo", "mutations": {"$.price": 10, "$.qty": 3}}),
+    );
+    assert_eq!(m["isError"], false, "{m}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no resources/updated relayed to proxy b"
+        );
+        let n = b.recv(10);
+        if n["method"] == "notifications/resources/updated" {
+            assert_eq!(n["params"]["uri"], "valem://state/demo");
+            break;
+        }
+    }
+    let f = b.tool(4, "get_field", json!({"id": "demo", "path": "$.total"}));
+    assert_eq!(f["content"][0]["text"], "30", "{f}");
+    // list_models and resources/list come from the daemon.
+    let l = b.tool(5, "list_models", json!({}));
+    assert!(text_of(&l).contains("demo"), "{l}");
+    let r = b.call(6, "resources/list", json!({}));
+    assert!(r["result"]["resources"]
+        .to_string()
+        .contains("valem://state/demo"));
+}
+
+#[test]
+fn proxy_reports_a_down_daemon_and_reconnects() {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let url = format!("http://{listen}");
+    let mut p = Mcp::start(&["--url", &url], &[]);
+    p.handshake("2025-11-25");
+    // Authoring tools run locally: no daemon needed.
+    let v = p.tool(
+        1,
+        "validate_spec",
+        json!({"spec": serde_json::from_str::<Json>(DEMO).unwrap()}),
+    );
+    assert_eq!(v["isError"], false, "{v}");
+    assert_eq!(v["structuredContent"]["valid"], true);
+    // A model tool with the daemon down: a clear tool error, and the proxy keeps serving.
+    let down = p.tool(2, "list_models", json!({}));
+    assert_eq!(down["isError"], true);
+    let t = text_of(&down);
+    assert!(
+        t.contains(&url) && t.contains("could not be reached"),
+        "{t}"
+    );
+
+    let d = Daemon::start_on(&listen, &[]);
+    let c = p.tool(
+        3,
+        "create_model",
+        json!({"spec": serde_json::from_str::<Json>(DEMO).unwrap()}),
+    );
+    assert_eq!(c["isError"], false, "{c}");
+    let s = p.call(
+        4,
+        "resources/subscribe",
+        json!({"uri": "valem://state/demo"}),
+    );
+    assert!(s.get("error").is_none(), "{s}");
+    assert!(d.terminate().success());
+
+    // Restarted (empty, in-memory) daemon: the next call reconnects with a new session.
+    let d2 = Daemon::start_on(&listen, &[]);
+    let l = p.tool(5, "list_models", json!({}));
+    assert_eq!(l["isError"], false, "{l}");
+    let c = p.tool(
+        6,
+        "create_model",
+        json!({"spec": serde_json::from_str::<Json>(DEMO).unwrap()}),
+    );
+    assert_eq!(c["isError"], false, "{c}");
+    // The subscription was re-made on the new session: a change by another client arrives.
+    let mut other = Http::new(&d2);
+    other.initialize();
+    other.tool(
+        1,
+        "mutate",
+        json!({"id": "demo", "mutations": {"$.qty": 4}}),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no resources/updated after reconnect"
+        );
+        let n = p.recv(10);
+        if n["method"] == "notifications/resources/updated" {
+            break;
+        }
+    }
+}
