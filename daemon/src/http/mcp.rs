@@ -277,22 +277,49 @@ async fn post_mcp(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -
         return StatusCode::ACCEPTED.into_response();
     }
     let session = hs.session.clone();
-    let reply = match st.blocking(move |_| session.handle(msg)).await {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    if created && reply.as_ref().is_none_or(|r| r.get("error").is_some()) {
-        // A failed initialize opens nothing.
-        st.sessions.remove(&sid);
-    }
-    let mut res = match reply {
-        None => StatusCode::ACCEPTED.into_response(),
-        Some(r) if json_ok => axum::Json(r).into_response(),
-        Some(r) => {
-            let one = stream::once(async move {
-                Ok::<_, Infallible>(SseEvent::default().event("message").data(r.to_string()))
-            });
-            Sse::new(one).into_response()
+    // Messages the request emits while it runs (progress, logs, requests to the client) need a
+    // stream: the reply switches to SSE at the first one; a plain call stays JSON.
+    let (tx, mut rx) = mpsc::unbounded_channel::<Json>();
+    let io: Option<Outbox> = sse_ok.then(|| {
+        Arc::new(move |m: &Json| {
+            let _ = tx.send(m.clone());
+        }) as Outbox
+    });
+    let task = tokio::task::spawn_blocking(move || session.handle_in(msg, io.as_ref()));
+    let first = rx.recv().await;
+    let mut res = match first {
+        None => {
+            let reply = match task.await {
+                Ok(r) => r,
+                Err(_) => {
+                    return rpc_error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        code::INTERNAL_ERROR,
+                        "the request's worker failed",
+                    )
+                }
+            };
+            if created && reply.as_ref().is_none_or(|r| r.get("error").is_some()) {
+                // A failed initialize opens nothing.
+                st.sessions.remove(&sid);
+            }
+            match reply {
+                None => StatusCode::ACCEPTED.into_response(),
+                Some(r) if json_ok => axum::Json(r).into_response(),
+                Some(r) => {
+                    Sse::new(stream::iter([Ok::<_, Infallible>(message_event(&r))])).into_response()
+                }
+            }
+        }
+        Some(first) => {
+            let rest = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+            let reply = stream::once(async move { task.await.ok().flatten() })
+                .filter_map(|r| async move { r });
+            let all = stream::once(async move { first })
+                .chain(rest)
+                .chain(reply)
+                .map(|m| Ok::<_, Infallible>(message_event(&m)));
+            Sse::new(all).into_response()
         }
     };
     if created {
@@ -383,6 +410,10 @@ async fn get_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
         .into_response()
 }
 
+fn message_event(m: &Json) -> SseEvent {
+    SseEvent::default().event("message").data(m.to_string())
+}
+
 /// Messages as SSE `message` events until the session, the client or the daemon goes away.
 fn event_stream(
     rx: mpsc::UnboundedReceiver<Json>,
@@ -397,7 +428,7 @@ fn event_stream(
             _ = stop.changed() => None,
         }
     })
-    .map(|m| Ok(SseEvent::default().event("message").data(m.to_string())))
+    .map(|m| Ok(message_event(&m)))
 }
 
 async fn delete_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {

@@ -4,6 +4,7 @@
 //! notifications the session emits on its own go through the transport's [`Outbox`]. Tools
 //! call only the [`ModelService`](crate::service::ModelService) and the authoring functions.
 
+pub mod fixtures;
 pub mod guidance;
 pub mod proxy;
 pub mod resources;
@@ -84,6 +85,11 @@ impl Server {
         })
     }
 
+    /// Serving the conformance suite's fixtures?
+    pub fn fixtures(&self) -> bool {
+        self.mode == Mode::DaemonWithFixtures
+    }
+
     fn instructions(&self) -> String {
         "valem runs reactive JSON models: a JSON document plus a ModelSpec (JSON Schema, JSONata \
          derivations, meta-derivations, constraints, effects, tests, a view). Typical flow: author \
@@ -129,6 +135,7 @@ struct SessionState {
     subscriptions: HashSet<String>,
     cancelled: HashSet<String>,
     in_flight: HashSet<String>,
+    client_capabilities: Json,
 }
 
 /// One client connection.
@@ -143,6 +150,9 @@ pub struct Session {
     /// costs no thread and no wake-up per commit.
     forwarding: std::sync::Once,
     me: std::sync::Weak<Session>,
+    /// Requests we sent the client, waiting for its response (by id).
+    asked: Mutex<std::collections::HashMap<String, std::sync::mpsc::SyncSender<Json>>>,
+    next_ask: std::sync::atomic::AtomicU64,
 }
 
 /// A request id as a set key (`1` and `"1"` are different ids).
@@ -170,6 +180,8 @@ impl Session {
             watched: Arc::default(),
             forwarding: std::sync::Once::new(),
             me: me.clone(),
+            asked: Mutex::default(),
+            next_ask: std::sync::atomic::AtomicU64::new(1),
         })
     }
 
@@ -226,6 +238,65 @@ impl Session {
         }));
     }
 
+    /// Did the client declare this capability (`sampling`, `elicitation`, …) at initialize?
+    pub fn client_can(&self, capability: &str) -> bool {
+        self.lock().client_capabilities.get(capability).is_some()
+    }
+
+    /// Send the client a request (on `io`, else the session's outbox) and wait for its
+    /// response, at most `timeout`. The result, or the client's error as a message.
+    pub fn ask(
+        &self,
+        io: Option<&Outbox>,
+        method: &str,
+        params: Json,
+        timeout: std::time::Duration,
+    ) -> Result<Json, String> {
+        let n = self
+            .next_ask
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = json!(format!("valem-{n}"));
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        if let Ok(mut a) = self.asked.lock() {
+            a.insert(id_key(&id), tx);
+        }
+        let msg = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+        match io {
+            Some(send) => send(&msg),
+            None => (self.out)(&msg),
+        }
+        let answer = rx.recv_timeout(timeout);
+        if let Ok(mut a) = self.asked.lock() {
+            a.remove(&id_key(&id));
+        }
+        match answer {
+            Ok(reply) => match reply.get("result") {
+                Some(r) => Ok(r.clone()),
+                None => Err(format!(
+                    "the client answered {method} with an error: {}",
+                    reply.get("error").cloned().unwrap_or(Json::Null)
+                )),
+            },
+            Err(_) => Err(format!(
+                "the client did not answer {method} within {} s",
+                timeout.as_secs()
+            )),
+        }
+    }
+
+    /// A notification for the running request's stream (`io`), else the session's outbox.
+    pub fn notify(&self, io: Option<&Outbox>, msg: &Json) {
+        match io {
+            Some(send) => send(msg),
+            None => (self.out)(msg),
+        }
+    }
+
+    /// The client's log floor admits `level`.
+    pub fn log_enabled(&self, level: &str) -> bool {
+        level_rank(level).unwrap_or(1) >= self.lock().min_level
+    }
+
     /// The negotiated revision (`None` before `initialize`).
     pub fn protocol_version(&self) -> Option<&'static str> {
         self.lock().version
@@ -234,6 +305,22 @@ impl Session {
     /// Handle notifications that must act immediately, even while a request is being served
     /// (`notifications/cancelled`). Returns true when the message was consumed.
     pub fn intercept(&self, msg: &Json) -> bool {
+        if msg.get("method").is_none()
+            && (msg.get("result").is_some() || msg.get("error").is_some())
+        {
+            // A response to a request of ours: wake whoever waits for it.
+            if let Some(id) = msg.get("id") {
+                let waiter = self
+                    .asked
+                    .lock()
+                    .ok()
+                    .and_then(|mut a| a.remove(&id_key(id)));
+                if let Some(w) = waiter {
+                    let _ = w.try_send(msg.clone());
+                    return true;
+                }
+            }
+        }
         if msg.get("method").and_then(|m| m.as_str()) == Some("notifications/cancelled")
             && msg.get("id").is_none()
         {
@@ -253,13 +340,20 @@ impl Session {
 
     /// Handle one message or a batch; the reply to send, if any.
     pub fn handle(&self, msg: Json) -> Option<Json> {
+        self.handle_in(msg, None)
+    }
+
+    /// Handle a message whose request-scoped messages (progress, logs of the running tool,
+    /// requests to the client) go to `io` — the request's own response stream on HTTP —
+    /// instead of the session's outbox.
+    pub fn handle_in(&self, msg: Json, io: Option<&Outbox>) -> Option<Json> {
         match msg {
-            Json::Array(items) => self.handle_batch(items),
-            other => self.handle_one(other),
+            Json::Array(items) => self.handle_batch(items, io),
+            other => self.handle_one(other, io),
         }
     }
 
-    fn handle_batch(&self, items: Vec<Json>) -> Option<Json> {
+    fn handle_batch(&self, items: Vec<Json>, io: Option<&Outbox>) -> Option<Json> {
         let allowed = matches!(self.protocol_version(), Some("2024-11-05" | "2025-03-26"));
         if !allowed {
             let why = match self.protocol_version() {
@@ -289,13 +383,13 @@ impl Session {
                 if self.intercept(&m) {
                     return None;
                 }
-                self.handle_one(m)
+                self.handle_one(m, io)
             })
             .collect();
         (!replies.is_empty()).then_some(Json::Array(replies))
     }
 
-    fn handle_one(&self, msg: Json) -> Option<Json> {
+    fn handle_one(&self, msg: Json, io: Option<&Outbox>) -> Option<Json> {
         let Json::Object(mut m) = msg else {
             return Some(error(
                 Json::Null,
@@ -323,7 +417,7 @@ impl Session {
                 ))
             }
             None => {
-                // A response from the client (we send no requests yet): nothing to answer.
+                // A response nobody waits for (late, or never asked): nothing to answer.
                 return None;
             }
         };
@@ -354,7 +448,7 @@ impl Session {
             }
             st.in_flight.insert(key.clone());
         }
-        let reply = self.request(&method, params, id);
+        let reply = self.request(&method, params, id, io);
         let mut st = self.lock();
         st.in_flight.remove(&key);
         if st.cancelled.remove(&key) {
@@ -387,7 +481,7 @@ impl Session {
         }
     }
 
-    fn request(&self, method: &str, params: Json, id: Json) -> Json {
+    fn request(&self, method: &str, params: Json, id: Json, io: Option<&Outbox>) -> Json {
         if method == "initialize" {
             return self.initialize(params, id);
         }
@@ -405,16 +499,44 @@ impl Session {
             );
         }
         match method {
-            "tools/list" => result(id, self.server.tools.list_json()),
-            "tools/call" => self.call_tool(params, id),
-            "resources/list" => result(id, resources::list(&self.server)),
-            "resources/templates/list" => result(id, resources::templates()),
+            "tools/list" => {
+                let mut list = self.server.tools.list_json();
+                if self.server.fixtures() {
+                    fixtures::add_tools(&mut list);
+                }
+                result(id, list)
+            }
+            "tools/call" => self.call_tool(params, id, io),
+            "resources/list" => {
+                let mut r = resources::list(&self.server);
+                if self.server.fixtures() {
+                    fixtures::add_resources(&mut r);
+                }
+                result(id, r)
+            }
+            "resources/templates/list" => {
+                let mut r = resources::templates();
+                if self.server.fixtures() {
+                    fixtures::add_templates(&mut r);
+                }
+                result(id, r)
+            }
             "resources/read" => match params.get("uri").and_then(|u| u.as_str()) {
                 None => error(
                     id,
                     code::INVALID_PARAMS,
                     "resources/read needs a `uri` string",
                 ),
+                Some(uri) if self.server.fixtures() && uri.starts_with("test://") => {
+                    match fixtures::read_resource(uri) {
+                        Some(r) => result(id, r),
+                        None => json!({"jsonrpc": "2.0", "id": id, "error": {
+                            "code": code::RESOURCE_NOT_FOUND,
+                            "message": format!("resource not found: {uri}"),
+                            "data": {"uri": uri},
+                        }}),
+                    }
+                }
                 Some(uri) => match resources::read(&self.server, uri) {
                     Ok(r) => result(id, r),
                     Err(e) => json!({"jsonrpc": "2.0", "id": id, "error": e}),
@@ -481,6 +603,12 @@ impl Session {
                     "logging/setLevel needs a `level` string",
                 ),
             },
+            "prompts/list" | "prompts/get" | "completion/complete" if self.server.fixtures() => {
+                match fixtures::prompts(method, &params) {
+                    Ok(r) => result(id, r),
+                    Err(m) => error(id, code::INVALID_PARAMS, m),
+                }
+            }
             "prompts/list" | "prompts/get" | "completion/complete" => error(
                 id,
                 code::METHOD_NOT_FOUND,
@@ -503,16 +631,22 @@ impl Session {
             let mut st = self.lock();
             st.initialized = true;
             st.version = Some(version);
+            st.client_capabilities = params.get("capabilities").cloned().unwrap_or(Json::Null);
+        }
+        let mut capabilities = json!({
+            "tools": {"listChanged": false},
+            "resources": {"subscribe": true, "listChanged": false},
+            "logging": {},
+        });
+        if self.server.fixtures() {
+            capabilities["prompts"] = json!({"listChanged": false});
+            capabilities["completions"] = json!({});
         }
         result(
             id,
             json!({
                 "protocolVersion": version,
-                "capabilities": {
-                    "tools": {"listChanged": false},
-                    "resources": {"subscribe": true, "listChanged": false},
-                    "logging": {},
-                },
+                "capabilities": capabilities,
                 "serverInfo": {
                     "name": "valem",
                     "title": "valem — reactive JSON models",
@@ -523,10 +657,15 @@ impl Session {
         )
     }
 
-    fn call_tool(&self, params: Json, id: Json) -> Json {
+    fn call_tool(&self, params: Json, id: Json, io: Option<&Outbox>) -> Json {
         let Some(name) = params.get("name").and_then(|n| n.as_str()) else {
             return error(id, code::INVALID_PARAMS, "tools/call needs a `name` string");
         };
+        if self.server.fixtures() {
+            if let Some(r) = fixtures::call_tool(self, name, &params, io) {
+                return result(id, r);
+            }
+        }
         let Some(tool) = self.server.tools.get(name) else {
             return error(
                 id,

@@ -107,9 +107,17 @@ pub fn templates() -> Json {
 /// The URI prefix of a model's live state resource.
 pub const STATE_PREFIX: &str = "valem://state/";
 
+/// Can `uri` be subscribed to? Our state resources can; our other `valem://` resources never
+/// change, so a subscription to them is refused (-32002) as a likely mistake. A URI of another
+/// scheme is not ours to judge: the subscription is accepted and never fires (MCP leaves this
+/// open; the conformance suite's generic scenarios subscribe to such a URI).
 pub fn subscribable(uri: &str) -> bool {
-    uri.strip_prefix(STATE_PREFIX)
-        .is_some_and(|id| !id.is_empty())
+    match uri.strip_prefix("valem://") {
+        Some(_) => uri
+            .strip_prefix(STATE_PREFIX)
+            .is_some_and(|id| !id.is_empty()),
+        None => !uri.is_empty(),
+    }
 }
 
 fn contents(uri: &str, mime: &str, text: String) -> Json {
