@@ -5,7 +5,7 @@ use axum::extract::{Multipart, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::extract::{media_type, P};
+use super::extract::{check_declared_length, media_type, P};
 use super::{call, ApiError};
 use crate::http::AppState;
 use crate::service::BlobRef;
@@ -38,6 +38,12 @@ pub async fn upload(
             "a blob is uploaded as `multipart/form-data` with the content in field `file`",
         ));
     }
+    let limit = st
+        .service
+        .limits()
+        .blob_max_bytes
+        .saturating_add(super::MULTIPART_OVERHEAD);
+    check_declared_length(&headers, limit, "--max-blob-bytes")?;
     let mut mp = mp.map_err(|r| multipart_error(r.status(), r.body_text()))?;
     let mut file: Option<(Bytes, Option<String>)> = None;
     let mut declared: Option<String> = None;

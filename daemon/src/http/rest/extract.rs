@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value as Json};
 
 use super::ApiError;
+use crate::http::AppState;
 use crate::service::time::parse_iso;
 
 /// Path parameters (percent-decoded).
@@ -73,20 +74,20 @@ pub struct JsonBody(pub Json);
 /// An RFC 6902 JSON Patch body (`Content-Type: application/json-patch+json`).
 pub struct PatchBody(pub Json);
 
-impl<S: Send + Sync> FromRequest<S> for JsonBody {
+impl FromRequest<AppState> for JsonBody {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         json_body(req, state, "application/json")
             .await
             .map(JsonBody)
     }
 }
 
-impl<S: Send + Sync> FromRequest<S> for PatchBody {
+impl FromRequest<AppState> for PatchBody {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         json_body(req, state, "application/json-patch+json")
             .await
             .map(PatchBody)
@@ -99,11 +100,7 @@ pub fn media_type(headers: &HeaderMap) -> Option<String> {
     Some(v.split(';').next()?.trim().to_ascii_lowercase())
 }
 
-async fn json_body<S: Send + Sync>(
-    req: Request,
-    state: &S,
-    media: &'static str,
-) -> Result<Json, ApiError> {
+async fn json_body(req: Request, state: &AppState, media: &'static str) -> Result<Json, ApiError> {
     match media_type(req.headers()) {
         Some(m) if m == media => {}
         got => {
@@ -122,16 +119,39 @@ async fn json_body<S: Send + Sync>(
     serde_json::from_slice(&bytes).map_err(|e| malformed(&e))
 }
 
-/// The request body, within the route's body limit (413 past it).
-pub async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
+fn too_large(limit: usize, flag: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "too_large",
+        "Payload too large",
+        format!("the request body exceeds the server's limit of {limit} bytes ({flag})"),
+    )
+}
+
+/// 413 for a body whose declared `Content-Length` is over `limit`: refused before a byte of
+/// it is read (the limit on the body stream catches undeclared lengths).
+pub fn check_declared_length(
+    headers: &HeaderMap,
+    limit: usize,
+    flag: &str,
+) -> Result<(), ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match declared {
+        Some(n) if n > limit as u64 => Err(too_large(limit, flag)),
+        _ => Ok(()),
+    }
+}
+
+/// The request body, within `--max-body-bytes` (413 past it).
+async fn body_bytes(req: Request, state: &AppState) -> Result<Bytes, ApiError> {
+    let limit = state.config.max_body_bytes;
+    check_declared_length(req.headers(), limit, "--max-body-bytes")?;
     Bytes::from_request(req, state).await.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
-                "Payload too large",
-                "the request body exceeds the server's limit (--max-body-bytes)",
-            )
+            too_large(limit, "--max-body-bytes")
         } else {
             ApiError::new(
                 StatusCode::BAD_REQUEST,

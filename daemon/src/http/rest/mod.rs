@@ -37,6 +37,7 @@ pub fn routes(st: &AppState) -> Router<AppState> {
         .limits()
         .blob_max_bytes
         .saturating_add(MULTIPART_OVERHEAD);
+    // The body limits also bound the stream when no Content-Length was declared.
     Router::new()
         .route("/models", get(models::list).post(models::create))
         .route("/models/{id}", get(models::info).delete(models::delete))
