@@ -96,20 +96,7 @@ async fn subscribe(
     // Subscribe before checking that the model exists: a delete in between is then an event,
     // not a socket left open on nothing. A refused subscriber's channel is closed, and its
     // filter asks for the next event of any model so that the sink sees it and is dropped.
-    let (tx, rx) = mpsc::channel::<Event>(QUEUE);
-    let overflow = Arc::new(AtomicBool::new(false));
-    let (watch_tx, wanted_id) = (tx.clone(), id.clone());
-    let filter: EventFilter =
-        Arc::new(move |e: &Event| e.model_id() == wanted_id || watch_tx.is_closed());
-    let flag = overflow.clone();
-    let sink: EventSink = Box::new(move |e: &Event| match tx.try_send(e.clone()) {
-        Ok(()) => true,
-        Err(mpsc::error::TrySendError::Full(_)) => {
-            flag.store(true, Ordering::SeqCst);
-            false
-        }
-        Err(mpsc::error::TrySendError::Closed(_)) => false,
-    });
+    let (filter, sink, rx, overflow) = subscriber(&id, QUEUE);
     let owned = id.clone();
     call(&st, move |svc| {
         svc.subscribe_with(filter, sink);
@@ -125,6 +112,35 @@ async fn subscribe(
             drop(slot);
         })
         .into_response())
+}
+
+/// A subscriber of `model_id`'s events: the filter and sink the service calls on the shard
+/// thread, the receiving end of their bounded queue, and the flag the sink raises (and then
+/// drops itself) when the queue is full.
+fn subscriber(
+    model_id: &str,
+    queue: usize,
+) -> (
+    EventFilter,
+    EventSink,
+    mpsc::Receiver<Event>,
+    Arc<AtomicBool>,
+) {
+    let (tx, rx) = mpsc::channel::<Event>(queue);
+    let overflow = Arc::new(AtomicBool::new(false));
+    let (watch_tx, wanted) = (tx.clone(), model_id.to_string());
+    let filter: EventFilter =
+        Arc::new(move |e: &Event| e.model_id() == wanted || watch_tx.is_closed());
+    let flag = overflow.clone();
+    let sink: EventSink = Box::new(move |e: &Event| match tx.try_send(e.clone()) {
+        Ok(()) => true,
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            flag.store(true, Ordering::SeqCst);
+            false
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => false,
+    });
+    (filter, sink, rx, overflow)
 }
 
 /// What one event means for the socket.
@@ -259,6 +275,31 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn evolved(id: &str) -> Event {
+        Event::SpecEvolved {
+            model_id: id.into(),
+            version: "1.0.0".into(),
+        }
+    }
+
+    #[test]
+    fn a_full_queue_raises_overflow_and_drops_the_sink() {
+        let (filter, sink, mut rx, overflow) = subscriber("m", 2);
+        assert!(filter(&evolved("m")));
+        assert!(!filter(&evolved("other")));
+        assert!(sink(&evolved("m")));
+        assert!(sink(&evolved("m")));
+        assert!(!overflow.load(Ordering::SeqCst));
+        assert!(!sink(&evolved("m")), "the third does not fit");
+        assert!(overflow.load(Ordering::SeqCst));
+        assert!(rx.try_recv().is_ok());
+        // A subscriber whose socket is gone asks for every event, so that its sink is dropped.
+        let (filter, sink, rx, _) = subscriber("m", 2);
+        drop(rx);
+        assert!(filter(&evolved("other")));
+        assert!(!sink(&evolved("other")));
+    }
 
     #[test]
     fn prefixes_match_segment_wise() {
