@@ -313,3 +313,166 @@ impl Drop for Daemon {
         let _ = self.child.wait();
     }
 }
+
+/// A blocking HTTP client of a running daemon: every status is a value (never an error), the
+/// proxy environment is ignored (loopback only), each request is bounded in time.
+pub struct Http {
+    agent: ureq::Agent,
+    base: String,
+    key: Option<String>,
+}
+
+/// An HTTP answer.
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    /// The body parsed as JSON (panics with the body when it is not).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "status {}: body is not JSON ({e}): {:?}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// A header's value (names compare case-insensitively).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.text())
+    }
+}
+
+impl Http {
+    pub fn new(d: &Daemon) -> Http {
+        let config = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .timeout_global(Some(std::time::Duration::from_secs(30)))
+            .build();
+        Http {
+            agent: config.into(),
+            base: d.url(""),
+            key: None,
+        }
+    }
+
+    /// Send `Authorization: Bearer <key>` on every request.
+    pub fn with_key(mut self, key: &str) -> Http {
+        self.key = Some(key.to_string());
+        self
+    }
+
+    fn reply(r: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Reply {
+        let r = r.expect("the daemon answered");
+        let status = r.status().as_u16();
+        let headers = r
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+            .collect();
+        let body = r
+            .into_body()
+            .with_config()
+            .limit(256 << 20)
+            .read_to_vec()
+            .expect("read the body");
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    fn auth<B>(
+        &self,
+        mut rb: ureq::RequestBuilder<B>,
+        headers: &[(&str, &str)],
+    ) -> ureq::RequestBuilder<B> {
+        if let Some(k) = &self.key {
+            rb = rb.header("Authorization", &format!("Bearer {k}"));
+        }
+        for (k, v) in headers {
+            rb = rb.header(*k, *v);
+        }
+        rb
+    }
+
+    pub fn get(&self, path: &str) -> Reply {
+        self.get_with(path, &[])
+    }
+
+    pub fn get_with(&self, path: &str, headers: &[(&str, &str)]) -> Reply {
+        let rb = self.agent.get(format!("{}{path}", self.base));
+        Http::reply(self.auth(rb, headers).call())
+    }
+
+    pub fn delete(&self, path: &str) -> Reply {
+        let rb = self.agent.delete(format!("{}{path}", self.base));
+        Http::reply(self.auth(rb, &[]).call())
+    }
+
+    /// POST `body` with `headers` (give the Content-Type there, or none).
+    pub fn post(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+        let rb = self.agent.post(format!("{}{path}", self.base));
+        Http::reply(self.auth(rb, headers).send(body))
+    }
+
+    /// POST a JSON value as `application/json`.
+    pub fn post_json(&self, path: &str, v: &serde_json::Value) -> Reply {
+        self.post(
+            path,
+            &[("Content-Type", "application/json")],
+            v.to_string().as_bytes(),
+        )
+    }
+}
+
+/// Percent-encode one path segment (`$.items[0]` → `$.items%5B0%5D`, `a/b` → `a%2Fb`).
+pub fn seg(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~$".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Send `request` verbatim over a fresh loopback connection (for headers an HTTP client will
+/// not let a caller forge, such as `Host`); returns the status and the whole response.
+pub fn raw_http(addr: &str, request: &str) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(request.as_bytes()).expect("write the request");
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}

@@ -105,6 +105,9 @@ pub enum Command {
         /// Largest accepted request body in bytes.
         #[arg(long, env = "VALEM_MAX_BODY_BYTES", default_value_t = 16 << 20)]
         max_body_bytes: usize,
+        /// Largest blob in bytes (`POST /blobs`, `upload_blob`).
+        #[arg(long, env = "VALEM_MAX_BLOB_BYTES", default_value_t = 50 << 20)]
+        max_blob_bytes: usize,
         /// Shard threads running the models (0: one per core).
         #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
         shards: usize,
@@ -426,6 +429,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             allowed_origins,
             allowed_hosts,
             max_body_bytes,
+            max_blob_bytes,
             shards,
             max_models,
             data_dir,
@@ -448,6 +452,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             };
             let limits = crate::service::ServiceLimits {
                 max_models,
+                blob_max_bytes: max_blob_bytes,
                 ..Default::default()
             };
             let service = crate::service::ModelService::new(shards, limits);

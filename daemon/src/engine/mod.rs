@@ -5,6 +5,7 @@
 
 pub mod compile;
 mod cycle;
+pub mod graph;
 pub mod schema;
 pub mod testrun;
 pub mod trie;

@@ -190,6 +190,92 @@ fn run_case(model: &mut Model, case: &TestCase, now_ms: i64) -> Vec<Failure> {
     failures
 }
 
+/// One case of the verification report.
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
+pub struct VerificationCase {
+    pub description: String,
+    /// `passed`, `failed`, or `unverifiable` (the case expects nothing, so nothing can be
+    /// checked automatically).
+    pub status: &'static str,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<Failure>,
+}
+
+/// The trust report of a spec's embedded tests: internal consistency on example inputs, not
+/// factual correctness.
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Verification {
+    /// `green`: every checkable case passed; `amber`: at least one failed; `neutral`: no
+    /// checkable case.
+    pub state: &'static str,
+    pub checked_count: usize,
+    pub passed_count: usize,
+    pub unverifiable_count: usize,
+    pub cases: Vec<VerificationCase>,
+}
+
+/// Run the spec's embedded tests as a verification report.
+pub fn verify(
+    spec: &ModelSpec,
+    now_ms: i64,
+    limits: &EngineLimits,
+) -> Result<Verification, CreateError> {
+    let checkable: Vec<TestCase> = spec
+        .tests
+        .iter()
+        .filter(|t| !t.expect.is_empty())
+        .cloned()
+        .collect();
+    let mut results = run_tests(spec, Some(&checkable), now_ms, limits)?
+        .results
+        .into_iter();
+    let cases: Vec<VerificationCase> = spec
+        .tests
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let description = t
+                .description
+                .clone()
+                .unwrap_or_else(|| format!("test #{}", i + 1));
+            let result = if t.expect.is_empty() {
+                None
+            } else {
+                results.next()
+            };
+            match result {
+                Some(r) => VerificationCase {
+                    description,
+                    status: if r.passed { "passed" } else { "failed" },
+                    failures: r.failures,
+                },
+                None => VerificationCase {
+                    description,
+                    status: "unverifiable",
+                    failures: Vec::new(),
+                },
+            }
+        })
+        .collect();
+    let count = |s: &str| cases.iter().filter(|c| c.status == s).count();
+    let (passed, failed, unverifiable) = (count("passed"), count("failed"), count("unverifiable"));
+    let state = if passed + failed == 0 {
+        "neutral"
+    } else if failed == 0 {
+        "green"
+    } else {
+        "amber"
+    };
+    Ok(Verification {
+        state,
+        checked_count: passed + failed,
+        passed_count: passed,
+        unverifiable_count: unverifiable,
+        cases,
+    })
+}
+
 /// Why a dry run stopped.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum DryRunError {

@@ -55,6 +55,8 @@ pub struct Config {
     pub max_connections: usize,
     /// Most live MCP sessions.
     pub max_mcp_sessions: usize,
+    /// Most open WebSocket subscriptions.
+    pub max_subscriptions: usize,
     /// An MCP session unused this long (and with no open stream) is dropped.
     pub mcp_session_idle: Duration,
     /// Serve the conformance suite's fixture tools, resources and prompts (tests only).
@@ -73,6 +75,7 @@ impl Default for Config {
             request_timeout: Duration::from_secs(60),
             max_connections: 1024,
             max_mcp_sessions: 10_000,
+            max_subscriptions: 4096,
             mcp_session_idle: Duration::from_secs(3600),
             conformance_fixtures: false,
         }
@@ -87,6 +90,8 @@ pub struct AppState {
     pub config: Arc<Config>,
     pub metrics: Arc<metrics::Metrics>,
     pub sessions: Arc<mcp::Sessions>,
+    /// Open WebSocket subscriptions.
+    pub subscriptions: Arc<std::sync::atomic::AtomicUsize>,
     /// Flips to true when the daemon starts shutting down: long-lived streams end.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -120,8 +125,8 @@ pub fn error_response(status: StatusCode, body: Json) -> Response {
 /// The whole application: routes, guard, limits.
 pub fn router(state: AppState) -> Router {
     let guarded = Router::new()
-        .merge(rest::routes())
-        .merge(ws::routes())
+        .merge(rest::routes(&state))
+        .merge(ws::routes(&state))
         .merge(mcp::routes())
         .route("/metrics", get(metrics::serve))
         .layer(middleware::from_fn_with_state(state.clone(), guard::guard));
@@ -204,6 +209,7 @@ async fn run(
         config: config.clone(),
         metrics: metrics.clone(),
         sessions: sessions.clone(),
+        subscriptions: Arc::default(),
         shutdown: stop_rx.clone(),
     };
     mcp::spawn_reaper(sessions.clone(), stop_rx.clone());

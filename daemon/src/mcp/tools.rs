@@ -147,20 +147,9 @@ pub fn envelope(outcome: Outcome) -> Json {
 
 impl From<ServiceError> for ToolError {
     fn from(e: ServiceError) -> ToolError {
-        match e {
-            ServiceError::Mutation(
-                m @ (MutationError::Schema(_) | MutationError::Constraint { .. }),
-            ) => ToolError::Structured(m.to_json()),
-            ServiceError::VersionConflict {
-                ref expected,
-                ref actual,
-            } => ToolError::Structured(json!({
-                "error": "Version conflict",
-                "expected": expected,
-                "actual": actual,
-                "message": e.to_string(),
-            })),
-            other => ToolError::Message(other.to_string()),
+        match e.structured() {
+            Some(body) => ToolError::Structured(body),
+            None => ToolError::Message(e.to_string()),
         }
     }
 }

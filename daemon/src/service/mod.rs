@@ -139,12 +139,34 @@ pub enum ServiceError {
     HistoryNotFound(String),
     #[error("blob `{0}` not found")]
     BlobNotFound(String),
+    /// The model has no view definition, or no view of that id.
+    #[error("{0}")]
+    ViewNotFound(String),
     #[error("{0}")]
     TooLarge(String),
     #[error("{0}")]
     BadRequest(String),
     #[error("the service is shutting down")]
     Unavailable,
+}
+
+impl ServiceError {
+    /// The contract's structured failure body (schema violation, constraint violation, version
+    /// conflict), the same on every surface; `None` for failures that are only a message.
+    pub fn structured(&self) -> Option<Json> {
+        match self {
+            ServiceError::Mutation(
+                m @ (MutationError::Schema(_) | MutationError::Constraint { .. }),
+            ) => Some(m.to_json()),
+            ServiceError::VersionConflict { expected, actual } => Some(serde_json::json!({
+                "error": "Version conflict",
+                "expected": expected,
+                "actual": actual,
+                "message": self.to_string(),
+            })),
+            _ => None,
+        }
+    }
 }
 
 fn findings_text(f: &[Finding]) -> String {
@@ -480,6 +502,18 @@ impl ModelService {
     pub fn view(&self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
         let (owned, v) = (id.to_string(), view_id.map(String::from));
         self.on_model(id, move |s| s.view(&owned, v.as_deref()))
+    }
+
+    /// The dependency graph of the compiled spec: nodes, edges, topological levels.
+    pub fn graph(&self, id: &str) -> Result<Json, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.graph(&owned))
+    }
+
+    /// The trust report of the spec's embedded tests (computed once per spec).
+    pub fn verification(&self, id: &str) -> Result<Arc<Json>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| s.verification(&owned))
     }
 
     // --- writes -----------------------------------------------------------------------------

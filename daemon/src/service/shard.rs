@@ -11,6 +11,7 @@ use super::metrics::CycleMetrics;
 use super::time::{iso, now_us};
 use super::{AuditQuery, Event, ModelInfo, ServiceError, ServiceLimits, Source, Subscribers};
 use crate::engine::schema::{effective_schema, SchemaViolation};
+use crate::engine::view::ViewError;
 use crate::engine::{
     compile_cached, ordered_json, CreateError, Model, MutationError, MutationResult, State, Trace,
 };
@@ -31,6 +32,8 @@ pub(super) struct Entry {
     audit: AuditTrail,
     /// Last commit time: commit times are strictly increasing per model.
     last_us: i64,
+    /// The verification report of `spec` (a pure function of it), once computed.
+    verification: Option<Arc<Json>>,
 }
 
 impl Entry {
@@ -116,6 +119,7 @@ impl Shard {
                 traces: VecDeque::new(),
                 audit: AuditTrail::new(self.limits.audit_entries),
                 last_us: t,
+                verification: None,
             },
         );
         Ok(info)
@@ -251,8 +255,33 @@ impl Shard {
         let now = now_us() / 1000;
         let merged = e.model.merged_json(now);
         let meta = e.model.state().meta_json();
-        crate::engine::view::evaluate_view(&e.spec, &merged, &meta, view_id, now, &limits)
-            .map_err(|v| ServiceError::BadRequest(v.to_string()))
+        crate::engine::view::evaluate_view(&e.spec, &merged, &meta, view_id, now, &limits).map_err(
+            |v| match v {
+                ViewError::NoView(_) | ViewError::UnknownView(_) => {
+                    ServiceError::ViewNotFound(v.to_string())
+                }
+                ViewError::Invalid(_) => ServiceError::BadRequest(v.to_string()),
+            },
+        )
+    }
+
+    pub fn graph(&mut self, id: &str) -> Result<Json, ServiceError> {
+        Ok(crate::engine::graph::project(
+            &self.entry(id)?.model.compiled,
+        ))
+    }
+
+    pub fn verification(&mut self, id: &str) -> Result<Arc<Json>, ServiceError> {
+        let limits = self.limits.engine.clone();
+        let e = self.entry(id)?;
+        if let Some(v) = &e.verification {
+            return Ok(v.clone());
+        }
+        let report = crate::engine::testrun::verify(&e.spec, now_us() / 1000, &limits)
+            .map_err(create_error)?;
+        let v = Arc::new(serde_json::to_value(report).unwrap_or(Json::Null));
+        e.verification = Some(v.clone());
+        Ok(v)
     }
 
     pub fn references(&mut self, id: &str, blob_id: &str) -> Result<bool, ServiceError> {
@@ -510,6 +539,7 @@ impl Shard {
         }
         let info = ModelInfo::of(&spec);
         e.spec = Arc::new(spec);
+        e.verification = None;
         e.model = model;
         e.traces.clear();
         e.history.clear();
