@@ -5,6 +5,7 @@
 //! call only the [`ModelService`](crate::service::ModelService) and the authoring functions.
 
 pub mod guidance;
+pub mod ops;
 pub mod resources;
 pub mod stdio;
 pub mod tools;
