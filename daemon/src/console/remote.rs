@@ -435,15 +435,24 @@ fn multipart(data: &[u8], media_type: &str) -> (String, Vec<u8>) {
     (format!("multipart/form-data; boundary={boundary}"), body)
 }
 
-/// The message of a non-2xx answer: the `error` string of a `{"error": …}` body, the `detail`
-/// of an RFC 7807 problem, a structured failure as its compact JSON text (as the embedded
-/// backend gives it), or the quoted text of any other body.
+/// The message of a non-2xx answer: the `error` string of a `{"error": …}` body (`error:
+/// message` for `{"error", "message"}`), the `detail` of an RFC 7807 problem, a structured
+/// failure as its compact JSON text (as the embedded backend gives it), or the quoted text of
+/// any other body.
 fn server_message(method: &str, url: &str, status: u16, body: &[u8]) -> String {
     if let Ok(Json::Object(m)) = serde_json::from_slice::<Json>(body) {
         let only = |k: &str| m.len() == 1 && m.get(k).is_some_and(Json::is_string);
         if only("error") || only("message") {
             if let Some(s) = m.values().next().and_then(Json::as_str) {
                 return s.to_string();
+            }
+        }
+        if m.len() == 2 {
+            if let (Some(e), Some(msg)) = (
+                m.get("error").and_then(Json::as_str),
+                m.get("message").and_then(Json::as_str),
+            ) {
+                return format!("{e}: {msg}");
             }
         }
         if m.contains_key("title") || m.contains_key("status") {
@@ -521,6 +530,10 @@ mod tests {
         assert_eq!(
             msg(r#"{"error":"Schema violation","violations":[{"path":"$.n"}]}"#),
             r#"{"error":"Schema violation","violations":[{"path":"$.n"}]}"#
+        );
+        assert_eq!(
+            msg(r#"{"error":"Not found","message":"no route for GET /x"}"#),
+            "Not found: no route for GET /x"
         );
         assert_eq!(
             msg(""),
