@@ -1,9 +1,11 @@
 //! valem: reactive JSON models for AI agents. The library behind the `valem` binary: the spec
 //! types and validator (`spec`), the JSONata wrapper and address dialect (`expr`), the reactive
-//! engine (`engine`), the persistent state value (`value`) and the command line (`cli`).
+//! engine (`engine`), the persistent state value (`value`), the model service (`service`), the
+//! surfaces (`mcp`, `http`, `console`) and the command line (`cli`).
 //! See ARCHITECTURE.md for the code map and invariants.
 
 pub mod cli;
+pub mod console;
 pub mod engine;
 pub mod examples;
 pub mod expr;

@@ -18,6 +18,7 @@ use crate::spec::{parse_spec, ModelSpec};
 #[command(
     name = "valem",
     version,
+    propagate_version = true,
     about = "Reactive JSON models for AI agents",
     long_about = "valem runs reactive JSON models: a JSON document plus a ModelSpec (schema, JSONata \
 derivations, meta-derivations, constraints, effects, tests, view). Every mutation runs one \
@@ -80,6 +81,38 @@ pub enum Command {
         /// Keep models in this directory (durable mode). Not available yet: state is in memory.
         #[arg(long, env = "VALEM_DATA_DIR")]
         data_dir: Option<PathBuf>,
+    },
+    /// Run commands given as JSON lines on stdin, one answer line each on stdout.
+    ///
+    /// Protocol: each line of stdin is one object {"cmd": "<command>", …arguments}, e.g.
+    /// {"cmd":"mutate","id":"demo","mutations":{"$.price":10}}. Each gets exactly one line on
+    /// stdout: {"ok":true,"result":<value>} or {"ok":false,"error":"<message>"}. Results have
+    /// the shapes of the MCP tools' results; a bad line, an unknown command or a missing or
+    /// mistyped argument is answered with an error naming it, and the console keeps reading.
+    /// Blank lines are skipped. {"cmd":"help"} lists the commands and their arguments;
+    /// {"cmd":"exit"} or the end of stdin ends the console. Binary data is base64.
+    ///
+    /// Modes: embedded (default) runs an in-memory engine in this process; models are gone when
+    /// it exits. Remote (--url, or VALEM_URL) sends every command to the REST API of a running
+    /// `valem serve` (plain http://; shared, server-wide models), with `Authorization: Bearer`
+    /// when --api-key (or VALEM_API_KEY) is given; a server error is answered with the server's
+    /// message, and an unreachable daemon with an error naming the URL.
+    Console {
+        /// Remote mode: the daemon's base URL, e.g. http://127.0.0.1:8080.
+        #[arg(long, env = "VALEM_URL")]
+        url: Option<String>,
+        /// Remote mode: the daemon's API key, sent as `Authorization: Bearer <key>`.
+        #[arg(long, env = "VALEM_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// Largest accepted line in bytes; longer lines are refused with an error and skipped.
+        #[arg(long, env = "VALEM_CONSOLE_MAX_LINE_BYTES", default_value_t = crate::console::DEFAULT_MAX_LINE_BYTES)]
+        max_line_bytes: usize,
+        /// Embedded mode: shard threads running the models (0: one per core).
+        #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
+        shards: usize,
+        /// Embedded mode: most live models.
+        #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
+        max_models: usize,
     },
     /// Run the daemon: REST, Streamable HTTP MCP at /mcp, WebSocket, /healthz, /metrics.
     ///
@@ -419,6 +452,52 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Ok(()) => Ok(0),
                 Err(e) => {
                     eprintln!("valem mcp: {e}");
+                    Ok(1)
+                }
+            }
+        }
+        Command::Console {
+            url,
+            api_key,
+            max_line_bytes,
+            shards,
+            max_models,
+        } => {
+            let url = url.filter(|u| !u.trim().is_empty());
+            let mut backend: Box<dyn crate::console::Backend> = match url {
+                Some(u) => match crate::console::remote::Remote::new(&u, api_key) {
+                    Ok(r) => Box::new(r),
+                    Err(e) => {
+                        eprintln!("valem console: {e}");
+                        return Ok(2);
+                    }
+                },
+                None => {
+                    let limits = crate::service::ServiceLimits {
+                        max_models,
+                        ..Default::default()
+                    };
+                    let service = crate::service::ModelService::new(shards, limits);
+                    Box::new(crate::console::embedded::Embedded::new(service))
+                }
+            };
+            eprintln!(
+                "valem console {} ({}): one JSON command per line on stdin; {{\"cmd\":\"help\"}} lists them",
+                env!("CARGO_PKG_VERSION"),
+                backend.mode()
+            );
+            let stdin = std::io::stdin().lock();
+            match crate::console::serve(
+                &mut *backend,
+                stdin,
+                std::io::stdout().lock(),
+                max_line_bytes,
+            ) {
+                Ok(()) => Ok(0),
+                // A closed stdout means the reader is gone: nothing left to answer.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+                Err(e) => {
+                    eprintln!("valem console: {e}");
                     Ok(1)
                 }
             }

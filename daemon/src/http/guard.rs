@@ -17,6 +17,9 @@ use serde_json::json;
 use super::{error_response, AppState, Config};
 
 pub async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if req.uri().path() == "/healthz" {
+        return next.run(req).await;
+    }
     if let Err(r) = check(&st.config, req.headers(), req.uri()) {
         st.metrics.rejected(r.status().as_u16());
         return r;

@@ -124,16 +124,16 @@ pub fn error_response(status: StatusCode, body: Json) -> Response {
 
 /// The whole application: routes, guard, limits.
 pub fn router(state: AppState) -> Router {
-    let guarded = Router::new()
+    // The guard wraps every route and the fallback (an unknown path answers 401/403 like a
+    // known one: no probing without the key); it lets `/healthz` through itself.
+    Router::new()
+        .route("/healthz", get(healthz))
         .merge(rest::routes(&state))
         .merge(ws::routes(&state))
         .merge(mcp::routes())
         .route("/metrics", get(metrics::serve))
-        .layer(middleware::from_fn_with_state(state.clone(), guard::guard));
-    Router::new()
-        .route("/healthz", get(healthz))
-        .merge(guarded)
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), guard::guard))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             request_limits,

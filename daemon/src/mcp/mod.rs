@@ -6,6 +6,7 @@
 
 pub mod fixtures;
 pub mod guidance;
+pub mod ops;
 pub mod proxy;
 pub mod resources;
 pub mod stdio;

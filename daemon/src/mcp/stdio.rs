@@ -116,24 +116,26 @@ fn write_line(out: &Mutex<Box<dyn Write + Send>>, msg: &Json) {
     }
 }
 
-enum Line {
+pub(crate) enum Line {
     Text(Vec<u8>),
     /// A line longer than the limit (skipped; at least this many bytes).
     TooLong(usize),
 }
 
-/// Newline-delimited reading with a bound on line length (a huge line never buffers whole).
-struct LineReader<R> {
+/// Newline-delimited reading with a bound on line length (a huge line never buffers whole);
+/// shared with the console.
+pub(crate) struct LineReader<R> {
     inner: R,
     max: usize,
 }
 
 impl<R: BufRead> LineReader<R> {
-    fn new(inner: R, max: usize) -> Self {
+    pub(crate) fn new(inner: R, max: usize) -> Self {
         LineReader { inner, max }
     }
 
-    fn next_line(&mut self) -> std::io::Result<Option<Line>> {
+    /// The next line without its `\n` (and `\r`); `None` at end of input.
+    pub(crate) fn next_line(&mut self) -> std::io::Result<Option<Line>> {
         let mut buf = Vec::new();
         let mut overflow = 0usize;
         loop {

@@ -9,13 +9,13 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
 
 use super::guidance::Catalog as Guidance;
+use super::ops;
 use super::Server;
 use crate::engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
 use crate::engine::{CreateError, MutationError};
-use crate::expr::path::Address;
 use crate::service::time::{now_us, parse_iso};
-use crate::service::{mutation_list, AuditQuery, BlobRef, ModelInfo, ServiceError};
-use crate::spec::{parse_evolution, parse_spec, TestCase};
+use crate::service::{AuditQuery, BlobRef, ModelInfo, ServiceError};
+use crate::spec::{parse_spec, TestCase};
 
 /// The tools that never touch the registry (the proxy runs them locally).
 pub const AUTHORING: &[&str] = &[
@@ -456,7 +456,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 args::<NoArgs>("list_models", a)?;
-                Ok(json!(c.server.service.list()?))
+                ops::list_models(&c.server.service)
             },
         },
         Tool {
@@ -471,9 +471,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: annotations(false, false, false),
             handler: |c, a| {
                 let a: SpecArg = args("create_model", a)?;
-                let spec = parse_spec(&Json::Object(a.spec))
-                    .map_err(|e| ToolError::Message(format!("invalid spec at {}: {}", e.location(), e.message())))?;
-                Ok(json!(c.server.service.create(spec)?))
+                ops::create_model(&c.server.service, a.spec)
             },
         },
         Tool {
@@ -485,7 +483,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: IdArgs = args("get_model_info", a)?;
-                Ok(json!(c.server.service.info(&a.id)?))
+                ops::model_info(&c.server.service, &a.id)
             },
         },
         Tool {
@@ -497,8 +495,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: IdArgs = args("get_spec", a)?;
-                let spec = c.server.service.spec(&a.id)?;
-                serde_json::to_value(&*spec).map_err(|e| ToolError::Message(e.to_string()))
+                ops::model_spec(&c.server.service, &a.id)
             },
         },
         Tool {
@@ -519,9 +516,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: PathArgs = args("get_field", a)?;
-                c.server.service.field(&a.id, &a.path)?.ok_or_else(|| {
-                    ToolError::Message(format!("`{}` has no value in model `{}`", a.path, a.id))
-                })
+                ops::field(&c.server.service, &a.id, &a.path)
             },
         },
         Tool {
@@ -533,7 +528,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: PathArgs = args("get_effective_schema", a)?;
-                Ok(c.server.service.effective_schema(&a.id, &a.path)?)
+                ops::effective_schema(&c.server.service, &a.id, &a.path)
             },
         },
         Tool {
@@ -545,8 +540,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: annotations(false, false, false),
             handler: |c, a| {
                 let a: MutateArgs = args("mutate", a)?;
-                let r = c.server.service.mutate(&a.id, mutation_list(&a.mutations))?;
-                Ok(r.to_json(a.include_traces.unwrap_or(false)))
+                ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false))
             },
         },
         Tool {
@@ -558,10 +552,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: annotations(false, false, false),
             handler: |c, a| {
                 let a: PatchArgs = args("patch_model", a)?;
-                let patch: json_patch::Patch = serde_path_to_error::deserialize(a.patch)
-                    .map_err(|e| ToolError::Message(format!("invalid JSON Patch at `{}`: {}", e.path(), e.inner())))?;
-                let r = c.server.service.patch(&a.id, patch)?;
-                Ok(r.to_json(a.include_traces.unwrap_or(false)))
+                ops::patch(&c.server.service, &a.id, a.patch, a.include_traces.unwrap_or(false))
             },
         },
         Tool {
@@ -573,7 +564,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: ExplainArgs = args("explain", a)?;
-                Ok(json!(c.server.service.explain(&a.id, &a.path, a.limit)?))
+                ops::explain(&c.server.service, &a.id, &a.path, a.limit)
             },
         },
         Tool {
@@ -585,7 +576,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: IdArgs = args("get_history", a)?;
-                Ok(json!(c.server.service.history(&a.id)?))
+                ops::history(&c.server.service, &a.id)
             },
         },
         Tool {
@@ -641,7 +632,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: annotations(false, false, true),
             handler: |c, a| {
                 let a: IdArgs = args("snapshot", a)?;
-                Ok(c.server.service.snapshot(&a.id)?)
+                ops::snapshot(&c.server.service, &a.id)
             },
         },
         Tool {
@@ -653,7 +644,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: annotations(false, false, true),
             handler: |c, a| {
                 let a: RestoreArgs = args("restore", a)?;
-                Ok(c.server.service.restore(&a.id, Json::Object(a.snapshot))?)
+                ops::restore(&c.server.service, &a.id, a.snapshot)
             },
         },
         Tool {
@@ -677,10 +668,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                     evolution: Json,
                 }
                 let a: A = args("evolve_spec", a)?;
-                let evo = parse_evolution(&a.evolution).map_err(|e| {
-                    ToolError::Message(format!("invalid evolution at {}: {}", e.location(), e.message()))
-                })?;
-                Ok(json!(c.server.service.evolve(&a.id, evo)?))
+                ops::evolve(&c.server.service, &a.id, &a.evolution)
             },
         },
         Tool {
@@ -696,8 +684,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: annotations(false, true, true),
             handler: |c, a| {
                 let a: IdArgs = args("delete_model", a)?;
-                c.server.service.delete(&a.id)?;
-                Ok(json!({"deleted": true, "id": a.id}))
+                ops::delete(&c.server.service, &a.id)
             },
         },
         Tool {
@@ -709,7 +696,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             annotations: ro.clone(),
             handler: |c, a| {
                 let a: ViewArgs = args("get_view", a)?;
-                Ok(c.server.service.view(&a.id, a.view_id.as_deref())?)
+                ops::view(&c.server.service, &a.id, a.view_id.as_deref())
             },
         },
         Tool {
@@ -734,12 +721,8 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             output_schema: Some(output_of::<BlobRef>()),
             annotations: annotations(false, false, true),
             handler: |c, a| {
-                use base64::Engine;
                 let a: UploadArgs = args("upload_blob", a)?;
-                let data = base64::engine::general_purpose::STANDARD
-                    .decode(a.data.trim())
-                    .map_err(|e| ToolError::Message(format!("`data` is not valid base64: {e}")))?;
-                Ok(json!(c.server.service.upload_blob(data, a.media_type)?))
+                ops::upload_blob(&c.server.service, &a.data, a.media_type)
             },
         },
         Tool {
@@ -759,18 +742,8 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             })),
             annotations: ro.clone(),
             handler: |c, a| {
-                use base64::Engine;
                 let a: DownloadArgs = args("download_blob", a)?;
-                let (r, bytes) = c
-                    .server
-                    .service
-                    .download_blob(&a.blob_id, a.model_id.as_deref())?;
-                Ok(json!({
-                    "blobId": r.blob_id,
-                    "bytes": r.bytes,
-                    "mediaType": r.media_type,
-                    "data": base64::engine::general_purpose::STANDARD.encode(&bytes),
-                }))
+                ops::download_blob(&c.server.service, &a.blob_id, a.model_id.as_deref())
             },
         },
         // --- authoring: never touch the registry ---------------------------------------------
@@ -864,102 +837,13 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
 
 fn get_state(c: &Ctx<'_>, a: Json) -> Outcome {
     let a: StateArgs = args("get_state", a)?;
-    let at =
-        a.at.as_deref()
-            .map(parse_iso)
-            .transpose()
-            .map_err(ToolError::Message)?;
-    let mut doc = c.server.service.state(&a.id, at)?;
-    if let Some(paths) = &a.paths {
-        doc = project(&doc, paths)?;
-    }
-    if let Some(d) = a.depth {
-        doc = trim(&doc, d, 0);
-    }
-    Ok(doc)
-}
-
-/// Keep only the subtrees at `paths`, at their addresses (absent ones skipped).
-fn project(doc: &Json, paths: &[String]) -> Result<Json, ToolError> {
-    use crate::value::Seg;
-    let mut out = Json::Object(Map::new());
-    for p in paths {
-        let addr =
-            Address::parse(p).map_err(|e| ToolError::Message(format!("paths: {}", e.message)))?;
-        let Some(segs) = addr.concrete() else {
-            return Err(ToolError::Message(format!(
-                "paths: `{p}` contains `[*]`; project a container (e.g. \"$.items\") instead"
-            )));
-        };
-        let mut cur = doc;
-        let mut found = true;
-        for s in &segs {
-            let next = match (s, cur) {
-                (Seg::Field(k), Json::Object(m)) => m.get(&**k),
-                (Seg::Index(i), Json::Array(a)) => a.get(*i),
-                _ => None,
-            };
-            match next {
-                Some(n) => cur = n,
-                None => {
-                    found = false;
-                    break;
-                }
-            }
-        }
-        if !found {
-            continue;
-        }
-        if segs.is_empty() {
-            return Ok(doc.clone());
-        }
-        // Splice `cur` into `out` at `segs`, creating containers as in `doc`.
-        let mut slot = &mut out;
-        for (i, s) in segs.iter().enumerate() {
-            let last = i + 1 == segs.len();
-            slot = match s {
-                Seg::Field(k) => {
-                    if !slot.is_object() {
-                        *slot = Json::Object(Map::new());
-                    }
-                    let Json::Object(m) = slot else {
-                        unreachable!()
-                    };
-                    let e = m.entry(k.to_string()).or_insert(Json::Null);
-                    e
-                }
-                Seg::Index(ix) => {
-                    if !slot.is_array() {
-                        *slot = Json::Array(Vec::new());
-                    }
-                    let Json::Array(a) = slot else { unreachable!() };
-                    if a.len() <= *ix {
-                        a.resize(ix + 1, Json::Null);
-                    }
-                    &mut a[*ix]
-                }
-            };
-            if last {
-                *slot = cur.clone();
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Collapse containers nested deeper than `depth` into a marker string.
-fn trim(v: &Json, depth: usize, level: usize) -> Json {
-    match v {
-        Json::Object(m) if level > depth => Json::String(format!("<object: {} fields>", m.len())),
-        Json::Array(a) if level > depth => Json::String(format!("<array: {} items>", a.len())),
-        Json::Object(m) => Json::Object(
-            m.iter()
-                .map(|(k, x)| (k.clone(), trim(x, depth, level + 1)))
-                .collect(),
-        ),
-        Json::Array(a) => Json::Array(a.iter().map(|x| trim(x, depth, level + 1)).collect()),
-        other => other.clone(),
-    }
+    ops::state(
+        &c.server.service,
+        &a.id,
+        a.at.as_deref(),
+        a.paths.as_deref(),
+        a.depth,
+    )
 }
 
 fn eval_expression(c: &Ctx<'_>, a: Json) -> Outcome {
