@@ -56,6 +56,47 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// Start `valem SUBCOMMAND ARGS` (VALEM_URL / VALEM_API_KEY removed, `env` added) with piped
+/// stdin and its stdout lines arriving on a channel (read on a thread).
+pub fn spawn_lines(
+    subcommand: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (
+    std::process::Child,
+    Option<std::process::ChildStdin>,
+    std::sync::mpsc::Receiver<String>,
+) {
+    use std::io::BufRead;
+    let mut cmd = Command::new(valem_bin());
+    cmd.arg(subcommand)
+        .args(args)
+        .current_dir(repo_root())
+        .env_remove("VALEM_URL")
+        .env_remove("VALEM_API_KEY")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn valem {subcommand}: {e}"));
+    let stdin = child.stdin.take();
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, stdin, rx)
+}
+
 /// A running `valem mcp` driven over raw newline-delimited JSON-RPC.
 pub struct Mcp {
     child: std::process::Child,
@@ -66,33 +107,11 @@ pub struct Mcp {
 impl Mcp {
     /// Start `valem mcp ARGS` with `env` added to its environment.
     pub fn start(args: &[&str], env: &[(&str, &str)]) -> Mcp {
-        use std::io::BufRead;
-        let mut cmd = Command::new(valem_bin());
-        cmd.arg("mcp")
-            .args(args)
-            .current_dir(repo_root())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn valem mcp");
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let (child, stdin, lines) = spawn_lines("mcp", args, env);
         Mcp {
             child,
             stdin,
-            lines: rx,
+            lines,
         }
     }
 

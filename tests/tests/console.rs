@@ -2,12 +2,12 @@
 //! per command on stdout; embedded (in-process) and remote (`--url` against `valem serve`).
 
 use std::io::{BufRead, Write};
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, ExitStatus};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use valem_tests::{repo_root, valem_bin, Daemon};
+use valem_tests::Daemon;
 
 /// A running `valem console`.
 struct Console {
@@ -22,34 +22,11 @@ impl Console {
     }
 
     fn start_env(args: &[&str], env: &[(&str, &str)]) -> Console {
-        let mut cmd = Command::new(valem_bin());
-        cmd.arg("console")
-            .args(args)
-            .current_dir(repo_root())
-            .env_remove("VALEM_URL")
-            .env_remove("VALEM_API_KEY")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn valem console");
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let (child, stdin, lines) = valem_tests::spawn_lines("console", args, env);
         Console {
             child,
             stdin,
-            lines: rx,
+            lines,
         }
     }
 

@@ -424,18 +424,11 @@ fn run(cli: Cli) -> Result<i32, String> {
                 return Ok(mcp_proxy(&url, api_key, max_message_bytes));
             }
             if let Some(d) = data_dir {
-                eprintln!(
-                    "valem mcp: --data-dir {} is not supported yet (durable storage is a later release); models live in memory",
-                    d.display()
-                );
-                return Ok(2);
+                return Ok(refuse_data_dir("mcp", &d));
             }
-            let guidance = match crate::mcp::guidance::Catalog::from_env() {
+            let guidance = match load_guidance("mcp") {
                 Ok(g) => g,
-                Err(e) => {
-                    eprintln!("valem mcp: {e}");
-                    return Ok(2);
-                }
+                Err(code) => return Ok(code),
             };
             let limits = crate::service::ServiceLimits {
                 max_models,
@@ -516,18 +509,11 @@ fn run(cli: Cli) -> Result<i32, String> {
         } => {
             init_logging();
             if let Some(d) = data_dir {
-                eprintln!(
-                    "valem serve: --data-dir {} is not supported yet (durable storage is a later release); models live in memory",
-                    d.display()
-                );
-                return Ok(2);
+                return Ok(refuse_data_dir("serve", &d));
             }
-            let guidance = match crate::mcp::guidance::Catalog::from_env() {
+            let guidance = match load_guidance("serve") {
                 Ok(g) => g,
-                Err(e) => {
-                    eprintln!("valem serve: {e}");
-                    return Ok(2);
-                }
+                Err(code) => return Ok(code),
             };
             let limits = crate::service::ServiceLimits {
                 max_models,
@@ -596,6 +582,24 @@ fn run(cli: Cli) -> Result<i32, String> {
     }
 }
 
+/// `--data-dir` is accepted but durable storage is not there yet: say so, exit 2.
+fn refuse_data_dir(cmd: &str, dir: &Path) -> i32 {
+    eprintln!(
+        "valem {cmd}: --data-dir {} is not supported yet (durable storage is a later release); models live in memory",
+        dir.display()
+    );
+    2
+}
+
+/// The domain-guidance topics (bundled, plus VALEM_DOMAIN_GUIDANCE_TOPICS_FILE); a bad topics
+/// file is a usage error (exit 2).
+fn load_guidance(cmd: &str) -> Result<crate::mcp::guidance::Catalog, i32> {
+    crate::mcp::guidance::Catalog::from_env().map_err(|e| {
+        eprintln!("valem {cmd}: {e}");
+        2
+    })
+}
+
 fn mcp_proxy(url: &str, api_key: Option<String>, max_message_bytes: usize) -> i32 {
     if !url.starts_with("http://") {
         eprintln!(
@@ -603,12 +607,9 @@ fn mcp_proxy(url: &str, api_key: Option<String>, max_message_bytes: usize) -> i3
         );
         return 2;
     }
-    let guidance = match crate::mcp::guidance::Catalog::from_env() {
+    let guidance = match load_guidance("mcp") {
         Ok(g) => g,
-        Err(e) => {
-            eprintln!("valem mcp: {e}");
-            return 2;
-        }
+        Err(code) => return code,
     };
     // Authoring tools only: they never touch this service's registry.
     let service = crate::service::ModelService::new(1, Default::default());

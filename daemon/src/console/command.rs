@@ -306,16 +306,7 @@ struct Args {
     map: Map<String, Json>,
 }
 
-fn kind_of(v: &Json) -> &'static str {
-    match v {
-        Json::Null => "null",
-        Json::Bool(_) => "a boolean",
-        Json::Number(_) => "a number",
-        Json::String(_) => "a string",
-        Json::Array(_) => "an array",
-        Json::Object(_) => "an object",
-    }
-}
+use crate::spec::kind_of;
 
 impl Args {
     /// The argument, `None` when absent or null.

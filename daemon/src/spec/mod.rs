@@ -659,7 +659,8 @@ fn parse_located<T: serde::de::DeserializeOwned>(json: &Json) -> Result<T, SpecP
     })
 }
 
-fn kind_of(j: &Json) -> &'static str {
+/// "a string", "an object", …: a JSON value's kind for error messages.
+pub(crate) fn kind_of(j: &Json) -> &'static str {
     match j {
         Json::Null => "null",
         Json::Bool(_) => "a boolean",
