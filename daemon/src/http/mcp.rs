@@ -159,11 +159,7 @@ fn accepts(headers: &HeaderMap, what: &str) -> bool {
 }
 
 fn is_json_content(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+    super::rest::extract::media_type(headers).as_deref() == Some("application/json")
 }
 
 fn check_version(headers: &HeaderMap) -> Result<(), Response> {

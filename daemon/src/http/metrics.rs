@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::header;
@@ -27,7 +26,7 @@ impl Metrics {
     }
 
     /// One answered request (counted by status class 1xx … 5xx).
-    pub fn request(&self, status: u16, _took: Duration) {
+    pub fn request(&self, status: u16) {
         let class = usize::from(status / 100).min(5);
         if let Some(c) = self.requests.get(class) {
             c.fetch_add(1, Ordering::Relaxed);

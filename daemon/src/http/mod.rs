@@ -166,7 +166,7 @@ async fn request_limits(State(st): State<AppState>, req: Request, next: Next) ->
             json!({"error": "Request timeout", "message": format!("the request was not completed within {} s", st.config.request_timeout.as_secs())}),
         ),
     };
-    st.metrics.request(res.status().as_u16(), start.elapsed());
+    st.metrics.request(res.status().as_u16());
     tracing::debug!(%method, %path, status = res.status().as_u16(), micros = start.elapsed().as_micros() as u64, "request");
     res
 }

@@ -12,7 +12,7 @@
 //! findings, as `validate_spec` reports them.
 
 mod blobs;
-pub(super) mod extract;
+pub(crate) mod extract;
 mod models;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
