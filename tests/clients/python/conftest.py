@@ -1,12 +1,18 @@
-"""Shared helpers: a real `valem mcp` subprocess per test, driven by the official SDK's high-level
+"""Shared helpers: a real valem server per test, driven by the official SDK's high-level
 `mcp.Client` (which probes `server/discover` first and falls back to `initialize`), and checks
 applied to every tool result: structuredContent validates against the tool's outputSchema and
-equals the parsed text block; arrays and scalars come as text only."""
+equals the parsed text block; arrays and scalars come as text only.
+
+`VALEM_TRANSPORT` picks how the client reaches valem (every test runs unchanged in each mode):
+  stdio  (default) `valem mcp`, the embedded engine, over stdio;
+  http   a fresh `valem serve` per test, reached over Streamable HTTP at /mcp;
+  proxy  a fresh `valem serve` per test, reached through `valem mcp --url` (the stdio proxy)."""
 
 import json
 import os
 import pathlib
-from contextlib import asynccontextmanager
+import subprocess
+from contextlib import asynccontextmanager, contextmanager
 
 import anyio
 import jsonschema
@@ -18,6 +24,9 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 VALEM_BIN = os.environ.get("VALEM_BIN", str(REPO / "target" / "debug" / "valem"))
 EXAMPLES = sorted((REPO / "examples").glob("*.json"))
 TIMEOUT = 30
+TRANSPORT = os.environ.get("VALEM_TRANSPORT", "stdio")
+if TRANSPORT not in ("stdio", "http", "proxy"):
+    raise SystemExit(f"VALEM_TRANSPORT must be stdio, http or proxy, not {TRANSPORT!r}")
 
 
 @pytest.fixture
@@ -89,10 +98,47 @@ async def connect(env=None):
     async def on_message(msg):
         messages.append(msg)
 
-    params = StdioServerParameters(command=VALEM_BIN, args=["mcp"], env={**os.environ, **(env or {})})
-    with anyio.fail_after(TIMEOUT):
-        async with mcp.Client(params, logging_callback=on_log, message_handler=on_message) as client:
-            yield Session(client, logs, messages)
+    env = {**os.environ, **(env or {})}
+    env.pop("VALEM_API_KEY", None)
+    with daemon(env) as base:
+        if TRANSPORT == "stdio":
+            server = StdioServerParameters(command=VALEM_BIN, args=["mcp"], env=env)
+        elif TRANSPORT == "proxy":
+            server = StdioServerParameters(command=VALEM_BIN, args=["mcp", "--url", base], env=env)
+        else:
+            server = base + "/mcp"
+        with anyio.fail_after(TIMEOUT):
+            async with mcp.Client(server, logging_callback=on_log, message_handler=on_message) as client:
+                yield Session(client, logs, messages)
+
+
+@contextmanager
+def daemon(env):
+    """For http and proxy: a fresh `valem serve` on a free loopback port, stopped (SIGTERM, which
+    drains it) afterwards; yields its base URL. For stdio there is no daemon (yields None)."""
+    if TRANSPORT == "stdio":
+        yield None
+        return
+    proc = subprocess.Popen(
+        [VALEM_BIN, "serve", "--listen", "127.0.0.1:0"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # The first stdout line is "valem listening on http://127.0.0.1:PORT".
+        line = proc.stdout.readline()
+        if "http://" not in line:
+            raise RuntimeError(f"valem serve did not report its address: {line!r}")
+        yield "http://" + line.strip().rsplit("http://", 1)[1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def example(path):

@@ -1,12 +1,19 @@
-// Shared helpers for the `valem mcp` end-to-end tests: spawn the real binary behind the official
+// Shared helpers for the MCP end-to-end tests: spawn the real binary behind the official
 // TypeScript MCP SDK client, record the wire traffic, validate results with our own Ajv 2020.
+//
+// VALEM_TRANSPORT picks how the client reaches valem (every test runs unchanged in each mode):
+//   stdio  (default) `valem mcp`, the embedded engine, over stdio;
+//   http   a fresh `valem serve` per test, reached over Streamable HTTP at /mcp;
+//   proxy  a fresh `valem serve` per test, reached through `valem mcp --url` (the stdio proxy).
 import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
 import fs from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 
 import { Client } from '@modelcontextprotocol/sdk/client/index.js';
 import { StdioClientTransport } from '@modelcontextprotocol/sdk/client/stdio.js';
+import { StreamableHTTPClientTransport } from '@modelcontextprotocol/sdk/client/streamableHttp.js';
 import { CallToolResultSchema } from '@modelcontextprotocol/sdk/types.js';
 import Ajv2020 from 'ajv/dist/2020.js';
 import addFormats from 'ajv-formats';
@@ -15,6 +22,11 @@ export const HERE = path.dirname(fileURLToPath(import.meta.url));
 export const REPO = path.resolve(HERE, '..', '..', '..');
 export const VALEM_BIN = process.env.VALEM_BIN || path.join(REPO, 'target', 'debug', 'valem');
 export const EXAMPLES_DIR = path.join(REPO, 'examples');
+
+export const TRANSPORT = process.env.VALEM_TRANSPORT || 'stdio';
+if (!['stdio', 'http', 'proxy'].includes(TRANSPORT)) {
+  throw new Error(`VALEM_TRANSPORT must be stdio, http or proxy, not ${JSON.stringify(TRANSPORT)}`);
+}
 
 /** Per-test timeout (ms) for node:test. */
 export const TEST_TIMEOUT = 60_000;
@@ -75,31 +87,75 @@ class RecordingTransport {
   close() {
     return this.inner.close();
   }
-  get stderr() {
-    return this.inner.stderr;
-  }
-  get pid() {
-    return this.inner.pid;
-  }
 }
 
 /**
- * Spawn `valem mcp` and connect an SDK client. `before(client)` runs before `connect` (to install
- * notification handlers that must see messages sent right after the handshake).
- * Returns { client, transport, stderr(), notifications, waitFor, close }.
+ * Start `valem serve` on a free loopback port; resolves { url, stop } once it prints its address
+ * ("valem serve: listening on http://127.0.0.1:PORT"). `stop()` sends SIGTERM (a graceful drain)
+ * and waits for the exit.
+ */
+export function startDaemon(env) {
+  const child = spawn(VALEM_BIN, ['serve', '--listen', '127.0.0.1:0'], {
+    env,
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let stderrText = '';
+  child.stderr.on('data', (d) => {
+    stderrText += d.toString();
+  });
+  const exited = new Promise((r) => child.once('exit', r));
+  const stop = async () => {
+    if (child.exitCode === null && child.signalCode === null) child.kill('SIGTERM');
+    const timer = setTimeout(() => child.kill('SIGKILL'), 10_000);
+    await exited;
+    clearTimeout(timer);
+  };
+  return new Promise((resolve, reject) => {
+    let out = '';
+    const timer = setTimeout(() => {
+      child.kill('SIGKILL');
+      reject(new Error(`valem serve did not report its address within 15 s; stderr: ${stderrText}`));
+    }, 15_000);
+    child.stdout.on('data', (d) => {
+      out += d.toString();
+      const m = out.match(/http:\/\/(127\.0\.0\.1:\d+)/);
+      if (m) {
+        clearTimeout(timer);
+        resolve({ url: `http://${m[1]}`, stop, stderr: () => stderrText });
+      }
+    });
+    child.once('exit', (code) => {
+      clearTimeout(timer);
+      reject(new Error(`valem serve exited (${code}) before listening; stderr: ${stderrText}`));
+    });
+  });
+}
+
+/**
+ * Start valem (per VALEM_TRANSPORT) and connect an SDK client. `before(client)` runs before
+ * `connect` (to install notification handlers that must see messages sent right after the
+ * handshake). Returns { client, transport, stderr(), notifications, waitFor, close }.
  */
 export async function connect({ before, listTools = true, env } = {}) {
   await waitForBinary();
-  const inner = new StdioClientTransport({
-    command: VALEM_BIN,
-    args: ['mcp'],
-    stderr: 'pipe',
-    env: { ...process.env, ...(env || {}) },
-  });
+  const fullEnv = { ...process.env, ...(env || {}) };
+  delete fullEnv.VALEM_API_KEY;
+  const daemon = TRANSPORT === 'stdio' ? null : await startDaemon(fullEnv);
+  let inner;
   let stderrText = '';
-  inner.stderr?.on('data', (d) => {
-    stderrText += d.toString();
-  });
+  if (TRANSPORT === 'http') {
+    inner = new StreamableHTTPClientTransport(new URL(`${daemon.url}/mcp`));
+  } else {
+    inner = new StdioClientTransport({
+      command: VALEM_BIN,
+      args: daemon ? ['mcp', '--url', daemon.url] : ['mcp'],
+      stderr: 'pipe',
+      env: fullEnv,
+    });
+    inner.stderr?.on('data', (d) => {
+      stderrText += d.toString();
+    });
+  }
   const transport = new RecordingTransport(inner);
   const client = new Client({ name: 'valem-ts-e2e', version: '1.0.0' }, { capabilities: {} });
 
@@ -130,7 +186,12 @@ export async function connect({ before, listTools = true, env } = {}) {
     });
   };
   if (before) await before(client, push);
-  await client.connect(transport, { timeout: 15_000 });
+  try {
+    await client.connect(transport, { timeout: 15_000 });
+  } catch (e) {
+    await daemon?.stop();
+    throw e;
+  }
   let tools = null;
   if (listTools) {
     // listTools also makes the SDK cache the output validators that callTool applies.
@@ -140,9 +201,16 @@ export async function connect({ before, listTools = true, env } = {}) {
   const close = async () => {
     if (closed) return;
     closed = true;
-    await client.close();
+    try {
+      // Over HTTP, end the session explicitly (DELETE /mcp) as a well-behaved client does.
+      if (TRANSPORT === 'http') await inner.terminateSession().catch(() => {});
+      await client.close();
+    } finally {
+      await daemon?.stop();
+    }
   };
-  return { client, transport, tools, stderr: () => stderrText, notifications, push, waitFor, close };
+  const stderr = () => stderrText + (daemon ? daemon.stderr() : '');
+  return { client, transport, tools, stderr, notifications, push, waitFor, close };
 }
 
 /** Run `fn(session)` against a fresh server, always closing it. */
