@@ -502,3 +502,91 @@ fn proxy_reports_a_down_daemon_and_reconnects() {
         }
     }
 }
+
+#[test]
+fn bodies_past_max_body_bytes_are_413_and_the_session_keeps_working() {
+    let d = Daemon::start(&["--max-body-bytes", "4096"]);
+    let mut h = Http::new(&d);
+    h.initialize();
+    let big = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"validate_spec","arguments":{{"spec":{{"id":"{}"}}}}}}}}"#,
+        "x".repeat(10_000)
+    );
+    let r = h.post_with(&big, &[]);
+    assert_eq!(r.status, 413, "{:?}", r.body);
+    assert_eq!(r.body["error"]["code"], -32600);
+    let msg = r.body["error"]["message"].as_str().unwrap_or("");
+    assert!(msg.contains("4096") && msg.contains("--max-body-bytes"), "{msg}");
+
+    // Without Content-Length (chunked), the limit holds as the body streams in.
+    let sid = h.session.clone().unwrap_or_default();
+    let chunk = format!("{:x}\r\n{big}\r\n0\r\n\r\n", big.len());
+    let (status, text) = valem_tests::raw_http(
+        &d.addr,
+        &format!(
+            "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Accept: application/json, text/event-stream\r\nMcp-Session-Id: {sid}\r\n\
+             MCP-Protocol-Version: 2025-11-25\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{chunk}"
+        ),
+    );
+    assert_eq!(status, 413, "{text}");
+    assert!(text.contains("--max-body-bytes"), "{text}");
+
+    let r = h.post(&json!({"jsonrpc": "2.0", "id": 2, "method": "ping"}));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body["result"], json!({}));
+}
+
+/// Open a connection, send `prefix` (perhaps nothing), then wait: the daemon must close it
+/// within `within`. Returns how long it took.
+fn closed_after(addr: &str, prefix: &[u8], within: Duration) -> Duration {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(within)).expect("read timeout");
+    let t0 = Instant::now();
+    s.write_all(prefix).expect("write");
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return t0.elapsed(),
+            Ok(_) => {} // a 408 or similar before the close is fine
+            Err(e) => panic!("connection still open after {within:?} ({e}); sent {prefix:?}"),
+        }
+    }
+}
+
+#[test]
+fn idle_and_slowloris_connections_are_cut_and_the_daemon_keeps_serving() {
+    let d = Daemon::start(&["--header-timeout", "0.5"]);
+    let limit = Duration::from_secs(5);
+    // Connected, silent.
+    let t = closed_after(&d.addr, b"", limit);
+    assert!(t >= Duration::from_millis(400), "closed too early: {t:?}");
+    // Half a request line, then nothing; headers trickling in without an end.
+    closed_after(&d.addr, b"POST /mcp HT", limit);
+    closed_after(
+        &d.addr,
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: 1\r\n",
+        limit,
+    );
+    // A keep-alive connection that goes idle after its first response.
+    closed_after(
+        &d.addr,
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        limit,
+    );
+    // Twenty silent connections at once do not stop a real client.
+    let idle: Vec<_> = (0..20)
+        .map(|_| std::net::TcpStream::connect(&d.addr).expect("connect"))
+        .collect();
+    let mut h = Http::new(&d);
+    h.initialize();
+    let r = h.post(&json!({"jsonrpc": "2.0", "id": 1, "method": "ping"}));
+    assert_eq!(r.status, 200);
+    drop(idle);
+    let (status, _) = valem_tests::raw_http(
+        &d.addr,
+        "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(status, 200);
+}

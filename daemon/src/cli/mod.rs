@@ -141,6 +141,14 @@ pub enum Command {
         /// Largest blob in bytes (`POST /blobs`, `upload_blob`).
         #[arg(long, env = "VALEM_MAX_BLOB_BYTES", default_value_t = 50 << 20)]
         max_blob_bytes: usize,
+        /// Seconds a client has to send a request's headers, counted from the connection's
+        /// opening or its previous response; slow or idle connections are closed after it.
+        #[arg(long, env = "VALEM_HEADER_TIMEOUT", default_value_t = 10.0, value_parser = seconds)]
+        header_timeout: f64,
+        /// Seconds a request may take, body and handling included (408 past it); SSE and
+        /// WebSocket streams are not limited.
+        #[arg(long, env = "VALEM_REQUEST_TIMEOUT", default_value_t = 60.0, value_parser = seconds)]
+        request_timeout: f64,
         /// Shard threads running the models (0: one per core).
         #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
         shards: usize,
@@ -160,6 +168,14 @@ pub enum Command {
         /// Print this example's spec.
         name: Option<String>,
     },
+}
+
+/// A positive, finite number of seconds (at most a day).
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
+        _ => Err(format!("expected seconds between 0 and 86400, e.g. 10 or 0.5; got {s:?}")),
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -502,6 +518,8 @@ fn run(cli: Cli) -> Result<i32, String> {
             allowed_hosts,
             max_body_bytes,
             max_blob_bytes,
+            header_timeout,
+            request_timeout,
             shards,
             max_models,
             data_dir,
@@ -539,6 +557,8 @@ fn run(cli: Cli) -> Result<i32, String> {
                     .filter(|o| !o.is_empty())
                     .collect(),
                 max_body_bytes,
+                header_timeout: std::time::Duration::from_secs_f64(header_timeout),
+                request_timeout: std::time::Duration::from_secs_f64(request_timeout),
                 conformance_fixtures,
                 ..Default::default()
             };

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -38,8 +38,10 @@ pub const VERSION_HEADER: &str = "mcp-protocol-version";
 /// Server messages kept for a session while no stream is open.
 const PENDING_MAX: usize = 1000;
 
-pub fn routes() -> Router<AppState> {
-    Router::new().route("/mcp", post(post_mcp).get(get_mcp).delete(delete_mcp))
+pub fn routes(st: &AppState) -> Router<AppState> {
+    Router::new()
+        .route("/mcp", post(post_mcp).get(get_mcp).delete(delete_mcp))
+        .layer(DefaultBodyLimit::max(st.config.max_body_bytes))
 }
 
 /// Where a session's server messages go: its open GET streams, else a bounded queue.
@@ -212,7 +214,23 @@ fn is_initialize(msg: &Json) -> bool {
     msg.get("method").and_then(|m| m.as_str()) == Some("initialize")
 }
 
-async fn post_mcp(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
+    let headers = req.headers().clone();
+    let limit = st.config.max_body_bytes;
+    let too_large = || {
+        rpc_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            code::INVALID_REQUEST,
+            format!("Request body too large: the limit is {limit} bytes (--max-body-bytes)"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large();
+    }
     if let Err(r) = check_version(&headers) {
         return r;
     }
@@ -232,6 +250,17 @@ async fn post_mcp(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -
             "Unsupported Media Type: the body must be application/json",
         );
     }
+    let body = match Bytes::from_request(req, &st).await {
+        Ok(b) => b,
+        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large(),
+        Err(r) => {
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::PARSE_ERROR,
+                format!("Unreadable request body: {}", r.body_text()),
+            )
+        }
+    };
     let msg: Json = match serde_json::from_slice(&body) {
         Ok(m) => m,
         Err(e) => {

@@ -130,7 +130,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .merge(rest::routes(&state))
         .merge(ws::routes(&state))
-        .merge(mcp::routes())
+        .merge(mcp::routes(&state))
         .route("/metrics", get(metrics::serve))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), guard::guard))
@@ -163,7 +163,7 @@ async fn request_limits(State(st): State<AppState>, req: Request, next: Next) ->
         Ok(r) => r,
         Err(_) => error_response(
             StatusCode::REQUEST_TIMEOUT,
-            json!({"error": "Request timeout", "message": format!("the request was not completed within {} s", st.config.request_timeout.as_secs())}),
+            json!({"error": "Request timeout", "message": format!("the request was not completed within {} s", st.config.request_timeout.as_secs_f64())}),
         ),
     };
     st.metrics.request(res.status().as_u16());
@@ -245,11 +245,25 @@ async fn run(
         };
         let _ = stream.set_nodelay(true);
         let svc = TowerToHyperService::new(app.clone());
-        let conn = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-            .into_owned();
+        let builder = builder.clone();
         let mut stop = stop_rx.clone();
+        let first_byte = config.header_timeout;
         tokio::spawn(async move {
+            // hyper's header timer starts at a request's first byte: a connection that never
+            // sends anything would hold its slot forever, so it gets the same time to start.
+            let mut probe = [0u8; 1];
+            let started = tokio::select! {
+                r = tokio::time::timeout(first_byte, stream.peek(&mut probe)) => matches!(r, Ok(Ok(n)) if n > 0),
+                _ = stop.changed() => false,
+            };
+            if !started {
+                tracing::debug!(%peer, "connection closed: nothing sent within the header timeout");
+                drop(permit);
+                return;
+            }
+            let conn = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                .into_owned();
             let mut conn = std::pin::pin!(conn);
             let ended = tokio::select! {
                 r = conn.as_mut() => Some(r),
