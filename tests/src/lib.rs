@@ -1,5 +1,7 @@
 //! Helpers for end-to-end tests: find the real `valem` binary and run it.
 
+pub mod load;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};

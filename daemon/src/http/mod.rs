@@ -97,6 +97,30 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The shared state of one daemon (benchmarks build it to drive the router in-process);
+    /// sending `true` on the returned sender starts the shutdown of long-lived streams.
+    pub fn new(
+        config: Config,
+        service: Arc<ModelService>,
+        mcp: Arc<crate::mcp::Server>,
+    ) -> (AppState, watch::Sender<bool>) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let sessions = Arc::new(mcp::Sessions::new(
+            config.max_mcp_sessions,
+            config.mcp_session_idle,
+        ));
+        let state = AppState {
+            service,
+            mcp,
+            config: Arc::new(config),
+            metrics: Arc::new(metrics::Metrics::new()),
+            sessions,
+            subscriptions: Arc::default(),
+            shutdown: stop_rx,
+        };
+        (state, stop_tx)
+    }
+
     /// Run a blocking service call off the reactor.
     pub async fn blocking<R: Send + 'static>(
         &self,
@@ -196,23 +220,10 @@ async fn run(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
     let addr = listener.local_addr()?;
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let metrics = Arc::new(metrics::Metrics::new());
-    let sessions = Arc::new(mcp::Sessions::new(
-        config.max_mcp_sessions,
-        config.mcp_session_idle,
-    ));
-    let config = Arc::new(config);
-    let state = AppState {
-        service: service.clone(),
-        mcp: mcp_server,
-        config: config.clone(),
-        metrics: metrics.clone(),
-        sessions: sessions.clone(),
-        subscriptions: Arc::default(),
-        shutdown: stop_rx.clone(),
-    };
-    mcp::spawn_reaper(sessions.clone(), stop_rx.clone());
+    let (state, stop_tx) = AppState::new(config, service.clone(), mcp_server);
+    let config = state.config.clone();
+    let stop_rx = state.shutdown.clone();
+    mcp::spawn_reaper(state.sessions.clone(), stop_rx.clone());
     let app = router(state);
     ready(addr);
     tracing::info!(%addr, "listening");
