@@ -126,6 +126,23 @@ impl AppState {
         &self,
         f: impl FnOnce(&ModelService) -> R + Send + 'static,
     ) -> Result<R, Response> {
+        // On the multi-threaded runtime the call runs in place (the worker hands its other
+        // tasks to a fresh thread): a service call is short, and a hop to the blocking pool
+        // costs two thread wake-ups on every request's critical path.
+        if tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread
+        {
+            let svc = &self.service;
+            return std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tokio::task::block_in_place(|| f(svc))
+            }))
+            .map_err(|_| {
+                error_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    json!({"error": "Internal error", "message": "the request's worker failed"}),
+                )
+            });
+        }
         let svc = self.service.clone();
         tokio::task::spawn_blocking(move || f(&svc))
             .await
