@@ -144,18 +144,7 @@ struct Daemon {
 impl Daemon {
     fn start() -> Option<Daemon> {
         use std::io::BufRead;
-        let bin = std::env::var_os("VALEM_BIN")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| {
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/valem")
-            });
-        if !bin.exists() {
-            eprintln!(
-                "http end-to-end runs skipped: {} not found (cargo build --release -p valem, or set VALEM_BIN)",
-                bin.display()
-            );
-            return None;
-        }
+        let bin = valem_benches::release_valem("http end-to-end runs")?;
         let mut child = Command::new(bin)
             .args(["serve", "--listen", "127.0.0.1:0"])
             .env("RUST_LOG", "warn")

@@ -61,18 +61,7 @@ struct Child {
 
 impl Child {
     fn start() -> Option<Child> {
-        let bin = std::env::var_os("VALEM_BIN")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| {
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/valem")
-            });
-        if !bin.exists() {
-            eprintln!(
-                "mcp/stdio_mutate skipped: {} not found (cargo build --release -p valem, or set VALEM_BIN)",
-                bin.display()
-            );
-            return None;
-        }
+        let bin = valem_benches::release_valem("mcp/stdio_mutate")?;
         let mut child = Command::new(bin)
             .arg("mcp")
             .stdin(Stdio::piped())

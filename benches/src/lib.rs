@@ -219,3 +219,21 @@ pub fn random_indices(n: usize, count: usize, seed: u64) -> Vec<usize> {
     let mut rng = Rng::new(seed);
     (0..count).map(|_| rng.below(n)).collect()
 }
+
+/// The release `valem` binary the end-to-end benches spawn: `$VALEM_BIN`, else
+/// `target/release/valem`; `None` (with a hint on stderr naming `what` is skipped) when missing.
+pub fn release_valem(what: &str) -> Option<std::path::PathBuf> {
+    let bin = std::env::var_os("VALEM_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/valem")
+        });
+    if bin.exists() {
+        return Some(bin);
+    }
+    eprintln!(
+        "{what} skipped: {} not found (cargo build --release -p valem, or set VALEM_BIN)",
+        bin.display()
+    );
+    None
+}
