@@ -302,6 +302,48 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         return StatusCode::ACCEPTED.into_response();
     }
     let session = hs.session.clone();
+    if runs_inline(&st, &msg) {
+        // Nothing in this request waits on the client or reports progress: run it in place
+        // (no hop to the blocking pool) and send what it emitted (logs) before the reply.
+        let emitted: Arc<Mutex<Vec<Json>>> = Arc::default();
+        let sink = emitted.clone();
+        let io: Option<Outbox> = sse_ok.then(|| {
+            Arc::new(move |m: &Json| {
+                if let Ok(mut e) = sink.lock() {
+                    e.push(m.clone());
+                }
+            }) as Outbox
+        });
+        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tokio::task::block_in_place(|| session.handle_in(msg, io.as_ref()))
+        }));
+        let Ok(reply) = reply else {
+            return rpc_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                code::INTERNAL_ERROR,
+                "the request's worker failed",
+            );
+        };
+        let emitted = emitted
+            .lock()
+            .map(|mut e| std::mem::take(&mut *e))
+            .unwrap_or_default();
+        let mut res = if emitted.is_empty() {
+            plain_reply(&st, created, &sid, reply, json_ok)
+        } else {
+            let all = emitted.into_iter().chain(reply);
+            Sse::new(stream::iter(
+                all.map(|m| Ok::<_, Infallible>(message_event(&m))),
+            ))
+            .into_response()
+        };
+        if created {
+            if let Ok(v) = HeaderValue::from_str(&sid) {
+                res.headers_mut().insert(SESSION_HEADER, v);
+            }
+        }
+        return res;
+    }
     // Messages the request emits while it runs (progress, logs, requests to the client) need a
     // stream: the reply switches to SSE at the first one; a plain call stays JSON.
     let (tx, mut rx) = mpsc::unbounded_channel::<Json>();
@@ -324,17 +366,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
                     )
                 }
             };
-            if created && reply.as_ref().is_none_or(|r| r.get("error").is_some()) {
-                // A failed initialize opens nothing.
-                st.sessions.remove(&sid);
-            }
-            match reply {
-                None => StatusCode::ACCEPTED.into_response(),
-                Some(r) if json_ok => axum::Json(r).into_response(),
-                Some(r) => {
-                    Sse::new(stream::iter([Ok::<_, Infallible>(message_event(&r))])).into_response()
-                }
-            }
+            plain_reply(&st, created, &sid, reply, json_ok)
         }
         Some(first) => {
             let rest = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
@@ -353,6 +385,41 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         }
     }
     res
+}
+
+/// Whether a request can run in place on the reactor's worker: only when no tool may ask the
+/// client something mid-call (the conformance fixtures do) and no progress is to be streamed.
+fn runs_inline(st: &AppState, msg: &Json) -> bool {
+    fn progress(m: &Json) -> bool {
+        m.pointer("/params/_meta/progressToken").is_some()
+    }
+    let wants_progress = match msg {
+        Json::Array(items) => items.iter().any(progress),
+        m => progress(m),
+    };
+    !st.config.conformance_fixtures
+        && !wants_progress
+        && tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread
+}
+
+/// The answer to a request that emitted nothing: JSON (or one SSE event), 202 for no reply.
+fn plain_reply(
+    st: &AppState,
+    created: bool,
+    sid: &str,
+    reply: Option<Json>,
+    json_ok: bool,
+) -> Response {
+    if created && reply.as_ref().is_none_or(|r| r.get("error").is_some()) {
+        // A failed initialize opens nothing.
+        st.sessions.remove(sid);
+    }
+    match reply {
+        None => StatusCode::ACCEPTED.into_response(),
+        Some(r) if json_ok => axum::Json(r).into_response(),
+        Some(r) => Sse::new(stream::iter([Ok::<_, Infallible>(message_event(&r))])).into_response(),
+    }
 }
 
 fn open_session(st: &AppState) -> Result<(String, Arc<HttpSession>), Response> {
