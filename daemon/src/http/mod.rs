@@ -5,8 +5,9 @@
 //! One guard runs before every route but `/healthz`: the `Host` must be a loopback name or
 //! listed (DNS rebinding), an `Origin`, when present, must be loopback or listed, and with an
 //! API key configured the request must carry it (`Authorization: Bearer`, or `?token=` on the
-//! WebSocket handshake). Service calls block on a shard, so handlers run them on tokio's
-//! blocking pool, never on a reactor thread.
+//! WebSocket handshake). Service calls block on a shard, so handlers run them under
+//! `block_in_place` (the worker hands its other tasks to another thread first), never as plain
+//! code on a reactor thread.
 
 // `Result<_, Response>` is axum's idiom for early exits; the error is built once per request.
 #![allow(clippy::result_large_err)]
