@@ -516,7 +516,10 @@ fn bodies_past_max_body_bytes_are_413_and_the_session_keeps_working() {
     assert_eq!(r.status, 413, "{:?}", r.body);
     assert_eq!(r.body["error"]["code"], -32600);
     let msg = r.body["error"]["message"].as_str().unwrap_or("");
-    assert!(msg.contains("4096") && msg.contains("--max-body-bytes"), "{msg}");
+    assert!(
+        msg.contains("4096") && msg.contains("--max-body-bytes"),
+        "{msg}"
+    );
 
     // Without Content-Length (chunked), the limit holds as the body streams in.
     let sid = h.session.clone().unwrap_or_default();

@@ -174,7 +174,9 @@ pub enum Command {
 fn seconds(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
-        _ => Err(format!("expected seconds between 0 and 86400, e.g. 10 or 0.5; got {s:?}")),
+        _ => Err(format!(
+            "expected seconds between 0 and 86400, e.g. 10 or 0.5; got {s:?}"
+        )),
     }
 }
 
