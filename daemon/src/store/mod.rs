@@ -388,7 +388,7 @@ impl Store {
             quick_check(&conn, &db)?;
         }
         schema::migrate(&mut conn, &db, schema::SCHEMA_VERSION)?;
-        if state == schema::FileState::Fresh {
+        if !marker.exists() {
             write_marker(dir, &marker)?;
         }
         let (writer, thread) = writer::spawn(
@@ -837,18 +837,20 @@ impl Store {
                         break;
                     }
                 };
-                if !v.check(seq, &record) {
-                    break;
-                }
                 let matches =
                     |col: &str, key: &str| record.get(key).and_then(Json::as_str) == Some(col);
-                if !matches(&prev_col, "prevHash") || !matches(&hash_col, "hash") {
+                if seq == v.next_sequence()
+                    && (!matches(&prev_col, "prevHash") || !matches(&hash_col, "hash"))
+                {
                     v.fail(
                         seq,
                         format!(
                             "record {seq}: the stored hash columns differ from the record (edited)"
                         ),
                     );
+                    break;
+                }
+                if !v.check(seq, &record) {
                     break;
                 }
             }
@@ -874,6 +876,15 @@ impl Store {
             path: self.db.clone(),
             detail: format!("{} is not valid JSON: {e}", what()),
         })
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("db", &self.db)
+            .field("durability", &self.opts.durability)
+            .finish_non_exhaustive()
     }
 }
 

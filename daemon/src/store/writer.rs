@@ -350,6 +350,7 @@ impl WriterThread {
     /// One transaction for the whole batch; the result of each op in order.
     fn execute(&mut self, ops: &[(Op, Ack)]) -> Vec<Result<(), StoreError>> {
         let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
+        let changes_before = self.conn.total_changes();
         let outcome = (|| -> Result<(), rusqlite::Error> {
             self.conn.execute_batch("BEGIN IMMEDIATE")?;
             for (op, _) in ops {
@@ -375,7 +376,9 @@ impl WriterThread {
                 if ok > 0 {
                     self.counters.batches.fetch_add(1, Ordering::Relaxed);
                     self.counters.ops.fetch_add(ok, Ordering::Relaxed);
-                    if self.durability == Durability::Strict {
+                    // A commit that changed no row writes no WAL frame, so SQLite syncs nothing.
+                    let wrote = self.conn.total_changes() > changes_before;
+                    if self.durability == Durability::Strict && wrote {
                         self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
                     }
                 }
