@@ -5,7 +5,13 @@
 //! thread. Target (issue 6): ≥ 10,000 durable appends/s with 16 writers.
 //!
 //! Before each criterion group, a fixed 2 s run prints appends/s, fsyncs/s and ops per batch.
+//!
+//! `store_read`: one model with 100k records and a checkpoint every 1,000: a full streaming replay
+//! read (`audit_after`, records parsed) and a time-travel read (latest checkpoint at or before an
+//! instant + the records after it up to the instant). Targets (issue 6): recovery of 1M records
+//! ≤ 10 s (the replay read is part of it), `at=` read ≤ 10 ms at 100k records.
 
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use criterion::{
@@ -13,6 +19,8 @@ use criterion::{
 };
 use serde_json::{json, Value};
 use valem::store::{record_hash, AuditAppend, Op, Store, StoreOptions, Writer, GENESIS};
+
+const T0: i64 = 1_700_000_000_000_000;
 
 struct Chain {
     model: String,
@@ -22,7 +30,12 @@ struct Chain {
 
 impl Chain {
     fn append(&mut self, w: &Writer) {
-        let at_us = 1_700_000_000_000_000 + self.next as i64;
+        let op = self.next_op();
+        w.apply(op).expect("durable append");
+    }
+
+    fn next_op(&mut self) -> Op {
+        let at_us = T0 + self.next as i64;
         let qty = (self.next % 1000) as i64;
         let mut r: Value = json!({
             "modelId": self.model, "sequence": self.next, "timestamp": "2026-01-01T00:00:00.000000Z",
@@ -36,9 +49,9 @@ impl Chain {
         r["hash"] = json!(h);
         let op = AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()])
             .expect("bench record is valid");
-        w.apply(Op::AppendAudit(op)).expect("durable append");
         self.prev = h;
         self.next += 1;
+        Op::AppendAudit(op)
     }
 }
 
@@ -126,5 +139,80 @@ fn appends(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, appends);
+fn reads(c: &mut Criterion) {
+    const N: u64 = 100_000;
+    const K: u64 = 1_000;
+    let (_dir, store, mut chains) = setup(1);
+    let w = store.writer();
+    let chain = &mut chains[0];
+    let start = Instant::now();
+    for i in 0..N {
+        w.submit(chain.next_op(), Box::new(|r| r.expect("append")));
+        if (i + 1) % K == 0 {
+            let state = json!({"price": 3, "qty": i % 1000, "total": (i % 1000) * 3});
+            w.submit(
+                Op::Checkpoint {
+                    model_id: "m0".into(),
+                    sequence: i,
+                    at_us: T0 + i as i64,
+                    state,
+                },
+                Box::new(|r| r.expect("checkpoint")),
+            );
+        }
+    }
+    store.flush().expect("flush");
+    println!(
+        "store_read setup: {N} records + {} checkpoints written in {:.2} s",
+        N / K,
+        start.elapsed().as_secs_f64()
+    );
+
+    let mut g = c.benchmark_group("store_read");
+    g.sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4));
+    g.throughput(Throughput::Elements(N));
+    g.bench_function("replay_scan_100k", |b| {
+        b.iter(|| {
+            let mut n = 0u64;
+            store
+                .audit_after("m0", None, None, |e| {
+                    n += e.record["mutations"]
+                        .as_object()
+                        .map_or(0, |m| m.len() as u64);
+                    ControlFlow::Continue(())
+                })
+                .expect("scan");
+            assert_eq!(n, N);
+        })
+    });
+    g.throughput(Throughput::Elements(1));
+    let mut m = 0u64;
+    g.bench_function("time_travel_read_100k", |b| {
+        b.iter(|| {
+            // An instant 999 records past a checkpoint: the worst case for K = 1000.
+            m = (m + 7) % (N / K);
+            let at = m * K + K - 2;
+            let instant = T0 + at as i64;
+            let cp = store
+                .latest_checkpoint("m0", Some(instant))
+                .expect("checkpoint");
+            let after = cp.as_ref().map(|c| c.sequence);
+            let mut last = None;
+            store
+                .audit_after("m0", after, Some(instant), |e| {
+                    last = Some(e.sequence);
+                    ControlFlow::Continue(())
+                })
+                .expect("replay");
+            assert_eq!(last.or(after), Some(at));
+        })
+    });
+    g.finish();
+    store.close().expect("close");
+}
+
+criterion_group!(benches, appends, reads);
 criterion_main!(benches);
