@@ -1,7 +1,7 @@
 //! valem: reactive JSON models for AI agents. The library behind the `valem` binary: the spec
 //! types and validator (`spec`), the JSONata wrapper and address dialect (`expr`), the reactive
 //! engine (`engine`), the persistent state value (`value`), the model service (`service`), the
-//! surfaces (`mcp`, `http`, `console`) and the command line (`cli`).
+//! durable store (`store`), the surfaces (`mcp`, `http`, `console`) and the command line (`cli`).
 //! See ARCHITECTURE.md for the code map and invariants.
 
 pub mod cli;
@@ -13,4 +13,5 @@ pub mod http;
 pub mod mcp;
 pub mod service;
 pub mod spec;
+pub mod store;
 pub mod value;

@@ -1,0 +1,454 @@
+//! The audit hash chain as pure functions: RFC 8785 canonical JSON, the record hash and a
+//! verifier that walks records oldest first. No I/O and no `Store`: `service/audit.rs` uses the
+//! same functions for its in-memory trail.
+//!
+//! Construction (fixed; changing it breaks every stored chain):
+//! `hash = hex(blake3(prev_hash_bytes || canonical(record without its top-level "hash" key)))`,
+//! where `prev_hash_bytes` are the 64 ASCII hex characters of the previous record's `hash` (of
+//! [`GENESIS`] for sequence 0) and the canonical bytes include the record's own `prevHash` field.
+
+use serde::Serialize;
+use serde_json::Value as Json;
+
+/// The `prevHash` of sequence 0: 64 ASCII zeros (not a blake3 output, so it cannot collide).
+pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// Largest integer magnitude an IEEE-754 double represents exactly (2^53).
+const MAX_SAFE_INTEGER: u64 = 1 << 53;
+
+/// RFC 8785 (JCS) canonical JSON text of `v`: object keys sorted by their UTF-16 code units, no
+/// whitespace, numbers printed as ECMAScript `Number.prototype.toString` prints the nearest double
+/// (integers beyond 2^53 lose precision, as the RFC requires), strings escaped as `JSON.stringify`
+/// escapes them. Recursion depth is that of `v` (≤ 128 for values parsed by serde_json).
+pub fn canonical(v: &Json) -> String {
+    let mut out = String::with_capacity(256);
+    write_value(v, &mut out, None);
+    out
+}
+
+/// The chain hash of a record: blake3 hex over `prev_hash` bytes followed by the canonical bytes of
+/// `record` without its top-level `"hash"` key (a `"hash"` key present in `record` is ignored, so a
+/// stored record can be passed as it is).
+pub fn record_hash(prev_hash: &str, record: &Json) -> String {
+    let mut text = String::with_capacity(256);
+    write_value(record, &mut text, Some("hash"));
+    let mut h = blake3::Hasher::new();
+    h.update(prev_hash.as_bytes());
+    h.update(text.as_bytes());
+    h.finalize().to_hex().to_string()
+}
+
+/// What `verify` reports: `{valid, recordsChecked, firstBrokenSequence, detail}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChainReport {
+    /// Whether every record links and hashes correctly up to the chain head.
+    pub valid: bool,
+    /// Records verified before the first break (all of them when valid).
+    pub records_checked: u64,
+    /// The sequence of the first broken (or missing) record; `None` when valid.
+    pub first_broken_sequence: Option<u64>,
+    /// `"ok"`, or what is wrong at `first_broken_sequence`.
+    pub detail: String,
+}
+
+/// Walks a chain oldest first; stops at the first break.
+#[derive(Clone, Debug)]
+pub struct ChainVerifier {
+    next_seq: u64,
+    prev_hash: String,
+    checked: u64,
+    broken: Option<(u64, String)>,
+}
+
+impl Default for ChainVerifier {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ChainVerifier {
+    /// A verifier expecting sequence 0 with `prevHash` = [`GENESIS`].
+    pub fn new() -> ChainVerifier {
+        Self::starting_at(0, GENESIS)
+    }
+
+    /// A verifier for a chain whose records before `sequence` are gone (a bounded in-memory trail):
+    /// the first record must have this sequence and `prevHash`.
+    pub fn starting_at(sequence: u64, prev_hash: &str) -> ChainVerifier {
+        ChainVerifier {
+            next_seq: sequence,
+            prev_hash: prev_hash.to_string(),
+            checked: 0,
+            broken: None,
+        }
+    }
+
+    /// Whether a break has been found (later calls are ignored).
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    /// The sequence the next record must have.
+    pub fn next_sequence(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Mark the chain broken at `sequence` for a reason found outside the record (a storage column
+    /// that disagrees with it, a record that is not JSON).
+    pub fn fail(&mut self, sequence: u64, detail: impl Into<String>) {
+        if self.broken.is_none() {
+            self.broken = Some((sequence, detail.into()));
+        }
+    }
+
+    /// Check the next record, found at `stored_sequence` (its storage key). Returns false once the
+    /// chain is broken.
+    pub fn check(&mut self, stored_sequence: u64, record: &Json) -> bool {
+        if self.broken.is_some() {
+            return false;
+        }
+        let expected = self.next_seq;
+        if stored_sequence > expected {
+            self.fail(
+                expected,
+                format!(
+                    "record {expected} is missing (deleted): the next stored record is {stored_sequence}"
+                ),
+            );
+            return false;
+        }
+        if stored_sequence < expected {
+            self.fail(
+                stored_sequence,
+                format!(
+                    "record {stored_sequence} appears after record {}",
+                    expected - 1
+                ),
+            );
+            return false;
+        }
+        let said = record.get("sequence").and_then(Json::as_u64);
+        if said != Some(expected) {
+            let said = said.map_or_else(|| "no sequence".to_string(), |s| format!("sequence {s}"));
+            self.fail(
+                expected,
+                format!("the record stored at sequence {expected} says {said} (reordered or renumbered)"),
+            );
+            return false;
+        }
+        let (Some(prev), Some(hash)) = (
+            record.get("prevHash").and_then(Json::as_str),
+            record.get("hash").and_then(Json::as_str),
+        ) else {
+            self.fail(
+                expected,
+                "the record has no prevHash or hash (not hash-chained)",
+            );
+            return false;
+        };
+        if prev != self.prev_hash {
+            self.fail(
+                expected,
+                "prevHash does not match the hash of the preceding record (a record was inserted, deleted or reordered before it)",
+            );
+            return false;
+        }
+        let computed = record_hash(prev, record);
+        if computed != hash {
+            self.fail(
+                expected,
+                "content hash mismatch: the record was altered or its hash edited",
+            );
+            return false;
+        }
+        self.prev_hash = computed;
+        self.next_seq += 1;
+        self.checked += 1;
+        true
+    }
+
+    /// The report, given the chain head recorded at commit time (`None`: no record committed).
+    /// A head beyond the last checked record means a truncated tail; records beyond the head
+    /// were never committed through the store (inserted).
+    pub fn finish(mut self, head: Option<(u64, &str)>) -> ChainReport {
+        if self.broken.is_none() {
+            let last = self.next_seq.checked_sub(1);
+            match (head, last) {
+                (None, None) => {}
+                (None, Some(_)) => self.fail(
+                    0,
+                    "records are stored but the chain head says none was committed (inserted)",
+                ),
+                (Some((h, _)), None) => self.fail(
+                    self.next_seq,
+                    format!("truncated: the chain head is record {h} but no record is stored"),
+                ),
+                (Some((h, _)), Some(l)) if l < h => self.fail(
+                    l + 1,
+                    format!(
+                        "truncated: the chain head is record {h} but the last stored record is {l}"
+                    ),
+                ),
+                (Some((h, _)), Some(l)) if l > h => self.fail(
+                    h + 1,
+                    format!(
+                        "record {} is beyond the committed chain head {h} (inserted)",
+                        h + 1
+                    ),
+                ),
+                (Some((h, hash)), Some(_)) => {
+                    if hash != self.prev_hash {
+                        self.fail(
+                            h,
+                            "the last record's hash differs from the chain head's hash",
+                        );
+                    }
+                }
+            }
+        }
+        match self.broken {
+            None => ChainReport {
+                valid: true,
+                records_checked: self.checked,
+                first_broken_sequence: None,
+                detail: "ok".into(),
+            },
+            Some((seq, detail)) => ChainReport {
+                valid: false,
+                records_checked: self.checked,
+                first_broken_sequence: Some(seq),
+                detail,
+            },
+        }
+    }
+}
+
+/// `skip_key`: a top-level key left out (only at the outermost object).
+fn write_value(v: &Json, out: &mut String, skip_key: Option<&str>) {
+    match v {
+        Json::Null => out.push_str("null"),
+        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Json::Number(n) => write_number(n, out),
+        Json::String(s) => write_string(s, out),
+        Json::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_value(x, out, None);
+            }
+            out.push(']');
+        }
+        Json::Object(m) => {
+            let mut entries: Vec<(&String, &Json)> = m
+                .iter()
+                .filter(|(k, _)| skip_key != Some(k.as_str()))
+                .collect();
+            entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            out.push('{');
+            for (i, (k, x)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_string(k, out);
+                out.push(':');
+                write_value(x, out, None);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn write_number(n: &serde_json::Number, out: &mut String) {
+    // Integers within ±2^53 print as their digits, exactly what ECMAScript prints for that double.
+    if let Some(u) = n.as_u64() {
+        if u <= MAX_SAFE_INTEGER {
+            out.push_str(&u.to_string());
+            return;
+        }
+    } else if let Some(i) = n.as_i64() {
+        if i.unsigned_abs() <= MAX_SAFE_INTEGER {
+            out.push_str(&i.to_string());
+            return;
+        }
+    }
+    // serde_json numbers are finite (it has no NaN or infinity), so `as_f64` always succeeds here.
+    let f = n.as_f64().unwrap_or(0.0);
+    let mut buf = ryu_js::Buffer::new();
+    out.push_str(buf.format_finite(f));
+}
+
+fn write_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\u{08}' => out.push_str("\\b"),
+            '\t' => out.push_str("\\t"),
+            '\n' => out.push_str("\\n"),
+            '\u{0C}' => out.push_str("\\f"),
+            '\r' => out.push_str("\\r"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(s: &str) -> Json {
+        serde_json::from_str(s).expect("test JSON parses")
+    }
+
+    #[test]
+    fn rfc8785_example_and_number_forms() {
+        // The example of RFC 8785 §3.2.3 (numbers, literals, string escapes).
+        let input = parse(
+            r#"{"numbers":[333333333.33333329,1E30,4.50,2e-3,0.000000000000000000000000001],
+                "string":"\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
+                "literals":[null,true,false]}"#,
+        );
+        assert_eq!(
+            canonical(&input),
+            r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#
+        );
+        assert_eq!(canonical(&json!(-0.0)), "0");
+        assert_eq!(canonical(&json!(1.0)), "1");
+        assert_eq!(canonical(&json!(-7)), "-7");
+        assert_eq!(canonical(&json!(9007199254740992u64)), "9007199254740992");
+        // Beyond 2^53 an integer is the nearest double, printed the ECMAScript way.
+        assert_eq!(canonical(&json!(u64::MAX)), "18446744073709552000");
+        assert_eq!(canonical(&json!(1e21)), "1e+21");
+        assert_eq!(canonical(&json!("\u{7f}\u{2028}")), "\"\u{7f}\u{2028}\"");
+    }
+
+    #[test]
+    fn keys_sort_by_utf16_code_units_not_bytes() {
+        // RFC 8785 §3.2.3 sorting example: U+1F600 is the surrogate pair D83D DE00 in UTF-16 and
+        // sorts before U+FB33; in UTF-8 byte order it would sort after.
+        let v = json!({"\u{fb33}": 1, "\u{1f600}": 2, "\r": 3, "1": 4, "\u{80}": 5, "\u{f6}": 6, "\u{20ac}": 7});
+        assert_eq!(
+            canonical(&v),
+            "{\"\\r\":3,\"1\":4,\"\u{80}\":5,\"\u{f6}\":6,\"\u{20ac}\":7,\"\u{1f600}\":2,\"\u{fb33}\":1}"
+        );
+        // Insertion order (serde_json preserve_order) does not matter.
+        assert_eq!(
+            canonical(&json!({"b": [1, {"d": 1, "c": 2}], "a": null})),
+            r#"{"a":null,"b":[1,{"c":2,"d":1}]}"#
+        );
+    }
+
+    #[test]
+    fn record_hash_is_blake3_over_prev_then_canonical_without_hash() {
+        let rec = json!({"sequence": 0, "prevHash": GENESIS, "b": 1, "a": "x"});
+        let expected = blake3::hash(
+            format!("{GENESIS}{{\"a\":\"x\",\"b\":1,\"prevHash\":\"{GENESIS}\",\"sequence\":0}}")
+                .as_bytes(),
+        )
+        .to_hex()
+        .to_string();
+        assert_eq!(record_hash(GENESIS, &rec), expected);
+        let mut with_hash = rec.clone();
+        with_hash["hash"] = json!("whatever");
+        assert_eq!(
+            record_hash(GENESIS, &with_hash),
+            expected,
+            "top-level hash is ignored"
+        );
+        // A nested "hash" key is content.
+        let nested = json!({"sequence": 0, "prevHash": GENESIS, "b": 1, "a": {"hash": 1}});
+        assert_ne!(record_hash(GENESIS, &nested), expected);
+        assert_ne!(
+            record_hash(&"1".repeat(64), &rec),
+            expected,
+            "prev hash is bound"
+        );
+    }
+
+    fn chain(n: u64) -> Vec<Json> {
+        let mut prev = GENESIS.to_string();
+        (0..n)
+            .map(|i| {
+                let mut r = json!({"modelId": "m", "sequence": i, "mutations": {"$.x": i}, "prevHash": prev});
+                let h = record_hash(&prev, &r);
+                r["hash"] = json!(h);
+                prev = h;
+                r
+            })
+            .collect()
+    }
+
+    fn verify(recs: &[(u64, Json)], head: Option<(u64, &str)>) -> ChainReport {
+        let mut v = ChainVerifier::new();
+        for (s, r) in recs {
+            if !v.check(*s, r) {
+                break;
+            }
+        }
+        v.finish(head)
+    }
+
+    #[test]
+    fn verifier_accepts_a_chain_and_reports_each_kind_of_break() {
+        let recs: Vec<(u64, Json)> = chain(5)
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| (i as u64, r))
+            .collect();
+        let head_hash = recs[4].1["hash"].as_str().expect("hash").to_string();
+        let head = Some((4, head_hash.as_str()));
+        let ok = verify(&recs, head);
+        assert_eq!(
+            (ok.valid, ok.records_checked, ok.first_broken_sequence),
+            (true, 5, None)
+        );
+        assert_eq!(
+            serde_json::to_value(&ok).expect("serializes"),
+            json!({"valid": true, "recordsChecked": 5, "firstBrokenSequence": null, "detail": "ok"})
+        );
+
+        let mut altered = recs.clone();
+        altered[2].1["mutations"]["$.x"] = json!(99);
+        let r = verify(&altered, head);
+        assert_eq!(
+            (r.valid, r.records_checked, r.first_broken_sequence),
+            (false, 2, Some(2))
+        );
+        assert!(r.detail.contains("altered"), "{}", r.detail);
+
+        let mut deleted = recs.clone();
+        deleted.remove(3);
+        let r = verify(&deleted, head);
+        assert_eq!(r.first_broken_sequence, Some(3));
+        assert!(r.detail.contains("missing"), "{}", r.detail);
+
+        let mut swapped = recs.clone();
+        let (a, b) = (swapped[1].1.clone(), swapped[2].1.clone());
+        swapped[1].1 = b;
+        swapped[2].1 = a;
+        assert_eq!(verify(&swapped, head).first_broken_sequence, Some(1));
+
+        let r = verify(&recs[..3], head);
+        assert_eq!((r.first_broken_sequence, r.records_checked), (Some(3), 3));
+        assert!(r.detail.contains("truncated"), "{}", r.detail);
+
+        let r = verify(&recs, Some((3, "x")));
+        assert_eq!(r.first_broken_sequence, Some(4));
+        assert!(r.detail.contains("beyond"), "{}", r.detail);
+
+        assert!(verify(&[], None).valid);
+        let resumed = {
+            let mut v = ChainVerifier::starting_at(2, recs[1].1["hash"].as_str().expect("hash"));
+            assert!(recs[2..].iter().all(|(s, r)| v.check(*s, r)));
+            v.finish(head)
+        };
+        assert_eq!((resumed.valid, resumed.records_checked), (true, 3));
+    }
+}

@@ -1,0 +1,263 @@
+//! The store's SQLite schema as numbered migration steps (`PRAGMA user_version` is the number of
+//! steps applied) and the pre-open check of the database file that refuses a torn main file
+//! instead of letting SQLite treat it as an empty database. Never edit a released step: add one.
+
+use std::fs;
+use std::io::Read;
+use std::path::Path;
+
+use rusqlite::Connection;
+
+use super::{sql_err, StoreError};
+
+/// Migration steps; step `i` takes `user_version` from `i` to `i + 1`.
+pub(super) const MIGRATIONS: &[&str] = &[
+    // v1: the registry and the hash-chained audit log.
+    r#"
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+    INSERT INTO meta (key, value) VALUES ('format', 'valem-store');
+    CREATE TABLE models (
+        id TEXT PRIMARY KEY,
+        spec TEXT NOT NULL,
+        version TEXT NOT NULL,
+        created_us INTEGER NOT NULL,
+        updated_us INTEGER NOT NULL,
+        head_seq INTEGER,
+        head_hash TEXT NOT NULL
+    );
+    CREATE TABLE audit (
+        model_id TEXT NOT NULL,
+        sequence INTEGER NOT NULL,
+        at_us INTEGER NOT NULL,
+        record TEXT NOT NULL,
+        prev_hash TEXT NOT NULL,
+        hash TEXT NOT NULL,
+        PRIMARY KEY (model_id, sequence)
+    );
+    CREATE INDEX audit_at ON audit (model_id, at_us);
+    "#,
+    // v2: indexed pathPrefix queries (backfilled from the records: mutation keys, derived
+    // updates and trace targets, as the service indexes them), checkpoints, snapshots, blobs.
+    r#"
+    CREATE TABLE audit_paths (
+        model_id TEXT NOT NULL,
+        path TEXT NOT NULL,
+        sequence INTEGER NOT NULL,
+        PRIMARY KEY (model_id, path, sequence)
+    ) WITHOUT ROWID;
+    INSERT OR IGNORE INTO audit_paths (model_id, path, sequence)
+        SELECT a.model_id, j.key, a.sequence FROM audit a, json_each(a.record, '$.mutations') j
+        WHERE json_valid(a.record);
+    INSERT OR IGNORE INTO audit_paths (model_id, path, sequence)
+        SELECT a.model_id, j.value, a.sequence FROM audit a, json_each(a.record, '$.derivedUpdated') j
+        WHERE json_valid(a.record) AND j.type = 'text';
+    INSERT OR IGNORE INTO audit_paths (model_id, path, sequence)
+        SELECT a.model_id, json_extract(j.value, '$.targetPath'), a.sequence
+        FROM audit a, json_each(a.record, '$.traces') j
+        WHERE json_valid(a.record) AND json_type(j.value, '$.targetPath') = 'text';
+    CREATE TABLE checkpoints (
+        model_id TEXT NOT NULL,
+        sequence INTEGER NOT NULL,
+        at_us INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        PRIMARY KEY (model_id, sequence)
+    );
+    CREATE INDEX checkpoints_at ON checkpoints (model_id, at_us);
+    CREATE TABLE snapshots (
+        model_id TEXT NOT NULL,
+        snapshot_id TEXT NOT NULL,
+        at_us INTEGER NOT NULL,
+        snapshot TEXT NOT NULL,
+        PRIMARY KEY (model_id, snapshot_id)
+    );
+    CREATE TABLE blobs (
+        id TEXT PRIMARY KEY,
+        hash TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        media_type TEXT NOT NULL,
+        filename TEXT,
+        created_us INTEGER NOT NULL
+    );
+    CREATE INDEX blobs_hash ON blobs (hash);
+    "#,
+];
+
+/// The schema version this build writes.
+pub(super) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// Apply the steps from the database's `user_version` up to `target`, each in its own transaction.
+pub(super) fn migrate(conn: &mut Connection, db: &Path, target: i64) -> Result<(), StoreError> {
+    let found: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(|e| sql_err(db, e))?;
+    if found > SCHEMA_VERSION {
+        return Err(StoreError::SchemaTooNew {
+            path: db.to_path_buf(),
+            found,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    for version in found..target.min(SCHEMA_VERSION) {
+        let step = MIGRATIONS[version as usize];
+        let fail = |e: rusqlite::Error| StoreError::Migration {
+            path: db.to_path_buf(),
+            to_version: version + 1,
+            detail: e.to_string(),
+        };
+        let tx = conn.transaction().map_err(fail)?;
+        tx.execute_batch(step).map_err(fail)?;
+        tx.pragma_update(None, "user_version", version + 1)
+            .map_err(fail)?;
+        tx.commit().map_err(fail)?;
+    }
+    Ok(())
+}
+
+/// What the pre-open look at the database file found.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum FileState {
+    /// No database yet (missing or empty file, no WAL content, no store marker).
+    Fresh,
+    /// Header intact and the file as long as the header says.
+    Sound,
+    /// Shorter than the header says while the WAL holds frames: legitimate after a crash in the
+    /// middle of a checkpoint (the WAL still has those pages), so SQLite's own check decides.
+    NeedsCheck,
+}
+
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+
+/// Look at `db` before SQLite does: SQLite treats a file shorter than one page as an empty
+/// database and would build a fresh schema over a torn one. `marker` exists once a store was
+/// created in this directory.
+pub(super) fn check_file(db: &Path, wal: &Path, marker: &Path) -> Result<FileState, StoreError> {
+    let wal_len = fs::metadata(wal).map(|m| m.len()).unwrap_or(0);
+    let len = match fs::metadata(db) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(StoreError::io(db, e)),
+    };
+    if len == 0 {
+        if marker.exists() || wal_len > 0 {
+            return Err(StoreError::Corrupt {
+                path: db.to_path_buf(),
+                detail: format!(
+                    "the database is missing or empty although {} shows a store was created here{}; restore it from a backup, or remove {} (and the -wal file) to start an empty store",
+                    marker.display(),
+                    if wal_len > 0 { " and its WAL holds data" } else { "" },
+                    marker.display()
+                ),
+            });
+        }
+        return Ok(FileState::Fresh);
+    }
+    let mut header = [0u8; 100];
+    let read = fs::File::open(db)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => StoreError::Corrupt {
+                path: db.to_path_buf(),
+                detail: format!(
+                    "the file is {len} bytes, shorter than the 100-byte SQLite header (torn)"
+                ),
+            },
+            _ => StoreError::io(db, e),
+        });
+    read?;
+    if &header[..16] != SQLITE_MAGIC {
+        return Err(StoreError::Corrupt {
+            path: db.to_path_buf(),
+            detail: "not a SQLite database (bad header)".into(),
+        });
+    }
+    let be32 = |at: usize| {
+        u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
+    let page_size = match u16::from_be_bytes([header[16], header[17]]) {
+        1 => 65536u64,
+        n => u64::from(n),
+    };
+    let pages = u64::from(be32(28));
+    // The in-header size is valid when the change counter equals version-valid-for (always, for
+    // files written by SQLite ≥ 3.7.0).
+    if be32(24) != be32(92) || pages == 0 {
+        return Ok(FileState::NeedsCheck);
+    }
+    let expected = pages * page_size;
+    if len >= expected {
+        return Ok(FileState::Sound);
+    }
+    if wal_len > 0 {
+        return Ok(FileState::NeedsCheck);
+    }
+    Err(StoreError::Corrupt {
+        path: db.to_path_buf(),
+        detail: format!(
+            "truncated: the header says {pages} pages ({expected} bytes) but the file has {len} bytes and there is no WAL to supply the rest"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_apply_in_order_and_a_newer_schema_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("x.db");
+        let mut conn = Connection::open(&db).expect("open");
+        migrate(&mut conn, &db, 1).expect("v1");
+        let v: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(v, 1);
+        migrate(&mut conn, &db, SCHEMA_VERSION).expect("latest");
+        let n: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_schema WHERE name = 'blobs'",
+                [],
+                |r| r.get(0),
+            )
+            .expect("schema");
+        assert_eq!(n, 1);
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+            .expect("bump");
+        let err = migrate(&mut conn, &db, SCHEMA_VERSION).expect_err("too new");
+        assert!(
+            matches!(err, StoreError::SchemaTooNew { found, .. } if found == SCHEMA_VERSION + 1)
+        );
+        assert!(err.to_string().contains("x.db"), "{err}");
+    }
+
+    #[test]
+    fn torn_or_foreign_files_are_refused_before_sqlite_sees_them() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (db, wal, marker) = (
+            dir.path().join("a.db"),
+            dir.path().join("a.db-wal"),
+            dir.path().join("m"),
+        );
+        assert_eq!(
+            check_file(&db, &wal, &marker).expect("fresh"),
+            FileState::Fresh
+        );
+        fs::write(&db, b"SQLite format 3\0short").expect("write");
+        let err = check_file(&db, &wal, &marker).expect_err("torn header");
+        assert!(
+            err.to_string().contains("a.db") && err.to_string().contains("torn"),
+            "{err}"
+        );
+        fs::write(&db, vec![b'x'; 4096]).expect("write");
+        assert!(check_file(&db, &wal, &marker)
+            .expect_err("foreign")
+            .to_string()
+            .contains("not a SQLite"));
+        fs::write(&db, b"").expect("write");
+        fs::write(&marker, b"").expect("write");
+        assert!(check_file(&db, &wal, &marker)
+            .expect_err("emptied")
+            .to_string()
+            .contains("missing or empty"));
+    }
+}

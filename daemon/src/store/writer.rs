@@ -1,0 +1,563 @@
+//! The single writer: a dedicated thread owns the write connection and commits submitted ops in
+//! batches (group commit), one transaction per batch, and calls each op's completion only after
+//! the batch's commit returned. It never reads on behalf of callers and never reorders ops.
+
+use std::fs;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::Value as Json;
+
+use super::chain::{record_hash, GENESIS};
+use super::{sql_err, BlobMeta, Durability, StoreError};
+
+/// Completion of one op: called exactly once, on the writer thread, with `Ok` after the op's batch
+/// committed (fsynced in strict mode) or with the error. It must not block or wait on the store.
+pub type Done = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+/// One write.
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// Create a model or replace its spec and version (its audit chain and data are kept).
+    PutModel {
+        id: String,
+        spec_text: String,
+        version: String,
+        at_us: i64,
+    },
+    /// Remove the model and all its rows: audit, audit paths, checkpoints, snapshots. Idempotent.
+    DeleteModel { id: String },
+    /// Append the next record of a model's chain.
+    AppendAudit(AuditAppend),
+    /// The model's state after applying record `sequence` (which must be committed).
+    Checkpoint {
+        model_id: String,
+        sequence: u64,
+        at_us: i64,
+        state: Json,
+    },
+    /// Store (or replace) a named snapshot of a model.
+    PutSnapshot {
+        model_id: String,
+        snapshot_id: String,
+        at_us: i64,
+        snapshot: Json,
+    },
+    /// Remove a named snapshot. Idempotent.
+    DeleteSnapshot {
+        model_id: String,
+        snapshot_id: String,
+    },
+    /// Store (or replace) blob metadata; write the bytes first with `Store::put_blob_bytes`.
+    PutBlob(BlobMeta),
+}
+
+/// An audit record ready to append: validated (chained fields present, hash correct) and
+/// serialized on the caller's thread, so the writer thread only does SQL.
+#[derive(Clone, Debug)]
+pub struct AuditAppend {
+    model_id: String,
+    sequence: u64,
+    at_us: i64,
+    prev_hash: String,
+    hash: String,
+    text: String,
+    paths: Vec<String>,
+}
+
+impl AuditAppend {
+    /// From the record as served (with `modelId`, `sequence`, `prevHash`, `hash`); `paths` are
+    /// what a `pathPrefix` filter matches (duplicates are fine). Fails when a field is missing or
+    /// `hash` is not [`record_hash`] of the record.
+    pub fn new(at_us: i64, record: &Json, paths: Vec<String>) -> Result<AuditAppend, StoreError> {
+        let invalid = |detail: &str| StoreError::InvalidRecord {
+            detail: detail.to_string(),
+        };
+        let model_id = record
+            .get("modelId")
+            .and_then(Json::as_str)
+            .ok_or_else(|| invalid("no string modelId"))?;
+        let sequence = record
+            .get("sequence")
+            .and_then(Json::as_u64)
+            .filter(|s| i64::try_from(*s).is_ok())
+            .ok_or_else(|| invalid("no sequence (an integer 0..2^63)"))?;
+        let prev_hash = record
+            .get("prevHash")
+            .and_then(Json::as_str)
+            .ok_or_else(|| invalid("no string prevHash"))?;
+        let hash = record
+            .get("hash")
+            .and_then(Json::as_str)
+            .ok_or_else(|| invalid("no string hash"))?;
+        if record_hash(prev_hash, record) != hash {
+            return Err(StoreError::InvalidRecord {
+                detail: format!(
+                    "record {sequence} of model `{model_id}`: hash is not blake3(prevHash || RFC 8785 record without hash)"
+                ),
+            });
+        }
+        let text = serde_json::to_string(record).map_err(|e| invalid(&e.to_string()))?;
+        Ok(AuditAppend {
+            model_id: model_id.to_string(),
+            sequence,
+            at_us,
+            prev_hash: prev_hash.to_string(),
+            hash: hash.to_string(),
+            text,
+            paths,
+        })
+    }
+
+    /// The model the record belongs to.
+    pub fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    /// The record's sequence.
+    pub fn sequence(&self) -> u64 {
+        self.sequence
+    }
+}
+
+/// Writer counters since open (for benchmarks and metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriterStats {
+    /// Transactions committed with at least one successful op.
+    pub batches_committed: u64,
+    /// Ops committed.
+    pub ops_committed: u64,
+    /// Commit fsyncs: strict-mode batch commits plus relaxed-mode flushes (WAL checkpoints, which
+    /// SQLite fsyncs too, are not counted).
+    pub fsyncs: u64,
+    /// Batches rolled back as a whole (disk full, read-only, I/O error).
+    pub batches_failed: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    batches: AtomicU64,
+    ops: AtomicU64,
+    fsyncs: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// A completion that reports `WriterStopped` if it is dropped unused (queued when the writer
+/// stopped), so every submitted op is answered exactly once.
+struct Ack(Option<Done>);
+
+impl Ack {
+    fn complete(mut self, r: Result<(), StoreError>) {
+        if let Some(f) = self.0.take() {
+            // A panicking callback must not take the writer down with it.
+            let _ = catch_unwind(AssertUnwindSafe(move || f(r)));
+        }
+    }
+}
+
+impl Drop for Ack {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            let _ = catch_unwind(AssertUnwindSafe(move || f(Err(StoreError::WriterStopped))));
+        }
+    }
+}
+
+enum Msg {
+    Op(Op, Ack),
+    /// Answered once everything queued before it is durable.
+    Flush(Ack),
+    Shutdown,
+}
+
+/// A cheap, cloneable handle to the writer thread.
+#[derive(Clone)]
+pub struct Writer {
+    tx: SyncSender<Msg>,
+    counters: Arc<Counters>,
+}
+
+impl Writer {
+    /// Queue `op`; `done` is called exactly once (see [`Done`]). Blocks while the queue is full
+    /// (backpressure: the writer drains it at disk speed); after shutdown `done` gets
+    /// `WriterStopped` at once.
+    pub fn submit(&self, op: Op, done: Done) {
+        // On a send error the message is dropped and its Ack answers WriterStopped.
+        let _ = self.tx.send(Msg::Op(op, Ack(Some(done))));
+    }
+
+    /// Submit `op` and wait for its completion.
+    pub fn apply(&self, op: Op) -> Result<(), StoreError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.submit(
+            op,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx.recv().unwrap_or(Err(StoreError::WriterStopped))
+    }
+
+    /// Wait until everything submitted before this call is committed and durable (in relaxed mode
+    /// this fsyncs the WAL). Errors of individual ops go to their own completions.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let ack = Ack(Some(Box::new(move |r| {
+            let _ = tx.send(r);
+        })));
+        let _ = self.tx.send(Msg::Flush(ack));
+        rx.recv().unwrap_or(Err(StoreError::WriterStopped))
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> WriterStats {
+        WriterStats {
+            batches_committed: self.counters.batches.load(Ordering::Relaxed),
+            ops_committed: self.counters.ops.load(Ordering::Relaxed),
+            fsyncs: self.counters.fsyncs.load(Ordering::Relaxed),
+            batches_failed: self.counters.failed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Ask the thread to commit what is queued before this and stop.
+    pub(super) fn shutdown(&self) {
+        let _ = self.tx.send(Msg::Shutdown);
+    }
+}
+
+/// Start the writer thread on `conn`.
+pub(super) fn spawn(
+    conn: Connection,
+    db: PathBuf,
+    durability: Durability,
+    queue_capacity: usize,
+    max_batch_ops: usize,
+) -> Result<(Writer, JoinHandle<()>), StoreError> {
+    let (tx, rx) = mpsc::sync_channel(queue_capacity.max(1));
+    let counters = Arc::new(Counters::default());
+    let mut wal = db.clone().into_os_string();
+    wal.push("-wal");
+    let state = WriterThread {
+        conn,
+        db: db.clone(),
+        wal: PathBuf::from(wal),
+        durability,
+        max_batch: max_batch_ops.max(1),
+        counters: counters.clone(),
+    };
+    let handle = std::thread::Builder::new()
+        .name("valem-store-writer".into())
+        .spawn(move || state.run(rx))
+        .map_err(|e| StoreError::io(&db, e))?;
+    Ok((Writer { tx, counters }, handle))
+}
+
+struct WriterThread {
+    conn: Connection,
+    db: PathBuf,
+    wal: PathBuf,
+    durability: Durability,
+    max_batch: usize,
+    counters: Arc<Counters>,
+}
+
+/// How an op failed: alone (its savepoint is rolled back, the batch goes on) or the whole batch.
+enum Failure {
+    Op(StoreError),
+    Batch(rusqlite::Error),
+}
+
+impl From<rusqlite::Error> for Failure {
+    fn from(e: rusqlite::Error) -> Failure {
+        match e.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::ConstraintViolation) => Failure::Op(StoreError::Constraint {
+                detail: e.to_string(),
+            }),
+            _ => Failure::Batch(e),
+        }
+    }
+}
+
+impl WriterThread {
+    fn run(mut self, rx: Receiver<Msg>) {
+        let mut ops: Vec<(Op, Ack)> = Vec::with_capacity(self.max_batch);
+        let mut flushes: Vec<Ack> = Vec::new();
+        loop {
+            let mut stop = match rx.recv() {
+                Ok(m) => self.take(m, &mut ops, &mut flushes),
+                Err(_) => true, // every handle is gone
+            };
+            while !stop && ops.len() < self.max_batch {
+                match rx.try_recv() {
+                    Ok(m) => stop = self.take(m, &mut ops, &mut flushes),
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                }
+            }
+            if !ops.is_empty() {
+                let results = self.execute(&ops);
+                for ((_, ack), r) in ops.drain(..).zip(results) {
+                    ack.complete(r);
+                }
+            }
+            if !flushes.is_empty() {
+                let r = self.sync_for_flush();
+                for ack in flushes.drain(..) {
+                    ack.complete(r.clone());
+                }
+            }
+            if stop {
+                break;
+            }
+        }
+        // Clean shutdown: fold the WAL into the database (best effort: a reader may hold it).
+        let _ = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+        // Messages still queued are dropped with `rx`; their Acks answer WriterStopped.
+    }
+
+    /// Returns whether the writer should stop after this batch.
+    fn take(&self, m: Msg, ops: &mut Vec<(Op, Ack)>, flushes: &mut Vec<Ack>) -> bool {
+        match m {
+            Msg::Op(op, ack) => ops.push((op, ack)),
+            Msg::Flush(ack) => flushes.push(ack),
+            Msg::Shutdown => return true,
+        }
+        false
+    }
+
+    fn sync_for_flush(&self) -> Result<(), StoreError> {
+        if self.durability == Durability::Strict {
+            return Ok(()); // every commit was already fsynced
+        }
+        match fs::File::open(&self.wal) {
+            Ok(f) => {
+                f.sync_all().map_err(|e| StoreError::io(&self.wal, e))?;
+                self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            // No WAL: everything was checkpointed into the database (and fsynced by it).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(&self.wal, e)),
+        }
+    }
+
+    /// One transaction for the whole batch; the result of each op in order.
+    fn execute(&mut self, ops: &[(Op, Ack)]) -> Vec<Result<(), StoreError>> {
+        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
+        let changes_before = self.conn.total_changes();
+        let outcome = (|| -> Result<(), rusqlite::Error> {
+            self.conn.execute_batch("BEGIN IMMEDIATE")?;
+            for (op, _) in ops {
+                self.conn.prepare_cached("SAVEPOINT op")?.execute([])?;
+                match apply(&self.conn, op) {
+                    Ok(()) => {
+                        self.conn.prepare_cached("RELEASE op")?.execute([])?;
+                        results.push(Ok(()));
+                    }
+                    Err(Failure::Op(e)) => {
+                        self.conn.prepare_cached("ROLLBACK TO op")?.execute([])?;
+                        self.conn.prepare_cached("RELEASE op")?.execute([])?;
+                        results.push(Err(e));
+                    }
+                    Err(Failure::Batch(e)) => return Err(e),
+                }
+            }
+            self.conn.execute_batch("COMMIT")
+        })();
+        match outcome {
+            Ok(()) => {
+                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+                if ok > 0 {
+                    self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                    self.counters.ops.fetch_add(ok, Ordering::Relaxed);
+                    // A commit that changed no row writes no WAL frame, so SQLite syncs nothing.
+                    let wrote = self.conn.total_changes() > changes_before;
+                    if self.durability == Durability::Strict && wrote {
+                        self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                results
+            }
+            Err(e) => {
+                if !self.conn.is_autocommit() {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                }
+                self.counters.failed.fetch_add(1, Ordering::Relaxed);
+                let err = sql_err(&self.db, e);
+                ops.iter().map(|_| Err(err.clone())).collect()
+            }
+        }
+    }
+}
+
+fn seq_param(s: u64) -> Result<i64, Failure> {
+    i64::try_from(s).map_err(|_| {
+        Failure::Op(StoreError::InvalidRecord {
+            detail: format!("sequence {s} exceeds 2^63-1"),
+        })
+    })
+}
+
+/// The chain head of a model: `Ok(None)` when it has no record yet.
+fn head(conn: &Connection, model_id: &str) -> Result<Option<(u64, String)>, Failure> {
+    let row: Option<(Option<i64>, String)> = conn
+        .prepare_cached("SELECT head_seq, head_hash FROM models WHERE id = ?1")?
+        .query_row([model_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    let Some((seq, hash)) = row else {
+        return Err(Failure::Op(StoreError::ModelNotFound {
+            model_id: model_id.to_string(),
+        }));
+    };
+    Ok(seq.map(|s| (s.max(0) as u64, hash)))
+}
+
+fn to_text(v: &Json) -> Result<String, Failure> {
+    serde_json::to_string(v).map_err(|e| {
+        Failure::Op(StoreError::InvalidRecord {
+            detail: e.to_string(),
+        })
+    })
+}
+
+fn apply(conn: &Connection, op: &Op) -> Result<(), Failure> {
+    match op {
+        Op::PutModel {
+            id,
+            spec_text,
+            version,
+            at_us,
+        } => {
+            conn.prepare_cached(
+                "INSERT INTO models (id, spec, version, created_us, updated_us, head_seq, head_hash)
+                 VALUES (?1, ?2, ?3, ?4, ?4, NULL, ?5)
+                 ON CONFLICT (id) DO UPDATE SET spec = excluded.spec, version = excluded.version,
+                     updated_us = excluded.updated_us",
+            )?
+            .execute(params![id, spec_text, version, at_us, GENESIS])?;
+        }
+        Op::DeleteModel { id } => {
+            for sql in [
+                "DELETE FROM audit_paths WHERE model_id = ?1",
+                "DELETE FROM audit WHERE model_id = ?1",
+                "DELETE FROM checkpoints WHERE model_id = ?1",
+                "DELETE FROM snapshots WHERE model_id = ?1",
+                "DELETE FROM models WHERE id = ?1",
+            ] {
+                conn.prepare_cached(sql)?.execute([id])?;
+            }
+        }
+        Op::AppendAudit(a) => {
+            let head = head(conn, &a.model_id)?;
+            let (expected, prev) = match &head {
+                Some((s, h)) => (s + 1, h.as_str()),
+                None => (0, GENESIS),
+            };
+            if a.sequence != expected {
+                return Err(Failure::Op(StoreError::OutOfSequence {
+                    model_id: a.model_id.clone(),
+                    expected,
+                    got: a.sequence,
+                }));
+            }
+            if a.prev_hash != prev {
+                return Err(Failure::Op(StoreError::ChainMismatch {
+                    model_id: a.model_id.clone(),
+                    sequence: a.sequence,
+                }));
+            }
+            let seq = seq_param(a.sequence)?;
+            conn.prepare_cached(
+                "INSERT INTO audit (model_id, sequence, at_us, record, prev_hash, hash)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?
+            .execute(params![
+                a.model_id,
+                seq,
+                a.at_us,
+                a.text,
+                a.prev_hash,
+                a.hash
+            ])?;
+            let mut path = conn.prepare_cached(
+                "INSERT OR IGNORE INTO audit_paths (model_id, path, sequence) VALUES (?1, ?2, ?3)",
+            )?;
+            for p in &a.paths {
+                path.execute(params![a.model_id, p, seq])?;
+            }
+            conn.prepare_cached("UPDATE models SET head_seq = ?2, head_hash = ?3 WHERE id = ?1")?
+                .execute(params![a.model_id, seq, a.hash])?;
+        }
+        Op::Checkpoint {
+            model_id,
+            sequence,
+            at_us,
+            state,
+        } => {
+            let committed = head(conn, model_id)?.map(|(s, _)| s);
+            if committed.is_none_or(|h| *sequence > h) {
+                return Err(Failure::Op(StoreError::CheckpointAhead {
+                    model_id: model_id.clone(),
+                    sequence: *sequence,
+                    head: committed,
+                }));
+            }
+            conn.prepare_cached(
+                "INSERT OR REPLACE INTO checkpoints (model_id, sequence, at_us, state)
+                 VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute(params![
+                model_id,
+                seq_param(*sequence)?,
+                at_us,
+                to_text(state)?
+            ])?;
+        }
+        Op::PutSnapshot {
+            model_id,
+            snapshot_id,
+            at_us,
+            snapshot,
+        } => {
+            head(conn, model_id)?;
+            conn.prepare_cached(
+                "INSERT OR REPLACE INTO snapshots (model_id, snapshot_id, at_us, snapshot)
+                 VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute(params![model_id, snapshot_id, at_us, to_text(snapshot)?])?;
+        }
+        Op::DeleteSnapshot {
+            model_id,
+            snapshot_id,
+        } => {
+            conn.prepare_cached("DELETE FROM snapshots WHERE model_id = ?1 AND snapshot_id = ?2")?
+                .execute(params![model_id, snapshot_id])?;
+        }
+        Op::PutBlob(b) => {
+            let size = i64::try_from(b.size).map_err(|_| {
+                Failure::Op(StoreError::InvalidRecord {
+                    detail: format!("blob size {} exceeds 2^63-1", b.size),
+                })
+            })?;
+            conn.prepare_cached(
+                "INSERT OR REPLACE INTO blobs (id, hash, size, media_type, filename, created_us)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?
+            .execute(params![
+                b.id,
+                b.hash,
+                size,
+                b.media_type,
+                b.filename,
+                b.created_us
+            ])?;
+        }
+    }
+    Ok(())
+}
