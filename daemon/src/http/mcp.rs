@@ -224,11 +224,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             format!("Request body too large: the limit is {limit} bytes (--max-body-bytes)"),
         )
     };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if super::rest::extract::declares_over(&headers, limit) {
         return too_large();
     }
     if let Err(r) = check_version(&headers) {
@@ -328,7 +324,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             .lock()
             .map(|mut e| std::mem::take(&mut *e))
             .unwrap_or_default();
-        let mut res = if emitted.is_empty() {
+        let res = if emitted.is_empty() {
             plain_reply(&st, created, &sid, reply, json_ok)
         } else {
             let all = emitted.into_iter().chain(reply);
@@ -337,12 +333,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             ))
             .into_response()
         };
-        if created {
-            if let Ok(v) = HeaderValue::from_str(&sid) {
-                res.headers_mut().insert(SESSION_HEADER, v);
-            }
-        }
-        return res;
+        return with_session_header(res, created, &sid);
     }
     // Messages the request emits while it runs (progress, logs, requests to the client) need a
     // stream: the reply switches to SSE at the first one; a plain call stays JSON.
@@ -354,7 +345,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
     });
     let task = tokio::task::spawn_blocking(move || session.handle_in(msg, io.as_ref()));
     let first = rx.recv().await;
-    let mut res = match first {
+    let res = match first {
         None => {
             let reply = match task.await {
                 Ok(r) => r,
@@ -379,8 +370,13 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             Sse::new(all).into_response()
         }
     };
+    with_session_header(res, created, &sid)
+}
+
+/// A reply to the `initialize` that opened a session names it in `Mcp-Session-Id`.
+fn with_session_header(mut res: Response, created: bool, sid: &str) -> Response {
     if created {
-        if let Ok(v) = HeaderValue::from_str(&sid) {
+        if let Ok(v) = HeaderValue::from_str(sid) {
             res.headers_mut().insert(SESSION_HEADER, v);
         }
     }

@@ -128,20 +128,26 @@ fn too_large(limit: usize, flag: &str) -> ApiError {
     )
 }
 
-/// 413 for a body whose declared `Content-Length` is over `limit`: refused before a byte of
-/// it is read (the limit on the body stream catches undeclared lengths).
+/// Whether the request declares a `Content-Length` over `limit` (refused before a byte of the
+/// body is read; the limit on the body stream catches undeclared lengths).
+pub fn declares_over(headers: &HeaderMap, limit: usize) -> bool {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > limit as u64)
+}
+
+/// 413 for a body whose declared `Content-Length` is over `limit`.
 pub fn check_declared_length(
     headers: &HeaderMap,
     limit: usize,
     flag: &str,
 ) -> Result<(), ApiError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    match declared {
-        Some(n) if n > limit as u64 => Err(too_large(limit, flag)),
-        _ => Ok(()),
+    if declares_over(headers, limit) {
+        Err(too_large(limit, flag))
+    } else {
+        Ok(())
     }
 }
 
