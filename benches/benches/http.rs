@@ -26,6 +26,10 @@ use valem::mcp::{guidance::Catalog, Mode, Server};
 use valem::service::{ModelService, ServiceLimits};
 use valem_tests::load::{self, Surface};
 
+// The allocator of the `valem` binary, so the in-process server time is the daemon's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const DEMO: &str = r#"{"id":"demo","version":"1","schema":{},"derivations":[{"path":"$.total","expr":"price * qty"}]}"#;
 
 fn price(i: usize) -> f64 {

@@ -298,6 +298,15 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         return StatusCode::ACCEPTED.into_response();
     }
     let session = hs.session.clone();
+    if let Some(call) = session.call_deferred(&msg) {
+        // A cycle: await the shard; the worker serves other connections meanwhile.
+        let reply = call.await;
+        return with_session_header(
+            plain_reply(&st, created, &sid, reply, json_ok),
+            created,
+            &sid,
+        );
+    }
     if runs_inline(&st, &msg) {
         // Nothing in this request waits on the client or reports progress: run it in place
         // (no hop to the blocking pool) and send what it emitted (logs) before the reply.

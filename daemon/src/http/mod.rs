@@ -228,6 +228,38 @@ pub fn serve(
     rt.block_on(run(config, service, mcp, ready))
 }
 
+/// Counts open connections and tells the service whether its async callers may poll for an
+/// answer: only while every connection can have a reactor thread to itself. With more, a
+/// polling worker would be starving connections that have requests ready.
+struct ConnGauge {
+    open: Arc<std::sync::atomic::AtomicUsize>,
+    service: Arc<ModelService>,
+    workers: usize,
+}
+
+impl ConnGauge {
+    fn open(
+        open: &Arc<std::sync::atomic::AtomicUsize>,
+        service: &Arc<ModelService>,
+        workers: usize,
+    ) -> ConnGauge {
+        let n = open.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        service.set_async_polling(n <= workers);
+        ConnGauge {
+            open: open.clone(),
+            service: service.clone(),
+            workers,
+        }
+    }
+}
+
+impl Drop for ConnGauge {
+    fn drop(&mut self) {
+        let n = self.open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) - 1;
+        self.service.set_async_polling(n <= self.workers);
+    }
+}
+
 async fn run(
     config: Config,
     service: Arc<ModelService>,
@@ -254,6 +286,8 @@ async fn run(
         .max_buf_size(64 << 10);
     let builder = builder.http1_only();
     let slots = Arc::new(tokio::sync::Semaphore::new(config.max_connections.max(1)));
+    let open_conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let mut signal = std::pin::pin!(shutdown_signal());
     loop {
         let permit = tokio::select! {
@@ -273,6 +307,7 @@ async fn run(
             _ = &mut signal => break,
         };
         let _ = stream.set_nodelay(true);
+        let gauge = ConnGauge::open(&open_conns, &service, workers);
         let svc = TowerToHyperService::new(app.clone());
         let builder = builder.clone();
         let mut stop = stop_rx.clone();
@@ -309,6 +344,7 @@ async fn run(
             if let Err(e) = r {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
+            drop(gauge);
             drop(permit);
         });
     }

@@ -354,6 +354,64 @@ impl Session {
         }
     }
 
+    /// A single `tools/call` of a tool with an async form (`mutate`), as a future that awaits
+    /// the shard instead of blocking a thread; `None` for every other message, which goes to
+    /// [`handle_in`](Self::handle_in). The answer is the same either way; `None` from the
+    /// future means the call was cancelled while it ran.
+    pub fn call_deferred(
+        &self,
+        msg: &Json,
+    ) -> Option<impl std::future::Future<Output = Option<Json>> + Send + 'static> {
+        let m = msg.as_object()?;
+        if m.get("jsonrpc")?.as_str()? != "2.0"
+            || m.get("method")?.as_str()? != "tools/call"
+            || self.server.fixtures()
+        {
+            return None;
+        }
+        let id = m
+            .get("id")
+            .filter(|i| i.is_string() || i.is_number())?
+            .clone();
+        let params = m.get("params")?.as_object()?;
+        let tool = self.server.tools.get(params.get("name")?.as_str()?)?;
+        let args = match params.get("arguments") {
+            None | Some(Json::Null) => Json::Object(Map::new()),
+            Some(a @ Json::Object(_)) => a.clone(),
+            Some(_) => return None,
+        };
+        if !tool.is_deferred() {
+            return None;
+        }
+        let me = self.me.upgrade()?;
+        let key = id_key(&id);
+        {
+            let mut st = self.lock();
+            if !st.initialized || st.cancelled.contains(&key) {
+                return None;
+            }
+            st.in_flight.insert(key.clone());
+        }
+        let ctx = tools::Ctx {
+            server: &self.server,
+        };
+        let call = tool.call_deferred(&ctx, args);
+        Some(async move {
+            let outcome = match call {
+                Some(c) => c.await,
+                None => Err(tools::ToolError::Message(
+                    "the tool has no async form".into(),
+                )),
+            };
+            let mut st = me.lock();
+            st.in_flight.remove(&key);
+            if st.cancelled.remove(&key) {
+                return None;
+            }
+            Some(result(id, tools::envelope(outcome)))
+        })
+    }
+
     fn handle_batch(&self, items: Vec<Json>, io: Option<&Outbox>) -> Option<Json> {
         let allowed = matches!(self.protocol_version(), Some("2024-11-05" | "2025-03-26"));
         if !allowed {

@@ -14,7 +14,7 @@ use super::Server;
 use crate::engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
 use crate::engine::{CreateError, MutationError};
 use crate::service::time::{now_us, parse_iso};
-use crate::service::{AuditQuery, BlobRef, ModelInfo, ServiceError};
+use crate::service::{mutation_list, AuditQuery, BlobRef, ModelInfo, ServiceError};
 use crate::spec::{parse_spec, TestCase};
 
 /// The tools that never touch the registry (the proxy runs them locally).
@@ -47,6 +47,11 @@ pub type Outcome = Result<Json, ToolError>;
 
 type Handler = fn(&Ctx<'_>, Json) -> Outcome;
 
+/// A tool call in flight.
+pub type Deferred = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
+
+type DeferredHandler = fn(&Ctx<'_>, Json) -> Deferred;
+
 /// One tool.
 pub struct Tool {
     pub name: &'static str,
@@ -56,11 +61,24 @@ pub struct Tool {
     pub output_schema: Option<Json>,
     pub annotations: Json,
     handler: Handler,
+    /// The async form of a tool whose work is one shard call: `/mcp` awaits it without
+    /// holding a reactor thread (threads call `handler`).
+    deferred: Option<DeferredHandler>,
 }
 
 impl Tool {
     pub fn call(&self, ctx: &Ctx<'_>, args: Json) -> Outcome {
         (self.handler)(ctx, args)
+    }
+
+    /// Whether the tool has an async form.
+    pub fn is_deferred(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// The call as a future, for tools that have an async form.
+    pub fn call_deferred(&self, ctx: &Ctx<'_>, args: Json) -> Option<Deferred> {
+        self.deferred.map(|d| d(ctx, args))
     }
 
     fn json(&self) -> Json {
@@ -98,6 +116,20 @@ impl Catalog {
     pub fn list_json(&self) -> Json {
         self.list.clone()
     }
+}
+
+/// `mutate`: one reactive cycle; the MutationResult (traces on request).
+fn mutate(c: &Ctx<'_>, a: Json) -> Deferred {
+    let a: MutateArgs = match args("mutate", a) {
+        Ok(a) => a,
+        Err(e) => return Box::pin(std::future::ready(Err(e))),
+    };
+    let traces = a.include_traces.unwrap_or(false);
+    let cycle = c
+        .server
+        .service
+        .mutate_async(&a.id, mutation_list(&a.mutations));
+    Box::pin(async move { Ok(cycle.await?.to_json(traces)) })
 }
 
 // --- the result envelope --------------------------------------------------------------------
@@ -454,6 +486,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<NoArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 args::<NoArgs>("list_models", a)?;
                 ops::list_models(&c.server.service)
@@ -469,6 +502,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             ),
             output_schema: Some(output_of::<ModelInfo>()),
             annotations: annotations(false, false, false),
+            deferred: None,
             handler: |c, a| {
                 let a: SpecArg = args("create_model", a)?;
                 ops::create_model(&c.server.service, a.spec)
@@ -481,6 +515,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(output_of::<ModelInfo>()),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_model_info", a)?;
                 ops::model_info(&c.server.service, &a.id)
@@ -493,6 +528,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_spec", a)?;
                 ops::model_spec(&c.server.service, &a.id)
@@ -505,6 +541,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<StateArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            deferred: None,
             handler: get_state,
         },
         Tool {
@@ -514,6 +551,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<PathArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: PathArgs = args("get_field", a)?;
                 ops::field(&c.server.service, &a.id, &a.path)
@@ -526,6 +564,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<PathArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: PathArgs = args("get_effective_schema", a)?;
                 ops::effective_schema(&c.server.service, &a.id, &a.path)
@@ -538,6 +577,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<MutateArgs>(),
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
+            deferred: Some(mutate),
             handler: |c, a| {
                 let a: MutateArgs = args("mutate", a)?;
                 ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false))
@@ -550,6 +590,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<PatchArgs>(),
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
+            deferred: None,
             handler: |c, a| {
                 let a: PatchArgs = args("patch_model", a)?;
                 ops::patch(&c.server.service, &a.id, a.patch, a.include_traces.unwrap_or(false))
@@ -562,6 +603,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<ExplainArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: ExplainArgs = args("explain", a)?;
                 ops::explain(&c.server.service, &a.id, &a.path, a.limit)
@@ -574,6 +616,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_history", a)?;
                 ops::history(&c.server.service, &a.id)
@@ -586,6 +629,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<AuditArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: AuditArgs = args("get_audit", a)?;
                 let instant = |s: Option<String>| -> Result<Option<i64>, ToolError> {
@@ -607,6 +651,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(verify_schema()),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("verify_audit", a)?;
                 Ok(c.server.service.verify_audit(&a.id)?)
@@ -630,6 +675,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["modelId", "modelVersion", "baseDoc", "derivedCache", "metaCache"]
             })),
             annotations: annotations(false, false, true),
+            deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("snapshot", a)?;
                 ops::snapshot(&c.server.service, &a.id)
@@ -642,6 +688,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<RestoreArgs>(),
             output_schema: Some(any_object()),
             annotations: annotations(false, false, true),
+            deferred: None,
             handler: |c, a| {
                 let a: RestoreArgs = args("restore", a)?;
                 ops::restore(&c.server.service, &a.id, a.snapshot)
@@ -660,6 +707,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             ),
             output_schema: Some(or_structured_error(output_of::<ModelInfo>())),
             annotations: annotations(false, true, false),
+            deferred: None,
             handler: |c, a| {
                 #[derive(Deserialize)]
                 #[serde(deny_unknown_fields)]
@@ -682,6 +730,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["deleted", "id"]
             })),
             annotations: annotations(false, true, true),
+            deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("delete_model", a)?;
                 ops::delete(&c.server.service, &a.id)
@@ -694,6 +743,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<ViewArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: ViewArgs = args("get_view", a)?;
                 ops::view(&c.server.service, &a.id, a.view_id.as_deref())
@@ -706,6 +756,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_library", a)?;
                 c.server.service.library(&a.id)?.ok_or_else(|| {
@@ -720,6 +771,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<UploadArgs>(),
             output_schema: Some(output_of::<BlobRef>()),
             annotations: annotations(false, false, true),
+            deferred: None,
             handler: |c, a| {
                 let a: UploadArgs = args("upload_blob", a)?;
                 ops::upload_blob(&c.server.service, &a.data, a.media_type)
@@ -741,6 +793,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["blobId", "bytes", "mediaType", "data"]
             })),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: DownloadArgs = args("download_blob", a)?;
                 ops::download_blob(&c.server.service, &a.blob_id, a.model_id.as_deref())
@@ -754,6 +807,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: guidance_schema,
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: GuidanceArgs = args("get_domain_guidance", a)?;
                 Ok(c.server.guidance.guidance(&a.topics))
@@ -766,6 +820,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<SpecArg>(),
             output_schema: Some(output_of::<crate::spec::validate::Report>()),
             annotations: ro.clone(),
+            deferred: None,
             handler: |c, a| {
                 let a: SpecArg = args("validate_spec", a)?;
                 let report = crate::spec::validate::validate_json(
@@ -795,6 +850,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["ok"]
             })),
             annotations: ro.clone(),
+            deferred: None,
             handler: eval_expression,
         },
         Tool {
@@ -804,6 +860,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<TestArgs>(),
             output_schema: Some(output_of::<crate::engine::testrun::TestReport>()),
             annotations: ro.clone(),
+            deferred: None,
             handler: test_spec,
         },
         Tool {
@@ -813,6 +870,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<DryRunArgs>(),
             output_schema: Some(or_structured_error(any_object())),
             annotations: ro,
+            deferred: None,
             handler: |c, a| {
                 let a: DryRunArgs = args("dry_run", a)?;
                 let spec = parse_spec(&Json::Object(a.spec))

@@ -11,7 +11,10 @@ mod shard;
 pub mod time;
 
 use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::task::Poll;
+
 use std::sync::{Arc, Mutex};
+use tokio::sync::oneshot;
 
 use serde::Serialize;
 use serde_json::{Map, Value as Json};
@@ -148,6 +151,11 @@ pub enum ServiceError {
     BadRequest(String),
     #[error("the service is shutting down")]
     Unavailable,
+    /// The model's shard has this many requests queued already: the daemon is overloaded.
+    #[error(
+        "the daemon is overloaded ({0} requests are queued for this model's shard); retry shortly"
+    )]
+    Busy(usize),
 }
 
 impl ServiceError {
@@ -236,43 +244,168 @@ impl Subscribers {
 
 type Job = Box<dyn FnOnce(&mut Shard) + Send>;
 
+/// A shard's queue, how many of its jobs are queued or running, and whether polling for its
+/// answers has been paying off.
+struct ShardHandle {
+    tx: SyncSender<Job>,
+    depth: Arc<std::sync::atomic::AtomicUsize>,
+    poll: Arc<PollCredit>,
+}
+
+/// Adaptive polling for async callers. A poll that catches the answer saves a reactor thread's
+/// park and wake-up; one that misses burns a core for nothing, which on a loaded small machine
+/// starves the very threads that would produce the answer. So a shard whose answers were caught
+/// keeps being polled, and one whose polls missed stops (halving per miss) except for one
+/// probe in 32 calls.
+#[derive(Default)]
+struct PollCredit {
+    credit: std::sync::atomic::AtomicU32,
+    calls: std::sync::atomic::AtomicU32,
+}
+
+impl PollCredit {
+    const FULL: u32 = 8;
+
+    fn wanted(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.credit.load(Relaxed) > 0 || self.calls.fetch_add(1, Relaxed).is_multiple_of(32)
+    }
+
+    fn record(&self, caught: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let next = if caught {
+            Self::FULL
+        } else {
+            self.credit.load(Relaxed) / 2
+        };
+        self.credit.store(next, Relaxed);
+    }
+}
+
 /// The model service. Cheap to share (`Arc`); every call blocks the caller until the owning
 /// shard answers.
 pub struct ModelService {
-    shards: Vec<SyncSender<Job>>,
+    shards: Vec<ShardHandle>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     limits: ServiceLimits,
     blobs: Mutex<BlobStore>,
     subscribers: Arc<Subscribers>,
     count: Arc<std::sync::atomic::AtomicUsize>,
     metrics: Arc<metrics::CycleMetrics>,
+    /// Whether async callers may poll for an answer at all (see [`Pending`]).
+    async_polling: std::sync::atomic::AtomicBool,
 }
 
 /// Jobs queued per shard before callers wait (back-pressure, not an error).
 const SHARD_QUEUE: usize = 1024;
 
-/// How long a caller polls for its shard's answer, and a shard for its next job, before
+/// How long a thread polls for its shard's answer, and a shard for its next job, before
 /// parking. A park/unpark pair costs tens of µs on a busy or virtualised host, more than a
-/// small cycle; a short poll keeps a conversation of calls (an agent's session, a bench)
-/// off the scheduler, and an idle shard parks after this long.
+/// small cycle; a short poll keeps a conversation of calls (an agent's session over stdio, a
+/// lone HTTP client) off the scheduler. Async callers poll only when their job was alone on the
+/// shard and polling has been catching answers ([`PollCredit`]).
 const REPLY_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
-const SHARD_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+const SHARD_SPIN: std::time::Duration = std::time::Duration::from_micros(20);
 
-/// Receive with a bounded poll before blocking; `None` when the sender is gone.
-fn spin_recv<T>(rx: &Receiver<T>, spin: std::time::Duration) -> Option<T> {
+/// Poll `ready` for up to `spin` (reading the clock only every 64 polls: on a virtualised host
+/// a clock read is not free), then give up.
+fn spin_until<T>(
+    spin: std::time::Duration,
+    mut ready: impl FnMut() -> Poll<Option<T>>,
+) -> Poll<Option<T>> {
     let start = std::time::Instant::now();
+    let mut n = 0u32;
     loop {
-        match rx.try_recv() {
-            Ok(v) => return Some(v),
-            Err(mpsc::TryRecvError::Disconnected) => return None,
-            Err(mpsc::TryRecvError::Empty) if start.elapsed() < spin => std::hint::spin_loop(),
-            Err(mpsc::TryRecvError::Empty) => return rx.recv().ok(),
+        if let Poll::Ready(v) = ready() {
+            return Poll::Ready(v);
         }
+        n = n.wrapping_add(1);
+        if n.is_multiple_of(64) && start.elapsed() >= spin {
+            return Poll::Pending;
+        }
+        std::hint::spin_loop();
     }
 }
 
 fn next_job(rx: &Receiver<Job>) -> Option<Job> {
-    spin_recv(rx, SHARD_SPIN)
+    let polled = spin_until(SHARD_SPIN, || match rx.try_recv() {
+        Ok(j) => Poll::Ready(Some(j)),
+        Err(mpsc::TryRecvError::Disconnected) => Poll::Ready(None),
+        Err(mpsc::TryRecvError::Empty) => Poll::Pending,
+    });
+    match polled {
+        Poll::Ready(j) => j,
+        Poll::Pending => rx.recv().ok(),
+    }
+}
+
+/// A shard's answer on its way. A thread [`wait`](Pending::wait)s for it; async code awaits it
+/// (it is a `Future`), so a reactor thread is never blocked on a shard. When the job was alone
+/// on its shard, the first poll may poll for up to [`REPLY_SPIN`] before yielding (see
+/// [`PollCredit`]): the answer is one cycle away, and a reactor thread's park and wake-up cost
+/// more than that on a virtualised host. Behind other jobs the answer is far off.
+pub struct Pending<R> {
+    rx: Result<oneshot::Receiver<R>, ServiceError>,
+    poll_first: Option<Arc<PollCredit>>,
+}
+
+fn try_answer<R>(rx: &mut oneshot::Receiver<R>) -> Poll<Option<R>> {
+    match rx.try_recv() {
+        Ok(v) => Poll::Ready(Some(v)),
+        Err(oneshot::error::TryRecvError::Closed) => Poll::Ready(None),
+        Err(oneshot::error::TryRecvError::Empty) => Poll::Pending,
+    }
+}
+
+impl<R> Pending<R> {
+    fn failed(e: ServiceError) -> Pending<R> {
+        Pending {
+            rx: Err(e),
+            poll_first: None,
+        }
+    }
+
+    /// Block the calling thread (never a reactor thread) until the shard answers.
+    pub fn wait(self) -> Result<R, ServiceError> {
+        let mut rx = self.rx?;
+        match spin_until(REPLY_SPIN, || try_answer(&mut rx)) {
+            Poll::Ready(v) => v.ok_or(ServiceError::Unavailable),
+            Poll::Pending => rx.blocking_recv().map_err(|_| ServiceError::Unavailable),
+        }
+    }
+}
+
+impl<R> std::future::Future for Pending<R> {
+    type Output = Result<R, ServiceError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Self::Output> {
+        let first = std::mem::take(&mut self.poll_first);
+        match &mut self.rx {
+            Err(e) => Poll::Ready(Err(std::mem::replace(e, ServiceError::Unavailable))),
+            Ok(rx) => {
+                if let Some(credit) = first {
+                    let polled = spin_until(REPLY_SPIN, || try_answer(rx));
+                    credit.record(polled.is_ready());
+                    if let Poll::Ready(v) = polled {
+                        return Poll::Ready(v.ok_or(ServiceError::Unavailable));
+                    }
+                }
+                std::pin::Pin::new(rx)
+                    .poll(cx)
+                    .map(|r| r.map_err(|_| ServiceError::Unavailable))
+            }
+        }
+    }
+}
+
+impl<R> Pending<Result<R, ServiceError>> {
+    /// Flatten a shard job that itself can fail.
+    async fn flat(self) -> Result<R, ServiceError> {
+        self.await?
+    }
 }
 
 impl ModelService {
@@ -289,6 +422,7 @@ impl ModelService {
         let mut threads = Vec::with_capacity(n);
         for i in 0..n {
             let (tx, rx) = mpsc::sync_channel::<Job>(SHARD_QUEUE);
+            let depth = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let subs = subscribers.clone();
             let lim = limits.clone();
             let cycle_metrics = metrics.clone();
@@ -302,7 +436,11 @@ impl ModelService {
                 });
             if let Ok(h) = spawned {
                 threads.push(h);
-                senders.push(tx);
+                senders.push(ShardHandle {
+                    tx,
+                    depth,
+                    poll: Arc::default(),
+                });
             }
         }
         Arc::new(ModelService {
@@ -316,6 +454,7 @@ impl ModelService {
             subscribers,
             count: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             metrics,
+            async_polling: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
@@ -336,6 +475,13 @@ impl ModelService {
         if let Ok(mut l) = self.subscribers.list.lock() {
             l.push((filter, sink));
         }
+    }
+
+    /// Let async callers poll briefly for answers (the default), or not: a surface turns it off
+    /// while it has more concurrent clients than reactor threads.
+    pub fn set_async_polling(&self, on: bool) {
+        self.async_polling
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Live models.
@@ -362,22 +508,56 @@ impl ModelService {
             % self.shards.len().max(1)
     }
 
+    /// Queue `f` on shard `i`. `wait` blocks on a full queue (back-pressure for threads);
+    /// `nowait` refuses it with [`ServiceError::Busy`] instead, for async callers.
+    fn submit<R: Send + 'static>(
+        &self,
+        i: usize,
+        wait: bool,
+        f: impl FnOnce(&mut Shard) -> R + Send + 'static,
+    ) -> Pending<R> {
+        use std::sync::atomic::Ordering;
+        let Some(shard) = self.shards.get(i) else {
+            return Pending::failed(ServiceError::Unavailable);
+        };
+        let (tx, rx) = oneshot::channel();
+        let depth = shard.depth.clone();
+        let job: Job = Box::new(move |s| {
+            let _ = tx.send(f(s));
+            depth.fetch_sub(1, Ordering::Relaxed);
+        });
+        // Alone on an idle shard, the answer is one cycle away: perhaps worth a short poll.
+        let alone = shard.depth.fetch_add(1, Ordering::Relaxed) == 0;
+        let poll_first =
+            (alone && !wait && self.async_polling.load(Ordering::Relaxed) && shard.poll.wanted())
+                .then(|| shard.poll.clone());
+        let sent = if wait {
+            shard.tx.send(job).map_err(|_| ServiceError::Unavailable)
+        } else {
+            shard.tx.try_send(job).map_err(|e| match e {
+                mpsc::TrySendError::Full(_) => ServiceError::Busy(SHARD_QUEUE),
+                mpsc::TrySendError::Disconnected(_) => ServiceError::Unavailable,
+            })
+        };
+        match sent {
+            Ok(()) => Pending {
+                rx: Ok(rx),
+                poll_first,
+            },
+            Err(e) => {
+                shard.depth.fetch_sub(1, Ordering::Relaxed);
+                Pending::failed(e)
+            }
+        }
+    }
+
     /// Run `f` on shard `i` and wait for its answer.
     fn on_shard<R: Send + 'static>(
         &self,
         i: usize,
         f: impl FnOnce(&mut Shard) -> R + Send + 'static,
     ) -> Result<R, ServiceError> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let job: Job = Box::new(move |s| {
-            let _ = tx.send(f(s));
-        });
-        self.shards
-            .get(i)
-            .ok_or(ServiceError::Unavailable)?
-            .send(job)
-            .map_err(|_| ServiceError::Unavailable)?;
-        spin_recv(&rx, REPLY_SPIN).ok_or(ServiceError::Unavailable)
+        self.submit(i, true, f).wait()
     }
 
     /// Run `f` on the shard owning `id`.
@@ -387,6 +567,15 @@ impl ModelService {
         f: impl FnOnce(&mut Shard) -> Result<R, ServiceError> + Send + 'static,
     ) -> Result<R, ServiceError> {
         self.on_shard(self.shard_of(id), f)?
+    }
+
+    /// Run `f` on the shard owning `id`, for async callers: awaiting the answer blocks nothing.
+    fn on_model_async<R: Send + 'static>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Shard) -> Result<R, ServiceError> + Send + 'static,
+    ) -> impl std::future::Future<Output = Result<R, ServiceError>> + Send + 'static {
+        self.submit(self.shard_of(id), false, f).flat()
     }
 
     // --- registry ---------------------------------------------------------------------------
@@ -528,6 +717,18 @@ impl ModelService {
         self.on_model(id, move |s| s.mutate(&owned, mutations, Source::Client))
     }
 
+    /// [`mutate`](Self::mutate) for async surfaces: the future waits for the cycle without
+    /// blocking its thread.
+    pub fn mutate_async(
+        &self,
+        id: &str,
+        mutations: Vec<(String, Json)>,
+    ) -> impl std::future::Future<Output = Result<Arc<MutationResult>, ServiceError>> + Send + 'static
+    {
+        let owned = id.to_string();
+        self.on_model_async(id, move |s| s.mutate(&owned, mutations, Source::Client))
+    }
+
     /// One reactive cycle for an RFC 6902 JSON Patch of the base document.
     pub fn patch(
         &self,
@@ -600,4 +801,105 @@ impl Drop for ModelService {
 /// A JSON object's entries as the ordered mutation list the engine takes.
 pub fn mutation_list(m: &Map<String, Json>) -> Vec<(String, Json)> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    fn demo() -> Arc<ModelService> {
+        let svc = ModelService::new(1, ServiceLimits::default());
+        let spec = crate::spec::parse_spec_text(
+            r#"{"id":"demo","version":"1","schema":{},"derivations":[{"path":"$.total","expr":"price * qty"}]}"#,
+        )
+        .expect("the demo spec parses");
+        svc.create(spec).expect("the demo model is created");
+        svc
+    }
+
+    fn write(price: i64) -> Vec<(String, Json)> {
+        vec![
+            ("$.price".to_string(), serde_json::json!(price)),
+            ("$.qty".to_string(), serde_json::json!(3)),
+        ]
+    }
+
+    #[test]
+    fn async_cycles_queue_in_order_and_a_full_shard_refuses_more() {
+        let svc = demo();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        // An awaited cycle answers as a waited one does.
+        let r = rt
+            .block_on(svc.mutate_async("demo", write(2)))
+            .expect("the cycle commits");
+        assert!(r.success);
+        assert_eq!(
+            svc.field("demo", "$.total").ok().flatten(),
+            Some(serde_json::json!(6))
+        );
+
+        // Hold the shard, then fill its queue with async cycles.
+        let (started_tx, started) = mpsc::channel();
+        let (release, held) = mpsc::channel::<()>();
+        let hold = svc.submit(0, true, move |_| {
+            let _ = started_tx.send(());
+            let _ = held.recv();
+        });
+        started.recv().expect("the shard runs the holding job");
+        let queued: Vec<_> = (0..SHARD_QUEUE)
+            .map(|i| svc.mutate_async("demo", write(i as i64)))
+            .collect();
+        let refused = rt.block_on(svc.mutate_async("demo", write(-1)));
+        assert!(
+            matches!(refused, Err(ServiceError::Busy(n)) if n == SHARD_QUEUE),
+            "{refused:?}"
+        );
+        let _ = release.send(());
+        hold.wait().expect("the holding job finishes");
+        for (i, q) in queued.into_iter().enumerate() {
+            let r = rt.block_on(q).unwrap_or_else(|e| panic!("cycle {i}: {e}"));
+            assert!(r.success);
+        }
+        // Every queued cycle ran, in order, and the refused one did not.
+        let last = SHARD_QUEUE as i64 - 1;
+        assert_eq!(
+            svc.field("demo", "$.total").ok().flatten(),
+            Some(serde_json::json!(last * 3))
+        );
+        let newest = svc
+            .audit(
+                "demo",
+                AuditQuery {
+                    limit: Some(1),
+                    ..Default::default()
+                },
+            )
+            .expect("the audit trail");
+        assert_eq!(newest[0]["sequence"], serde_json::json!(SHARD_QUEUE));
+        // The queue gauge returns to zero once the shard is idle.
+        let depth = &svc.shards[0].depth;
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while depth.load(Ordering::Relaxed) != 0 && std::time::Instant::now() < until {
+            std::thread::yield_now();
+        }
+        assert_eq!(depth.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn poll_credit_stops_polling_after_misses_and_probes() {
+        let c = PollCredit::default();
+        c.record(true);
+        assert!(c.wanted());
+        for _ in 0..4 {
+            c.record(false);
+        }
+        // Credit gone: only one call in 32 probes.
+        let probes = (0..64).filter(|_| c.wanted()).count();
+        assert_eq!(probes, 2);
+        c.record(true);
+        assert!((0..8).all(|_| c.wanted()));
+    }
 }

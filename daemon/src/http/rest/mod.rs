@@ -216,6 +216,11 @@ pub fn service_error(e: &ServiceError) -> ApiError {
             "unavailable",
             "Service unavailable",
         ),
+        ServiceError::Busy(queued) => {
+            let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "busy", "Overloaded");
+            r.body["queued"] = json!(queued);
+            r
+        }
     }
 }
 

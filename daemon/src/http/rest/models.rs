@@ -157,6 +157,11 @@ pub async fn mutate(
         ));
     };
     let mutations = mutation_list(&m);
+    if view_header(&headers)?.is_none() {
+        // The common case awaits the shard: the worker serves other connections meanwhile.
+        let r = st.service.mutate_async(&id, mutations).await?;
+        return Ok(ok(r.to_json(true)));
+    }
     mutation_response(&st, id, &headers, move |svc, id| svc.mutate(id, mutations)).await
 }
 
