@@ -1,6 +1,6 @@
-//! The session audit trail kept in memory by the embedded service: one record per committed
-//! cycle, chained by blake3 over the canonical JSON of each record (keys sorted, compact), so
-//! `verify_audit` is meaningful even before the durable store exists. Bounded: the oldest
+//! The audit trail kept in memory by the service: one record per committed cycle, chained as the
+//! store chains it (`store::record_hash`: blake3 over `prevHash` and the RFC 8785 form of the
+//! record without `hash`), so `verify_audit` means the same with and without a data directory. Bounded: the oldest
 //! records are dropped past the limit (verification then starts at the oldest kept record).
 
 use std::collections::VecDeque;
@@ -9,8 +9,8 @@ use serde_json::{json, Map, Value as Json};
 
 use super::time::iso;
 
-/// The genesis `prevHash`: 64 zeros.
-pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+pub use crate::store::GENESIS;
+use crate::store::record_hash;
 
 /// One committed cycle.
 #[derive(Clone, Debug)]
@@ -77,7 +77,7 @@ impl AuditTrail {
             "traces": r.traces,
             "prevHash": self.last_hash,
         });
-        let hash = record_hash(&rec);
+        let hash = record_hash(&self.last_hash, &rec);
         if let Json::Object(m) = &mut rec {
             m.insert("hash".into(), Json::String(hash.clone()));
         }
@@ -140,11 +140,7 @@ pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>) -> Json {
                 );
             }
         }
-        let mut content = r.clone();
-        if let Json::Object(m) = &mut content {
-            m.shift_remove("hash");
-        }
-        if record_hash(&content) != hash {
+        if record_hash(prev, r) != hash {
             return broken(checked, seq, "content hash mismatch (record was altered)");
         }
         expected_prev = Some(hash.to_string());
@@ -155,50 +151,6 @@ pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>) -> Json {
 
 fn broken(checked: u64, seq: Json, detail: &str) -> Json {
     json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail})
-}
-
-/// blake3 (hex) over `prevHash + "\n" + canonical(record without hash)`.
-pub fn record_hash(record_without_hash: &Json) -> String {
-    let prev = record_without_hash
-        .get("prevHash")
-        .and_then(|h| h.as_str())
-        .unwrap_or(GENESIS);
-    let mut text = String::with_capacity(256);
-    text.push_str(prev);
-    text.push('\n');
-    canonical(record_without_hash, &mut text);
-    blake3::hash(text.as_bytes()).to_hex().to_string()
-}
-
-/// Compact JSON with every object's keys sorted (recursively).
-pub fn canonical(v: &Json, out: &mut String) {
-    match v {
-        Json::Object(m) => {
-            let mut keys: Vec<&String> = m.keys().collect();
-            keys.sort();
-            out.push('{');
-            for (i, k) in keys.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                out.push_str(&Json::String(k.clone()).to_string());
-                out.push(':');
-                canonical(&m[k], out);
-            }
-            out.push('}');
-        }
-        Json::Array(a) => {
-            out.push('[');
-            for (i, x) in a.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                canonical(x, out);
-            }
-            out.push(']');
-        }
-        other => out.push_str(&other.to_string()),
-    }
 }
 
 #[cfg(test)]
