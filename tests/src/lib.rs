@@ -322,6 +322,12 @@ impl Daemon {
         }
     }
 
+    /// SIGKILL: the process gets no chance to flush or clean up.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// The process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

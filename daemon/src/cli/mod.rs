@@ -78,9 +78,15 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
-        /// Keep models in this directory (durable mode). Not available yet: state is in memory.
+        /// Keep models in this directory (durable mode): a SQLite database holding every
+        /// model's spec and audit log; models are recovered from it on start. Without it, models
+        /// live in memory and end with the process.
         #[arg(long, env = "VALEM_DATA_DIR")]
         data_dir: Option<PathBuf>,
+        /// With --data-dir: `strict` acknowledges a write after its batch is fsynced; `relaxed`
+        /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
+        #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
+        durability: String,
     },
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///
@@ -155,9 +161,16 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
-        /// Keep models in this directory (durable mode). Not available yet: state is in memory.
+        /// Keep models in this directory (durable mode): a SQLite database holding every
+        /// model's spec and audit log; models are recovered from it on start, and a mutation is
+        /// acknowledged only once its audit record is committed. Without it, models live in
+        /// memory and end with the process.
         #[arg(long, env = "VALEM_DATA_DIR")]
         data_dir: Option<PathBuf>,
+        /// With --data-dir: `strict` acknowledges a write after its batch is fsynced; `relaxed`
+        /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
+        #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
+        durability: String,
         /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
         /// conformance tests only; never enable it on a real daemon.
         #[arg(long, hide = true)]
@@ -437,12 +450,10 @@ fn run(cli: Cli) -> Result<i32, String> {
             shards,
             max_models,
             data_dir,
+            durability,
         } => {
             if let Some(url) = url {
                 return Ok(mcp_proxy(&url, api_key, max_message_bytes));
-            }
-            if let Some(d) = data_dir {
-                return Ok(refuse_data_dir("mcp", &d));
             }
             let guidance = match load_guidance("mcp") {
                 Ok(g) => g,
@@ -452,11 +463,20 @@ fn run(cli: Cli) -> Result<i32, String> {
                 max_models,
                 ..Default::default()
             };
-            let service = crate::service::ModelService::new(shards, limits);
-            let server = crate::mcp::Server::new(service, guidance, crate::mcp::Mode::Embedded);
+            let service =
+                match open_service("mcp", shards, limits, data_dir.as_deref(), &durability) {
+                    Ok(s) => s,
+                    Err(code) => return Ok(code),
+                };
+            let server =
+                crate::mcp::Server::new(service.clone(), guidance, crate::mcp::Mode::Embedded);
             eprintln!(
-                "valem mcp {}: embedded in-memory engine; reading JSON-RPC on stdin",
-                env!("CARGO_PKG_VERSION")
+                "valem mcp {}: embedded engine ({}); reading JSON-RPC on stdin",
+                env!("CARGO_PKG_VERSION"),
+                match &data_dir {
+                    Some(d) => format!("durable in {}", d.display()),
+                    None => "in memory".to_string(),
+                }
             );
             let stdin = std::io::stdin().lock();
             match crate::mcp::stdio::serve(server, stdin, std::io::stdout(), max_message_bytes) {
@@ -525,12 +545,10 @@ fn run(cli: Cli) -> Result<i32, String> {
             shards,
             max_models,
             data_dir,
+            durability,
             conformance_fixtures,
         } => {
             init_logging();
-            if let Some(d) = data_dir {
-                return Ok(refuse_data_dir("serve", &d));
-            }
             let guidance = match load_guidance("serve") {
                 Ok(g) => g,
                 Err(code) => return Ok(code),
@@ -540,7 +558,11 @@ fn run(cli: Cli) -> Result<i32, String> {
                 blob_max_bytes: max_blob_bytes,
                 ..Default::default()
             };
-            let service = crate::service::ModelService::new(shards, limits);
+            let service =
+                match open_service("serve", shards, limits, data_dir.as_deref(), &durability) {
+                    Ok(s) => s,
+                    Err(code) => return Ok(code),
+                };
             let mode = if conformance_fixtures {
                 crate::mcp::Mode::DaemonWithFixtures
             } else {
@@ -565,12 +587,20 @@ fn run(cli: Cli) -> Result<i32, String> {
                 ..Default::default()
             };
             let keyed = config.api_key.is_some();
+            let storage = match &data_dir {
+                Some(d) => format!(
+                    "{} models durable in {} ({durability})",
+                    service.model_count(),
+                    d.display()
+                ),
+                None => "in-memory models".to_string(),
+            };
             let result = crate::http::serve(config, service, server, |addr| {
                 // The one line on stdout: scripts and tests read the bound address from it.
                 println!("valem serve: listening on http://{addr}");
                 let _ = std::io::stdout().flush();
                 eprintln!(
-                    "valem serve {}: in-memory models; REST at http://{addr}/models, MCP at http://{addr}/mcp{}",
+                    "valem serve {}: {storage}; REST at http://{addr}/models, MCP at http://{addr}/mcp{}",
                     env!("CARGO_PKG_VERSION"),
                     if keyed { " (API key required)" } else { "" }
                 );
@@ -604,13 +634,49 @@ fn run(cli: Cli) -> Result<i32, String> {
     }
 }
 
-/// `--data-dir` is accepted but durable storage is not there yet: say so, exit 2.
-fn refuse_data_dir(cmd: &str, dir: &Path) -> i32 {
-    eprintln!(
-        "valem {cmd}: --data-dir {} is not supported yet (durable storage is a later release); models live in memory",
-        dir.display()
+/// The service, in memory or over the store in `data_dir` (recovering its models); a store
+/// that cannot be opened or recovered is reported and exits 1.
+fn open_service(
+    cmd: &str,
+    shards: usize,
+    limits: crate::service::ServiceLimits,
+    data_dir: Option<&Path>,
+    durability: &str,
+) -> Result<std::sync::Arc<crate::service::ModelService>, i32> {
+    let Some(dir) = data_dir else {
+        return Ok(crate::service::ModelService::new(shards, limits));
+    };
+    let opts = crate::store::StoreOptions {
+        durability: if durability == "relaxed" {
+            crate::store::Durability::Relaxed
+        } else {
+            crate::store::Durability::Strict
+        },
+        ..Default::default()
+    };
+    let started = std::time::Instant::now();
+    let store = crate::store::Store::open(dir, opts).map_err(|e| {
+        eprintln!(
+            "valem {cmd}: cannot open the data directory {}: {e}",
+            dir.display()
+        );
+        1
+    })?;
+    let service = crate::service::ModelService::open(shards, limits, std::sync::Arc::new(store))
+        .map_err(|e| {
+            eprintln!(
+                "valem {cmd}: cannot recover the models in {}: {e}",
+                dir.display()
+            );
+            1
+        })?;
+    tracing::info!(
+        models = service.model_count(),
+        took_ms = started.elapsed().as_millis() as u64,
+        dir = %dir.display(),
+        "recovered the stored models"
     );
-    2
+    Ok(service)
 }
 
 /// The domain-guidance topics (bundled, plus VALEM_DOMAIN_GUIDANCE_TOPICS_FILE); a bad topics

@@ -9,8 +9,8 @@ use serde_json::{json, Map, Value as Json};
 
 use super::time::iso;
 
-pub use crate::store::GENESIS;
 use crate::store::record_hash;
+pub use crate::store::GENESIS;
 
 /// One committed cycle.
 #[derive(Clone, Debug)]
@@ -59,7 +59,46 @@ impl AuditTrail {
         }
     }
 
-    pub fn append(&mut self, e: Entry<'_>) {
+    /// A record read back from the store (recovery): it continues the chain as it is.
+    pub fn push_stored(&mut self, sequence: u64, at_us: i64, json: Json) {
+        let mut paths: Vec<String> = Vec::new();
+        if let Some(Json::Object(m)) = json.get("mutations") {
+            paths.extend(m.keys().cloned());
+        }
+        let strings = |v: Option<&Json>| -> Vec<String> {
+            v.and_then(Json::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|x| x.as_str().map(str::to_string))
+                .collect()
+        };
+        paths.extend(strings(json.get("derivedUpdated")));
+        if let Some(Json::Array(ts)) = json.get("traces") {
+            paths.extend(ts.iter().filter_map(|t| {
+                t.get("targetPath")
+                    .and_then(Json::as_str)
+                    .map(str::to_string)
+            }));
+        }
+        self.last_hash = json
+            .get("hash")
+            .and_then(Json::as_str)
+            .unwrap_or(GENESIS)
+            .to_string();
+        self.next_seq = sequence + 1;
+        self.records.push_back(AuditRecord {
+            sequence,
+            at_us,
+            json,
+            paths,
+        });
+        while self.records.len() > self.max {
+            self.records.pop_front();
+        }
+    }
+
+    /// Chain and keep the record of one committed cycle; the record as kept.
+    pub fn append(&mut self, e: Entry<'_>) -> &AuditRecord {
         let r = e.result;
         let mut paths: Vec<String> = e.mutations.keys().cloned().collect();
         paths.extend(r.derived_updated.iter().cloned());
@@ -92,6 +131,7 @@ impl AuditTrail {
         while self.records.len() > self.max {
             self.records.pop_front();
         }
+        &self.records[self.records.len() - 1]
     }
 
     /// Newest first, filtered.

@@ -151,6 +151,13 @@ pub enum ServiceError {
     BadRequest(String),
     #[error("the service is shutting down")]
     Unavailable,
+    /// The durable store refused or failed a write: nothing was acknowledged, and the model is
+    /// reloaded from what the store holds before its next operation.
+    #[error("storage: {0}")]
+    Storage(String),
+    /// The operation is not durable yet with a data directory (refused rather than lost).
+    #[error("{0}")]
+    NotDurable(String),
     /// The model's shard has this many requests queued already: the daemon is overloaded.
     #[error(
         "the daemon is overloaded ({0} requests are queued for this model's shard); retry shortly"
@@ -244,6 +251,38 @@ impl Subscribers {
 
 type Job = Box<dyn FnOnce(&mut Shard) + Send>;
 
+/// Where a shard job's answer goes: now, or once the store has made the job's write durable.
+pub(crate) struct Reply<R>(oneshot::Sender<Result<R, ServiceError>>);
+
+impl<R: Send + 'static> Reply<R> {
+    pub fn send(self, r: Result<R, ServiceError>) {
+        let _ = self.0.send(r);
+    }
+
+    /// Answer `ok` once `op` is committed (fsynced in strict mode); a store failure answers the
+    /// error instead and runs `failed` (on the writer thread: it must not block).
+    pub fn after(
+        self,
+        writer: &crate::store::Writer,
+        op: crate::store::Op,
+        ok: R,
+        failed: impl FnOnce() + Send + 'static,
+    ) {
+        writer.submit(
+            op,
+            Box::new(move |res| {
+                if res.is_err() {
+                    failed();
+                }
+                self.send(
+                    res.map(|()| ok)
+                        .map_err(|e| ServiceError::Storage(e.to_string())),
+                );
+            }),
+        );
+    }
+}
+
 /// A shard's queue, how many of its jobs are queued or running, and whether polling for its
 /// answers has been paying off.
 struct ShardHandle {
@@ -294,6 +333,7 @@ pub struct ModelService {
     metrics: Arc<metrics::CycleMetrics>,
     /// Whether async callers may poll for an answer at all (see [`Pending`]).
     async_polling: std::sync::atomic::AtomicBool,
+    store: Option<Arc<crate::store::Store>>,
 }
 
 /// Jobs queued per shard before callers wait (back-pressure, not an error).
@@ -409,8 +449,52 @@ impl<R> Pending<Result<R, ServiceError>> {
 }
 
 impl ModelService {
-    /// Start a service with `shards` shard threads (0: one per available core).
+    /// Start a service with `shards` shard threads (0: one per available core), in memory.
     pub fn new(shards: usize, limits: ServiceLimits) -> Arc<ModelService> {
+        Self::start(shards, limits, None)
+    }
+
+    /// Start a service over a durable store: every model the store holds is recovered (its spec,
+    /// then its audit records replayed in order) before this returns, and every acknowledged
+    /// write is committed to the store first. Fails when a stored model cannot be recovered.
+    pub fn open(
+        shards: usize,
+        limits: ServiceLimits,
+        store: Arc<crate::store::Store>,
+    ) -> Result<Arc<ModelService>, ServiceError> {
+        use std::sync::atomic::Ordering;
+        let stored = store
+            .load_models()
+            .map_err(|e| ServiceError::Storage(e.to_string()))?;
+        let svc = Self::start(shards, limits, Some(store));
+        let waits: Vec<_> = stored
+            .into_iter()
+            .map(|m| {
+                let id = m.id.clone();
+                (
+                    id.clone(),
+                    svc.submit(svc.shard_of(&id), true, move |s| s.recover(m)),
+                )
+            })
+            .collect();
+        for (id, w) in waits {
+            w.wait()?
+                .map_err(|e| ServiceError::Storage(format!("recovering model `{id}`: {e}")))?;
+            svc.count.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(svc)
+    }
+
+    /// The durable store, when the service has one.
+    pub fn store(&self) -> Option<&Arc<crate::store::Store>> {
+        self.store.as_ref()
+    }
+
+    fn start(
+        shards: usize,
+        limits: ServiceLimits,
+        store: Option<Arc<crate::store::Store>>,
+    ) -> Arc<ModelService> {
         let n = if shards == 0 {
             std::thread::available_parallelism().map_or(2, |n| n.get())
         } else {
@@ -426,10 +510,11 @@ impl ModelService {
             let subs = subscribers.clone();
             let lim = limits.clone();
             let cycle_metrics = metrics.clone();
+            let shard_store = store.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("valem-shard-{i}"))
                 .spawn(move || {
-                    let mut shard = Shard::new(lim, subs, cycle_metrics);
+                    let mut shard = Shard::new(lim, subs, cycle_metrics, shard_store);
                     while let Some(job) = next_job(&rx) {
                         job(&mut shard);
                     }
@@ -455,6 +540,7 @@ impl ModelService {
             count: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             metrics,
             async_polling: std::sync::atomic::AtomicBool::new(true),
+            store,
         })
     }
 
@@ -499,6 +585,11 @@ impl ModelService {
         for i in 0..self.shards.len() {
             let _ = self.on_shard(i, |_| ());
         }
+        if let Some(store) = &self.store {
+            if let Err(e) = store.flush() {
+                tracing::warn!(error = %e, "the store did not flush on shutdown");
+            }
+        }
     }
 
     fn shard_of(&self, id: &str) -> usize {
@@ -516,6 +607,19 @@ impl ModelService {
         wait: bool,
         f: impl FnOnce(&mut Shard) -> R + Send + 'static,
     ) -> Pending<R> {
+        self.submit_with(i, wait, move |s, tx| {
+            let _ = tx.send(f(s));
+        })
+    }
+
+    /// [`submit`](Self::submit) for a job that answers through `tx` itself, possibly later
+    /// (after the store acknowledged its write).
+    fn submit_with<R: Send + 'static>(
+        &self,
+        i: usize,
+        wait: bool,
+        f: impl FnOnce(&mut Shard, oneshot::Sender<R>) + Send + 'static,
+    ) -> Pending<R> {
         use std::sync::atomic::Ordering;
         let Some(shard) = self.shards.get(i) else {
             return Pending::failed(ServiceError::Unavailable);
@@ -523,7 +627,7 @@ impl ModelService {
         let (tx, rx) = oneshot::channel();
         let depth = shard.depth.clone();
         let job: Job = Box::new(move |s| {
-            let _ = tx.send(f(s));
+            f(s, tx);
             depth.fetch_sub(1, Ordering::Relaxed);
         });
         // Alone on an idle shard, the answer is one cycle away: perhaps worth a short poll.
@@ -569,13 +673,15 @@ impl ModelService {
         self.on_shard(self.shard_of(id), f)?
     }
 
-    /// Run `f` on the shard owning `id`, for async callers: awaiting the answer blocks nothing.
-    fn on_model_async<R: Send + 'static>(
+    /// Run `f` on the shard owning `id`; `f` answers through its [`Reply`] (at once, or when the
+    /// store has made its write durable).
+    fn on_model_reply<R: Send + 'static>(
         &self,
         id: &str,
-        f: impl FnOnce(&mut Shard) -> Result<R, ServiceError> + Send + 'static,
-    ) -> impl std::future::Future<Output = Result<R, ServiceError>> + Send + 'static {
-        self.submit(self.shard_of(id), false, f).flat()
+        wait: bool,
+        f: impl FnOnce(&mut Shard, Reply<R>) + Send + 'static,
+    ) -> Pending<Result<R, ServiceError>> {
+        self.submit_with(self.shard_of(id), wait, move |s, tx| f(s, Reply(tx)))
     }
 
     // --- registry ---------------------------------------------------------------------------
@@ -598,7 +704,10 @@ impl ModelService {
             return Err(ServiceError::TooManyModels(max));
         }
         let id = spec.id.clone();
-        let r = self.on_model(&id, move |s| s.create(spec));
+        let r = self
+            .on_model_reply(&id, true, move |s, r| s.create(spec, r))
+            .wait()
+            .and_then(|r| r);
         if r.is_err() {
             self.count.fetch_sub(1, Ordering::SeqCst);
         }
@@ -617,7 +726,8 @@ impl ModelService {
 
     pub fn delete(&self, id: &str) -> Result<(), ServiceError> {
         let owned = id.to_string();
-        self.on_model(id, move |s| s.delete(&owned))?;
+        self.on_model_reply(id, true, move |s, r| s.delete(&owned, r))
+            .wait()??;
         self.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         self.subscribers.publish(Event::Deleted {
             model_id: id.to_string(),
@@ -714,7 +824,10 @@ impl ModelService {
         mutations: Vec<(String, Json)>,
     ) -> Result<Arc<MutationResult>, ServiceError> {
         let owned = id.to_string();
-        self.on_model(id, move |s| s.mutate(&owned, mutations, Source::Client))
+        self.on_model_reply(id, true, move |s, r| {
+            s.mutate(&owned, mutations, Source::Client, r)
+        })
+        .wait()?
     }
 
     /// [`mutate`](Self::mutate) for async surfaces: the future waits for the cycle without
@@ -726,7 +839,10 @@ impl ModelService {
     ) -> impl std::future::Future<Output = Result<Arc<MutationResult>, ServiceError>> + Send + 'static
     {
         let owned = id.to_string();
-        self.on_model_async(id, move |s| s.mutate(&owned, mutations, Source::Client))
+        self.on_model_reply(id, false, move |s, r| {
+            s.mutate(&owned, mutations, Source::Client, r)
+        })
+        .flat()
     }
 
     /// One reactive cycle for an RFC 6902 JSON Patch of the base document.
@@ -736,7 +852,8 @@ impl ModelService {
         patch: json_patch::Patch,
     ) -> Result<Arc<MutationResult>, ServiceError> {
         let owned = id.to_string();
-        self.on_model(id, move |s| s.patch(&owned, patch))
+        self.on_model_reply(id, true, move |s, r| s.patch(&owned, patch, r))
+            .wait()?
     }
 
     pub fn snapshot(&self, id: &str) -> Result<Json, ServiceError> {

@@ -9,7 +9,9 @@ use serde_json::{json, Map, Value as Json};
 use super::audit::{AuditTrail, Entry as AuditEntry};
 use super::metrics::CycleMetrics;
 use super::time::{iso, now_us};
-use super::{AuditQuery, Event, ModelInfo, ServiceError, ServiceLimits, Source, Subscribers};
+use super::{
+    AuditQuery, Event, ModelInfo, Reply, ServiceError, ServiceLimits, Source, Subscribers,
+};
 use crate::engine::schema::{effective_schema, SchemaViolation};
 use crate::engine::view::ViewError;
 use crate::engine::{
@@ -19,6 +21,7 @@ use crate::expr::path::{render, Address};
 use crate::spec::evolve;
 use crate::spec::validate::Finding;
 use crate::spec::{ModelSpec, SpecEvolution};
+use crate::store::{AuditAppend, Op, Store, StoredModel};
 use crate::value::{Seg, Val};
 
 /// A live model and its rings.
@@ -34,6 +37,9 @@ pub(super) struct Entry {
     last_us: i64,
     /// The verification report of `spec` (a pure function of it), once computed.
     verification: Option<Arc<Json>>,
+    /// Set (by the store's writer) when a write of this model failed: memory is ahead of the
+    /// store, so the model is reloaded from the store before its next operation.
+    stale: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Entry {
@@ -46,9 +52,43 @@ impl Entry {
 
 pub(super) struct Shard {
     models: HashMap<String, Entry>,
+    store: Option<Arc<Store>>,
     limits: ServiceLimits,
     subscribers: Arc<Subscribers>,
     metrics: Arc<CycleMetrics>,
+}
+
+/// The writes of one cycle: concrete paths and their new values.
+type Writes = Vec<(Vec<Seg>, Json)>;
+
+/// Apply one stored audit record to `e` (recovery): its mutations at its time, then its record
+/// back into the in-memory trail and rings.
+fn replay(
+    e: &mut Entry,
+    rec: crate::store::AuditEntry,
+    history_max: usize,
+    explain_max: usize,
+) -> Result<(), String> {
+    let Some(Json::Object(muts)) = rec.record.get("mutations") else {
+        return Err(format!("record {} has no mutations object", rec.sequence));
+    };
+    let mut parsed = Vec::with_capacity(muts.len());
+    for (k, v) in muts {
+        let segs = concrete(k).map_err(|x| format!("record {}: {x}", rec.sequence))?;
+        parsed.push((segs, v.clone()));
+    }
+    let result = e
+        .model
+        .mutate_parsed(&parsed, rec.at_us / 1000)
+        .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))?;
+    push_traces(&mut e.traces, &result.traces, explain_max);
+    e.history.push_back((rec.at_us, e.model.state().clone()));
+    while e.history.len() > history_max.max(1) {
+        e.history.pop_front();
+    }
+    e.last_us = e.last_us.max(rec.at_us);
+    e.audit.push_stored(rec.sequence, rec.at_us, rec.record);
+    Ok(())
 }
 
 fn compile_findings(errs: Vec<crate::engine::CompileError>) -> Vec<Finding> {
@@ -81,9 +121,11 @@ impl Shard {
         limits: ServiceLimits,
         subscribers: Arc<Subscribers>,
         metrics: Arc<CycleMetrics>,
+        store: Option<Arc<Store>>,
     ) -> Shard {
         Shard {
             models: HashMap::new(),
+            store,
             limits,
             subscribers,
             metrics,
@@ -91,6 +133,13 @@ impl Shard {
     }
 
     pub fn entry(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
+        let stale = self
+            .models
+            .get(id)
+            .is_some_and(|e| e.stale.load(std::sync::atomic::Ordering::Acquire));
+        if stale {
+            self.reload(id)?;
+        }
         self.models
             .get_mut(id)
             .ok_or_else(|| ServiceError::NotFound(id.to_string()))
@@ -100,18 +149,40 @@ impl Shard {
         self.models.keys().cloned().collect()
     }
 
-    pub fn create(&mut self, spec: ModelSpec) -> Result<ModelInfo, ServiceError> {
+    pub fn create(&mut self, spec: ModelSpec, reply: Reply<ModelInfo>) {
         if self.models.contains_key(&spec.id) {
-            return Err(ServiceError::Duplicate(spec.id));
+            return reply.send(Err(ServiceError::Duplicate(spec.id)));
         }
         let t = now_us();
+        let persist = match &self.store {
+            None => None,
+            Some(_) => match serde_json::to_string(&spec) {
+                Ok(text) => Some(Op::PutModel {
+                    id: spec.id.clone(),
+                    spec_text: text,
+                    version: spec.version_or_default().to_string(),
+                    at_us: t,
+                }),
+                Err(e) => return reply.send(Err(ServiceError::Storage(e.to_string()))),
+            },
+        };
+        let info = match self.insert(spec, t) {
+            Ok(e) => ModelInfo::of(&e.spec),
+            Err(e) => return reply.send(Err(e)),
+        };
+        let id = info.id.clone();
+        self.durably(&id, persist, info, reply);
+    }
+
+    /// Compile `spec` into a fresh model created at `t` (µs) and register it.
+    fn insert(&mut self, spec: ModelSpec, t: i64) -> Result<&mut Entry, ServiceError> {
         let (model, _) =
             Model::create(&spec, t / 1000, self.limits.engine.clone()).map_err(create_error)?;
-        let info = ModelInfo::of(&spec);
         let mut history = VecDeque::new();
         history.push_back((t, model.state().clone()));
+        let id = spec.id.clone();
         self.models.insert(
-            spec.id.clone(),
+            id.clone(),
             Entry {
                 spec: Arc::new(spec),
                 model,
@@ -120,16 +191,99 @@ impl Shard {
                 audit: AuditTrail::new(self.limits.audit_entries),
                 last_us: t,
                 verification: None,
+                stale: Arc::default(),
             },
         );
-        Ok(info)
+        self.entry_raw(&id)
     }
 
-    pub fn delete(&mut self, id: &str) -> Result<(), ServiceError> {
+    fn entry_raw(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
         self.models
-            .remove(id)
-            .map(|_| ())
+            .get_mut(id)
             .ok_or_else(|| ServiceError::NotFound(id.to_string()))
+    }
+
+    /// Answer `ok` now (no store, or nothing to write) or once `op` is durable; a failed write
+    /// marks model `id` stale.
+    fn durably<R: Send + 'static>(&self, id: &str, op: Option<Op>, ok: R, reply: Reply<R>) {
+        match (&self.store, op) {
+            (Some(store), Some(op)) => {
+                let stale = self.models.get(id).map(|e| e.stale.clone());
+                reply.after(&store.writer(), op, ok, move || {
+                    if let Some(s) = stale {
+                        s.store(true, std::sync::atomic::Ordering::Release);
+                    }
+                })
+            }
+            _ => reply.send(Ok(ok)),
+        }
+    }
+
+    /// Rebuild a model from the store: its spec, then every stored record replayed in order
+    /// (each cycle at its recorded time, so the state is the one that was acknowledged). A model
+    /// the store does not hold is dropped.
+    pub fn recover(&mut self, stored: StoredModel) -> Result<(), ServiceError> {
+        let Some(store) = self.store.clone() else {
+            return Ok(());
+        };
+        let id = stored.id.clone();
+        self.models.remove(&id);
+        let spec = crate::spec::parse_spec_text(&stored.spec_text).map_err(|e| {
+            ServiceError::Storage(format!(
+                "the stored spec of model `{id}` does not parse: {e}"
+            ))
+        })?;
+        let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
+        let e = self.insert(spec, stored.created_us)?;
+        let mut failure = None;
+        store
+            .audit_after(&id, None, None, |rec| {
+                match replay(e, rec, history_max, explain_max) {
+                    Ok(()) => std::ops::ControlFlow::Continue(()),
+                    Err(m) => {
+                        failure = Some(m);
+                        std::ops::ControlFlow::Break(())
+                    }
+                }
+            })
+            .map_err(|x| ServiceError::Storage(x.to_string()))?;
+        match failure {
+            None => Ok(()),
+            Some(m) => Err(ServiceError::Storage(format!(
+                "replaying model `{id}`: {m}"
+            ))),
+        }
+    }
+
+    /// Memory is ahead of the store (a write failed): wait for the writes in flight, then load
+    /// the model as the store has it.
+    fn reload(&mut self, id: &str) -> Result<(), ServiceError> {
+        let Some(store) = self.store.clone() else {
+            return Ok(());
+        };
+        store
+            .flush()
+            .map_err(|e| ServiceError::Storage(e.to_string()))?;
+        let stored = store
+            .load_models()
+            .map_err(|e| ServiceError::Storage(e.to_string()))?
+            .into_iter()
+            .find(|m| m.id == id);
+        match stored {
+            Some(m) => self.recover(m),
+            None => {
+                self.models.remove(id);
+                Err(ServiceError::NotFound(id.to_string()))
+            }
+        }
+    }
+
+    pub fn delete(&mut self, id: &str, reply: Reply<()>) {
+        if self.models.remove(id).is_none() {
+            return reply.send(Err(ServiceError::NotFound(id.to_string())));
+        }
+        let op = Op::DeleteModel { id: id.to_string() };
+        self.durably(id, Some(op), (), reply);
     }
 
     pub fn library(&mut self, id: &str) -> Result<Option<Json>, ServiceError> {
@@ -297,6 +451,18 @@ impl Shard {
         Ok(walk(&e.model.merged_json(now_us() / 1000), blob_id))
     }
 
+    /// Operations whose result the store cannot hold yet are refused with a data directory
+    /// rather than acknowledged and lost on restart.
+    fn refuse_if_durable(&self, op: &str) -> Result<(), ServiceError> {
+        if self.store.is_some() {
+            return Err(ServiceError::NotDurable(format!(
+                "{op} is not durable yet in this build: with --data-dir it is refused so that \
+                 nothing acknowledged is lost on restart (run without --data-dir to use it)"
+            )));
+        }
+        Ok(())
+    }
+
     // --- writes -----------------------------------------------------------------------------
 
     pub fn mutate(
@@ -304,7 +470,15 @@ impl Shard {
         id: &str,
         mutations: Vec<(String, Json)>,
         source: Source,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
+        reply: Reply<Arc<MutationResult>>,
+    ) {
+        match self.parse_mutations(mutations) {
+            Ok(parsed) => self.commit(id, parsed, source, reply),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    fn parse_mutations(&self, mutations: Vec<(String, Json)>) -> Result<Writes, ServiceError> {
         let max = self.limits.engine.max_mutations;
         if mutations.len() > max {
             return Err(ServiceError::Mutation(MutationError::Invalid(format!(
@@ -323,15 +497,31 @@ impl Shard {
             };
             parsed.push((segs, v.clone()));
         }
-        self.commit(id, parsed, source)
+        Ok(parsed)
     }
 
+    /// Run one cycle and answer it: at once in memory, or once its audit record is durable.
     fn commit(
         &mut self,
         id: &str,
         parsed: Vec<(Vec<Seg>, Json)>,
         source: Source,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
+        reply: Reply<Arc<MutationResult>>,
+    ) {
+        match self.cycle(id, parsed, source) {
+            Ok((result, op)) => self.durably(id, op, result, reply),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// The cycle itself; with a store, also the audit record to append.
+    fn cycle(
+        &mut self,
+        id: &str,
+        parsed: Vec<(Vec<Seg>, Json)>,
+        source: Source,
+    ) -> Result<(Arc<MutationResult>, Option<Op>), ServiceError> {
+        let durable = self.store.is_some();
         let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
         let metrics = self.metrics.clone();
         let e = self.entry(id)?;
@@ -371,7 +561,7 @@ impl Shard {
             .map(|(segs, v)| (render(&segs), v))
             .collect();
         let version = e.spec.version_or_default().to_string();
-        e.audit.append(AuditEntry {
+        let rec = e.audit.append(AuditEntry {
             model_id: id,
             model_version: &version,
             source: source.as_str(),
@@ -379,21 +569,40 @@ impl Shard {
             mutations,
             result: &result,
         });
+        let op = if durable {
+            let a = AuditAppend::new(rec.at_us, &rec.json, rec.paths.clone())
+                .map_err(|x| ServiceError::Storage(x.to_string()))?;
+            Some(Op::AppendAudit(a))
+        } else {
+            None
+        };
         let result = Arc::new(result);
         metrics.committed(took);
         self.subscribers.publish(Event::Mutation {
             model_id: id.to_string(),
             result: result.clone(),
         });
-        Ok(result)
+        Ok((result, op))
     }
 
     /// Apply an RFC 6902 patch to the base document and commit the difference as one cycle.
-    pub fn patch(
+    pub fn patch(&mut self, id: &str, patch: json_patch::Patch, reply: Reply<Arc<MutationResult>>) {
+        match self.patch_writes(id, patch) {
+            Ok(None) => reply.send(Ok(Arc::new(MutationResult {
+                success: true,
+                ..Default::default()
+            }))),
+            Ok(Some(writes)) => self.commit(id, writes, Source::Patch, reply),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// The writes a patch amounts to (`None`: it changes nothing).
+    fn patch_writes(
         &mut self,
         id: &str,
         patch: json_patch::Patch,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
+    ) -> Result<Option<Writes>, ServiceError> {
         let e = self.entry(id)?;
         let old = e.model.state().base.to_json();
         let mut new = old.clone();
@@ -407,13 +616,7 @@ impl Shard {
         }
         let mut writes = Vec::new();
         diff(&old, &new, &mut Vec::new(), &mut writes);
-        if writes.is_empty() {
-            return Ok(Arc::new(MutationResult {
-                success: true,
-                ..Default::default()
-            }));
-        }
-        self.commit(id, writes, Source::Patch)
+        Ok((!writes.is_empty()).then_some(writes))
     }
 
     pub fn snapshot(&mut self, id: &str) -> Result<Json, ServiceError> {
@@ -432,6 +635,7 @@ impl Shard {
     }
 
     pub fn restore(&mut self, id: &str, snapshot: Json) -> Result<Json, ServiceError> {
+        self.refuse_if_durable("restore")?;
         let bad = |m: String| ServiceError::BadRequest(m);
         let e = self.entry(id)?;
         let Json::Object(snap) = snapshot else {
@@ -484,6 +688,7 @@ impl Shard {
     }
 
     pub fn evolve(&mut self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
+        self.refuse_if_durable("evolve_spec")?;
         let limits = self.limits.engine.clone();
         let e = self.entry(id)?;
         let actual = e.spec.version_or_default().to_string();

@@ -216,6 +216,14 @@ pub fn service_error(e: &ServiceError) -> ApiError {
             "unavailable",
             "Service unavailable",
         ),
+        ServiceError::Storage(_) => plain(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "storage",
+            "Storage failure",
+        ),
+        ServiceError::NotDurable(_) => {
+            plain(StatusCode::NOT_IMPLEMENTED, "not_durable", "Not durable")
+        }
         ServiceError::Busy(queued) => {
             let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "busy", "Overloaded");
             r.body["queued"] = json!(queued);
