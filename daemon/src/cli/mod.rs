@@ -87,6 +87,10 @@ pub enum Command {
         /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
         #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
         durability: String,
+        /// With --data-dir: checkpoint a model's state every N audit records (and at shutdown),
+        /// so a restart replays at most N records per model.
+        #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        checkpoint_every: u64,
     },
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///
@@ -171,6 +175,10 @@ pub enum Command {
         /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
         #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
         durability: String,
+        /// With --data-dir: checkpoint a model's state every N audit records (and at shutdown),
+        /// so a restart replays at most N records per model.
+        #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        checkpoint_every: u64,
         /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
         /// conformance tests only; never enable it on a real daemon.
         #[arg(long, hide = true)]
@@ -451,6 +459,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_models,
             data_dir,
             durability,
+            checkpoint_every,
         } => {
             if let Some(url) = url {
                 return Ok(mcp_proxy(&url, api_key, max_message_bytes));
@@ -461,6 +470,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             };
             let limits = crate::service::ServiceLimits {
                 max_models,
+                checkpoint_every: usize::try_from(checkpoint_every).unwrap_or(usize::MAX),
                 ..Default::default()
             };
             let service =
@@ -546,6 +556,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_models,
             data_dir,
             durability,
+            checkpoint_every,
             conformance_fixtures,
         } => {
             init_logging();
@@ -555,6 +566,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             };
             let limits = crate::service::ServiceLimits {
                 max_models,
+                checkpoint_every: usize::try_from(checkpoint_every).unwrap_or(usize::MAX),
                 blob_max_bytes: max_blob_bytes,
                 ..Default::default()
             };

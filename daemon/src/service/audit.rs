@@ -59,6 +59,18 @@ impl AuditTrail {
         }
     }
 
+    /// Continue a stored chain whose head is record `sequence` with hash `hash` (recovery from a
+    /// checkpoint: the records before it are in the store, not here).
+    pub fn resume(&mut self, sequence: u64, hash: &str) {
+        self.next_seq = sequence + 1;
+        self.last_hash = hash.to_string();
+    }
+
+    /// The sequence of the newest record, if any.
+    pub fn head(&self) -> Option<u64> {
+        self.next_seq.checked_sub(1)
+    }
+
     /// A record read back from the store (recovery): it continues the chain as it is.
     pub fn push_stored(&mut self, sequence: u64, at_us: i64, json: Json) {
         let mut paths: Vec<String> = Vec::new();

@@ -40,6 +40,9 @@ pub struct ServiceLimits {
     pub explain_entries: usize,
     /// Audit records kept per model in memory (the durable store has no such bound).
     pub audit_entries: usize,
+    /// With a store: a model's state is checkpointed every this many audit records (and at
+    /// shutdown), so recovery replays at most this many records per model.
+    pub checkpoint_every: usize,
     /// Largest blob, in bytes.
     pub blob_max_bytes: usize,
     /// All blobs together, in bytes.
@@ -54,6 +57,7 @@ impl Default for ServiceLimits {
             history_entries: 50,
             explain_entries: 500,
             audit_entries: 10_000,
+            checkpoint_every: 1000,
             blob_max_bytes: 50 << 20,
             blob_max_total_bytes: 512 << 20,
         }
@@ -583,7 +587,7 @@ impl ModelService {
     /// Wait until every job queued so far on every shard has run (in-flight cycles finish).
     pub fn drain(&self) {
         for i in 0..self.shards.len() {
-            let _ = self.on_shard(i, |_| ());
+            let _ = self.on_shard(i, |s| s.checkpoint_all());
         }
         if let Some(store) = &self.store {
             if let Err(e) = store.flush() {

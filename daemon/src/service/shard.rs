@@ -40,6 +40,10 @@ pub(super) struct Entry {
     /// Set (by the store's writer) when a write of this model failed: memory is ahead of the
     /// store, so the model is reloaded from the store before its next operation.
     stale: Arc<std::sync::atomic::AtomicBool>,
+    /// The sequence of the newest checkpoint written (with a store).
+    checkpointed: Option<u64>,
+    /// When the model was created (µs): nothing exists before it.
+    created_us: i64,
 }
 
 impl Entry {
@@ -58,8 +62,59 @@ pub(super) struct Shard {
     metrics: Arc<CycleMetrics>,
 }
 
+/// The model `spec` defines, with the base document and effect dedupe keys of a checkpoint
+/// (`{base, effectKeys}`), evaluated at `at_us`.
+fn model_at(
+    spec: &ModelSpec,
+    state: &Json,
+    at_us: i64,
+    limits: &crate::engine::EngineLimits,
+) -> Result<Model, ServiceError> {
+    let compiled = compile_cached(spec, limits).map_err(|errs| {
+        ServiceError::Storage(format!(
+            "the stored spec of model `{}` no longer compiles: {}",
+            spec.id,
+            errs.iter()
+                .map(|e| e.message.clone())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ))
+    })?;
+    let base = Val::from_json(state.get("base").unwrap_or(&Json::Null));
+    let keys = state
+        .get("effectKeys")
+        .and_then(Json::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (Arc::<str>::from(k.as_str()), Val::from_json(v)))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Model::from_base(
+        compiled,
+        base,
+        keys,
+        at_us / 1000,
+        limits.clone(),
+    ))
+}
+
 /// The writes of one cycle: concrete paths and their new values.
 type Writes = Vec<(Vec<Seg>, Json)>;
+
+/// The writes a stored audit record committed.
+fn record_writes(rec: &crate::store::AuditEntry) -> Result<Writes, String> {
+    let Some(Json::Object(muts)) = rec.record.get("mutations") else {
+        return Err(format!("record {} has no mutations object", rec.sequence));
+    };
+    muts.iter()
+        .map(|(k, v)| {
+            concrete(k)
+                .map(|segs| (segs, v.clone()))
+                .map_err(|x| format!("record {}: {x}", rec.sequence))
+        })
+        .collect()
+}
 
 /// Apply one stored audit record to `e` (recovery): its mutations at its time, then its record
 /// back into the in-memory trail and rings.
@@ -69,14 +124,7 @@ fn replay(
     history_max: usize,
     explain_max: usize,
 ) -> Result<(), String> {
-    let Some(Json::Object(muts)) = rec.record.get("mutations") else {
-        return Err(format!("record {} has no mutations object", rec.sequence));
-    };
-    let mut parsed = Vec::with_capacity(muts.len());
-    for (k, v) in muts {
-        let segs = concrete(k).map_err(|x| format!("record {}: {x}", rec.sequence))?;
-        parsed.push((segs, v.clone()));
-    }
+    let parsed = record_writes(&rec)?;
     let result = e
         .model
         .mutate_parsed(&parsed, rec.at_us / 1000)
@@ -178,6 +226,15 @@ impl Shard {
     fn insert(&mut self, spec: ModelSpec, t: i64) -> Result<&mut Entry, ServiceError> {
         let (model, _) =
             Model::create(&spec, t / 1000, self.limits.engine.clone()).map_err(create_error)?;
+        self.register(spec, model, t)
+    }
+
+    fn register(
+        &mut self,
+        spec: ModelSpec,
+        model: Model,
+        t: i64,
+    ) -> Result<&mut Entry, ServiceError> {
         let mut history = VecDeque::new();
         history.push_back((t, model.state().clone()));
         let id = spec.id.clone();
@@ -192,6 +249,8 @@ impl Shard {
                 last_us: t,
                 verification: None,
                 stale: Arc::default(),
+                checkpointed: None,
+                created_us: t,
             },
         );
         self.entry_raw(&id)
@@ -219,6 +278,48 @@ impl Shard {
         }
     }
 
+    /// Write a checkpoint of model `id` at its chain head (when it has records and the head is
+    /// not checkpointed yet). Nobody waits for it: a lost checkpoint only means a longer replay.
+    fn checkpoint(&mut self, id: &str) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let Ok(e) = self.entry_raw(id) else { return };
+        let Some(seq) = e.audit.head() else { return };
+        if e.checkpointed == Some(seq) {
+            return;
+        }
+        e.checkpointed = Some(seq);
+        let st = e.model.state();
+        let keys: Map<String, Json> = st
+            .effect_keys
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_json()))
+            .collect();
+        let op = Op::Checkpoint {
+            model_id: id.to_string(),
+            sequence: seq,
+            at_us: e.last_us,
+            state: json!({"base": st.base.to_json(), "effectKeys": keys}),
+        };
+        let id = id.to_string();
+        store.writer().submit(
+            op,
+            Box::new(move |r| {
+                if let Err(err) = r {
+                    tracing::warn!(model = %id, error = %err, "checkpoint not written");
+                }
+            }),
+        );
+    }
+
+    /// Checkpoint every model at its head (shutdown: the next start replays nothing).
+    pub fn checkpoint_all(&mut self) {
+        for id in self.ids() {
+            self.checkpoint(&id);
+        }
+    }
+
     /// Rebuild a model from the store: its spec, then every stored record replayed in order
     /// (each cycle at its recorded time, so the state is the one that was acknowledged). A model
     /// the store does not hold is dropped.
@@ -234,10 +335,25 @@ impl Shard {
             ))
         })?;
         let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
-        let e = self.insert(spec, stored.created_us)?;
+        let storage = |x: crate::store::StoreError| ServiceError::Storage(x.to_string());
+        let checkpoint = store.latest_checkpoint(&id, None).map_err(storage)?;
+        let after = checkpoint.as_ref().map(|c| c.sequence);
+        let e = match checkpoint {
+            None => self.insert(spec, stored.created_us)?,
+            Some(cp) => {
+                let model = model_at(&spec, &cp.state, cp.at_us, &self.limits.engine)?;
+                let e = self.register(spec, model, cp.at_us)?;
+                e.checkpointed = Some(cp.sequence);
+                e
+            }
+        };
+        e.created_us = stored.created_us;
+        if let Some(head) = stored.head_seq {
+            e.audit.resume(head, &stored.head_hash);
+        }
         let mut failure = None;
         store
-            .audit_after(&id, None, None, |rec| {
+            .audit_after(&id, after, None, |rec| {
                 match replay(e, rec, history_max, explain_max) {
                     Ok(()) => std::ops::ControlFlow::Continue(()),
                     Err(m) => {
@@ -246,7 +362,7 @@ impl Shard {
                     }
                 }
             })
-            .map_err(|x| ServiceError::Storage(x.to_string()))?;
+            .map_err(storage)?;
         match failure {
             None => Ok(()),
             Some(m) => Err(ServiceError::Storage(format!(
@@ -336,16 +452,67 @@ impl Shard {
                 Ok(e.model.merged_json(now))
             }
             Some(at) => {
-                let st = e
-                    .history
-                    .iter()
-                    .rev()
-                    .find(|(t, _)| *t <= at)
-                    .map(|(_, s)| s)
-                    .ok_or_else(|| ServiceError::HistoryNotFound(iso(at)))?;
-                Ok(ordered_json(Some(&st.base), &st.merged))
+                // The ring holds the newest commits without a gap: a hit in it is the answer.
+                if let Some((_, st)) = e.history.iter().rev().find(|(t, _)| *t <= at) {
+                    return Ok(ordered_json(Some(&st.base), &st.merged));
+                }
+                let (spec, created_us) = (e.spec.clone(), e.created_us);
+                match self.store.clone() {
+                    Some(store) => self.state_from_store(&store, &spec, created_us, id, at),
+                    None => Err(ServiceError::HistoryNotFound(iso(at))),
+                }
             }
         }
+    }
+
+    /// The state of model `id` at `at` (µs) rebuilt from the store: the newest checkpoint taken
+    /// at or before it, plus the records committed up to it.
+    fn state_from_store(
+        &self,
+        store: &Store,
+        spec: &ModelSpec,
+        created_us: i64,
+        id: &str,
+        at: i64,
+    ) -> Result<Json, ServiceError> {
+        if at < created_us {
+            return Err(ServiceError::HistoryNotFound(iso(at)));
+        }
+        let storage = |x: crate::store::StoreError| ServiceError::Storage(x.to_string());
+        let limits = &self.limits.engine;
+        let checkpoint = store.latest_checkpoint(id, Some(at)).map_err(storage)?;
+        let mut model = match &checkpoint {
+            Some(cp) => model_at(spec, &cp.state, cp.at_us, limits)?,
+            None => {
+                Model::create(spec, created_us / 1000, limits.clone())
+                    .map_err(create_error)?
+                    .0
+            }
+        };
+        let mut failure = None;
+        store
+            .audit_after(id, checkpoint.map(|c| c.sequence), Some(at), |rec| {
+                let applied = record_writes(&rec).and_then(|w| {
+                    model
+                        .mutate_parsed(&w, rec.at_us / 1000)
+                        .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))
+                });
+                match applied {
+                    Ok(_) => std::ops::ControlFlow::Continue(()),
+                    Err(m) => {
+                        failure = Some(m);
+                        std::ops::ControlFlow::Break(())
+                    }
+                }
+            })
+            .map_err(storage)?;
+        if let Some(m) = failure {
+            return Err(ServiceError::Storage(format!(
+                "replaying model `{id}`: {m}"
+            )));
+        }
+        let st = model.state();
+        Ok(ordered_json(Some(&st.base), &st.merged))
     }
 
     pub fn field(&mut self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {
@@ -387,20 +554,67 @@ impl Shard {
     }
 
     pub fn history(&mut self, id: &str) -> Result<Vec<String>, ServiceError> {
-        Ok(self
-            .entry(id)?
-            .history
+        let max = self.limits.history_entries.max(1);
+        let store = self.store.clone();
+        let e = self.entry(id)?;
+        let Some(store) = store else {
+            return Ok(e.history.iter().map(|(t, _)| iso(*t)).collect());
+        };
+        // The commit times the store holds (the ring restarts with the process): the creation,
+        // then one per record, the newest `max` of them.
+        let filter = crate::store::AuditFilter {
+            limit: Some(max),
+            ..Default::default()
+        };
+        let newest = store
+            .query_audit(id, &filter)
+            .map_err(|x| ServiceError::Storage(x.to_string()))?;
+        let mut times: Vec<String> = newest
             .iter()
-            .map(|(t, _)| iso(*t))
-            .collect())
+            .rev()
+            .filter_map(|r| {
+                r.get("timestamp")
+                    .and_then(Json::as_str)
+                    .map(str::to_string)
+            })
+            .collect();
+        if times.len() < max {
+            times.insert(0, iso(e.created_us));
+        }
+        Ok(times)
     }
 
     pub fn audit(&mut self, id: &str, q: &AuditQuery) -> Result<Vec<Json>, ServiceError> {
-        Ok(self.entry(id)?.audit.query(q))
+        let store = self.store.clone();
+        let e = self.entry(id)?;
+        match store {
+            // The store holds every record, indexed; memory only the newest.
+            Some(store) => store
+                .query_audit(
+                    id,
+                    &crate::store::AuditFilter {
+                        path_prefix: q.path_prefix.clone(),
+                        from_us: q.from_us,
+                        to_us: q.to_us,
+                        limit: q.limit,
+                    },
+                )
+                .map_err(|x| ServiceError::Storage(x.to_string())),
+            None => Ok(e.audit.query(q)),
+        }
     }
 
     pub fn verify_audit(&mut self, id: &str) -> Result<Json, ServiceError> {
-        Ok(self.entry(id)?.audit.verify())
+        let store = self.store.clone();
+        let e = self.entry(id)?;
+        match store {
+            // The whole stored chain, from genesis to the head.
+            Some(store) => store
+                .verify_chain(id)
+                .map(|r| serde_json::to_value(r).unwrap_or(Json::Null))
+                .map_err(|x| ServiceError::Storage(x.to_string())),
+            None => Ok(e.audit.verify()),
+        }
     }
 
     pub fn view(&mut self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
@@ -509,7 +723,18 @@ impl Shard {
         reply: Reply<Arc<MutationResult>>,
     ) {
         match self.cycle(id, parsed, source) {
-            Ok((result, op)) => self.durably(id, op, result, reply),
+            Ok((result, op)) => {
+                self.durably(id, op, result, reply);
+                let every = self.limits.checkpoint_every.max(1) as u64;
+                let due = self
+                    .models
+                    .get(id)
+                    .and_then(|e| e.audit.head())
+                    .is_some_and(|seq| (seq + 1).is_multiple_of(every));
+                if due {
+                    self.checkpoint(id);
+                }
+            }
             Err(e) => reply.send(Err(e)),
         }
     }
