@@ -104,6 +104,36 @@ pub async fn serve(State(st): State<AppState>) -> Response {
             c.load(Ordering::Relaxed)
         );
     }
+    if let Some(store) = st.service.store() {
+        let w = store.stats();
+        for (name, help, v) in [
+            (
+                "valem_store_batches_total",
+                "Write batches committed (one transaction each).",
+                w.batches_committed,
+            ),
+            (
+                "valem_store_ops_total",
+                "Writes committed (audit records, models, checkpoints…).",
+                w.ops_committed,
+            ),
+            (
+                "valem_store_fsyncs_total",
+                "fsyncs of the database (strict: one per batch).",
+                w.fsyncs,
+            ),
+            (
+                "valem_store_failed_batches_total",
+                "Write batches that failed and were rolled back.",
+                w.batches_failed,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        }
+    }
     let _ = writeln!(
         out,
         "# HELP valem_errors_total Failed requests and tool calls, by kind.\n# TYPE valem_errors_total counter"
