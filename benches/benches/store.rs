@@ -153,7 +153,7 @@ fn reads(c: &mut Criterion) {
             w.submit(
                 Op::Checkpoint {
                     model_id: "m0".into(),
-                    sequence: i,
+                    sequence: Some(i),
                     at_us: T0 + i as i64,
                     state,
                 },
@@ -199,7 +199,7 @@ fn reads(c: &mut Criterion) {
             let cp = store
                 .latest_checkpoint("m0", Some(instant))
                 .expect("checkpoint");
-            let after = cp.as_ref().map(|c| c.sequence);
+            let after = cp.as_ref().and_then(|c| c.sequence);
             let mut last = None;
             store
                 .audit_after("m0", after, Some(instant), |e| {

@@ -256,3 +256,51 @@ fn the_embedded_mcp_server_keeps_its_models_in_the_data_directory() {
     let (status, _) = m.close(15);
     assert!(status.success());
 }
+
+#[test]
+fn a_restore_survives_kill_9_with_and_without_records_before_it() {
+    let dir = data_dir();
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    let spec = example("demo");
+    let id = spec["id"].as_str().expect("an id").to_string();
+    assert_eq!(http.post_json("/models", &spec).status, 201);
+    let mut other = spec.clone();
+    other["id"] = json!("fresh");
+    assert_eq!(http.post_json("/models", &other).status, 201);
+    let r = http.post_json(
+        &format!("/models/{id}/mutations"),
+        &json!({"$.price": 2, "$.qty": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let snap = http
+        .post_json(&format!("/models/{id}/snapshot"), &json!({}))
+        .json();
+    let r = http.post_json(&format!("/models/{id}/mutations"), &json!({"$.price": 9}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Restore the older snapshot over a model with records, and a snapshot onto one without.
+    let r = http.post_json(&format!("/models/{id}/restore"), &snap);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut onto_fresh = snap.clone();
+    onto_fresh["modelId"] = json!("fresh");
+    let r = http.post_json("/models/fresh/restore", &onto_fresh);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let restored = http.get(&format!("/models/{id}/state")).json();
+    assert_eq!(restored["price"], json!(2), "{restored}");
+    let fresh = http.get("/models/fresh/state").json();
+    assert_eq!(fresh, restored);
+    // A write after the restore, then the crash.
+    let r = http.post_json(&format!("/models/{id}/mutations"), &json!({"$.qty": 4}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let expected = http.get(&format!("/models/{id}/state")).json();
+    d.kill9();
+
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    assert_eq!(http.get(&format!("/models/{id}/state")).json(), expected);
+    assert_eq!(http.get("/models/fresh/state").json(), fresh);
+    let v = http.get(&format!("/models/{id}/audit/verify")).json();
+    assert_eq!(v["valid"], json!(true), "{v}");
+    assert_eq!(v["recordsChecked"], json!(3), "a restore is not a record");
+    assert!(d.terminate().success());
+}

@@ -867,7 +867,8 @@ impl ModelService {
 
     pub fn restore(&self, id: &str, snapshot: Json) -> Result<Json, ServiceError> {
         let owned = id.to_string();
-        self.on_model(id, move |s| s.restore(&owned, snapshot))
+        self.on_model_reply(id, true, move |s, r| s.restore_durably(&owned, snapshot, r))
+            .wait()?
     }
 
     pub fn evolve(&self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {

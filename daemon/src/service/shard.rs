@@ -99,6 +99,22 @@ fn model_at(
     ))
 }
 
+/// A checkpoint of `e` as it is now: after its newest record (before any, when it has none).
+fn checkpoint_op(id: &str, e: &Entry) -> Op {
+    let st = e.model.state();
+    let keys: Map<String, Json> = st
+        .effect_keys
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_json()))
+        .collect();
+    Op::Checkpoint {
+        model_id: id.to_string(),
+        sequence: e.audit.head(),
+        at_us: e.last_us,
+        state: json!({"base": st.base.to_json(), "effectKeys": keys}),
+    }
+}
+
 /// The writes of one cycle: concrete paths and their new values.
 type Writes = Vec<(Vec<Seg>, Json)>;
 
@@ -290,18 +306,7 @@ impl Shard {
             return;
         }
         e.checkpointed = Some(seq);
-        let st = e.model.state();
-        let keys: Map<String, Json> = st
-            .effect_keys
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_json()))
-            .collect();
-        let op = Op::Checkpoint {
-            model_id: id.to_string(),
-            sequence: seq,
-            at_us: e.last_us,
-            state: json!({"base": st.base.to_json(), "effectKeys": keys}),
-        };
+        let op = checkpoint_op(id, e);
         let id = id.to_string();
         store.writer().submit(
             op,
@@ -337,13 +342,13 @@ impl Shard {
         let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
         let storage = |x: crate::store::StoreError| ServiceError::Storage(x.to_string());
         let checkpoint = store.latest_checkpoint(&id, None).map_err(storage)?;
-        let after = checkpoint.as_ref().map(|c| c.sequence);
+        let after = checkpoint.as_ref().and_then(|c| c.sequence);
         let e = match checkpoint {
             None => self.insert(spec, stored.created_us)?,
             Some(cp) => {
                 let model = model_at(&spec, &cp.state, cp.at_us, &self.limits.engine)?;
                 let e = self.register(spec, model, cp.at_us)?;
-                e.checkpointed = Some(cp.sequence);
+                e.checkpointed = cp.sequence;
                 e
             }
         };
@@ -491,7 +496,7 @@ impl Shard {
         };
         let mut failure = None;
         store
-            .audit_after(id, checkpoint.map(|c| c.sequence), Some(at), |rec| {
+            .audit_after(id, checkpoint.and_then(|c| c.sequence), Some(at), |rec| {
                 let applied = record_writes(&rec).and_then(|w| {
                     model
                         .mutate_parsed(&w, rec.at_us / 1000)
@@ -859,8 +864,25 @@ impl Shard {
         }))
     }
 
-    pub fn restore(&mut self, id: &str, snapshot: Json) -> Result<Json, ServiceError> {
-        self.refuse_if_durable("restore")?;
+    /// Replace the base document with a snapshot's; with a store, answered once a checkpoint of
+    /// the restored state is durable (recovery starts from it).
+    pub fn restore_durably(&mut self, id: &str, snapshot: Json, reply: Reply<Json>) {
+        match self.restore(id, snapshot) {
+            Ok(v) => {
+                let op = match (&self.store, self.models.get_mut(id)) {
+                    (Some(_), Some(e)) => {
+                        e.checkpointed = e.audit.head();
+                        Some(checkpoint_op(id, e))
+                    }
+                    _ => None,
+                };
+                self.durably(id, op, v, reply)
+            }
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    fn restore(&mut self, id: &str, snapshot: Json) -> Result<Json, ServiceError> {
         let bad = |m: String| ServiceError::BadRequest(m);
         let e = self.entry(id)?;
         let Json::Object(snap) = snapshot else {

@@ -258,11 +258,11 @@ pub struct StoredModel {
     pub head_hash: String,
 }
 
-/// A checkpoint: the model's state after record `sequence`.
+/// A checkpoint: the model's state after record `sequence` (`None`: before its first record).
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoredCheckpoint {
     /// The last record applied.
-    pub sequence: u64,
+    pub sequence: Option<u64>,
     /// That record's commit time (epoch µs).
     pub at_us: i64,
     /// The state.
@@ -531,10 +531,13 @@ impl Store {
             }
             .map_err(|e| sql_err(&self.db, e))?;
             row.map(|(seq, at_us, text)| {
-                let sequence = self.stored_seq(seq, model_id)?;
-                let state = self.parse(&text, || {
-                    format!("checkpoint {sequence} of model `{model_id}`")
-                })?;
+                let sequence = if seq == -1 {
+                    None
+                } else {
+                    Some(self.stored_seq(seq, model_id)?)
+                };
+                let state =
+                    self.parse(&text, || format!("checkpoint {seq} of model `{model_id}`"))?;
                 Ok(StoredCheckpoint {
                     sequence,
                     at_us,

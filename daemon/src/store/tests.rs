@@ -182,14 +182,14 @@ fn everything_written_is_back_after_reopen() {
         }
         w.apply(Op::Checkpoint {
             model_id: "orders".into(),
-            sequence: 9,
+            sequence: Some(9),
             at_us: 1090,
             state: json!({"qty": 9}),
         })
         .expect("checkpoint");
         w.apply(Op::Checkpoint {
             model_id: "orders".into(),
-            sequence: 19,
+            sequence: Some(19),
             at_us: 1190,
             state: json!({"qty": 19}),
         })
@@ -235,12 +235,15 @@ fn everything_written_is_back_after_reopen() {
         .latest_checkpoint("orders", None)
         .expect("cp")
         .expect("some");
-    assert_eq!((cp.sequence, cp.state.clone()), (19, json!({"qty": 19})));
+    assert_eq!(
+        (cp.sequence, cp.state.clone()),
+        (Some(19), json!({"qty": 19}))
+    );
     let cp = store
         .latest_checkpoint("orders", Some(1150))
         .expect("cp")
         .expect("some");
-    assert_eq!(cp.sequence, 9);
+    assert_eq!(cp.sequence, Some(9));
     assert!(store
         .latest_checkpoint("orders", Some(10))
         .expect("cp")
@@ -364,7 +367,7 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
     let good2 = chain.op(4, 2);
     let ahead = Op::Checkpoint {
         model_id: "m".into(),
-        sequence: 9,
+        sequence: Some(9),
         at_us: 5,
         state: json!({}),
     };
@@ -560,7 +563,7 @@ fn delete_model_removes_its_rows_from_every_table() {
         }
         w.apply(Op::Checkpoint {
             model_id: id.into(),
-            sequence: 2,
+            sequence: Some(2),
             at_us: 2,
             state: json!({}),
         })

@@ -34,10 +34,11 @@ pub enum Op {
     DeleteModel { id: String },
     /// Append the next record of a model's chain.
     AppendAudit(AuditAppend),
-    /// The model's state after applying record `sequence` (which must be committed).
+    /// The model's state after applying record `sequence` (which must be committed), or before
+    /// its first record (`None`: a state set without a cycle, such as a restore).
     Checkpoint {
         model_id: String,
-        sequence: u64,
+        sequence: Option<u64>,
         at_us: i64,
         state: Json,
     },
@@ -501,23 +502,25 @@ fn apply(conn: &Connection, op: &Op) -> Result<(), Failure> {
             state,
         } => {
             let committed = head(conn, model_id)?.map(|(s, _)| s);
-            if committed.is_none_or(|h| *sequence > h) {
-                return Err(Failure::Op(StoreError::CheckpointAhead {
-                    model_id: model_id.clone(),
-                    sequence: *sequence,
-                    head: committed,
-                }));
+            if let Some(seq) = *sequence {
+                if committed.is_none_or(|h| seq > h) {
+                    return Err(Failure::Op(StoreError::CheckpointAhead {
+                        model_id: model_id.clone(),
+                        sequence: seq,
+                        head: committed,
+                    }));
+                }
             }
+            // Before the first record is stored as -1, below every real sequence.
+            let seq = match sequence {
+                Some(s) => seq_param(*s)?,
+                None => -1,
+            };
             conn.prepare_cached(
                 "INSERT OR REPLACE INTO checkpoints (model_id, sequence, at_us, state)
                  VALUES (?1, ?2, ?3, ?4)",
             )?
-            .execute(params![
-                model_id,
-                seq_param(*sequence)?,
-                at_us,
-                to_text(state)?
-            ])?;
+            .execute(params![model_id, seq, at_us, to_text(state)?])?;
         }
         Op::PutSnapshot {
             model_id,
