@@ -304,3 +304,51 @@ fn a_restore_survives_kill_9_with_and_without_records_before_it() {
     assert_eq!(v["recordsChecked"], json!(3), "a restore is not a record");
     assert!(d.terminate().success());
 }
+
+#[test]
+fn an_evolved_spec_and_its_state_survive_kill_9() {
+    let dir = data_dir();
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    assert_eq!(http.post_json("/models", &example("demo")).status, 201);
+    let r = http.post_json(
+        "/models/demo/mutations",
+        &json!({"$.price": 10, "$.qty": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let before_evolve = http.get("/models/demo/history").json();
+    let early = before_evolve[1].as_str().expect("an instant").to_string();
+    let r = http.post_json(
+        "/models/demo/spec/evolve",
+        &json!({
+            "expectedVersion": "1.0.0",
+            "newVersion": "1.1.0",
+            "upsertDerivations": [{"path": "$.withTax", "expr": "total * 1.5"}]
+        }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = http.post_json("/models/demo/mutations", &json!({"$.qty": 4}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let state = http.get("/models/demo/state").json();
+    assert_eq!(state["withTax"], json!(60), "{state}");
+    let history = http.get("/models/demo/history").json();
+    d.kill9();
+
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    assert_eq!(
+        http.get("/models/demo/spec").json()["version"],
+        json!("1.1.0")
+    );
+    assert_eq!(http.get("/models/demo/state").json(), state);
+    assert_eq!(http.get("/models/demo/history").json(), history);
+    // The history of the old runtime is not carried (as in the reference).
+    assert_eq!(
+        http.get(&format!("/models/demo/state?at={early}")).status,
+        404
+    );
+    let v = http.get("/models/demo/audit/verify").json();
+    assert_eq!(v["valid"], json!(true), "{v}");
+    assert_eq!(v["recordsChecked"], json!(2), "{v}");
+    assert!(d.terminate().success());
+}

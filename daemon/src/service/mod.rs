@@ -159,9 +159,6 @@ pub enum ServiceError {
     /// reloaded from what the store holds before its next operation.
     #[error("storage: {0}")]
     Storage(String),
-    /// The operation is not durable yet with a data directory (refused rather than lost).
-    #[error("{0}")]
-    NotDurable(String),
     /// The model's shard has this many requests queued already: the daemon is overloaded.
     #[error(
         "the daemon is overloaded ({0} requests are queued for this model's shard); retry shortly"
@@ -873,7 +870,8 @@ impl ModelService {
 
     pub fn evolve(&self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
         let owned = id.to_string();
-        self.on_model(id, move |s| s.evolve(&owned, evo))
+        self.on_model_reply(id, true, move |s, r| s.evolve_durably(&owned, evo, r))
+            .wait()?
     }
 
     // --- blobs ------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ pub(super) struct Entry {
     checkpointed: Option<u64>,
     /// When the model was created (µs): nothing exists before it.
     created_us: i64,
+    /// When its spec last changed (creation or evolve, µs): the history starts there.
+    evolved_us: i64,
 }
 
 impl Entry {
@@ -267,6 +269,7 @@ impl Shard {
                 stale: Arc::default(),
                 checkpointed: None,
                 created_us: t,
+                evolved_us: t,
             },
         );
         self.entry_raw(&id)
@@ -353,6 +356,7 @@ impl Shard {
             }
         };
         e.created_us = stored.created_us;
+        e.evolved_us = stored.updated_us.max(stored.created_us);
         if let Some(head) = stored.head_seq {
             e.audit.resume(head, &stored.head_hash);
         }
@@ -461,7 +465,11 @@ impl Shard {
                 if let Some((_, st)) = e.history.iter().rev().find(|(t, _)| *t <= at) {
                     return Ok(ordered_json(Some(&st.base), &st.merged));
                 }
-                let (spec, created_us) = (e.spec.clone(), e.created_us);
+                let (spec, created_us, evolved_us) = (e.spec.clone(), e.created_us, e.evolved_us);
+                if at < evolved_us {
+                    // Before the current spec: that runtime's history is not carried.
+                    return Err(ServiceError::HistoryNotFound(iso(at)));
+                }
                 match self.store.clone() {
                     Some(store) => self.state_from_store(&store, &spec, created_us, id, at),
                     None => Err(ServiceError::HistoryNotFound(iso(at))),
@@ -565,10 +573,11 @@ impl Shard {
         let Some(store) = store else {
             return Ok(e.history.iter().map(|(t, _)| iso(*t)).collect());
         };
-        // The commit times the store holds (the ring restarts with the process): the creation,
-        // then one per record, the newest `max` of them.
+        // The commit times the store holds (the ring restarts with the process): the creation
+        // or last evolve, then one per record since, the newest `max` of them.
         let filter = crate::store::AuditFilter {
             limit: Some(max),
+            from_us: Some(e.evolved_us),
             ..Default::default()
         };
         let newest = store
@@ -584,7 +593,7 @@ impl Shard {
             })
             .collect();
         if times.len() < max {
-            times.insert(0, iso(e.created_us));
+            times.insert(0, iso(e.evolved_us));
         }
         Ok(times)
     }
@@ -668,18 +677,6 @@ impl Shard {
         }
         let e = self.entry(id)?;
         Ok(walk(&e.model.merged_json(now_us() / 1000), blob_id))
-    }
-
-    /// Operations whose result the store cannot hold yet are refused with a data directory
-    /// rather than acknowledged and lost on restart.
-    fn refuse_if_durable(&self, op: &str) -> Result<(), ServiceError> {
-        if self.store.is_some() {
-            return Err(ServiceError::NotDurable(format!(
-                "{op} is not durable yet in this build: with --data-dir it is refused so that \
-                 nothing acknowledged is lost on restart (run without --data-dir to use it)"
-            )));
-        }
-        Ok(())
     }
 
     // --- writes -----------------------------------------------------------------------------
@@ -934,8 +931,41 @@ impl Shard {
         Ok(json!({"restored": true, "id": id, "version": version, "restoredAt": iso(t)}))
     }
 
-    pub fn evolve(&mut self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
-        self.refuse_if_durable("evolve_spec")?;
+    /// Evolve the spec; with a store, answered once the new spec and a checkpoint of the
+    /// evolved state are durable, together (recovery and `?at=` start from it: the history of
+    /// the old runtime is not carried, as in the reference).
+    pub fn evolve_durably(&mut self, id: &str, evo: SpecEvolution, reply: Reply<ModelInfo>) {
+        match self.evolve(id, evo) {
+            Ok(info) => {
+                let op = match (&self.store, self.models.get_mut(id)) {
+                    (Some(_), Some(e)) => {
+                        e.checkpointed = e.audit.head();
+                        e.evolved_us = e.last_us;
+                        match serde_json::to_string(&*e.spec) {
+                            Ok(text) => Some(Op::Atomic(vec![
+                                Op::PutModel {
+                                    id: id.to_string(),
+                                    spec_text: text,
+                                    version: info.version.clone(),
+                                    at_us: e.last_us,
+                                },
+                                checkpoint_op(id, e),
+                            ])),
+                            Err(x) => {
+                                e.stale.store(true, std::sync::atomic::Ordering::Release);
+                                return reply.send(Err(ServiceError::Storage(x.to_string())));
+                            }
+                        }
+                    }
+                    _ => None,
+                };
+                self.durably(id, op, info, reply)
+            }
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    fn evolve(&mut self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
         let limits = self.limits.engine.clone();
         let e = self.entry(id)?;
         let actual = e.spec.version_or_default().to_string();

@@ -56,6 +56,9 @@ pub enum Op {
     },
     /// Store (or replace) blob metadata; write the bytes first with `Store::put_blob_bytes`.
     PutBlob(BlobMeta),
+    /// These ops together, all or none (one savepoint): e.g. a new spec and the checkpoint of
+    /// the state evolved under it.
+    Atomic(Vec<Op>),
 }
 
 /// An audit record ready to append: validated (chained fields present, hash correct) and
@@ -429,6 +432,11 @@ fn to_text(v: &Json) -> Result<String, Failure> {
 
 fn apply(conn: &Connection, op: &Op) -> Result<(), Failure> {
     match op {
+        Op::Atomic(ops) => {
+            for o in ops {
+                apply(conn, o)?;
+            }
+        }
         Op::PutModel {
             id,
             spec_text,

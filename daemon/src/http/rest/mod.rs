@@ -221,9 +221,6 @@ pub fn service_error(e: &ServiceError) -> ApiError {
             "storage",
             "Storage failure",
         ),
-        ServiceError::NotDurable(_) => {
-            plain(StatusCode::NOT_IMPLEMENTED, "not_durable", "Not durable")
-        }
         ServiceError::Busy(queued) => {
             let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "busy", "Overloaded");
             r.body["queued"] = json!(queued);
