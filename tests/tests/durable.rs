@@ -352,3 +352,32 @@ fn an_evolved_spec_and_its_state_survive_kill_9() {
     assert_eq!(v["recordsChecked"], json!(2), "{v}");
     assert!(d.terminate().success());
 }
+
+#[test]
+fn blobs_are_kept_in_the_data_directory() {
+    let dir = data_dir();
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    let boundary = "valemDurableBoundary";
+    let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+    let mut body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.bin\"\r\nContent-Type: image/png\r\n\r\n"
+    )
+    .into_bytes();
+    body.extend_from_slice(&data);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let ct = format!("multipart/form-data; boundary={boundary}");
+    let r = http.post("/blobs", &[("Content-Type", &ct)], &body);
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["blobId"].as_str().expect("a blob id").to_string();
+    d.kill9();
+
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    let got = http.get(&format!("/blobs/{id}"));
+    assert_eq!(got.status, 200);
+    assert_eq!(got.body, data);
+    assert_eq!(got.header("content-type"), Some("image/png"));
+    assert_eq!(http.get(&format!("/blobs/{}", "0".repeat(64))).status, 404);
+    assert!(d.terminate().success());
+}

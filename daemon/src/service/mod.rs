@@ -881,10 +881,41 @@ impl ModelService {
         data: Vec<u8>,
         media_type: Option<String>,
     ) -> Result<BlobRef, ServiceError> {
-        self.blobs
-            .lock()
-            .map_err(|_| ServiceError::Unavailable)?
-            .put(data, media_type)
+        let Some(store) = &self.store else {
+            return self
+                .blobs
+                .lock()
+                .map_err(|_| ServiceError::Unavailable)?
+                .put(data, media_type);
+        };
+        if data.len() > self.limits.blob_max_bytes {
+            return Err(ServiceError::TooLarge(format!(
+                "blob of {} bytes exceeds the limit of {} bytes",
+                data.len(),
+                self.limits.blob_max_bytes
+            )));
+        }
+        // Bytes first (temp file, fsync, rename), then the metadata row: a crash between them
+        // leaves an unreferenced file, never a row without bytes.
+        let storage = |e: crate::store::StoreError| ServiceError::Storage(e.to_string());
+        let hash = store.put_blob_bytes(&data).map_err(storage)?;
+        let media_type = media_type.unwrap_or_else(|| "application/octet-stream".into());
+        store
+            .writer()
+            .apply(crate::store::Op::PutBlob(crate::store::BlobMeta {
+                id: hash.clone(),
+                hash: hash.clone(),
+                size: data.len() as u64,
+                media_type: media_type.clone(),
+                filename: None,
+                created_us: time::now_us(),
+            }))
+            .map_err(storage)?;
+        Ok(BlobRef {
+            blob_id: hash,
+            bytes: data.len(),
+            media_type,
+        })
     }
 
     /// A blob's bytes; with `model`, only when that model's state references it.
@@ -899,11 +930,28 @@ impl ModelService {
                 return Err(ServiceError::BlobNotFound(blob_id.to_string()));
             }
         }
-        self.blobs
-            .lock()
-            .map_err(|_| ServiceError::Unavailable)?
-            .get(blob_id)
-            .ok_or_else(|| ServiceError::BlobNotFound(blob_id.to_string()))
+        let Some(store) = &self.store else {
+            return self
+                .blobs
+                .lock()
+                .map_err(|_| ServiceError::Unavailable)?
+                .get(blob_id)
+                .ok_or_else(|| ServiceError::BlobNotFound(blob_id.to_string()));
+        };
+        let storage = |e: crate::store::StoreError| ServiceError::Storage(e.to_string());
+        let meta = store
+            .blob(blob_id)
+            .map_err(storage)?
+            .ok_or_else(|| ServiceError::BlobNotFound(blob_id.to_string()))?;
+        let bytes = store.blob_bytes(&meta.hash).map_err(storage)?;
+        Ok((
+            BlobRef {
+                blob_id: meta.id,
+                bytes: bytes.len(),
+                media_type: meta.media_type,
+            },
+            Arc::from(bytes),
+        ))
     }
 }
 
