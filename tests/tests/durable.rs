@@ -381,3 +381,119 @@ fn blobs_are_kept_in_the_data_directory() {
     assert_eq!(http.get(&format!("/blobs/{}", "0".repeat(64))).status, 404);
     assert!(d.terminate().success());
 }
+
+#[test]
+fn a_full_disk_refuses_writes_loses_nothing_acknowledged_and_recovers_when_space_returns() {
+    let dir = data_dir();
+    let path = dir.path().to_str().expect("a UTF-8 path").to_string();
+    let d = Daemon::start(&["--data-dir", &path, "--max-db-bytes", "1048576"]);
+    let http = Http::new(&d);
+    for id in ["ballast", "counter"] {
+        let spec = json!({"id": id, "version": "1", "schema": {},
+            "derivations": [{"path": "$.twice", "expr": "n * 2"}]});
+        assert_eq!(http.post_json("/models", &spec).status, 201);
+    }
+    assert_eq!(
+        http.post_json("/models/counter/mutations", &json!({"$.n": 1}))
+            .status,
+        200
+    );
+    let pad = "x".repeat(2000);
+    let mut acked = 0;
+    let refusal = loop {
+        assert!(
+            acked < 5000,
+            "1 MiB should fill long before 5000 writes of 2 KB"
+        );
+        let r = http.post_json(
+            "/models/ballast/mutations",
+            &json!({"$.n": acked + 1, "$.pad": pad}),
+        );
+        if r.status != 200 {
+            break r;
+        }
+        acked += 1;
+    };
+    assert_eq!(refusal.status, 503, "{}", refusal.text());
+    assert!(
+        refusal.text().contains("no space left"),
+        "{}",
+        refusal.text()
+    );
+    // The refused write is not visible: the model is reloaded from what the store holds.
+    assert_eq!(http.get("/models/ballast/state").json()["n"], json!(acked));
+    let v = http.get("/models/ballast/audit/verify").json();
+    assert_eq!(v["valid"], json!(true), "{v}");
+    assert_eq!(v["recordsChecked"], json!(acked));
+    // Space returns when the ballast goes: the other model writes again, without a restart.
+    assert_eq!(http.delete("/models/ballast").status, 200);
+    let r = http.post_json("/models/counter/mutations", &json!({"$.n": 2}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(http.get("/models/counter/state").json()["twice"], json!(4));
+    assert!(d.terminate().success());
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    assert_eq!(http.get("/models/counter/state").json()["n"], json!(2));
+    assert_eq!(http.get("/models/ballast/state").status, 404);
+    assert!(d.terminate().success());
+}
+
+#[test]
+fn fifty_models_of_every_bundled_example_come_back() {
+    let dir = data_dir();
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    let mut names: Vec<String> = std::fs::read_dir(repo_root().join("examples"))
+        .expect("the examples")
+        .filter_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_suffix(".json")
+                .map(str::to_string)
+        })
+        .collect();
+    names.sort();
+    let mut ids = Vec::new();
+    for k in 0..50 {
+        let mut spec = example(&names[k % names.len()]);
+        let id = format!("m{k}");
+        spec["id"] = json!(id);
+        let r = http.post_json("/models", &spec);
+        assert_eq!(
+            r.status,
+            201,
+            "create {id} from {}: {}",
+            names[k % names.len()],
+            r.text()
+        );
+        ids.push(id);
+    }
+    // The demo-shaped ones get writes; every model is read back whole.
+    let snapshot = |http: &Http| -> Vec<(Value, Value, Value)> {
+        ids.iter()
+            .map(|id| {
+                (
+                    http.get(&format!("/models/{id}")).json(),
+                    http.get(&format!("/models/{id}/spec")).json(),
+                    http.get(&format!("/models/{id}/state")).json(),
+                )
+            })
+            .collect()
+    };
+    for (k, id) in ids.iter().enumerate() {
+        if names[k % names.len()] == "demo" {
+            let r = http.post_json(
+                &format!("/models/{id}/mutations"),
+                &json!({"$.price": k, "$.qty": 2}),
+            );
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+    }
+    let before = snapshot(&http);
+    assert!(d.terminate().success());
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    assert_eq!(snapshot(&http), before);
+    assert!(d.terminate().success());
+}

@@ -91,6 +91,10 @@ pub enum Command {
         /// so a restart replays at most N records per model.
         #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
         checkpoint_every: u64,
+        /// With --data-dir: the largest the database may grow, in bytes (default: the disk's
+        /// space). Past it writes fail as on a full disk, and work again once there is room.
+        #[arg(long, env = "VALEM_MAX_DB_BYTES")]
+        max_db_bytes: Option<u64>,
     },
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///
@@ -179,6 +183,10 @@ pub enum Command {
         /// so a restart replays at most N records per model.
         #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
         checkpoint_every: u64,
+        /// With --data-dir: the largest the database may grow, in bytes (default: the disk's
+        /// space). Past it writes fail as on a full disk, and work again once there is room.
+        #[arg(long, env = "VALEM_MAX_DB_BYTES")]
+        max_db_bytes: Option<u64>,
         /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
         /// conformance tests only; never enable it on a real daemon.
         #[arg(long, hide = true)]
@@ -460,6 +468,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             data_dir,
             durability,
             checkpoint_every,
+            max_db_bytes,
         } => {
             if let Some(url) = url {
                 return Ok(mcp_proxy(&url, api_key, max_message_bytes));
@@ -473,11 +482,17 @@ fn run(cli: Cli) -> Result<i32, String> {
                 checkpoint_every: usize::try_from(checkpoint_every).unwrap_or(usize::MAX),
                 ..Default::default()
             };
-            let service =
-                match open_service("mcp", shards, limits, data_dir.as_deref(), &durability) {
-                    Ok(s) => s,
-                    Err(code) => return Ok(code),
-                };
+            let service = match open_service(
+                "mcp",
+                shards,
+                limits,
+                data_dir.as_deref(),
+                &durability,
+                max_db_bytes,
+            ) {
+                Ok(s) => s,
+                Err(code) => return Ok(code),
+            };
             let server =
                 crate::mcp::Server::new(service.clone(), guidance, crate::mcp::Mode::Embedded);
             eprintln!(
@@ -557,6 +572,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             data_dir,
             durability,
             checkpoint_every,
+            max_db_bytes,
             conformance_fixtures,
         } => {
             init_logging();
@@ -570,11 +586,17 @@ fn run(cli: Cli) -> Result<i32, String> {
                 blob_max_bytes: max_blob_bytes,
                 ..Default::default()
             };
-            let service =
-                match open_service("serve", shards, limits, data_dir.as_deref(), &durability) {
-                    Ok(s) => s,
-                    Err(code) => return Ok(code),
-                };
+            let service = match open_service(
+                "serve",
+                shards,
+                limits,
+                data_dir.as_deref(),
+                &durability,
+                max_db_bytes,
+            ) {
+                Ok(s) => s,
+                Err(code) => return Ok(code),
+            };
             let mode = if conformance_fixtures {
                 crate::mcp::Mode::DaemonWithFixtures
             } else {
@@ -654,6 +676,7 @@ fn open_service(
     limits: crate::service::ServiceLimits,
     data_dir: Option<&Path>,
     durability: &str,
+    max_db_bytes: Option<u64>,
 ) -> Result<std::sync::Arc<crate::service::ModelService>, i32> {
     let Some(dir) = data_dir else {
         return Ok(crate::service::ModelService::new(shards, limits));
@@ -664,6 +687,7 @@ fn open_service(
         } else {
             crate::store::Durability::Strict
         },
+        max_db_bytes,
         ..Default::default()
     };
     let started = std::time::Instant::now();
