@@ -8,8 +8,6 @@
 //!
 //! Needs `target/release/valem` (or `VALEM_BIN`); a plain run, no criterion group.
 
-use std::io::BufRead;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -17,28 +15,18 @@ use valem_tests::load::{self, Conn, Surface};
 
 const DEMO: &str = r#"{"id":"demo","version":"1","schema":{},"derivations":[{"path":"$.total","expr":"price * qty"}]}"#;
 
-struct Daemon {
-    child: std::process::Child,
-    addr: String,
+struct Daemon(valem_benches::Serve);
+
+impl std::ops::Deref for Daemon {
+    type Target = valem_benches::Serve;
+    fn deref(&self) -> &valem_benches::Serve {
+        &self.0
+    }
 }
 
 impl Daemon {
     fn start(bin: &std::path::Path, dir: &std::path::Path) -> Option<Daemon> {
-        let mut child = Command::new(bin)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(dir)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take()?)
-            .read_line(&mut line)
-            .ok()?;
-        let addr = line.trim().rsplit("http://").next()?.to_string();
-        Some(Daemon { child, addr })
+        valem_benches::Serve::start(bin, &["--data-dir".as_ref(), dir.as_os_str()]).map(Daemon)
     }
 
     fn get(&self, path: &str) -> Option<load::RawReply> {
@@ -57,13 +45,6 @@ impl Daemon {
             .lines()
             .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
             .unwrap_or(f64::NAN)
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

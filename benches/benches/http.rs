@@ -11,7 +11,6 @@
 //! in-process round trips. The end-to-end part needs `target/release/valem` (or `VALEM_BIN`).
 
 use std::hint::black_box;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -139,53 +138,25 @@ fn server_time(rt: &tokio::runtime::Runtime) {
     }
 }
 
-/// The release daemon on a free loopback port, killed on drop.
-struct Daemon {
-    child: std::process::Child,
-    addr: String,
-}
-
-impl Daemon {
-    fn start() -> Option<Daemon> {
-        use std::io::BufRead;
-        let bin = valem_benches::release_valem("http end-to-end runs")?;
-        let mut child = Command::new(bin)
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take()?)
-            .read_line(&mut line)
-            .ok()?;
-        let addr = line.trim().rsplit("http://").next()?.to_string();
-        let d = Daemon { child, addr };
-        let mut c = load::Conn::open(&d.addr).ok()?;
-        let r = c
-            .request(
-                "POST",
-                "/models",
-                &[("Content-Type", "application/json")],
-                DEMO.as_bytes(),
-            )
-            .ok()?;
-        assert_eq!(r.status, 201);
-        Some(d)
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The release daemon with the demo model.
+fn daemon() -> Option<valem_benches::Serve> {
+    let bin = valem_benches::release_valem("http end-to-end runs")?;
+    let d = valem_benches::Serve::start(&bin, &[])?;
+    let mut c = load::Conn::open(&d.addr).ok()?;
+    let r = c
+        .request(
+            "POST",
+            "/models",
+            &[("Content-Type", "application/json")],
+            DEMO.as_bytes(),
+        )
+        .ok()?;
+    assert_eq!(r.status, 201);
+    Some(d)
 }
 
 fn end_to_end() {
-    let Some(d) = Daemon::start() else { return };
+    let Some(d) = daemon() else { return };
     for (surface, name) in [(Surface::Rest, "rest"), (Surface::Mcp, "mcp")] {
         for (clients, per_client) in [(1, 20_000), (16, 2_500)] {
             let r = load::run(

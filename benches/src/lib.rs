@@ -237,3 +237,40 @@ pub fn release_valem(what: &str) -> Option<std::path::PathBuf> {
     );
     None
 }
+
+/// A `valem serve --listen 127.0.0.1:0 EXTRA…` child on a free loopback port (logging at warn),
+/// killed on drop. `None` when it does not start or report its address.
+pub struct Serve {
+    child: std::process::Child,
+    /// `127.0.0.1:PORT`
+    pub addr: String,
+}
+
+impl Serve {
+    pub fn start(bin: &std::path::Path, extra: &[&std::ffi::OsStr]) -> Option<Serve> {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(bin)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take()?)
+            .read_line(&mut line)
+            .ok()?;
+        let addr = line.trim().rsplit("http://").next()?.to_string();
+        Some(Serve { child, addr })
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

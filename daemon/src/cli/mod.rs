@@ -78,23 +78,8 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
-        /// Keep models in this directory (durable mode): a SQLite database holding every
-        /// model's spec and audit log; models are recovered from it on start. Without it, models
-        /// live in memory and end with the process.
-        #[arg(long, env = "VALEM_DATA_DIR")]
-        data_dir: Option<PathBuf>,
-        /// With --data-dir: `strict` acknowledges a write after its batch is fsynced; `relaxed`
-        /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
-        #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
-        durability: String,
-        /// With --data-dir: checkpoint a model's state every N audit records (and at shutdown),
-        /// so a restart replays at most N records per model.
-        #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
-        checkpoint_every: u64,
-        /// With --data-dir: the largest the database may grow, in bytes (default: the disk's
-        /// space). Past it writes fail as on a full disk, and work again once there is room.
-        #[arg(long, env = "VALEM_MAX_DB_BYTES")]
-        max_db_bytes: Option<u64>,
+        #[command(flatten)]
+        store: StoreArgs,
     },
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///
@@ -169,24 +154,8 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
-        /// Keep models in this directory (durable mode): a SQLite database holding every
-        /// model's spec and audit log; models are recovered from it on start, and a mutation is
-        /// acknowledged only once its audit record is committed. Without it, models live in
-        /// memory and end with the process.
-        #[arg(long, env = "VALEM_DATA_DIR")]
-        data_dir: Option<PathBuf>,
-        /// With --data-dir: `strict` acknowledges a write after its batch is fsynced; `relaxed`
-        /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
-        #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
-        durability: String,
-        /// With --data-dir: checkpoint a model's state every N audit records (and at shutdown),
-        /// so a restart replays at most N records per model.
-        #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
-        checkpoint_every: u64,
-        /// With --data-dir: the largest the database may grow, in bytes (default: the disk's
-        /// space). Past it writes fail as on a full disk, and work again once there is room.
-        #[arg(long, env = "VALEM_MAX_DB_BYTES")]
-        max_db_bytes: Option<u64>,
+        #[command(flatten)]
+        store: StoreArgs,
         /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
         /// conformance tests only; never enable it on a real daemon.
         #[arg(long, hide = true)]
@@ -465,10 +434,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_message_bytes,
             shards,
             max_models,
-            data_dir,
-            durability,
-            checkpoint_every,
-            max_db_bytes,
+            store,
         } => {
             if let Some(url) = url {
                 return Ok(mcp_proxy(&url, api_key, max_message_bytes));
@@ -479,17 +445,10 @@ fn run(cli: Cli) -> Result<i32, String> {
             };
             let limits = crate::service::ServiceLimits {
                 max_models,
-                checkpoint_every: usize::try_from(checkpoint_every).unwrap_or(usize::MAX),
+                checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
                 ..Default::default()
             };
-            let service = match open_service(
-                "mcp",
-                shards,
-                limits,
-                data_dir.as_deref(),
-                &durability,
-                max_db_bytes,
-            ) {
+            let service = match open_service("mcp", shards, limits, &store) {
                 Ok(s) => s,
                 Err(code) => return Ok(code),
             };
@@ -498,7 +457,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             eprintln!(
                 "valem mcp {}: embedded engine ({}); reading JSON-RPC on stdin",
                 env!("CARGO_PKG_VERSION"),
-                match &data_dir {
+                match &store.data_dir {
                     Some(d) => format!("durable in {}", d.display()),
                     None => "in memory".to_string(),
                 }
@@ -569,10 +528,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             request_timeout,
             shards,
             max_models,
-            data_dir,
-            durability,
-            checkpoint_every,
-            max_db_bytes,
+            store,
             conformance_fixtures,
         } => {
             init_logging();
@@ -582,18 +538,11 @@ fn run(cli: Cli) -> Result<i32, String> {
             };
             let limits = crate::service::ServiceLimits {
                 max_models,
-                checkpoint_every: usize::try_from(checkpoint_every).unwrap_or(usize::MAX),
+                checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
                 blob_max_bytes: max_blob_bytes,
                 ..Default::default()
             };
-            let service = match open_service(
-                "serve",
-                shards,
-                limits,
-                data_dir.as_deref(),
-                &durability,
-                max_db_bytes,
-            ) {
+            let service = match open_service("serve", shards, limits, &store) {
                 Ok(s) => s,
                 Err(code) => return Ok(code),
             };
@@ -621,11 +570,12 @@ fn run(cli: Cli) -> Result<i32, String> {
                 ..Default::default()
             };
             let keyed = config.api_key.is_some();
-            let storage = match &data_dir {
+            let storage = match &store.data_dir {
                 Some(d) => format!(
-                    "{} models durable in {} ({durability})",
+                    "{} models durable in {} ({})",
                     service.model_count(),
-                    d.display()
+                    d.display(),
+                    store.durability
                 ),
                 None => "in-memory models".to_string(),
             };
@@ -668,26 +618,47 @@ fn run(cli: Cli) -> Result<i32, String> {
     }
 }
 
+/// Where and how models are kept (`valem serve` and `valem mcp`).
+#[derive(clap::Args, Debug)]
+pub struct StoreArgs {
+    /// Keep models in this directory (durable mode): a SQLite database holding every model's
+    /// spec, audit log, checkpoints and blobs; models are recovered from it on start, and a
+    /// write is acknowledged only once it is committed. Without it, models live in memory and
+    /// end with the process.
+    #[arg(long, env = "VALEM_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// With --data-dir: `strict` acknowledges a write after its batch is fsynced; `relaxed`
+    /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
+    #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
+    pub durability: String,
+    /// With --data-dir: checkpoint a model's state every N audit records (and at shutdown), so
+    /// a restart replays at most N records per model.
+    #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every: u64,
+    /// With --data-dir: the largest the database may grow, in bytes (default: the disk's
+    /// space). Past it writes fail as on a full disk, and work again once there is room.
+    #[arg(long, env = "VALEM_MAX_DB_BYTES")]
+    pub max_db_bytes: Option<u64>,
+}
+
 /// The service, in memory or over the store in `data_dir` (recovering its models); a store
 /// that cannot be opened or recovered is reported and exits 1.
 fn open_service(
     cmd: &str,
     shards: usize,
     limits: crate::service::ServiceLimits,
-    data_dir: Option<&Path>,
-    durability: &str,
-    max_db_bytes: Option<u64>,
+    args: &StoreArgs,
 ) -> Result<std::sync::Arc<crate::service::ModelService>, i32> {
-    let Some(dir) = data_dir else {
+    let Some(dir) = args.data_dir.as_deref() else {
         return Ok(crate::service::ModelService::new(shards, limits));
     };
     let opts = crate::store::StoreOptions {
-        durability: if durability == "relaxed" {
+        durability: if args.durability == "relaxed" {
             crate::store::Durability::Relaxed
         } else {
             crate::store::Durability::Strict
         },
-        max_db_bytes,
+        max_db_bytes: args.max_db_bytes,
         ..Default::default()
     };
     let started = std::time::Instant::now();
