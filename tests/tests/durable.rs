@@ -497,3 +497,44 @@ fn fifty_models_of_every_bundled_example_come_back() {
     assert_eq!(snapshot(&http), before);
     assert!(d.terminate().success());
 }
+
+#[test]
+fn tampering_with_the_stored_audit_is_reported_at_the_record_it_broke() {
+    let dir = data_dir();
+    let d = start(dir.path());
+    let http = Http::new(&d);
+    assert_eq!(http.post_json("/models", &example("demo")).status, 201);
+    for i in 0..6 {
+        let r = http.post_json(
+            "/models/demo/mutations",
+            &json!({"$.price": 10 + i, "$.qty": 1}),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert!(d.terminate().success());
+    let db = dir.path().join("valem.db");
+    let verify = |edit: &str| -> Value {
+        let c = rusqlite::Connection::open(&db).expect("open the database");
+        c.execute_batch(edit).expect("tamper");
+        drop(c);
+        let d = start(dir.path());
+        let v = Http::new(&d).get("/models/demo/audit/verify").json();
+        assert!(d.terminate().success());
+        v
+    };
+    // One altered value in record 3.
+    let v = verify(
+        "UPDATE audit SET record = replace(record, '\"$.price\":13', '\"$.price\":99')
+         WHERE model_id = 'demo' AND sequence = 3",
+    );
+    assert_eq!(v["valid"], json!(false), "{v}");
+    assert_eq!(v["firstBrokenSequence"], json!(3), "{v}");
+    assert!(
+        v["detail"].as_str().is_some_and(|d| d.contains("alter")),
+        "{v}"
+    );
+    // Record 1 deleted as well: the chain now breaks there first.
+    let v = verify("DELETE FROM audit WHERE model_id = 'demo' AND sequence = 1");
+    assert_eq!(v["valid"], json!(false), "{v}");
+    assert_eq!(v["firstBrokenSequence"], json!(1), "{v}");
+}
