@@ -17,43 +17,11 @@ use std::time::{Duration, Instant};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use serde_json::{json, Value};
-use valem::store::{record_hash, AuditAppend, Op, Store, StoreOptions, Writer, GENESIS};
+use serde_json::json;
+use valem::store::{Op, Store, StoreOptions, Writer};
+use valem_benches::AuditChain as Chain;
 
-const T0: i64 = 1_700_000_000_000_000;
-
-struct Chain {
-    model: String,
-    next: u64,
-    prev: String,
-}
-
-impl Chain {
-    fn append(&mut self, w: &Writer) {
-        let op = self.next_op();
-        w.apply(op).expect("durable append");
-    }
-
-    fn next_op(&mut self) -> Op {
-        let at_us = T0 + self.next as i64;
-        let qty = (self.next % 1000) as i64;
-        let mut r: Value = json!({
-            "modelId": self.model, "sequence": self.next, "timestamp": "2026-01-01T00:00:00.000000Z",
-            "modelVersion": "1.0.0", "source": "client", "mutations": {"$.qty": qty},
-            "derivedUpdated": ["$.total"], "flaggedConstraints": [], "dispatchedEffects": [],
-            "traces": [{"targetPath": "$.total", "expression": "price * qty", "inputPaths": ["$.price", "$.qty"],
-                        "result": qty * 3, "constraintPassed": null, "errorMessage": null}],
-            "prevHash": self.prev,
-        });
-        let h = record_hash(&self.prev, &r);
-        r["hash"] = json!(h);
-        let op = AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()])
-            .expect("bench record is valid");
-        self.prev = h;
-        self.next += 1;
-        Op::AppendAudit(op)
-    }
-}
+use valem_benches::T0;
 
 /// Run `per_thread` appends on each chain concurrently; the wall time.
 fn run(w: &Writer, chains: &mut [Chain], per_thread: u64) -> Duration {
@@ -62,7 +30,7 @@ fn run(w: &Writer, chains: &mut [Chain], per_thread: u64) -> Duration {
         for c in chains.iter_mut() {
             s.spawn(move || {
                 for _ in 0..per_thread {
-                    c.append(w);
+                    w.apply(c.next_op()).expect("durable append");
                 }
             });
         }
@@ -85,11 +53,7 @@ fn setup(threads: usize) -> (tempfile::TempDir, Store, Vec<Chain>) {
                     at_us: 0,
                 })
                 .expect("model");
-            Chain {
-                model,
-                next: 0,
-                prev: GENESIS.to_string(),
-            }
+            Chain::new(&model)
         })
         .collect();
     (dir, store, chains)

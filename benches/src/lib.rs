@@ -274,3 +274,46 @@ impl Drop for Serve {
         let _ = self.child.wait();
     }
 }
+
+/// The epoch (µs) of synthetic audit records.
+pub const T0: i64 = 1_700_000_000_000_000;
+
+/// A synthetic audit chain of one model, records shaped as the service writes them (one
+/// mutation of `$.qty`, one derived update of `$.total = price * qty`, one trace), hashed and
+/// validated: for benches that fill a store without running cycles.
+pub struct AuditChain {
+    pub model: String,
+    pub next: u64,
+    pub prev: String,
+}
+
+impl AuditChain {
+    pub fn new(model: &str) -> AuditChain {
+        AuditChain {
+            model: model.to_string(),
+            next: 0,
+            prev: valem::store::GENESIS.to_string(),
+        }
+    }
+
+    /// The next record's append (committed at `T0 + sequence` µs).
+    pub fn next_op(&mut self) -> valem::store::Op {
+        let at_us = T0 + self.next as i64;
+        let qty = (self.next % 1000) as i64;
+        let mut r: Value = json!({
+            "modelId": self.model, "sequence": self.next, "timestamp": "2026-01-01T00:00:00.000000Z",
+            "modelVersion": "1.0.0", "source": "client", "mutations": {"$.qty": qty},
+            "derivedUpdated": ["$.total"], "flaggedConstraints": [], "dispatchedEffects": [],
+            "traces": [{"targetPath": "$.total", "expression": "price * qty", "inputPaths": ["$.price", "$.qty"],
+                        "result": qty * 3, "constraintPassed": null, "errorMessage": null}],
+            "prevHash": self.prev,
+        });
+        let h = valem::store::record_hash(&self.prev, &r);
+        r["hash"] = json!(h);
+        let op = valem::store::AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()])
+            .expect("a synthetic record is valid");
+        self.prev = h;
+        self.next += 1;
+        valem::store::Op::AppendAudit(op)
+    }
+}
