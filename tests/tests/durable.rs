@@ -226,6 +226,14 @@ fn kill_9_at_random_moments_loses_no_acknowledged_mutation() {
         "the writers got mutations through"
     );
     assert!(d.terminate().success());
+    // The state recovered through checkpoints equals a replay of every record from scratch.
+    let c = rusqlite::Connection::open(dir.path().join("valem.db")).expect("open the database");
+    c.execute_batch("DELETE FROM checkpoints")
+        .expect("drop the checkpoints");
+    drop(c);
+    let d = start(dir.path());
+    assert_eq!(Http::new(&d).get("/models/counters/state").json(), state);
+    assert!(d.terminate().success());
 }
 
 #[test]
