@@ -406,6 +406,12 @@ fn a_full_disk_refuses_writes_loses_nothing_acknowledged_and_recovers_when_space
             .status,
         200
     );
+    let (mut ws, _) = tungstenite::connect(format!("ws://{}/models/ballast/subscribe", d.addr))
+        .expect("a WebSocket subscription");
+    if let tungstenite::stream::MaybeTlsStream::Plain(s) = ws.get_ref() {
+        s.set_read_timeout(Some(Duration::from_millis(1500)))
+            .expect("a read timeout");
+    }
     let pad = "x".repeat(2000);
     let mut acked = 0;
     let refusal = loop {
@@ -427,6 +433,19 @@ fn a_full_disk_refuses_writes_loses_nothing_acknowledged_and_recovers_when_space
         refusal.text().contains("no space left"),
         "{}",
         refusal.text()
+    );
+    // Subscribers heard of every committed write and of nothing else.
+    let mut frames = 0;
+    while let Ok(m) = ws.read() {
+        if let tungstenite::Message::Text(t) = m {
+            let f: Value = serde_json::from_str(t.as_str()).expect("a JSON frame");
+            assert_eq!(f["kind"], json!("mutation"), "{f}");
+            frames += 1;
+        }
+    }
+    assert_eq!(
+        frames, acked,
+        "one frame per acknowledged write, none for the refused one"
     );
     // The refused write is not visible: the model is reloaded from what the store holds.
     assert_eq!(http.get("/models/ballast/state").json()["n"], json!(acked));

@@ -260,21 +260,19 @@ impl<R: Send + 'static> Reply<R> {
         let _ = self.0.send(r);
     }
 
-    /// Answer `ok` once `op` is committed (fsynced in strict mode); a store failure answers the
-    /// error instead and runs `failed` (on the writer thread: it must not block).
+    /// Answer `ok` once `op` is committed (fsynced in strict mode), or the store's error; `then`
+    /// runs first with whether it committed (on the writer thread: it must not block).
     pub fn after(
         self,
         writer: &crate::store::Writer,
         op: crate::store::Op,
         ok: R,
-        failed: impl FnOnce() + Send + 'static,
+        then: impl FnOnce(bool) + Send + 'static,
     ) {
         writer.submit(
             op,
             Box::new(move |res| {
-                if res.is_err() {
-                    failed();
-                }
+                then(res.is_ok());
                 self.send(
                     res.map(|()| ok)
                         .map_err(|e| ServiceError::Storage(e.to_string())),

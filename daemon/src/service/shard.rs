@@ -237,7 +237,7 @@ impl Shard {
             Err(e) => return reply.send(Err(e)),
         };
         let id = info.id.clone();
-        self.durably(&id, persist, info, reply);
+        self.durably(&id, persist, info, reply, None);
     }
 
     /// Compile `spec` into a fresh model created at `t` (µs) and register it.
@@ -281,19 +281,37 @@ impl Shard {
             .ok_or_else(|| ServiceError::NotFound(id.to_string()))
     }
 
-    /// Answer `ok` now (no store, or nothing to write) or once `op` is durable; a failed write
-    /// marks model `id` stale.
-    fn durably<R: Send + 'static>(&self, id: &str, op: Option<Op>, ok: R, reply: Reply<R>) {
+    /// Answer `ok` now (no store, or nothing to write) or once `op` is durable, and only then tell
+    /// the subscribers (`event`): nobody hears of a write a crash could still take back. A failed
+    /// write marks model `id` stale and is announced to no one.
+    fn durably<R: Send + 'static>(
+        &self,
+        id: &str,
+        op: Option<Op>,
+        ok: R,
+        reply: Reply<R>,
+        event: Option<Event>,
+    ) {
+        let subscribers = self.subscribers.clone();
         match (&self.store, op) {
             (Some(store), Some(op)) => {
                 let stale = self.models.get(id).map(|e| e.stale.clone());
-                reply.after(&store.writer(), op, ok, move || {
-                    if let Some(s) = stale {
-                        s.store(true, std::sync::atomic::Ordering::Release);
+                reply.after(&store.writer(), op, ok, move |committed| {
+                    if !committed {
+                        if let Some(s) = stale {
+                            s.store(true, std::sync::atomic::Ordering::Release);
+                        }
+                    } else if let Some(ev) = event {
+                        subscribers.publish(ev);
                     }
                 })
             }
-            _ => reply.send(Ok(ok)),
+            _ => {
+                if let Some(ev) = event {
+                    subscribers.publish(ev);
+                }
+                reply.send(Ok(ok));
+            }
         }
     }
 
@@ -408,7 +426,7 @@ impl Shard {
             return reply.send(Err(ServiceError::NotFound(id.to_string())));
         }
         let op = Op::DeleteModel { id: id.to_string() };
-        self.durably(id, Some(op), (), reply);
+        self.durably(id, Some(op), (), reply, None);
     }
 
     pub fn library(&mut self, id: &str) -> Result<Option<Json>, ServiceError> {
@@ -726,7 +744,11 @@ impl Shard {
     ) {
         match self.cycle(id, parsed, source) {
             Ok((result, op)) => {
-                self.durably(id, op, result, reply);
+                let event = Event::Mutation {
+                    model_id: id.to_string(),
+                    result: result.clone(),
+                };
+                self.durably(id, op, result, reply, Some(event));
                 let every = self.limits.checkpoint_every.max(1) as u64;
                 let due = self
                     .models
@@ -805,10 +827,6 @@ impl Shard {
         };
         let result = Arc::new(result);
         metrics.committed(took);
-        self.subscribers.publish(Event::Mutation {
-            model_id: id.to_string(),
-            result: result.clone(),
-        });
         Ok((result, op))
     }
 
@@ -873,7 +891,10 @@ impl Shard {
                     }
                     _ => None,
                 };
-                self.durably(id, op, v, reply)
+                let event = Event::Restored {
+                    model_id: id.to_string(),
+                };
+                self.durably(id, op, v, reply, Some(event))
             }
             Err(e) => reply.send(Err(e)),
         }
@@ -925,9 +946,6 @@ impl Shard {
         e.history.clear();
         e.history.push_back((t, e.model.state().clone()));
         let version = e.spec.version_or_default().to_string();
-        self.subscribers.publish(Event::Restored {
-            model_id: id.to_string(),
-        });
         Ok(json!({"restored": true, "id": id, "version": version, "restoredAt": iso(t)}))
     }
 
@@ -959,7 +977,11 @@ impl Shard {
                     }
                     _ => None,
                 };
-                self.durably(id, op, info, reply)
+                let event = Event::SpecEvolved {
+                    model_id: id.to_string(),
+                    version: info.version.clone(),
+                };
+                self.durably(id, op, info, reply, Some(event))
             }
             Err(e) => reply.send(Err(e)),
         }
@@ -1026,10 +1048,6 @@ impl Shard {
         e.traces.clear();
         e.history.clear();
         e.history.push_back((t, e.model.state().clone()));
-        self.subscribers.publish(Event::SpecEvolved {
-            model_id: id.to_string(),
-            version: info.version.clone(),
-        });
         Ok(info)
     }
 }
