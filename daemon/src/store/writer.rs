@@ -78,7 +78,14 @@ impl AuditAppend {
     /// From the record as served (with `modelId`, `sequence`, `prevHash`, `hash`); `paths` are
     /// what a `pathPrefix` filter matches (duplicates are fine). Fails when a field is missing or
     /// `hash` is not [`record_hash`] of the record.
-    pub fn new(at_us: i64, record: &Json, paths: Vec<String>) -> Result<AuditAppend, StoreError> {
+    pub fn new(
+        at_us: i64,
+        record: &Json,
+        mut paths: Vec<String>,
+    ) -> Result<AuditAppend, StoreError> {
+        // One index row per distinct path (a derived path is usually also a trace target).
+        paths.sort_unstable();
+        paths.dedup();
         let invalid = |detail: &str| StoreError::InvalidRecord {
             detail: detail.to_string(),
         };
