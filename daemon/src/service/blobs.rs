@@ -17,6 +17,16 @@ pub struct BlobRef {
     pub media_type: String,
 }
 
+/// A blob of `len` bytes fits under `max`, or the TooLarge error naming both.
+pub fn check_size(len: usize, max: usize) -> Result<(), ServiceError> {
+    if len > max {
+        return Err(ServiceError::TooLarge(format!(
+            "blob of {len} bytes exceeds the limit of {max} bytes"
+        )));
+    }
+    Ok(())
+}
+
 pub struct BlobStore {
     blobs: HashMap<String, (BlobRef, Arc<[u8]>)>,
     total: usize,
@@ -39,13 +49,7 @@ impl BlobStore {
         data: Vec<u8>,
         media_type: Option<String>,
     ) -> Result<BlobRef, ServiceError> {
-        if data.len() > self.max_bytes {
-            return Err(ServiceError::TooLarge(format!(
-                "blob of {} bytes exceeds the limit of {} bytes",
-                data.len(),
-                self.max_bytes
-            )));
-        }
+        check_size(data.len(), self.max_bytes)?;
         let blob_id = blake3::hash(&data).to_hex().to_string();
         if let Some((r, _)) = self.blobs.get(&blob_id) {
             return Ok(r.clone());

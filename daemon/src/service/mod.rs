@@ -886,13 +886,7 @@ impl ModelService {
                 .map_err(|_| ServiceError::Unavailable)?
                 .put(data, media_type);
         };
-        if data.len() > self.limits.blob_max_bytes {
-            return Err(ServiceError::TooLarge(format!(
-                "blob of {} bytes exceeds the limit of {} bytes",
-                data.len(),
-                self.limits.blob_max_bytes
-            )));
-        }
+        blobs::check_size(data.len(), self.limits.blob_max_bytes)?;
         // Bytes first (temp file, fsync, rename), then the metadata row: a crash between them
         // leaves an unreferenced file, never a row without bytes.
         let storage = |e: crate::store::StoreError| ServiceError::Storage(e.to_string());

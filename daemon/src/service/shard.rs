@@ -101,6 +101,17 @@ fn model_at(
     ))
 }
 
+/// The store write of `spec` as the model's current spec, at `at_us`.
+fn put_model_op(spec: &ModelSpec, at_us: i64) -> Result<Op, ServiceError> {
+    let text = serde_json::to_string(spec).map_err(|e| ServiceError::Storage(e.to_string()))?;
+    Ok(Op::PutModel {
+        id: spec.id.clone(),
+        spec_text: text,
+        version: spec.version_or_default().to_string(),
+        at_us,
+    })
+}
+
 /// A checkpoint of `e` as it is now: after its newest record (before any, when it has none).
 fn checkpoint_op(id: &str, e: &Entry) -> Op {
     let st = e.model.state();
@@ -142,11 +153,7 @@ fn replay(
     history_max: usize,
     explain_max: usize,
 ) -> Result<(), String> {
-    let parsed = record_writes(&rec)?;
-    let result = e
-        .model
-        .mutate_parsed(&parsed, rec.at_us / 1000)
-        .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))?;
+    let result = apply_record(&mut e.model, &rec)?;
     push_traces(&mut e.traces, &result.traces, explain_max);
     e.history.push_back((rec.at_us, e.model.state().clone()));
     while e.history.len() > history_max.max(1) {
@@ -155,6 +162,44 @@ fn replay(
     e.last_us = e.last_us.max(rec.at_us);
     e.audit.push_stored(rec.sequence, rec.at_us, rec.record);
     Ok(())
+}
+
+/// Run the cycle a stored audit record committed, at its recorded time.
+fn apply_record(
+    model: &mut Model,
+    rec: &crate::store::AuditEntry,
+) -> Result<MutationResult, String> {
+    let writes = record_writes(rec)?;
+    model
+        .mutate_parsed(&writes, rec.at_us / 1000)
+        .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))
+}
+
+/// Feed model `id`'s stored records after `after` (up to `up_to_us`) to `f`, oldest first,
+/// stopping at its first failure.
+fn replay_stored(
+    store: &Store,
+    id: &str,
+    after: Option<u64>,
+    up_to_us: Option<i64>,
+    mut f: impl FnMut(crate::store::AuditEntry) -> Result<(), String>,
+) -> Result<(), ServiceError> {
+    let mut failure = None;
+    store
+        .audit_after(id, after, up_to_us, |rec| match f(rec) {
+            Ok(()) => std::ops::ControlFlow::Continue(()),
+            Err(m) => {
+                failure = Some(m);
+                std::ops::ControlFlow::Break(())
+            }
+        })
+        .map_err(|x| ServiceError::Storage(x.to_string()))?;
+    match failure {
+        None => Ok(()),
+        Some(m) => Err(ServiceError::Storage(format!(
+            "replaying model `{id}`: {m}"
+        ))),
+    }
 }
 
 fn compile_findings(errs: Vec<crate::engine::CompileError>) -> Vec<Finding> {
@@ -206,9 +251,7 @@ impl Shard {
         if stale {
             self.reload(id)?;
         }
-        self.models
-            .get_mut(id)
-            .ok_or_else(|| ServiceError::NotFound(id.to_string()))
+        self.entry_raw(id)
     }
 
     pub fn ids(&self) -> Vec<String> {
@@ -222,14 +265,9 @@ impl Shard {
         let t = now_us();
         let persist = match &self.store {
             None => None,
-            Some(_) => match serde_json::to_string(&spec) {
-                Ok(text) => Some(Op::PutModel {
-                    id: spec.id.clone(),
-                    spec_text: text,
-                    version: spec.version_or_default().to_string(),
-                    at_us: t,
-                }),
-                Err(e) => return reply.send(Err(ServiceError::Storage(e.to_string()))),
+            Some(_) => match put_model_op(&spec, t) {
+                Ok(op) => Some(op),
+                Err(e) => return reply.send(Err(e)),
             },
         };
         let info = match self.insert(spec, t) {
@@ -378,24 +416,9 @@ impl Shard {
         if let Some(head) = stored.head_seq {
             e.audit.resume(head, &stored.head_hash);
         }
-        let mut failure = None;
-        store
-            .audit_after(&id, after, None, |rec| {
-                match replay(e, rec, history_max, explain_max) {
-                    Ok(()) => std::ops::ControlFlow::Continue(()),
-                    Err(m) => {
-                        failure = Some(m);
-                        std::ops::ControlFlow::Break(())
-                    }
-                }
-            })
-            .map_err(storage)?;
-        match failure {
-            None => Ok(()),
-            Some(m) => Err(ServiceError::Storage(format!(
-                "replaying model `{id}`: {m}"
-            ))),
-        }
+        replay_stored(&store, &id, after, None, |rec| {
+            replay(e, rec, history_max, explain_max)
+        })
     }
 
     /// Memory is ahead of the store (a write failed): wait for the writes in flight, then load
@@ -520,28 +543,13 @@ impl Shard {
                     .0
             }
         };
-        let mut failure = None;
-        store
-            .audit_after(id, checkpoint.and_then(|c| c.sequence), Some(at), |rec| {
-                let applied = record_writes(&rec).and_then(|w| {
-                    model
-                        .mutate_parsed(&w, rec.at_us / 1000)
-                        .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))
-                });
-                match applied {
-                    Ok(_) => std::ops::ControlFlow::Continue(()),
-                    Err(m) => {
-                        failure = Some(m);
-                        std::ops::ControlFlow::Break(())
-                    }
-                }
-            })
-            .map_err(storage)?;
-        if let Some(m) = failure {
-            return Err(ServiceError::Storage(format!(
-                "replaying model `{id}`: {m}"
-            )));
-        }
+        replay_stored(
+            store,
+            id,
+            checkpoint.and_then(|c| c.sequence),
+            Some(at),
+            |rec| apply_record(&mut model, &rec).map(|_| ()),
+        )?;
         let st = model.state();
         Ok(ordered_json(Some(&st.base), &st.merged))
     }
@@ -959,19 +967,11 @@ impl Shard {
                     (Some(_), Some(e)) => {
                         e.checkpointed = e.audit.head();
                         e.evolved_us = e.last_us;
-                        match serde_json::to_string(&*e.spec) {
-                            Ok(text) => Some(Op::Atomic(vec![
-                                Op::PutModel {
-                                    id: id.to_string(),
-                                    spec_text: text,
-                                    version: info.version.clone(),
-                                    at_us: e.last_us,
-                                },
-                                checkpoint_op(id, e),
-                            ])),
+                        match put_model_op(&e.spec, e.last_us) {
+                            Ok(put) => Some(Op::Atomic(vec![put, checkpoint_op(id, e)])),
                             Err(x) => {
                                 e.stale.store(true, std::sync::atomic::Ordering::Release);
-                                return reply.send(Err(ServiceError::Storage(x.to_string())));
+                                return reply.send(Err(x));
                             }
                         }
                     }
