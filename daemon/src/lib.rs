@@ -11,6 +11,7 @@ pub mod examples;
 pub mod expr;
 pub mod http;
 pub mod mcp;
+pub mod plugins;
 pub mod service;
 pub mod spec;
 pub mod store;

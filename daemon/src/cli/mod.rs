@@ -80,6 +80,8 @@ pub enum Command {
         max_models: usize,
         #[command(flatten)]
         store: StoreArgs,
+        #[command(flatten)]
+        plugins: PluginArgs,
     },
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///
@@ -156,10 +158,19 @@ pub enum Command {
         max_models: usize,
         #[command(flatten)]
         store: StoreArgs,
+        #[command(flatten)]
+        plugins: PluginArgs,
         /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
         /// conformance tests only; never enable it on a real daemon.
         #[arg(long, hide = true)]
         conformance_fixtures: bool,
+    },
+    /// Load the plugins as `valem serve` would (same flags) and list them: name, kind, version,
+    /// SDK and rustc versions, path, and each one's tools or topics; libraries that did not load
+    /// are listed with the reason (exit 1 if any).
+    Plugins {
+        #[command(subcommand)]
+        action: PluginsAction,
     },
     /// List the bundled example specs, or print one.
     Examples {
@@ -176,6 +187,21 @@ fn seconds(s: &str) -> Result<f64, String> {
             "expected seconds between 0 and 86400, e.g. 10 or 0.5; got {s:?}"
         )),
     }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PluginsAction {
+    /// List the plugins and what they provide.
+    List {
+        #[command(flatten)]
+        plugins: PluginArgs,
+        /// The daemon's data directory (plugins get `<dir>/plugins/<name>/`).
+        #[arg(long, env = "VALEM_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+        /// Print `{loaded: [...], failed: [...]}` as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -435,11 +461,13 @@ fn run(cli: Cli) -> Result<i32, String> {
             shards,
             max_models,
             store,
+            plugins,
         } => {
             if let Some(url) = url {
-                return Ok(mcp_proxy(&url, api_key, max_message_bytes));
+                return Ok(mcp_proxy(&url, api_key, max_message_bytes, &plugins));
             }
-            let guidance = match load_guidance("mcp") {
+            let (plugins, guidance) = match load_plugins("mcp", &plugins, store.data_dir.as_deref())
+            {
                 Ok(g) => g,
                 Err(code) => return Ok(code),
             };
@@ -452,8 +480,12 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Ok(s) => s,
                 Err(code) => return Ok(code),
             };
-            let server =
-                crate::mcp::Server::new(service.clone(), guidance, crate::mcp::Mode::Embedded);
+            let server = crate::mcp::Server::with_plugins(
+                service.clone(),
+                guidance,
+                plugins,
+                crate::mcp::Mode::Embedded,
+            );
             eprintln!(
                 "valem mcp {}: embedded engine ({}); reading JSON-RPC on stdin",
                 env!("CARGO_PKG_VERSION"),
@@ -529,13 +561,15 @@ fn run(cli: Cli) -> Result<i32, String> {
             shards,
             max_models,
             store,
+            plugins,
             conformance_fixtures,
         } => {
             init_logging();
-            let guidance = match load_guidance("serve") {
-                Ok(g) => g,
-                Err(code) => return Ok(code),
-            };
+            let (plugins, guidance) =
+                match load_plugins("serve", &plugins, store.data_dir.as_deref()) {
+                    Ok(g) => g,
+                    Err(code) => return Ok(code),
+                };
             let limits = crate::service::ServiceLimits {
                 max_models,
                 checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
@@ -551,7 +585,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             } else {
                 crate::mcp::Mode::Daemon
             };
-            let server = crate::mcp::Server::new(service.clone(), guidance, mode);
+            let server = crate::mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
             let config = crate::http::Config {
                 listen,
                 api_key: api_key.filter(|k| !k.is_empty()),
@@ -597,6 +631,14 @@ fn run(cli: Cli) -> Result<i32, String> {
                 }
             }
         }
+        Command::Plugins {
+            action:
+                PluginsAction::List {
+                    plugins,
+                    data_dir,
+                    json,
+                },
+        } => Ok(plugins_list(&plugins, data_dir.as_deref(), json)),
         Command::Examples { name } => {
             match name {
                 None => {
@@ -639,6 +681,152 @@ pub struct StoreArgs {
     /// space). Past it writes fail as on a full disk, and work again once there is room.
     #[arg(long, env = "VALEM_MAX_DB_BYTES")]
     pub max_db_bytes: Option<u64>,
+}
+
+/// Which plugins to load (`valem serve`, `valem mcp`, `valem plugins list`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PluginArgs {
+    /// Load a plugin library (a `cdylib` built with valem-sdk); repeatable, loaded in order.
+    /// A library that does not load is reported and skipped: the daemon runs without it.
+    #[arg(long = "plugin", value_name = "PATH")]
+    pub plugin: Vec<PathBuf>,
+    /// Also load every library (`*.so`, `*.dylib`, `*.dll`) in this directory, by name, after
+    /// the --plugin ones.
+    #[arg(long, env = "VALEM_PLUGIN_DIR", value_name = "DIR")]
+    pub plugin_dir: Option<PathBuf>,
+    /// Configuration for the plugin named NAME, as JSON (repeatable).
+    #[arg(long, value_name = "NAME=JSON", value_parser = plugin_config)]
+    pub plugin_config: Vec<(String, serde_json::Value)>,
+    /// Seconds a plugin call may take before it is answered with a timeout error.
+    #[arg(long, env = "VALEM_PLUGIN_TIMEOUT", default_value_t = 10.0, value_parser = seconds)]
+    pub plugin_timeout: f64,
+    /// Do not load the built-in guidance plugin (`valem-guidance`): `get_domain_guidance`
+    /// then offers only the topics of loaded guidance plugins (and the topics file).
+    #[arg(long, env = "VALEM_NO_BUILTIN_GUIDANCE")]
+    pub no_builtin_guidance: bool,
+}
+
+fn plugin_config(s: &str) -> Result<(String, serde_json::Value), String> {
+    let (name, json) = s.split_once('=').ok_or_else(|| {
+        format!("expected NAME=JSON, e.g. my-store={{\"bucket\":\"b\"}}; got {s:?}")
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("the JSON for `{name}` is invalid: {e}"))?;
+    Ok((name.to_string(), v))
+}
+
+impl PluginArgs {
+    fn options(&self, data_dir: Option<&std::path::Path>) -> crate::plugins::Options {
+        crate::plugins::Options {
+            paths: self.plugin.clone(),
+            dir: self
+                .plugin_dir
+                .clone()
+                .filter(|d| !d.as_os_str().is_empty()),
+            builtin_guidance: !self.no_builtin_guidance,
+            timeout: std::time::Duration::from_secs_f64(self.plugin_timeout),
+            data_dir: data_dir.map(|d| d.to_path_buf()),
+            config: self.plugin_config.iter().cloned().collect(),
+        }
+    }
+}
+
+/// Load the plugins and build the guidance catalog from them (plus the topics file). Libraries
+/// that fail are reported on stderr and skipped; a bad topics file is a usage error (exit 2).
+fn load_plugins(
+    cmd: &str,
+    args: &PluginArgs,
+    data_dir: Option<&std::path::Path>,
+) -> Result<
+    (
+        std::sync::Arc<crate::plugins::Plugins>,
+        crate::mcp::guidance::Catalog,
+    ),
+    i32,
+> {
+    let plugins = crate::plugins::Plugins::load(&args.options(data_dir));
+    for f in plugins.failures() {
+        eprintln!(
+            "valem {cmd}: plugin {} not loaded: {}",
+            f.path.display(),
+            f.error
+        );
+    }
+    let guidance = crate::mcp::guidance::Catalog::from_plugins(&plugins).map_err(|e| {
+        eprintln!("valem {cmd}: {e}");
+        2
+    })?;
+    Ok((std::sync::Arc::new(plugins), guidance))
+}
+
+/// `valem plugins list`.
+fn plugins_list(args: &PluginArgs, data_dir: Option<&std::path::Path>, as_json: bool) -> i32 {
+    use crate::plugins::Kind;
+    let plugins = crate::plugins::Plugins::load(&args.options(data_dir));
+    let mut info = plugins.info();
+    for (i, p) in plugins.loaded().iter().enumerate() {
+        let provides = match p.kind {
+            Kind::Tool => p.call("tools.list", serde_json::json!({})).map(|l| {
+                serde_json::json!(l
+                    .as_array()
+                    .map(|a| a
+                        .iter()
+                        .filter_map(|t| t["name"].as_str())
+                        .map(|n| crate::mcp::tools::plugin_tool_name(&p.name, n))
+                        .collect::<Vec<_>>())
+                    .unwrap_or_default())
+            }),
+            Kind::Guidance => p.call("topics.list", serde_json::json!({})).map(|l| {
+                serde_json::json!(l
+                    .as_array()
+                    .map(|a| a
+                        .iter()
+                        .filter_map(|t| t["id"].as_str())
+                        .collect::<Vec<_>>())
+                    .unwrap_or_default())
+            }),
+            Kind::BlobStore | Kind::AuditStore => Ok(serde_json::Value::Null),
+        };
+        let slot = &mut info["loaded"][i];
+        match provides {
+            Ok(v) => slot["provides"] = v,
+            Err(e) => slot["error"] = serde_json::json!(e.to_string()),
+        }
+    }
+    if as_json {
+        println!("{info:#}");
+    } else {
+        for p in info["loaded"].as_array().into_iter().flatten() {
+            println!(
+                "{} {} ({}) sdk {} · {} · {}",
+                p["name"].as_str().unwrap_or(""),
+                p["version"].as_str().unwrap_or(""),
+                p["kind"].as_str().unwrap_or(""),
+                p["sdkVersion"].as_str().unwrap_or(""),
+                p["rustcVersion"].as_str().unwrap_or(""),
+                p["path"].as_str().unwrap_or("built in"),
+            );
+            if let Some(list) = p["provides"].as_array() {
+                let names: Vec<&str> = list.iter().filter_map(|v| v.as_str()).collect();
+                println!("    {}", names.join(", "));
+            }
+            if let Some(e) = p["error"].as_str() {
+                println!("    error: {e}");
+            }
+        }
+        for f in info["failed"].as_array().into_iter().flatten() {
+            println!(
+                "NOT LOADED {}: {}",
+                f["path"].as_str().unwrap_or(""),
+                f["error"].as_str().unwrap_or("")
+            );
+        }
+    }
+    let broken = !plugins.failures().is_empty()
+        || info["loaded"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|p| p.get("error").is_some()));
+    i32::from(broken)
 }
 
 /// The service, in memory or over the store in `data_dir` (recovering its models); a store
@@ -686,26 +874,35 @@ fn open_service(
     Ok(service)
 }
 
-/// The domain-guidance topics (bundled, plus VALEM_DOMAIN_GUIDANCE_TOPICS_FILE); a bad topics
-/// file is a usage error (exit 2).
-fn load_guidance(cmd: &str) -> Result<crate::mcp::guidance::Catalog, i32> {
-    crate::mcp::guidance::Catalog::from_env().map_err(|e| {
-        eprintln!("valem {cmd}: {e}");
-        2
-    })
-}
-
-fn mcp_proxy(url: &str, api_key: Option<String>, max_message_bytes: usize) -> i32 {
+fn mcp_proxy(
+    url: &str,
+    api_key: Option<String>,
+    max_message_bytes: usize,
+    plugin_args: &PluginArgs,
+) -> i32 {
     if !url.starts_with("http://") {
         eprintln!(
             "valem mcp: --url must be an http:// URL of a valem daemon (got `{url}`; https is not supported yet — front the daemon with a local TLS-terminating proxy)"
         );
         return 2;
     }
-    let guidance = match load_guidance("mcp") {
+    let (plugins, guidance) = match load_plugins("mcp", plugin_args, None) {
         Ok(g) => g,
         Err(code) => return code,
     };
+    // The proxy runs authoring tools only; tools, blobs and audit live on the daemon.
+    if let Some(p) = plugins
+        .loaded()
+        .iter()
+        .find(|p| p.kind != crate::plugins::Kind::Guidance)
+    {
+        eprintln!(
+            "valem mcp --url: plugin `{}` is a {} plugin; those load in the daemon (`valem serve --plugin`), the proxy loads guidance plugins only",
+            p.name,
+            p.kind.as_str()
+        );
+        return 2;
+    }
     // Authoring tools only: they never touch this service's registry.
     let service = crate::service::ModelService::new(1, Default::default());
     let server = crate::mcp::Server::new(service, guidance, crate::mcp::Mode::Proxy);

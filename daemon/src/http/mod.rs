@@ -174,6 +174,7 @@ pub fn router(state: AppState) -> Router {
         .merge(ws::routes(&state))
         .merge(mcp::routes(&state))
         .route("/metrics", get(metrics::serve))
+        .route("/plugins", get(plugins))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), guard::guard))
         .layer(middleware::from_fn_with_state(
@@ -186,6 +187,12 @@ pub fn router(state: AppState) -> Router {
 async fn healthz(State(st): State<AppState>) -> Response {
     let models = st.service.model_count();
     axum::Json(json!({"status": "ok", "models": models})).into_response()
+}
+
+/// The loaded plugins (name, kind, version, SDK/rustc versions, path) and the libraries that
+/// did not load, with why.
+async fn plugins(State(st): State<AppState>) -> Response {
+    axum::Json(st.mcp.plugins.info()).into_response()
 }
 
 async fn not_found(req: Request) -> Response {

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use serde_json::{json, Map, Value as Json};
 
+use crate::plugins::Plugins;
 use crate::service::{Event, EventFilter, ModelService};
 use guidance::Catalog;
 
@@ -67,23 +68,60 @@ pub enum Mode {
     Proxy,
 }
 
-/// What every session shares: the service, the tool catalog, the guidance topics.
+/// What every session shares: the service, the tool catalog, the guidance topics, the plugins.
 pub struct Server {
     pub service: Arc<ModelService>,
     pub guidance: Catalog,
     pub tools: tools::Catalog,
+    pub plugins: Arc<Plugins>,
     pub mode: Mode,
 }
 
 impl Server {
+    /// A server without plugins (tool plugins add nothing; guidance is whatever `guidance` holds).
     pub fn new(service: Arc<ModelService>, guidance: Catalog, mode: Mode) -> Arc<Server> {
-        let tools = tools::Catalog::new(&guidance);
-        Arc::new(Server {
+        Server::with_plugins(service, guidance, Arc::new(Plugins::none()), mode)
+    }
+
+    /// A server with loaded plugins: their tools join the catalog, and their host calls reach
+    /// this server's built-in tools.
+    pub fn with_plugins(
+        service: Arc<ModelService>,
+        guidance: Catalog,
+        plugins: Arc<Plugins>,
+        mode: Mode,
+    ) -> Arc<Server> {
+        let tools = tools::Catalog::new(&guidance, &plugins);
+        let server = Arc::new(Server {
             service,
             guidance,
             tools,
+            plugins: plugins.clone(),
             mode,
-        })
+        });
+        let weak = Arc::downgrade(&server);
+        plugins.set_dispatcher(Box::new(move |name, args| {
+            let fail = |m: String| ("tool_error".to_string(), m);
+            let server = weak
+                .upgrade()
+                .ok_or_else(|| fail("the daemon is shutting down".into()))?;
+            let tool = server
+                .tools
+                .get(name)
+                .filter(|t| !t.is_plugin())
+                .ok_or_else(|| {
+                    (
+                        "unknown_tool".to_string(),
+                        format!("the host has no built-in tool `{name}`"),
+                    )
+                })?;
+            let ctx = tools::Ctx { server: &server };
+            tool.call(&ctx, args).map_err(|e| match e {
+                tools::ToolError::Structured(v) => fail(v.to_string()),
+                tools::ToolError::Message(m) => fail(m),
+            })
+        }));
+        server
     }
 
     /// Serving the conformance suite's fixtures?

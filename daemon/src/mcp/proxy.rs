@@ -89,8 +89,43 @@ impl Proxy {
         let initialized = self.local.protocol_version().is_some();
         if initialized && msg.get("id").is_some() && Proxy::remote(&msg) {
             self.forward(msg)
+        } else if initialized && msg.get("method").and_then(|m| m.as_str()) == Some("tools/list") {
+            let mut reply = self.local.handle(msg)?;
+            self.add_daemon_tools(&mut reply);
+            Some(reply)
         } else {
             self.local.handle(msg)
+        }
+    }
+
+    /// The daemon's own extra tools (its tool plugins') join the local list; when the daemon
+    /// cannot be reached the list is the local one (calls then say the daemon is down).
+    fn add_daemon_tools(&self, reply: &mut Json) {
+        let Some(local) = reply
+            .get_mut("result")
+            .and_then(|r| r.get_mut("tools"))
+            .and_then(|t| t.as_array_mut())
+        else {
+            return;
+        };
+        let Ok(up) = self.up.call("tools/list", json!({})) else {
+            return;
+        };
+        let Some(remote) = up
+            .get("result")
+            .and_then(|r| r.get("tools"))
+            .and_then(|t| t.as_array())
+        else {
+            return;
+        };
+        for t in remote {
+            let name = t.get("name").and_then(|n| n.as_str());
+            if !local
+                .iter()
+                .any(|l| l.get("name").and_then(|n| n.as_str()) == name)
+            {
+                local.push(t.clone());
+            }
         }
     }
 }

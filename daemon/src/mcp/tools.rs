@@ -8,11 +8,14 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
 
+use std::sync::Arc;
+
 use super::guidance::Catalog as Guidance;
 use super::ops;
 use super::Server;
 use crate::engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
 use crate::engine::{CreateError, MutationError};
+use crate::plugins::{Kind, Plugin, Plugins};
 use crate::service::time::{now_us, parse_iso};
 use crate::service::{mutation_list, AuditQuery, BlobRef, ModelInfo, ServiceError};
 use crate::spec::{parse_spec, TestCase};
@@ -61,6 +64,8 @@ pub struct Tool {
     pub output_schema: Option<Json>,
     pub annotations: Json,
     handler: Handler,
+    /// A tool plugin's tool: the plugin and the tool's own (un-namespaced) name.
+    plugin: Option<(Arc<Plugin>, String)>,
     /// The async form of a tool whose work is one shard call: `/mcp` awaits it without
     /// holding a reactor thread (threads call `handler`).
     deferred: Option<DeferredHandler>,
@@ -68,7 +73,17 @@ pub struct Tool {
 
 impl Tool {
     pub fn call(&self, ctx: &Ctx<'_>, args: Json) -> Outcome {
-        (self.handler)(ctx, args)
+        match &self.plugin {
+            Some((p, name)) => p
+                .call("tools.call", json!({"name": name, "arguments": args}))
+                .map_err(|e| ToolError::Message(e.to_string())),
+            None => (self.handler)(ctx, args),
+        }
+    }
+
+    /// Whether the tool comes from a plugin.
+    pub fn is_plugin(&self) -> bool {
+        self.plugin.is_some()
     }
 
     /// Whether the tool has an async form.
@@ -103,8 +118,22 @@ pub struct Catalog {
 }
 
 impl Catalog {
-    pub fn new(guidance: &Guidance) -> Catalog {
-        let tools = all_tools(guidance);
+    pub fn new(guidance: &Guidance, plugins: &Plugins) -> Catalog {
+        let mut tools = all_tools(guidance);
+        for p in plugins.of_kind(Kind::Tool) {
+            match plugin_tools(p) {
+                Ok(t) => {
+                    for t in t {
+                        if tools.iter().any(|x| x.name == t.name) {
+                            tracing::error!(plugin = %p.name, tool = t.name, "tool not added: the name is taken");
+                        } else {
+                            tools.push(t);
+                        }
+                    }
+                }
+                Err(e) => tracing::error!(plugin = %p.name, "tools not loaded: {e}"),
+            }
+        }
         let list = json!({"tools": tools.iter().map(Tool::json).collect::<Vec<_>>()});
         Catalog { tools, list }
     }
@@ -116,6 +145,62 @@ impl Catalog {
     pub fn list_json(&self) -> Json {
         self.list.clone()
     }
+}
+
+/// The MCP name of a plugin's tool: `<plugin>__<tool>`, `-` in the plugin's name as `_`.
+pub fn plugin_tool_name(plugin: &str, tool: &str) -> String {
+    format!("{}__{tool}", plugin.replace('-', "_"))
+}
+
+/// A tool plugin's tools (`tools.list`), namespaced. Their texts are leaked: plugins load once
+/// per process.
+fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, String> {
+    let list = p.call("tools.list", json!({})).map_err(|e| e.to_string())?;
+    let defs: Vec<valem_sdk::ToolDef> = serde_json::from_value(list).map_err(|e| {
+        format!(
+            "plugin `{}` listed tools this daemon cannot read: {e}",
+            p.name
+        )
+    })?;
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let mut out = Vec::new();
+    for d in defs {
+        let name = plugin_tool_name(&p.name, &d.name);
+        let ok = !d.name.is_empty()
+            && name.len() <= 64
+            && d.name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !ok {
+            return Err(format!(
+                "plugin `{}` has a tool named {:?}: tool names are letters, digits, `_` and `-` \
+                 (at most 64 characters with the plugin's prefix)",
+                p.name, d.name
+            ));
+        }
+        let mut input = d.input_schema;
+        if !input.is_object() {
+            return Err(format!(
+                "plugin `{}` tool `{}`: inputSchema must be a JSON object schema",
+                p.name, d.name
+            ));
+        }
+        if input.get("type").is_none() {
+            input["type"] = json!("object");
+        }
+        out.push(Tool {
+            name: leak(name),
+            title: leak(d.title.unwrap_or_else(|| d.name.clone())),
+            description: leak(d.description),
+            input_schema: input,
+            output_schema: d.output_schema,
+            annotations: annotations(d.read_only, false, false),
+            handler: |_, _| Err(ToolError::Message("not a built-in tool".into())),
+            plugin: Some((p.clone(), d.name)),
+            deferred: None,
+        });
+    }
+    Ok(out)
 }
 
 /// `mutate`: one reactive cycle; the MutationResult (traces on request).
@@ -486,6 +571,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<NoArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 args::<NoArgs>("list_models", a)?;
@@ -502,6 +588,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             ),
             output_schema: Some(output_of::<ModelInfo>()),
             annotations: annotations(false, false, false),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: SpecArg = args("create_model", a)?;
@@ -515,6 +602,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(output_of::<ModelInfo>()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_model_info", a)?;
@@ -528,6 +616,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_spec", a)?;
@@ -541,6 +630,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<StateArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: get_state,
         },
@@ -551,6 +641,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<PathArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: PathArgs = args("get_field", a)?;
@@ -564,6 +655,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<PathArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: PathArgs = args("get_effective_schema", a)?;
@@ -578,6 +670,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
             deferred: Some(mutate),
+            plugin: None,
             handler: |c, a| {
                 let a: MutateArgs = args("mutate", a)?;
                 ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false))
@@ -590,6 +683,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<PatchArgs>(),
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: PatchArgs = args("patch_model", a)?;
@@ -603,6 +697,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<ExplainArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: ExplainArgs = args("explain", a)?;
@@ -616,6 +711,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_history", a)?;
@@ -629,6 +725,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<AuditArgs>(),
             output_schema: None,
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: AuditArgs = args("get_audit", a)?;
@@ -651,6 +748,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(verify_schema()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("verify_audit", a)?;
@@ -675,6 +773,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["modelId", "modelVersion", "baseDoc", "derivedCache", "metaCache"]
             })),
             annotations: annotations(false, false, true),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("snapshot", a)?;
@@ -688,6 +787,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<RestoreArgs>(),
             output_schema: Some(any_object()),
             annotations: annotations(false, false, true),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: RestoreArgs = args("restore", a)?;
@@ -707,6 +807,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             ),
             output_schema: Some(or_structured_error(output_of::<ModelInfo>())),
             annotations: annotations(false, true, false),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 #[derive(Deserialize)]
@@ -730,6 +831,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["deleted", "id"]
             })),
             annotations: annotations(false, true, true),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("delete_model", a)?;
@@ -743,6 +845,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<ViewArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: ViewArgs = args("get_view", a)?;
@@ -756,6 +859,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_library", a)?;
@@ -771,6 +875,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<UploadArgs>(),
             output_schema: Some(output_of::<BlobRef>()),
             annotations: annotations(false, false, true),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: UploadArgs = args("upload_blob", a)?;
@@ -793,6 +898,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["blobId", "bytes", "mediaType", "data"]
             })),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: DownloadArgs = args("download_blob", a)?;
@@ -807,6 +913,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: guidance_schema,
             output_schema: Some(any_object()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: GuidanceArgs = args("get_domain_guidance", a)?;
@@ -820,6 +927,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<SpecArg>(),
             output_schema: Some(output_of::<crate::spec::validate::Report>()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: SpecArg = args("validate_spec", a)?;
@@ -850,6 +958,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 "required": ["ok"]
             })),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: eval_expression,
         },
@@ -860,6 +969,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<TestArgs>(),
             output_schema: Some(output_of::<crate::engine::testrun::TestReport>()),
             annotations: ro.clone(),
+            plugin: None,
             deferred: None,
             handler: test_spec,
         },
@@ -870,6 +980,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             input_schema: schema_of::<DryRunArgs>(),
             output_schema: Some(or_structured_error(any_object())),
             annotations: ro,
+            plugin: None,
             deferred: None,
             handler: |c, a| {
                 let a: DryRunArgs = args("dry_run", a)?;

@@ -89,7 +89,9 @@ class Session:
 
 
 @asynccontextmanager
-async def connect(env=None):
+async def connect(env=None, args=(), local_args=()):
+    """`args` go to the process that runs the models (`valem mcp`, or `valem serve` for http and
+    proxy); `local_args` also to the proxy (which serves the authoring tools itself)."""
     logs, messages = [], []
 
     async def on_log(params):
@@ -100,11 +102,13 @@ async def connect(env=None):
 
     env = {**os.environ, **(env or {})}
     env.pop("VALEM_API_KEY", None)
-    with daemon(env) as base:
+    with daemon(env, args) as base:
         if TRANSPORT == "stdio":
-            server = StdioServerParameters(command=VALEM_BIN, args=["mcp"], env=env)
+            server = StdioServerParameters(command=VALEM_BIN, args=["mcp", *args], env=env)
         elif TRANSPORT == "proxy":
-            server = StdioServerParameters(command=VALEM_BIN, args=["mcp", "--url", base], env=env)
+            server = StdioServerParameters(
+                command=VALEM_BIN, args=["mcp", "--url", base, *local_args], env=env
+            )
         else:
             server = base + "/mcp"
         with anyio.fail_after(TIMEOUT):
@@ -113,14 +117,14 @@ async def connect(env=None):
 
 
 @contextmanager
-def daemon(env):
+def daemon(env, args=()):
     """For http and proxy: a fresh `valem serve` on a free loopback port, stopped (SIGTERM, which
     drains it) afterwards; yields its base URL. For stdio there is no daemon (yields None)."""
     if TRANSPORT == "stdio":
         yield None
         return
     proc = subprocess.Popen(
-        [VALEM_BIN, "serve", "--listen", "127.0.0.1:0"],
+        [VALEM_BIN, "serve", "--listen", "127.0.0.1:0", *args],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
