@@ -480,6 +480,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Ok(s) => s,
                 Err(code) => return Ok(code),
             };
+            attach_plugins("mcp", &service, &plugins);
             let server = crate::mcp::Server::with_plugins(
                 service.clone(),
                 guidance,
@@ -585,6 +586,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             } else {
                 crate::mcp::Mode::Daemon
             };
+            attach_plugins("serve", &service, &plugins);
             let server = crate::mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
             let config = crate::http::Config {
                 listen,
@@ -757,6 +759,30 @@ fn load_plugins(
         2
     })?;
     Ok((std::sync::Arc::new(plugins), guidance))
+}
+
+/// Hand the service its storage plugins: the first `blob_store` plugin keeps blob bytes (a
+/// second one is reported and not used).
+fn attach_plugins(
+    cmd: &str,
+    service: &crate::service::ModelService,
+    plugins: &crate::plugins::Plugins,
+) {
+    for (i, p) in plugins.of_kind(crate::plugins::Kind::BlobStore).enumerate() {
+        if i == 0 {
+            service.set_blob_plugin(p.clone());
+        } else {
+            eprintln!(
+                "valem {cmd}: blob store plugin `{}` not used: `{}` was loaded first and keeps the blobs",
+                p.name,
+                plugins
+                    .of_kind(crate::plugins::Kind::BlobStore)
+                    .next()
+                    .map(|f| f.name.as_str())
+                    .unwrap_or("")
+            );
+        }
+    }
 }
 
 /// `valem plugins list`.

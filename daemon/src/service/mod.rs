@@ -333,6 +333,10 @@ pub struct ModelService {
     /// Whether async callers may poll for an answer at all (see [`Pending`]).
     async_polling: std::sync::atomic::AtomicBool,
     store: Option<Arc<crate::store::Store>>,
+    /// A blob-store plugin keeping the blob bytes (metadata stays in the store, or in
+    /// `plugin_blobs` without one).
+    blob_plugin: std::sync::OnceLock<Arc<crate::plugins::Plugin>>,
+    plugin_blobs: Mutex<std::collections::HashMap<String, BlobRef>>,
 }
 
 /// Jobs queued per shard before callers wait (back-pressure, not an error).
@@ -540,6 +544,8 @@ impl ModelService {
             metrics,
             async_polling: std::sync::atomic::AtomicBool::new(true),
             store,
+            blob_plugin: std::sync::OnceLock::new(),
+            plugin_blobs: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -874,11 +880,101 @@ impl ModelService {
 
     // --- blobs ------------------------------------------------------------------------------
 
+    /// Keep blob bytes in a `blob_store` plugin from now on (set once, before serving).
+    pub fn set_blob_plugin(&self, p: Arc<crate::plugins::Plugin>) -> bool {
+        self.blob_plugin.set(p).is_ok()
+    }
+
+    /// Bytes into the blob plugin, metadata into the store (or memory).
+    fn upload_to_plugin(
+        &self,
+        p: &crate::plugins::Plugin,
+        data: Vec<u8>,
+        media_type: Option<String>,
+    ) -> Result<BlobRef, ServiceError> {
+        blobs::check_size(data.len(), self.limits.blob_max_bytes)?;
+        let hash = blake3::hash(&data).to_hex().to_string();
+        let size = data.len();
+        p.call_bytes("blob.put", serde_json::json!({"id": hash}), Arc::from(data))
+            .map_err(|e| ServiceError::Storage(e.to_string()))?;
+        let r = BlobRef {
+            blob_id: hash.clone(),
+            bytes: size,
+            media_type: media_type.unwrap_or_else(|| "application/octet-stream".into()),
+        };
+        match &self.store {
+            Some(store) => store
+                .writer()
+                .apply(crate::store::Op::PutBlob(crate::store::BlobMeta {
+                    id: hash.clone(),
+                    hash,
+                    size: size as u64,
+                    media_type: r.media_type.clone(),
+                    filename: None,
+                    created_us: time::now_us(),
+                }))
+                .map_err(|e| ServiceError::Storage(e.to_string()))?,
+            None => {
+                self.plugin_blobs
+                    .lock()
+                    .map_err(|_| ServiceError::Unavailable)?
+                    .insert(hash, r.clone());
+            }
+        }
+        Ok(r)
+    }
+
+    /// A blob's bytes from the blob plugin, checked against their content id.
+    fn download_from_plugin(
+        &self,
+        p: &crate::plugins::Plugin,
+        blob_id: &str,
+    ) -> Result<(BlobRef, Arc<[u8]>), ServiceError> {
+        let not_found = || ServiceError::BlobNotFound(blob_id.to_string());
+        let meta = match &self.store {
+            Some(store) => store
+                .blob(blob_id)
+                .map_err(|e| ServiceError::Storage(e.to_string()))?
+                .map(|m| BlobRef {
+                    blob_id: m.id,
+                    bytes: m.size as usize,
+                    media_type: m.media_type,
+                }),
+            None => self
+                .plugin_blobs
+                .lock()
+                .map_err(|_| ServiceError::Unavailable)?
+                .get(blob_id)
+                .cloned(),
+        }
+        .ok_or_else(not_found)?;
+        let bytes = p
+            .call_bytes(
+                "blob.get",
+                serde_json::json!({"id": blob_id}),
+                Arc::from([]),
+            )
+            .map_err(|e| match e.code() {
+                Some("not_found") => not_found(),
+                _ => ServiceError::Storage(e.to_string()),
+            })?;
+        if blake3::hash(&bytes).to_hex().as_str() != blob_id {
+            return Err(ServiceError::Storage(format!(
+                "blob store plugin `{}` returned bytes that do not match blob {blob_id}",
+                p.name
+            )));
+        }
+        Ok((meta, Arc::from(bytes)))
+    }
+
     pub fn upload_blob(
         &self,
         data: Vec<u8>,
         media_type: Option<String>,
     ) -> Result<BlobRef, ServiceError> {
+        if let Some(p) = self.blob_plugin.get() {
+            return self.upload_to_plugin(p, data, media_type);
+        }
         let Some(store) = &self.store else {
             return self
                 .blobs
@@ -921,6 +1017,9 @@ impl ModelService {
             if !self.on_model(m, move |s| s.references(&owned, &b))? {
                 return Err(ServiceError::BlobNotFound(blob_id.to_string()));
             }
+        }
+        if let Some(p) = self.blob_plugin.get() {
+            return self.download_from_plugin(p, blob_id);
         }
         let Some(store) = &self.store else {
             return self

@@ -107,3 +107,27 @@ async def test_a_plugin_of_another_abi_version_is_refused_and_the_daemon_runs():
         assert "raw__broken" not in names
         assert "example_tool__increment" in names
         await s.ok("create_model", {"spec": DEMO})
+
+
+@pytest.mark.parametrize("durable", [True, False])
+async def test_blobs_go_to_a_loaded_blob_store_plugin(tmp_path, durable):
+    import base64
+
+    data = bytes(range(256)) * 64  # 16 KiB: a download result is capped at 50,000 characters
+    if durable:
+        args = ["--data-dir", str(tmp_path / "data"), "--plugin", lib("valem_blob_fs")]
+        where = tmp_path / "data" / "plugins" / "blob-fs"
+    else:
+        where = tmp_path / "blobs"
+        args = ["--plugin", lib("valem_blob_fs"), "--plugin-config", f'blob-fs={{"dir": "{where}"}}']
+    async with connect(args=args) as s:
+        ref = await s.ok("upload_blob", {"data": base64.b64encode(data).decode(), "mediaType": "application/x-test"})
+        stored = where / ref["blobId"]
+        assert stored.is_file(), sorted(p.name for p in where.iterdir()) if where.exists() else "no directory"
+        assert stored.read_bytes() == data
+        got = await s.ok("download_blob", {"blobId": ref["blobId"]})
+        assert base64.b64decode(got["data"]) == data and got["mediaType"] == "application/x-test"
+        # Bytes changed behind the daemon's back are caught by the content check.
+        stored.write_bytes(b"tampered")
+        e = await s.fails("download_blob", {"blobId": ref["blobId"]})
+        assert "do not match" in e, e
