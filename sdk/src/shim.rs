@@ -137,6 +137,24 @@ fn request(req: *const u8, len: usize) -> Result<Request, Error> {
     serde_json::from_slice(bytes).map_err(|e| Error::invalid(format!("bad request: {e}")))
 }
 
+/// A request parsed into its method's type; an unknown method is `unknown_method`.
+fn typed<R: DeserializeOwned>(req: *const u8, len: usize) -> Result<R, Error> {
+    // SAFETY: the host passes `len` readable bytes.
+    let bytes =
+        unsafe { Str { ptr: req, len }.bytes() }.ok_or_else(|| Error::invalid("null request"))?;
+    serde_json::from_slice(bytes).map_err(|e| {
+        let m = e.to_string();
+        if m.contains("unknown variant") {
+            Error::new(
+                "unknown_method",
+                format!("this plugin has no such method: {m}"),
+            )
+        } else {
+            Error::invalid(format!("bad request: {m}"))
+        }
+    })
+}
+
 fn params<P: DeserializeOwned>(method: &str, p: Json) -> Result<P, Error> {
     serde_json::from_value(p).map_err(|e| Error::invalid(format!("{method}: {e}")))
 }
@@ -219,6 +237,15 @@ pub fn tool<T: ToolPlugin>(
 }
 
 #[derive(Deserialize)]
+#[serde(tag = "method", content = "params")]
+enum ToolRequest {
+    #[serde(rename = "tools.list")]
+    List {},
+    #[serde(rename = "tools.call")]
+    Call(ToolCall),
+}
+
+#[derive(Deserialize)]
 struct ToolCall {
     name: String,
     #[serde(default)]
@@ -233,18 +260,16 @@ unsafe extern "C" fn call_tool<T: ToolPlugin>(
 ) -> i32 {
     answer(out, || {
         let s = state::<T>(ctx)?;
-        let r = request(req, len)?;
-        match r.method.as_str() {
-            "tools.list" => to_json(s.plugin.tools()),
-            "tools.call" => {
-                let c: ToolCall = params(&r.method, r.params)?;
+        // Parsed straight into the call (no intermediate Value for the envelope).
+        match typed::<ToolRequest>(req, len)? {
+            ToolRequest::List {} => to_json(s.plugin.tools()),
+            ToolRequest::Call(c) => {
                 let args = match c.arguments {
                     Json::Null => json!({}),
                     a => a,
                 };
                 to_json(s.plugin.call(&s.host, &c.name, args)?)
             }
-            m => Err(unknown(m)),
         }
     })
 }

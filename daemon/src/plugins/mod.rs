@@ -10,6 +10,7 @@
 
 mod pool;
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -141,8 +142,8 @@ impl Plugin {
     }
 
     /// Call `method` with JSON `params` on the plugin's pool; its JSON result.
-    pub fn call(&self, method: &str, params: Json) -> Result<Json, PluginError> {
-        let req = request(method, &params);
+    pub fn call(&self, method: &str, params: impl Borrow<Json>) -> Result<Json, PluginError> {
+        let req = request(method, params.borrow());
         let t = self.table;
         let (name, m) = (self.name.clone(), method.to_string());
         let bytes = self
@@ -155,10 +156,10 @@ impl Plugin {
     pub fn call_bytes(
         &self,
         method: &str,
-        params: Json,
+        params: impl Borrow<Json>,
         data: Arc<[u8]>,
     ) -> Result<Vec<u8>, PluginError> {
-        let req = request(method, &params);
+        let req = request(method, params.borrow());
         let t = self.table;
         let (name, m) = (self.name.clone(), method.to_string());
         self.pool.run(
@@ -170,20 +171,31 @@ impl Plugin {
 
     /// [`call`](Self::call) on the calling thread: no pool, no timeout. For benchmarks of the
     /// ABI itself.
-    pub fn call_direct(&self, method: &str, params: Json) -> Result<Json, PluginError> {
+    pub fn call_direct(
+        &self,
+        method: &str,
+        params: impl Borrow<Json>,
+    ) -> Result<Json, PluginError> {
         let bytes = invoke(
             self.table,
             &self.name,
             method,
-            &request(method, &params),
+            &request(method, params.borrow()),
             None,
         )?;
         parse_json(&self.name, method, &bytes)
     }
 }
 
+/// `{"method": …, "params": …}`, written straight into bytes (no intermediate Value).
 fn request(method: &str, params: &Json) -> Vec<u8> {
-    serde_json::to_vec(&json!({"method": method, "params": params})).unwrap_or_default()
+    let mut v = Vec::with_capacity(64);
+    v.extend_from_slice(b"{\"method\":");
+    let _ = serde_json::to_writer(&mut v, method);
+    v.extend_from_slice(b",\"params\":");
+    let _ = serde_json::to_writer(&mut v, params);
+    v.push(b'}');
+    v
 }
 
 fn parse_json(plugin: &str, method: &str, bytes: &[u8]) -> Result<Json, PluginError> {
