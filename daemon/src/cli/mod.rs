@@ -761,13 +761,24 @@ fn load_plugins(
     Ok((std::sync::Arc::new(plugins), guidance))
 }
 
-/// Hand the service its storage plugins: the first `blob_store` plugin keeps blob bytes (a
-/// second one is reported and not used).
+/// Hand the service its storage plugins: the first `audit_store` plugin receives every committed
+/// audit record and answers audit queries; the first `blob_store` plugin keeps blob bytes (a
+/// second one of either kind is reported and not used).
 fn attach_plugins(
     cmd: &str,
     service: &crate::service::ModelService,
     plugins: &crate::plugins::Plugins,
 ) {
+    let mut audit = plugins.of_kind(crate::plugins::Kind::AuditStore);
+    if let Some(first) = audit.next() {
+        service.set_audit_plugin(first.clone());
+        for p in audit {
+            eprintln!(
+                "valem {cmd}: audit store plugin `{}` not used: `{}` was loaded first",
+                p.name, first.name
+            );
+        }
+    }
     for (i, p) in plugins.of_kind(crate::plugins::Kind::BlobStore).enumerate() {
         if i == 0 {
             service.set_blob_plugin(p.clone());

@@ -164,6 +164,11 @@ impl AuditTrail {
             .collect()
     }
 
+    /// The newest record.
+    pub fn last(&self) -> Option<&AuditRecord> {
+        self.records.back()
+    }
+
     /// Walk the chain oldest first; report the first broken record.
     pub fn verify(&self) -> Json {
         verify_records(self.records.iter().map(|r| &r.json))

@@ -5,6 +5,7 @@
 //! Never speaks a wire protocol: surfaces translate to and from these calls.
 
 mod audit;
+mod audit_sink;
 mod blobs;
 pub mod metrics;
 mod shard;
@@ -336,6 +337,8 @@ pub struct ModelService {
     /// A blob-store plugin keeping the blob bytes (metadata stays in the store, or in
     /// `plugin_blobs` without one).
     blob_plugin: std::sync::OnceLock<Arc<crate::plugins::Plugin>>,
+    /// An audit-store plugin's feed (shared with the shards, which feed it).
+    audit_sink: Arc<std::sync::OnceLock<audit_sink::AuditSink>>,
     plugin_blobs: Mutex<std::collections::HashMap<String, BlobRef>>,
 }
 
@@ -505,6 +508,7 @@ impl ModelService {
         };
         let subscribers = Arc::new(Subscribers::default());
         let metrics = Arc::new(metrics::CycleMetrics::default());
+        let audit_sink: Arc<std::sync::OnceLock<audit_sink::AuditSink>> = Arc::default();
         let mut senders = Vec::with_capacity(n);
         let mut threads = Vec::with_capacity(n);
         for i in 0..n {
@@ -514,10 +518,11 @@ impl ModelService {
             let lim = limits.clone();
             let cycle_metrics = metrics.clone();
             let shard_store = store.clone();
+            let sink = audit_sink.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("valem-shard-{i}"))
                 .spawn(move || {
-                    let mut shard = Shard::new(lim, subs, cycle_metrics, shard_store);
+                    let mut shard = Shard::new(lim, subs, cycle_metrics, shard_store, sink);
                     while let Some(job) = next_job(&rx) {
                         job(&mut shard);
                     }
@@ -545,6 +550,7 @@ impl ModelService {
             async_polling: std::sync::atomic::AtomicBool::new(true),
             store,
             blob_plugin: std::sync::OnceLock::new(),
+            audit_sink,
             plugin_blobs: Mutex::new(std::collections::HashMap::new()),
         })
     }
@@ -734,6 +740,9 @@ impl ModelService {
         self.on_model_reply(id, true, move |s, r| s.delete(&owned, r))
             .wait()??;
         self.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        if let Some(sink) = self.audit_sink.get() {
+            sink.delete(id);
+        }
         self.subscribers.publish(Event::Deleted {
             model_id: id.to_string(),
         });
@@ -794,13 +803,61 @@ impl ModelService {
     }
 
     pub fn audit(&self, id: &str, q: AuditQuery) -> Result<Vec<Json>, ServiceError> {
+        if let Some(sink) = self.audit_sink.get() {
+            self.info(id)?;
+            let mut records = self.plugin_audit(sink, id, q)?;
+            records.reverse(); // newest first, as everywhere
+            return Ok(records.into_iter().map(|e| e.record).collect());
+        }
         let owned = id.to_string();
         self.on_model(id, move |s| s.audit(&owned, &q))
     }
 
     pub fn verify_audit(&self, id: &str) -> Result<Json, ServiceError> {
+        if let Some(sink) = self.audit_sink.get() {
+            let owned = id.to_string();
+            let head = self.on_model(id, move |s| s.audit_head(&owned))?;
+            let records = self.plugin_audit(sink, id, AuditQuery::default())?;
+            return Ok(verify_from_plugin(&records, head));
+        }
         let owned = id.to_string();
         self.on_model(id, move |s| s.verify_audit(&owned))
+    }
+
+    /// Feed committed audit records to an audit-store plugin from now on, and answer audit
+    /// queries from it (set once, before serving).
+    pub fn set_audit_plugin(&self, p: Arc<crate::plugins::Plugin>) -> bool {
+        self.audit_sink.set(audit_sink::AuditSink::start(p)).is_ok()
+    }
+
+    /// Records the audit plugin holds for `id` (oldest first), once the feed has caught up.
+    fn plugin_audit(
+        &self,
+        sink: &audit_sink::AuditSink,
+        id: &str,
+        q: AuditQuery,
+    ) -> Result<Vec<valem_sdk::AuditEntry>, ServiceError> {
+        sink.settle(std::time::Duration::from_secs(5));
+        let query = valem_sdk::AuditQuery {
+            model_id: id.to_string(),
+            from_us: q.from_us,
+            to_us: q.to_us,
+            path_prefix: q.path_prefix,
+            limit: q.limit,
+        };
+        let v = sink
+            .plugin
+            .call(
+                "audit.query",
+                serde_json::to_value(query).unwrap_or_default(),
+            )
+            .map_err(|e| ServiceError::Storage(e.to_string()))?;
+        serde_json::from_value(v).map_err(|e| {
+            ServiceError::Storage(format!(
+                "audit store plugin `{}` answered records this daemon cannot read: {e}",
+                sink.plugin.name
+            ))
+        })
     }
 
     pub fn view(&self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
@@ -1160,5 +1217,37 @@ mod tests {
         assert_eq!(probes, 2);
         c.record(true);
         assert!((0..8).all(|_| c.wanted()));
+    }
+}
+
+/// Verify the chain an audit-store plugin returned: from genesis, linked, each hash right, and
+/// reaching the model's head (`head`: its newest sequence) so a truncated tail is caught.
+fn verify_from_plugin(records: &[valem_sdk::AuditEntry], head: Option<u64>) -> Json {
+    let broken = |checked: usize, seq: Json, detail: String| serde_json::json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail});
+    if let Some(first) = records.first() {
+        if first.record.get("prevHash").and_then(|h| h.as_str()) != Some(audit::GENESIS) {
+            return broken(
+                0,
+                serde_json::json!(first.sequence),
+                "the audit store's chain does not start at genesis (records missing at the start)"
+                    .into(),
+            );
+        }
+    }
+    let v = audit::verify_records(records.iter().map(|e| &e.record));
+    if v["valid"] != Json::Bool(true) {
+        return v;
+    }
+    let last = records.last().map(|e| e.sequence);
+    match head {
+        Some(h) if last.is_none_or(|l| l < h) => broken(
+            records.len(),
+            serde_json::json!(last.map_or(0, |l| l + 1)),
+            format!(
+                "the audit store holds records up to {} but the model is at {h} (truncated tail)",
+                last.map_or("none".to_string(), |l| l.to_string())
+            ),
+        ),
+        _ => v,
     }
 }

@@ -62,6 +62,8 @@ pub(super) struct Shard {
     limits: ServiceLimits,
     subscribers: Arc<Subscribers>,
     metrics: Arc<CycleMetrics>,
+    /// The audit-store plugin's feed, once one is attached.
+    audit_sink: Arc<std::sync::OnceLock<super::audit_sink::AuditSink>>,
 }
 
 /// The model `spec` defines, with the base document and effect dedupe keys of a checkpoint
@@ -233,6 +235,7 @@ impl Shard {
         subscribers: Arc<Subscribers>,
         metrics: Arc<CycleMetrics>,
         store: Option<Arc<Store>>,
+        audit_sink: Arc<std::sync::OnceLock<super::audit_sink::AuditSink>>,
     ) -> Shard {
         Shard {
             models: HashMap::new(),
@@ -240,6 +243,7 @@ impl Shard {
             limits,
             subscribers,
             metrics,
+            audit_sink,
         }
     }
 
@@ -330,6 +334,19 @@ impl Shard {
         reply: Reply<R>,
         event: Option<Event>,
     ) {
+        self.durably_then(id, op, ok, reply, event, None)
+    }
+
+    /// [`durably`](Self::durably), running `committed` too once the write is durable.
+    fn durably_then<R: Send + 'static>(
+        &self,
+        id: &str,
+        op: Option<Op>,
+        ok: R,
+        reply: Reply<R>,
+        event: Option<Event>,
+        then: Option<Box<dyn FnOnce() + Send>>,
+    ) {
         let subscribers = self.subscribers.clone();
         match (&self.store, op) {
             (Some(store), Some(op)) => {
@@ -339,14 +356,22 @@ impl Shard {
                         if let Some(s) = stale {
                             s.store(true, std::sync::atomic::Ordering::Release);
                         }
-                    } else if let Some(ev) = event {
+                        return;
+                    }
+                    if let Some(ev) = event {
                         subscribers.publish(ev);
+                    }
+                    if let Some(f) = then {
+                        f();
                     }
                 })
             }
             _ => {
                 if let Some(ev) = event {
                     subscribers.publish(ev);
+                }
+                if let Some(f) = then {
+                    f();
                 }
                 reply.send(Ok(ok));
             }
@@ -644,6 +669,11 @@ impl Shard {
         }
     }
 
+    /// The newest audit sequence of model `id`.
+    pub fn audit_head(&mut self, id: &str) -> Result<Option<u64>, ServiceError> {
+        Ok(self.entry(id)?.audit.head())
+    }
+
     pub fn verify_audit(&mut self, id: &str) -> Result<Json, ServiceError> {
         let store = self.store.clone();
         let e = self.entry(id)?;
@@ -756,7 +786,19 @@ impl Shard {
                     model_id: id.to_string(),
                     result: result.clone(),
                 };
-                self.durably(id, op, result, reply, Some(event));
+                // The audit store hears of the record once it is committed, like subscribers.
+                let fed = self.audit_sink.get().cloned().and_then(|sink| {
+                    let r = self.models.get(id)?.audit.last()?;
+                    let entry = valem_sdk::AuditEntry {
+                        model_id: id.to_string(),
+                        sequence: r.sequence,
+                        at_us: r.at_us,
+                        paths: r.paths.clone(),
+                        record: r.json.clone(),
+                    };
+                    Some(Box::new(move || sink.append(entry)) as Box<dyn FnOnce() + Send>)
+                });
+                self.durably_then(id, op, result, reply, Some(event), fed);
                 let every = self.limits.checkpoint_every.max(1) as u64;
                 let due = self
                     .models

@@ -131,3 +131,45 @@ async def test_blobs_go_to_a_loaded_blob_store_plugin(tmp_path, durable):
         stored.write_bytes(b"tampered")
         e = await s.fails("download_blob", {"blobId": ref["blobId"]})
         assert "do not match" in e, e
+
+
+@pytest.mark.parametrize("durable", [True, False])
+async def test_an_audit_store_plugin_receives_every_record_and_verify_works_over_it(tmp_path, durable):
+    import json
+
+    if durable:
+        args = ["--data-dir", str(tmp_path / "data"), "--plugin", lib("valem_audit_jsonl")]
+        where = tmp_path / "data" / "plugins" / "audit-jsonl"
+    else:
+        where = tmp_path / "audit"
+        args = ["--plugin", lib("valem_audit_jsonl"), "--plugin-config", f'audit-jsonl={{"dir": "{where}"}}']
+    async with connect(args=args) as s:
+        await s.ok("create_model", {"spec": DEMO})
+        for i in range(6):
+            await s.ok("mutate", {"id": "demo", "mutations": {"$.price": i, "$.qty": 2}})
+        records = await s.ok("get_audit", {"id": "demo", "limit": 100})
+        assert len(records) == 6
+        assert [r["sequence"] for r in records] == [5, 4, 3, 2, 1, 0], "newest first"
+        assert len(await s.ok("get_audit", {"id": "demo", "limit": 2})) == 2
+        assert len(await s.ok("get_audit", {"id": "demo", "pathPrefix": "$.total"})) == 6
+        file = where / ("demo".encode().hex() + ".jsonl")
+        lines = file.read_text().splitlines()
+        assert [json.loads(l)["sequence"] for l in lines] == list(range(6)), "every record, in order"
+        v = await s.ok("verify_audit", {"id": "demo"})
+        assert v["valid"] is True and v["recordsChecked"] == 6, v
+
+        # An altered record in the plugin's storage is caught at its sequence...
+        altered = json.loads(lines[3])
+        altered["record"]["mutations"]["$.price"] = 999
+        file.write_text("\n".join(lines[:3] + [json.dumps(altered)] + lines[4:]) + "\n")
+        v = await s.ok("verify_audit", {"id": "demo"})
+        assert v["valid"] is False and v["firstBrokenSequence"] == 3, v
+        # ...and so is a truncated tail.
+        file.write_text("\n".join(lines[:4]) + "\n")
+        v = await s.ok("verify_audit", {"id": "demo"})
+        assert v["valid"] is False and v["firstBrokenSequence"] == 4, v
+        # Deleting the model deletes its audit there too.
+        await s.ok("delete_model", {"id": "demo"})
+        with anyio.fail_after(5):
+            while file.exists():
+                await anyio.sleep(0.02)
