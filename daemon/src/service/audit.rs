@@ -206,6 +206,38 @@ pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>) -> Json {
     json!({"valid": true, "recordsChecked": checked, "firstBrokenSequence": null, "detail": "ok"})
 }
 
+/// Verify the chain an audit-store plugin returned: from genesis, linked, each hash right, and
+/// reaching the model's head (`head`: its newest sequence) so a truncated tail is caught.
+pub fn verify_stored(records: &[valem_sdk::AuditEntry], head: Option<u64>) -> Json {
+    let broken = |checked: usize, seq: Json, detail: String| json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail});
+    if let Some(first) = records.first() {
+        if first.record.get("prevHash").and_then(|h| h.as_str()) != Some(GENESIS) {
+            return broken(
+                0,
+                json!(first.sequence),
+                "the audit store's chain does not start at genesis (records missing at the start)"
+                    .into(),
+            );
+        }
+    }
+    let v = verify_records(records.iter().map(|e| &e.record));
+    if v["valid"] != Json::Bool(true) {
+        return v;
+    }
+    let last = records.last().map(|e| e.sequence);
+    match head {
+        Some(h) if last.is_none_or(|l| l < h) => broken(
+            records.len(),
+            json!(last.map_or(0, |l| l + 1)),
+            format!(
+                "the audit store holds records up to {} but the model is at {h} (truncated tail)",
+                last.map_or("none".to_string(), |l| l.to_string())
+            ),
+        ),
+        _ => v,
+    }
+}
+
 fn broken(checked: u64, seq: Json, detail: &str) -> Json {
     json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail})
 }

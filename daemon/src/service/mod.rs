@@ -818,7 +818,7 @@ impl ModelService {
             let owned = id.to_string();
             let head = self.on_model(id, move |s| s.audit_head(&owned))?;
             let records = self.plugin_audit(sink, id, AuditQuery::default())?;
-            return Ok(verify_from_plugin(&records, head));
+            return Ok(audit::verify_stored(&records, head));
         }
         let owned = id.to_string();
         self.on_model(id, move |s| s.verify_audit(&owned))
@@ -1217,37 +1217,5 @@ mod tests {
         assert_eq!(probes, 2);
         c.record(true);
         assert!((0..8).all(|_| c.wanted()));
-    }
-}
-
-/// Verify the chain an audit-store plugin returned: from genesis, linked, each hash right, and
-/// reaching the model's head (`head`: its newest sequence) so a truncated tail is caught.
-fn verify_from_plugin(records: &[valem_sdk::AuditEntry], head: Option<u64>) -> Json {
-    let broken = |checked: usize, seq: Json, detail: String| serde_json::json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail});
-    if let Some(first) = records.first() {
-        if first.record.get("prevHash").and_then(|h| h.as_str()) != Some(audit::GENESIS) {
-            return broken(
-                0,
-                serde_json::json!(first.sequence),
-                "the audit store's chain does not start at genesis (records missing at the start)"
-                    .into(),
-            );
-        }
-    }
-    let v = audit::verify_records(records.iter().map(|e| &e.record));
-    if v["valid"] != Json::Bool(true) {
-        return v;
-    }
-    let last = records.last().map(|e| e.sequence);
-    match head {
-        Some(h) if last.is_none_or(|l| l < h) => broken(
-            records.len(),
-            serde_json::json!(last.map_or(0, |l| l + 1)),
-            format!(
-                "the audit store holds records up to {} but the model is at {h} (truncated tail)",
-                last.map_or("none".to_string(), |l| l.to_string())
-            ),
-        ),
-        _ => v,
     }
 }
