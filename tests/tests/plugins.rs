@@ -78,10 +78,19 @@ fn plugins_list_names_each_plugin_what_it_provides_and_each_failure() {
     assert!(failed[1]["error"]
         .as_str()
         .is_some_and(|e| e.contains("No such file")));
-    // Only the built-in: exit 0.
+    // Only the built-ins: exit 0; with a data directory the blob store is one too.
     let o = run(&["plugins", "list"], None);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("valem-guidance"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("valem-blobs"), "{}", stdout(&o));
+    let data = dir.path().join("data");
+    let data = data.to_string_lossy();
+    let o = run(&["plugins", "list", "--json", "--data-dir", &data], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    assert_eq!(v["loaded"][1]["name"], "valem-blobs");
+    assert_eq!(v["loaded"][1]["kind"], "blob_store");
+    assert_eq!(v["loaded"][1]["builtIn"], true);
 }
 
 #[test]

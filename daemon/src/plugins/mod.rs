@@ -68,6 +68,8 @@ pub struct Options {
     pub dir: Option<PathBuf>,
     /// Load the built-in guidance plugin (`valem-guidance`) first.
     pub builtin_guidance: bool,
+    // (With `data_dir` and no blob-store library, the built-in blob store `valem-blobs`, over
+    // `<data_dir>/blobs/`, is loaded last.)
     /// Longest a plugin call may take.
     pub timeout: Duration,
     /// The daemon's data directory: plugins get `<data_dir>/plugins/<name>/`.
@@ -381,6 +383,15 @@ impl Plugins {
                 move || open_library(&at, host),
             );
         }
+        // With a data directory and no blob store loaded, blob bytes go to the built-in one.
+        if opts.data_dir.is_some() && p.of_kind(Kind::BlobStore).next().is_none() {
+            p.admit(
+                Origin::BuiltIn,
+                PathBuf::from("(built in)"),
+                opts.timeout,
+                || Ok(valem_plugin_blob_fs::builtin_v1(host)),
+            );
+        }
         p
     }
 
@@ -607,7 +618,14 @@ fn host_table(shared: &'static HostShared, opts: &Options) -> &'static HostV1 {
         .as_ref()
         .map(|d| d.join("plugins").display().to_string())
         .unwrap_or_default();
-    let config = serde_json::to_string(&opts.config).unwrap_or_else(|_| "{}".into());
+    let mut config = opts.config.clone();
+    if let Some(d) = &opts.data_dir {
+        // The built-in blob store keeps the store's own blob directory.
+        config
+            .entry(valem_plugin_blob_fs::BUILTIN_NAME.to_string())
+            .or_insert_with(|| json!({"dir": d.join("blobs").display().to_string()}));
+    }
+    let config = serde_json::to_string(&config).unwrap_or_else(|_| "{}".into());
     let strings = vec![version, data_dir, config];
     let s = |i: usize| Str {
         ptr: strings[i].as_ptr(),

@@ -1,8 +1,10 @@
-//! `blob-fs`: a `blob_store` plugin that keeps each blob as a file named by its content id in a
-//! directory: `<data-dir>/plugins/blob-fs/` by default, or `dir` from
-//! `--plugin-config blob-fs={"dir": "/path"}`. Writes go to a temporary file, are fsynced and
-//! renamed into place (and the directory fsynced), so a crash leaves either the whole blob or
-//! none of it.
+//! `blob-fs`: a `blob_store` plugin that keeps each blob as a file named by its content id,
+//! `<dir>/<first 2 hex>/<other 62 hex>`. As a loaded library (`libvalem_blob_fs.so`, plugin
+//! `blob-fs`) `<dir>` is `<data-dir>/plugins/blob-fs/` or `dir` from
+//! `--plugin-config blob-fs={"dir": "/path"}`; linked into the daemon it is the built-in blob
+//! store of `--data-dir` (plugin `valem-blobs`, `<data-dir>/blobs/`). Writes go to a temporary
+//! file, are fsynced and renamed into place (and the directory fsynced), so a crash leaves
+//! either the whole blob or none of it.
 
 use std::fs;
 use std::io::Write;
@@ -25,7 +27,7 @@ impl BlobFs {
         if id.len() != 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(Error::invalid(format!("`{id}` is not a blob content id")));
         }
-        Ok(self.dir.join(id))
+        Ok(self.dir.join(&id[..2]).join(&id[2..]))
     }
 }
 
@@ -35,8 +37,15 @@ impl BlobStorePlugin for BlobFs {
         if fs::metadata(&path).is_ok_and(|m| m.len() == bytes.len() as u64) {
             return Ok(()); // content-addressed: the same id has the same bytes
         }
+        let sub = path.parent().unwrap_or(&self.dir).to_path_buf();
+        if !sub.exists() {
+            fs::create_dir_all(&sub).map_err(|e| io("cannot create", &sub, e))?;
+            fs::File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| io("cannot sync", &self.dir, e))?;
+        }
         static SEQ: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.dir.join(format!(
+        let tmp = sub.join(format!(
             ".tmp-{id}-{}-{}",
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
@@ -53,9 +62,9 @@ impl BlobStorePlugin for BlobFs {
             let _ = fs::remove_file(&tmp);
             return Err(e);
         }
-        fs::File::open(&self.dir)
+        fs::File::open(&sub)
             .and_then(|d| d.sync_all())
-            .map_err(|e| io("cannot sync", &self.dir, e))
+            .map_err(|e| io("cannot sync", &sub, e))
     }
 
     fn get(&self, id: &str) -> Result<Option<Vec<u8>>, Error> {
@@ -91,4 +100,14 @@ fn open(host: &Host) -> Result<BlobFs, Error> {
     Ok(BlobFs { dir })
 }
 
-valem_sdk::export_plugin!(blob_store, "blob-fs", open);
+valem_sdk::declare_plugin!(blob_store, "blob-fs", open);
+
+/// The name of the built-in instance (the daemon's `--data-dir` blob store).
+pub const BUILTIN_NAME: &str = "valem-blobs";
+
+/// The built-in instance's table: plugin `valem-blobs`, its directory from its config `dir`.
+pub extern "C" fn builtin_v1(
+    host: *const valem_sdk::abi::HostV1,
+) -> *const valem_sdk::abi::PluginV1 {
+    valem_sdk::shim::blob_store(BUILTIN_NAME, env!("CARGO_PKG_VERSION"), host, open)
+}

@@ -122,8 +122,8 @@ async def test_blobs_go_to_a_loaded_blob_store_plugin(tmp_path, durable):
         args = ["--plugin", lib("valem_blob_fs"), "--plugin-config", f'blob-fs={{"dir": "{where}"}}']
     async with connect(args=args) as s:
         ref = await s.ok("upload_blob", {"data": base64.b64encode(data).decode(), "mediaType": "application/x-test"})
-        stored = where / ref["blobId"]
-        assert stored.is_file(), sorted(p.name for p in where.iterdir()) if where.exists() else "no directory"
+        stored = where / ref["blobId"][:2] / ref["blobId"][2:]
+        assert stored.is_file(), sorted(str(p) for p in where.rglob("*")) if where.exists() else "no directory"
         assert stored.read_bytes() == data
         got = await s.ok("download_blob", {"blobId": ref["blobId"]})
         assert base64.b64decode(got["data"]) == data and got["mediaType"] == "application/x-test"
@@ -173,3 +173,16 @@ async def test_an_audit_store_plugin_receives_every_record_and_verify_works_over
         with anyio.fail_after(5):
             while file.exists():
                 await anyio.sleep(0.02)
+
+
+async def test_with_a_data_dir_the_builtin_blob_store_plugin_keeps_the_bytes(tmp_path):
+    import base64
+
+    data = b"built-in blob store " * 100
+    async with connect(args=["--data-dir", str(tmp_path / "data")]) as s:
+        ref = await s.ok("upload_blob", {"data": base64.b64encode(data).decode()})
+        h = ref["blobId"]
+        stored = tmp_path / "data" / "blobs" / h[:2] / h[2:]
+        assert stored.read_bytes() == data
+        got = await s.ok("download_blob", {"blobId": h})
+        assert base64.b64decode(got["data"]) == data
