@@ -104,6 +104,37 @@ impl Buf {
         }
     }
 
+    /// Fill `out` (when it is not null) with `bytes`, given up to the other side.
+    ///
+    /// # Safety
+    /// `out` must be null or point to a writable `Buf`.
+    pub unsafe fn write_to(out: *mut Buf, bytes: Vec<u8>) {
+        if !out.is_null() {
+            // SAFETY: the caller's contract.
+            unsafe { out.write(Buf::from_vec(bytes)) };
+        }
+    }
+
+    /// A copy of the bytes of a buffer the other side filled; `None` when it is inconsistent
+    /// (null with a length, or longer than its capacity).
+    ///
+    /// # Safety
+    /// A non-null `ptr` must point to `len` initialised bytes (the filler's contract).
+    pub unsafe fn copy(&self) -> Option<Vec<u8>> {
+        if !self.ptr.is_null() && self.len > self.cap {
+            return None;
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            Str {
+                ptr: self.ptr,
+                len: self.len,
+            }
+            .bytes()
+        }
+        .map(<[u8]>::to_vec)
+    }
+
     /// Take back an allocation made by [`Buf::from_vec`] on this side.
     ///
     /// # Safety
@@ -115,6 +146,16 @@ impl Buf {
         // SAFETY: the caller's contract: ptr/len/cap are a Vec's parts from this allocator.
         unsafe { Vec::from_raw_parts(self.ptr, self.len, self.cap) }
     }
+}
+
+/// A [`FreeFn`] for buffers made with [`Buf::from_vec`]: each side uses its own copy of this
+/// function, so a buffer goes back to the allocator of the library that filled it.
+///
+/// # Safety
+/// `buf` must come from [`Buf::from_vec`] in the library whose copy of this function is called.
+pub unsafe extern "C" fn free_vec(_ctx: *mut c_void, buf: Buf) {
+    // SAFETY: the caller's contract.
+    let _ = std::panic::catch_unwind(|| drop(unsafe { buf.into_vec() }));
 }
 
 /// `call(ctx, request, request_len, out) -> status`: one JSON request, one answer in `out`.

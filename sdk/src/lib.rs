@@ -239,7 +239,8 @@ impl Host {
         let mut out = abi::Buf::EMPTY;
         // SAFETY: the host's contract: `out` is filled with a host buffer, released with `free`.
         let status = unsafe { call(t.ctx, req.as_ptr(), req.len(), &mut out) };
-        let bytes = copy_buf(&out);
+        // SAFETY: the host filled `out` per the ABI.
+        let bytes = unsafe { out.copy() };
         // SAFETY: the buffer came from the host's call.
         unsafe { free(t.ctx, out) };
         let bytes = bytes.ok_or_else(|| Error::failed("the host returned a bad buffer"))?;
@@ -260,22 +261,6 @@ impl Host {
             }
         }
     }
-}
-
-/// Copy a buffer's bytes (None for an inconsistent buffer).
-fn copy_buf(b: &abi::Buf) -> Option<Vec<u8>> {
-    if b.len > b.cap && !b.ptr.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null buffer points to `len` initialised bytes (the filler's contract).
-    unsafe {
-        abi::Str {
-            ptr: b.ptr,
-            len: b.len,
-        }
-        .bytes()
-    }
-    .map(<[u8]>::to_vec)
 }
 
 /// Levels of [`Host::log`].

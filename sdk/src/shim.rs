@@ -25,7 +25,8 @@ fn leak(s: String) -> Str {
     Str::from_static(s)
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+/// The message of a caught panic.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {
@@ -77,15 +78,10 @@ fn build<T: Send + Sync + 'static>(
         ctx,
         call: Some(call),
         call_bytes,
-        free: Some(free_buf),
+        free: Some(abi::free_vec),
         destroy: Some(destroy::<T>),
     };
     Box::leak(Box::new(table))
-}
-
-unsafe extern "C" fn free_buf(_ctx: *mut c_void, buf: Buf) {
-    // SAFETY: the host hands back buffers this library filled with Buf::from_vec.
-    let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { buf.into_vec() })));
 }
 
 unsafe extern "C" fn destroy<T>(ctx: *mut c_void) {
@@ -108,12 +104,20 @@ fn answer(out: *mut Buf, f: impl FnOnce() -> Result<Vec<u8>, Error>) -> i32 {
         ),
         Err(p) => (abi::PANIC, panic_message(&*p).into_bytes()),
     };
-    if out.is_null() {
-        return status;
-    }
-    // SAFETY: the host passes a writable Buf.
-    unsafe { out.write(Buf::from_vec(bytes)) };
+    // SAFETY: the host passes a writable Buf (or null).
+    unsafe { Buf::write_to(out, bytes) };
     status
+}
+
+/// Answer one call: the plugin state, the request parsed into its method's type `R`, then `f`.
+fn serve<T, R: DeserializeOwned>(
+    ctx: *mut c_void,
+    req: *const u8,
+    len: usize,
+    out: *mut Buf,
+    f: impl FnOnce(&State<T>, R) -> Result<Vec<u8>, Error>,
+) -> i32 {
+    answer(out, || f(state::<T>(ctx)?, typed::<R>(req, len)?))
 }
 
 /// The plugin state behind `ctx`.
@@ -121,20 +125,6 @@ fn state<'a, T>(ctx: *mut c_void) -> Result<&'a State<T>, Error> {
     // SAFETY: a non-null ctx is the State<T> of this table (made by `build`, alive until destroy).
     unsafe { ctx.cast::<State<T>>().as_ref() }
         .ok_or_else(|| Error::failed("the plugin did not initialise"))
-}
-
-#[derive(Deserialize)]
-struct Request {
-    method: String,
-    #[serde(default)]
-    params: Json,
-}
-
-fn request(req: *const u8, len: usize) -> Result<Request, Error> {
-    // SAFETY: the host passes `len` readable bytes.
-    let bytes =
-        unsafe { Str { ptr: req, len }.bytes() }.ok_or_else(|| Error::invalid("null request"))?;
-    serde_json::from_slice(bytes).map_err(|e| Error::invalid(format!("bad request: {e}")))
 }
 
 /// A request parsed into its method's type; an unknown method is `unknown_method`.
@@ -155,19 +145,8 @@ fn typed<R: DeserializeOwned>(req: *const u8, len: usize) -> Result<R, Error> {
     })
 }
 
-fn params<P: DeserializeOwned>(method: &str, p: Json) -> Result<P, Error> {
-    serde_json::from_value(p).map_err(|e| Error::invalid(format!("{method}: {e}")))
-}
-
 fn to_json(v: impl serde::Serialize) -> Result<Vec<u8>, Error> {
     serde_json::to_vec(&v).map_err(|e| Error::failed(format!("cannot encode the result: {e}")))
-}
-
-fn unknown(method: &str) -> Error {
-    Error::new(
-        "unknown_method",
-        format!("this plugin has no method `{method}`"),
-    )
 }
 
 #[derive(Deserialize)]
@@ -194,26 +173,27 @@ pub fn guidance<T: GuidancePlugin>(
     )
 }
 
+#[derive(Deserialize)]
+#[serde(tag = "method", content = "params")]
+enum GuidanceRequest {
+    #[serde(rename = "topics.list")]
+    List {},
+    #[serde(rename = "topics.get")]
+    Get(IdParams),
+}
+
 unsafe extern "C" fn call_guidance<T: GuidancePlugin>(
     ctx: *mut c_void,
     req: *const u8,
     len: usize,
     out: *mut Buf,
 ) -> i32 {
-    answer(out, || {
-        let s = state::<T>(ctx)?;
-        let r = request(req, len)?;
-        match r.method.as_str() {
-            "topics.list" => to_json(s.plugin.topics()),
-            "topics.get" => {
-                let p: IdParams = params(&r.method, r.params)?;
-                match s.plugin.topic(&p.id) {
-                    Some(t) => to_json(t),
-                    None => Err(Error::not_found(format!("no topic `{}`", p.id))),
-                }
-            }
-            m => Err(unknown(m)),
-        }
+    serve(ctx, req, len, out, |s: &State<T>, r| match r {
+        GuidanceRequest::List {} => to_json(s.plugin.topics()),
+        GuidanceRequest::Get(p) => match s.plugin.topic(&p.id) {
+            Some(t) => to_json(t),
+            None => Err(Error::not_found(format!("no topic `{}`", p.id))),
+        },
     })
 }
 
@@ -258,18 +238,14 @@ unsafe extern "C" fn call_tool<T: ToolPlugin>(
     len: usize,
     out: *mut Buf,
 ) -> i32 {
-    answer(out, || {
-        let s = state::<T>(ctx)?;
-        // Parsed straight into the call (no intermediate Value for the envelope).
-        match typed::<ToolRequest>(req, len)? {
-            ToolRequest::List {} => to_json(s.plugin.tools()),
-            ToolRequest::Call(c) => {
-                let args = match c.arguments {
-                    Json::Null => json!({}),
-                    a => a,
-                };
-                to_json(s.plugin.call(&s.host, &c.name, args)?)
-            }
+    serve(ctx, req, len, out, |s: &State<T>, r| match r {
+        ToolRequest::List {} => to_json(s.plugin.tools()),
+        ToolRequest::Call(c) => {
+            let args = match c.arguments {
+                Json::Null => json!({}),
+                a => a,
+            };
+            to_json(s.plugin.call(&s.host, &c.name, args)?)
         }
     })
 }
@@ -293,22 +269,30 @@ pub fn blob_store<T: BlobStorePlugin>(
     )
 }
 
+#[derive(Deserialize)]
+#[serde(tag = "method", content = "params")]
+enum BlobRequest {
+    #[serde(rename = "blob.delete")]
+    Delete(IdParams),
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "method", content = "params")]
+enum BlobBytesRequest {
+    #[serde(rename = "blob.put")]
+    Put(IdParams),
+    #[serde(rename = "blob.get")]
+    Get(IdParams),
+}
+
 unsafe extern "C" fn call_blob<T: BlobStorePlugin>(
     ctx: *mut c_void,
     req: *const u8,
     len: usize,
     out: *mut Buf,
 ) -> i32 {
-    answer(out, || {
-        let s = state::<T>(ctx)?;
-        let r = request(req, len)?;
-        match r.method.as_str() {
-            "blob.delete" => {
-                let p: IdParams = params(&r.method, r.params)?;
-                to_json(json!({"deleted": s.plugin.delete(&p.id)?}))
-            }
-            m => Err(unknown(m)),
-        }
+    serve(ctx, req, len, out, |s: &State<T>, r| match r {
+        BlobRequest::Delete(p) => to_json(json!({"deleted": s.plugin.delete(&p.id)?})),
     })
 }
 
@@ -320,30 +304,24 @@ unsafe extern "C" fn call_blob_bytes<T: BlobStorePlugin>(
     data_len: usize,
     out: *mut Buf,
 ) -> i32 {
-    answer(out, || {
-        let s = state::<T>(ctx)?;
-        let r = request(req, len)?;
-        let p: IdParams = params(&r.method, r.params)?;
-        match r.method.as_str() {
-            "blob.put" => {
-                // SAFETY: the host passes `data_len` readable bytes.
-                let bytes = unsafe {
-                    Str {
-                        ptr: data,
-                        len: data_len,
-                    }
-                    .bytes()
+    serve(ctx, req, len, out, |s: &State<T>, r| match r {
+        BlobBytesRequest::Put(p) => {
+            // SAFETY: the host passes `data_len` readable bytes.
+            let bytes = unsafe {
+                Str {
+                    ptr: data,
+                    len: data_len,
                 }
-                .ok_or_else(|| Error::invalid("null data"))?;
-                s.plugin.put(&p.id, bytes)?;
-                to_json(json!({}))
+                .bytes()
             }
-            "blob.get" => s
-                .plugin
-                .get(&p.id)?
-                .ok_or_else(|| Error::not_found(format!("no blob `{}`", p.id))),
-            m => Err(unknown(m)),
+            .ok_or_else(|| Error::invalid("null data"))?;
+            s.plugin.put(&p.id, bytes)?;
+            to_json(json!({}))
         }
+        BlobBytesRequest::Get(p) => s
+            .plugin
+            .get(&p.id)?
+            .ok_or_else(|| Error::not_found(format!("no blob `{}`", p.id))),
     })
 }
 
@@ -372,31 +350,32 @@ struct ModelParams {
     model_id: String,
 }
 
+#[derive(Deserialize)]
+#[serde(tag = "method", content = "params")]
+enum AuditRequest {
+    #[serde(rename = "audit.append")]
+    Append(AuditEntry),
+    #[serde(rename = "audit.query")]
+    Query(AuditQuery),
+    #[serde(rename = "audit.delete")]
+    Delete(ModelParams),
+}
+
 unsafe extern "C" fn call_audit<T: AuditStorePlugin>(
     ctx: *mut c_void,
     req: *const u8,
     len: usize,
     out: *mut Buf,
 ) -> i32 {
-    answer(out, || {
-        let s = state::<T>(ctx)?;
-        let r = request(req, len)?;
-        match r.method.as_str() {
-            "audit.append" => {
-                let e: AuditEntry = params(&r.method, r.params)?;
-                s.plugin.append(e)?;
-                to_json(json!({}))
-            }
-            "audit.query" => {
-                let q: AuditQuery = params(&r.method, r.params)?;
-                to_json(s.plugin.query(q)?)
-            }
-            "audit.delete" => {
-                let p: ModelParams = params(&r.method, r.params)?;
-                s.plugin.delete_model(&p.model_id)?;
-                to_json(json!({}))
-            }
-            m => Err(unknown(m)),
+    serve(ctx, req, len, out, |s: &State<T>, r| match r {
+        AuditRequest::Append(e) => {
+            s.plugin.append(e)?;
+            to_json(json!({}))
+        }
+        AuditRequest::Query(q) => to_json(s.plugin.query(q)?),
+        AuditRequest::Delete(p) => {
+            s.plugin.delete_model(&p.model_id)?;
+            to_json(json!({}))
         }
     })
 }

@@ -802,32 +802,20 @@ fn plugins_list(args: &PluginArgs, data_dir: Option<&std::path::Path>, as_json: 
     let plugins = crate::plugins::Plugins::load(&args.options(data_dir));
     let mut info = plugins.info();
     for (i, p) in plugins.loaded().iter().enumerate() {
+        // What the daemon would make of it, with the daemon's own checks.
         let provides = match p.kind {
-            Kind::Tool => p.call("tools.list", serde_json::json!({})).map(|l| {
-                serde_json::json!(l
-                    .as_array()
-                    .map(|a| a
-                        .iter()
-                        .filter_map(|t| t["name"].as_str())
-                        .map(|n| crate::mcp::tools::plugin_tool_name(&p.name, n))
-                        .collect::<Vec<_>>())
-                    .unwrap_or_default())
-            }),
-            Kind::Guidance => p.call("topics.list", serde_json::json!({})).map(|l| {
-                serde_json::json!(l
-                    .as_array()
-                    .map(|a| a
-                        .iter()
-                        .filter_map(|t| t["id"].as_str())
-                        .collect::<Vec<_>>())
-                    .unwrap_or_default())
-            }),
+            Kind::Tool => crate::mcp::tools::plugin_tools(p)
+                .map(|t| serde_json::json!(t.iter().map(|t| t.name).collect::<Vec<_>>())),
+            Kind::Guidance => {
+                let mut c = crate::mcp::guidance::Catalog::default();
+                c.extend_from_plugin(p).map(|_| serde_json::json!(c.ids()))
+            }
             Kind::BlobStore | Kind::AuditStore => Ok(serde_json::Value::Null),
         };
         let slot = &mut info["loaded"][i];
         match provides {
             Ok(v) => slot["provides"] = v,
-            Err(e) => slot["error"] = serde_json::json!(e.to_string()),
+            Err(e) => slot["error"] = serde_json::json!(e),
         }
     }
     if as_json {

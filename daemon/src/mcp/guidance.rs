@@ -151,15 +151,6 @@ impl Catalog {
         Ok(c)
     }
 
-    /// The built-in topics plus the file named by the environment, if any.
-    pub fn from_env() -> Result<Catalog, String> {
-        let mut c = Catalog::builtin();
-        if let Some(p) = std::env::var_os(TOPICS_FILE_ENV).filter(|p| !p.is_empty()) {
-            c.extend_from_file(std::path::Path::new(&p))?;
-        }
-        Ok(c)
-    }
-
     pub fn ids(&self) -> Vec<String> {
         self.topics.iter().map(|t| t.id.clone()).collect()
     }

@@ -152,9 +152,9 @@ pub fn plugin_tool_name(plugin: &str, tool: &str) -> String {
     format!("{}__{tool}", plugin.replace('-', "_"))
 }
 
-/// A tool plugin's tools (`tools.list`), namespaced. Their texts are leaked: plugins load once
-/// per process.
-fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, String> {
+/// A tool plugin's tools (`tools.list`), namespaced and checked. Their texts are leaked: plugins
+/// load once per process.
+pub fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, String> {
     let list = p.call("tools.list", json!({})).map_err(|e| e.to_string())?;
     let defs: Vec<valem_sdk::ToolDef> = serde_json::from_value(list).map_err(|e| {
         format!(

@@ -249,26 +249,19 @@ fn invoke(
             }
         }
     };
-    if !out.ptr.is_null() && out.len > out.cap {
+    // SAFETY: the plugin filled `out` per the ABI.
+    let Some(bytes) = (unsafe { out.copy() }) else {
         // Not a buffer we can hand back safely: leak it rather than free garbage.
-        return Err(bad("its answer buffer is inconsistent (len > cap)"));
-    }
-    // SAFETY: a non-null buffer holds `len` bytes (the plugin's contract; checked above).
-    let bytes = unsafe {
-        Str {
-            ptr: out.ptr,
-            len: out.len,
-        }
-        .bytes()
-    }
-    .map(<[u8]>::to_vec);
+        return Err(bad(
+            "its answer buffer is inconsistent (null with a length, or len > cap)",
+        ));
+    };
     if !out.ptr.is_null() {
         if let Some(free) = table.free {
             // SAFETY: the buffer came from this plugin's call and is released once.
             unsafe { free(table.ctx, out) };
         }
     }
-    let bytes = bytes.ok_or_else(|| bad("its answer buffer is null with a non-zero length"))?;
     match status {
         abi::OK => Ok(bytes),
         abi::ERROR => {
@@ -639,7 +632,7 @@ fn host_table(shared: &'static HostShared, opts: &Options) -> &'static HostV1 {
         config: s(2),
         ctx: (shared as *const HostShared).cast_mut().cast::<c_void>(),
         call: Some(host_call),
-        free: Some(host_free),
+        free: Some(abi::free_vec),
         log: Some(host_log),
     };
     // The strings' heap buffers do not move when the Vec moves into the box.
@@ -648,13 +641,6 @@ fn host_table(shared: &'static HostShared, opts: &Options) -> &'static HostV1 {
         _strings: strings,
     }))
     .table
-}
-
-fn write_out(out: *mut Buf, bytes: Vec<u8>) {
-    if !out.is_null() {
-        // SAFETY: the plugin passes a writable Buf.
-        unsafe { out.write(Buf::from_vec(bytes)) };
-    }
 }
 
 unsafe extern "C" fn host_call(ctx: *mut c_void, req: *const u8, len: usize, out: *mut Buf) -> i32 {
@@ -688,13 +674,9 @@ unsafe extern "C" fn host_call(ctx: *mut c_void, req: *const u8, len: usize, out
             br#"{"code":"failed","message":"the host panicked serving this call"}"#.to_vec(),
         ),
     };
-    write_out(out, body);
+    // SAFETY: the plugin passes a writable Buf (or null).
+    unsafe { Buf::write_to(out, body) };
     status
-}
-
-unsafe extern "C" fn host_free(_ctx: *mut c_void, buf: Buf) {
-    // SAFETY: buffers the host filled with Buf::from_vec.
-    let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { buf.into_vec() })));
 }
 
 unsafe extern "C" fn host_log(_ctx: *mut c_void, level: u32, msg: *const u8, len: usize) {

@@ -201,12 +201,8 @@ pub fn once<T: Send + 'static>(
     let spawned = std::thread::Builder::new()
         .name("valem-plugin-load".into())
         .spawn(move || {
-            let r = catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
-                p.downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic without a message".into())
-            });
+            let r =
+                catch_unwind(AssertUnwindSafe(f)).map_err(|p| valem_sdk::shim::panic_message(&*p));
             let _ = tx.send(r);
         });
     if let Err(e) = spawned {

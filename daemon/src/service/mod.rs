@@ -960,17 +960,7 @@ impl ModelService {
             media_type: media_type.unwrap_or_else(|| "application/octet-stream".into()),
         };
         match &self.store {
-            Some(store) => store
-                .writer()
-                .apply(crate::store::Op::PutBlob(crate::store::BlobMeta {
-                    id: hash.clone(),
-                    hash,
-                    size: size as u64,
-                    media_type: r.media_type.clone(),
-                    filename: None,
-                    created_us: time::now_us(),
-                }))
-                .map_err(|e| ServiceError::Storage(e.to_string()))?,
+            Some(store) => put_blob_meta(store, &r)?,
             None => {
                 self.plugin_blobs
                     .lock()
@@ -1044,23 +1034,13 @@ impl ModelService {
         // leaves an unreferenced file, never a row without bytes.
         let storage = |e: crate::store::StoreError| ServiceError::Storage(e.to_string());
         let hash = store.put_blob_bytes(&data).map_err(storage)?;
-        let media_type = media_type.unwrap_or_else(|| "application/octet-stream".into());
-        store
-            .writer()
-            .apply(crate::store::Op::PutBlob(crate::store::BlobMeta {
-                id: hash.clone(),
-                hash: hash.clone(),
-                size: data.len() as u64,
-                media_type: media_type.clone(),
-                filename: None,
-                created_us: time::now_us(),
-            }))
-            .map_err(storage)?;
-        Ok(BlobRef {
+        let r = BlobRef {
             blob_id: hash,
             bytes: data.len(),
-            media_type,
-        })
+            media_type: media_type.unwrap_or_else(|| "application/octet-stream".into()),
+        };
+        put_blob_meta(store, &r)?;
+        Ok(r)
     }
 
     /// A blob's bytes; with `model`, only when that model's state references it.
@@ -1101,6 +1081,21 @@ impl ModelService {
             Arc::from(bytes),
         ))
     }
+}
+
+/// The metadata row of a blob whose bytes are already stored.
+fn put_blob_meta(store: &crate::store::Store, r: &BlobRef) -> Result<(), ServiceError> {
+    store
+        .writer()
+        .apply(crate::store::Op::PutBlob(crate::store::BlobMeta {
+            id: r.blob_id.clone(),
+            hash: r.blob_id.clone(),
+            size: r.bytes as u64,
+            media_type: r.media_type.clone(),
+            filename: None,
+            created_us: time::now_us(),
+        }))
+        .map_err(|e| ServiceError::Storage(e.to_string()))
 }
 
 impl Drop for ModelService {

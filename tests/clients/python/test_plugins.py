@@ -24,6 +24,15 @@ def lib(name):
     return str(p)
 
 
+def storage_plugin(tmp_path, durable, library, name):
+    """Arguments loading a storage plugin and the directory it keeps its files in: under
+    `--data-dir` (`<data-dir>/plugins/<name>`), or without one a `dir` given in its config."""
+    if durable:
+        return ["--data-dir", str(tmp_path / "data"), "--plugin", lib(library)], tmp_path / "data" / "plugins" / name
+    where = tmp_path / name
+    return ["--plugin", lib(library), "--plugin-config", f'{name}={{"dir": "{where}"}}'], where
+
+
 def topics_enum(tools):
     g = next(t for t in tools if t.name == "get_domain_guidance")
     return g.input_schema["properties"]["topics"]["items"]["enum"]
@@ -114,12 +123,7 @@ async def test_blobs_go_to_a_loaded_blob_store_plugin(tmp_path, durable):
     import base64
 
     data = bytes(range(256)) * 64  # 16 KiB: a download result is capped at 50,000 characters
-    if durable:
-        args = ["--data-dir", str(tmp_path / "data"), "--plugin", lib("valem_blob_fs")]
-        where = tmp_path / "data" / "plugins" / "blob-fs"
-    else:
-        where = tmp_path / "blobs"
-        args = ["--plugin", lib("valem_blob_fs"), "--plugin-config", f'blob-fs={{"dir": "{where}"}}']
+    args, where = storage_plugin(tmp_path, durable, "valem_blob_fs", "blob-fs")
     async with connect(args=args) as s:
         ref = await s.ok("upload_blob", {"data": base64.b64encode(data).decode(), "mediaType": "application/x-test"})
         stored = where / ref["blobId"][:2] / ref["blobId"][2:]
@@ -137,12 +141,7 @@ async def test_blobs_go_to_a_loaded_blob_store_plugin(tmp_path, durable):
 async def test_an_audit_store_plugin_receives_every_record_and_verify_works_over_it(tmp_path, durable):
     import json
 
-    if durable:
-        args = ["--data-dir", str(tmp_path / "data"), "--plugin", lib("valem_audit_jsonl")]
-        where = tmp_path / "data" / "plugins" / "audit-jsonl"
-    else:
-        where = tmp_path / "audit"
-        args = ["--plugin", lib("valem_audit_jsonl"), "--plugin-config", f'audit-jsonl={{"dir": "{where}"}}']
+    args, where = storage_plugin(tmp_path, durable, "valem_audit_jsonl", "audit-jsonl")
     async with connect(args=args) as s:
         await s.ok("create_model", {"spec": DEMO})
         for i in range(6):
