@@ -10,6 +10,9 @@
 //!   on a temporary directory. A put is fsynced.
 //!
 //! Needs the release plugin libraries (`cargo build --release --workspace`); skipped without them.
+//! A workspace build unifies serde_json's `preserve_order` (which the daemon needs) into every
+//! plugin; a team's plugin, built on its own against `valem-sdk`, does not have it. To measure
+//! that build, run `cargo build --release -p valem-test-plugin-faulty` last.
 
 use std::hint::black_box;
 use std::path::PathBuf;

@@ -115,12 +115,13 @@ impl Buf {
         }
     }
 
-    /// A copy of the bytes of a buffer the other side filled; `None` when it is inconsistent
-    /// (null with a length, or longer than its capacity).
+    /// The bytes of a buffer the other side filled, borrowed until it is freed; `None` when it is
+    /// inconsistent (null with a length, or longer than its capacity).
     ///
     /// # Safety
-    /// A non-null `ptr` must point to `len` initialised bytes (the filler's contract).
-    pub unsafe fn copy(&self) -> Option<Vec<u8>> {
+    /// A non-null `ptr` must point to `len` initialised bytes (the filler's contract), which stay
+    /// valid while the returned slice lives.
+    pub unsafe fn bytes(&self) -> Option<&[u8]> {
         if !self.ptr.is_null() && self.len > self.cap {
             return None;
         }
@@ -132,7 +133,15 @@ impl Buf {
             }
             .bytes()
         }
-        .map(<[u8]>::to_vec)
+    }
+
+    /// A copy of the bytes of a buffer the other side filled; `None` when it is inconsistent.
+    ///
+    /// # Safety
+    /// As [`bytes`](Self::bytes).
+    pub unsafe fn copy(&self) -> Option<Vec<u8>> {
+        // SAFETY: the caller's contract.
+        unsafe { self.bytes() }.map(<[u8]>::to_vec)
     }
 
     /// Take back an allocation made by [`Buf::from_vec`] on this side.

@@ -148,10 +148,11 @@ impl Plugin {
         let req = request(method, params.borrow());
         let t = self.table;
         let (name, m) = (self.name.clone(), method.to_string());
-        let bytes = self
-            .pool
-            .run(move || invoke(t, &name, &m, &req, None), &self.name, method)?;
-        parse_json(&self.name, method, &bytes)
+        self.pool.run(
+            move || invoke(t, &name, &m, &req, None, |b| parse_json(&name, &m, b)),
+            &self.name,
+            method,
+        )
     }
 
     /// Call `method` with raw `data` beside the request; the raw answer (`call_bytes`).
@@ -165,7 +166,7 @@ impl Plugin {
         let t = self.table;
         let (name, m) = (self.name.clone(), method.to_string());
         self.pool.run(
-            move || invoke(t, &name, &m, &req, Some(&data)),
+            move || invoke(t, &name, &m, &req, Some(&data), |b| Ok(b.to_vec())),
             &self.name,
             method,
         )
@@ -178,20 +179,20 @@ impl Plugin {
         method: &str,
         params: impl Borrow<Json>,
     ) -> Result<Json, PluginError> {
-        let bytes = invoke(
+        invoke(
             self.table,
             &self.name,
             method,
             &request(method, params.borrow()),
             None,
-        )?;
-        parse_json(&self.name, method, &bytes)
+            |b| parse_json(&self.name, method, b),
+        )
     }
 }
 
 /// `{"method": …, "params": …}`, written straight into bytes (no intermediate Value).
 fn request(method: &str, params: &Json) -> Vec<u8> {
-    let mut v = Vec::with_capacity(64);
+    let mut v = Vec::with_capacity(256);
     v.extend_from_slice(b"{\"method\":");
     let _ = serde_json::to_writer(&mut v, method);
     v.extend_from_slice(b",\"params\":");
@@ -211,14 +212,16 @@ fn parse_json(plugin: &str, method: &str, bytes: &[u8]) -> Result<Json, PluginEr
     })
 }
 
-/// One call through the table, on this thread.
-fn invoke(
+/// One call through the table, on this thread; `ok` reads a successful answer in place, before
+/// the plugin frees it.
+fn invoke<R>(
     t: Table,
     plugin: &str,
     method: &str,
     req: &[u8],
     data: Option<&[u8]>,
-) -> Result<Vec<u8>, PluginError> {
+    ok: impl FnOnce(&[u8]) -> Result<R, PluginError>,
+) -> Result<R, PluginError> {
     let table = t.0;
     let bad = |detail: &str| PluginError::BadAnswer {
         plugin: plugin.to_string(),
@@ -249,28 +252,19 @@ fn invoke(
             }
         }
     };
-    // SAFETY: the plugin filled `out` per the ABI.
-    let Some(bytes) = (unsafe { out.copy() }) else {
+    // SAFETY: the plugin filled `out` per the ABI; the bytes live until `free` below.
+    let Some(bytes) = (unsafe { out.bytes() }) else {
         // Not a buffer we can hand back safely: leak it rather than free garbage.
         return Err(bad(
             "its answer buffer is inconsistent (null with a length, or len > cap)",
         ));
     };
-    if !out.ptr.is_null() {
-        if let Some(free) = table.free {
-            // SAFETY: the buffer came from this plugin's call and is released once.
-            unsafe { free(table.ctx, out) };
-        }
-    }
-    match status {
-        abi::OK => Ok(bytes),
+    let answer = match status {
+        abi::OK => ok(bytes),
         abi::ERROR => {
-            let (code, message) = match serde_json::from_slice::<valem_sdk::Error>(&bytes) {
+            let (code, message) = match serde_json::from_slice::<valem_sdk::Error>(bytes) {
                 Ok(e) => (e.code, e.message),
-                Err(_) => (
-                    "failed".into(),
-                    String::from_utf8_lossy(&bytes).into_owned(),
-                ),
+                Err(_) => ("failed".into(), String::from_utf8_lossy(bytes).into_owned()),
             };
             Err(PluginError::Failed {
                 plugin: plugin.to_string(),
@@ -282,10 +276,18 @@ fn invoke(
         abi::PANIC => Err(PluginError::Panicked {
             plugin: plugin.to_string(),
             method: method.to_string(),
-            message: String::from_utf8_lossy(&bytes).into_owned(),
+            message: String::from_utf8_lossy(bytes).into_owned(),
         }),
         s => Err(bad(&format!("unknown status {s}"))),
+    };
+    if !out.ptr.is_null() {
+        if let Some(free) = table.free {
+            // SAFETY: the buffer came from this plugin's call and is released once, after its
+            // last use above.
+            unsafe { free(table.ctx, out) };
+        }
     }
+    answer
 }
 
 /// A plugin that could not be loaded, and why.
