@@ -287,6 +287,89 @@ pub fn free_names(ast: &AstNode) -> (BTreeSet<String>, BTreeSet<String>) {
     (vars, calls)
 }
 
+/// Point every built-in call `$from(...)` at `$to(...)` instead, at any depth.
+pub fn rename_calls(node: &mut AstNode, from: &str, to: &str) {
+    let rec = |n: &mut AstNode| rename_calls(n, from, to);
+    match node {
+        AstNode::Function {
+            name,
+            args,
+            is_builtin,
+        } => {
+            if *is_builtin && name == from {
+                *name = to.to_string();
+            }
+            args.iter_mut().for_each(rec);
+        }
+        AstNode::Path { steps } => {
+            for s in steps {
+                for st in &mut s.stages {
+                    if let Stage::Filter(p) = st {
+                        rec(p);
+                    }
+                }
+                rec(&mut s.node);
+            }
+        }
+        AstNode::Binary { lhs, rhs, .. } => {
+            rec(lhs);
+            rec(rhs);
+        }
+        AstNode::Unary { operand, .. } => rec(operand),
+        AstNode::Call { procedure, args } => {
+            rec(procedure);
+            args.iter_mut().for_each(rec);
+        }
+        AstNode::Lambda { body, .. } => rec(body),
+        AstNode::Array(items) | AstNode::Block(items) | AstNode::ArrayGroup(items) => {
+            items.iter_mut().for_each(rec)
+        }
+        AstNode::Object(pairs) => {
+            for (k, v) in pairs {
+                rec(k);
+                rec(v);
+            }
+        }
+        AstNode::ObjectTransform { input, pattern } => {
+            rec(input);
+            for (k, v) in pattern {
+                rec(k);
+                rec(v);
+            }
+        }
+        AstNode::Conditional {
+            condition,
+            then_branch,
+            else_branch,
+        } => {
+            rec(condition);
+            rec(then_branch);
+            if let Some(e) = else_branch {
+                rec(e);
+            }
+        }
+        AstNode::FunctionApplication(inner) => rec(inner),
+        AstNode::Sort { input, terms } => {
+            rec(input);
+            for (t, _) in terms {
+                rec(t);
+            }
+        }
+        AstNode::Transform {
+            location,
+            update,
+            delete,
+        } => {
+            rec(location);
+            rec(update);
+            if let Some(d) = delete {
+                rec(d);
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Names a library definition binds with `:=` at any depth.
 pub fn assigned_names(ast: &AstNode) -> BTreeSet<String> {
     let mut vars = BTreeSet::new();

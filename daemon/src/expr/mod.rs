@@ -142,7 +142,15 @@ pub struct Compiled {
     pub vars: BTreeSet<String>,
     /// Function names it calls as `$name(...)`.
     pub calls: BTreeSet<String>,
+    /// Its `$round(...)` calls go to [`JS_ROUND`] (see [`js_round`]).
+    js_round: bool,
 }
+
+/// The name `$round(...)` calls are renamed to: jsonata-core's own `$round` scales by a power of
+/// ten and treats anything within 1e-10 of .5 as a tie, where jsonata-js (the reference) rounds
+/// half to even on the decimal string; and the JIT must compute what the interpreter does. Both
+/// use `valem_jit::helpers::round`.
+const JS_ROUND: &str = valem_jit::helpers::ROUND_FN;
 
 impl std::fmt::Debug for Compiled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -172,13 +180,18 @@ impl Compiled {
                 position: Some(limits.max_expr_len),
             });
         }
-        let ast = parser::parse(text).map_err(|e| ExprError::compile(text, &e))?;
+        let mut ast = parser::parse(text).map_err(|e| ExprError::compile(text, &e))?;
         let (vars, calls) = deps::free_names(&ast);
+        let js_round = calls.contains("round") && !deps::assigned_names(&ast).contains("round");
+        if js_round {
+            deps::rename_calls(&mut ast, "round", JS_ROUND);
+        }
         Ok(Compiled {
             text: Arc::from(text),
             expression: jsonata_core::Expression::from_ast(ast),
             vars,
             calls,
+            js_round,
         })
     }
 
@@ -188,9 +201,11 @@ impl Compiled {
 
     /// Whether evaluation must bind anything from `env` (and so use the tree-walker).
     fn needs_env(&self, env: &Env) -> bool {
-        self.calls
-            .iter()
-            .any(|c| CLOCK_FNS.contains(&c.as_str()) && env.now_ms.is_some())
+        self.js_round
+            || self
+                .calls
+                .iter()
+                .any(|c| CLOCK_FNS.contains(&c.as_str()) && env.now_ms.is_some())
             || self.vars.iter().any(|v| env.binds(v))
             || self.calls.iter().any(|c| env.binds(c))
     }
@@ -210,6 +225,9 @@ impl Compiled {
                 }
             }
             let mut ev = Evaluator::with_options(ctx, limits.options());
+            if self.js_round {
+                let _ = ev.register_fn(JS_ROUND, js_round);
+            }
             if let Some(now) = env.now_ms {
                 if self.calls.contains("millis") {
                     let _ = ev.register_fn_override("millis", move |_: &[JValue]| {
@@ -232,6 +250,30 @@ impl Compiled {
             Err(e) => Err(ExprError::evaluate(&e)),
         }
     }
+}
+
+/// `$round(x[, precision])` as jsonata-js computes it, for a number and an integer precision;
+/// any other arguments go to jsonata-core's `$round`, whose errors (and undefined) then apply.
+fn js_round(args: &[JValue]) -> Result<JValue, EvaluatorError> {
+    match args {
+        [JValue::Undefined, ..] => return Ok(JValue::Undefined),
+        [JValue::Number(x)] => return Ok(JValue::Number(valem_jit::helpers::round(*x, 0))),
+        [JValue::Number(x), JValue::Number(p)]
+            if p.fract() == 0.0 && p.abs() <= f64::from(i32::MAX) =>
+        {
+            return Ok(JValue::Number(valem_jit::helpers::round(*x, *p as i32)))
+        }
+        _ => {}
+    }
+    let mut call = String::from("$round(");
+    let mut ctx = Context::new();
+    for (i, a) in args.iter().enumerate() {
+        ctx.bind(format!("a{i}"), a.clone());
+        call.push_str(&format!("{}$a{i}", if i > 0 { ", " } else { "" }));
+    }
+    call.push(')');
+    let ast = parser::parse(&call).map_err(|e| EvaluatorError::EvaluationError(e.to_string()))?;
+    Evaluator::with_context(ctx).evaluate(&ast, &JValue::Null)
 }
 
 /// `$now()` pinned to the cycle's instant; with a picture it formats like `$fromMillis`.

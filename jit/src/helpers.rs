@@ -1,0 +1,143 @@
+//! The numeric helpers the interpreter and the JIT share: one definition each, so compiled
+//! code cannot drift from the interpreter. The `extern "C"` wrappers are what generated code
+//! calls.
+
+/// The name the daemon gives `$round` calls in the ASTs it evaluates, bound to [`round`]
+/// (lowering treats it as `$round`).
+pub const ROUND_FN: &str = "__valem_round";
+
+/// JSONata's `$round(x, precision)`: round half to even on the number's *decimal*
+/// representation, as jsonata-js does it. The decimal point is shifted by rewriting the
+/// exponent of the shortest round-trip string (so `2.675` shifted by 2 is exactly `267.5`, not
+/// `267.49999999999997`), the shifted value is rounded with `Math.round` and moved to the even
+/// neighbour on an exact tie, and shifted back the same way. `-0` becomes `0` (JSON has no -0).
+///
+/// `$round(2.675, 2)` is `2.68`, `$round(0.125, 2)` is `0.12`, `$round(-0.5)` is `0`.
+/// A non-finite input gives a non-finite (or NaN) result, which callers treat as an error.
+pub fn round(x: f64, precision: i32) -> f64 {
+    let shifted = if precision != 0 {
+        shift(x, precision)
+    } else {
+        x
+    };
+    let mut r = math_round(shifted);
+    let diff = r - shifted;
+    if diff.abs() == 0.5 && (r % 2.0).abs() == 1.0 {
+        r -= 1.0;
+    }
+    if precision != 0 {
+        r = shift(r, -precision);
+    }
+    if r == 0.0 {
+        0.0
+    } else {
+        r
+    }
+}
+
+/// `+(m + 'e' + (e + by))` where `m`/`e` are the mantissa and exponent of `x.toString()`.
+fn shift(x: f64, by: i32) -> f64 {
+    let mut buf = ryu_js::Buffer::new();
+    let s = buf.format(x);
+    let text = match s.split_once('e') {
+        Some((m, e)) => match e.parse::<i64>() {
+            Ok(e) => format!("{m}e{}", e + i64::from(by)),
+            Err(_) => return f64::NAN,
+        },
+        None => format!("{s}e{by}"),
+    };
+    // JavaScript's `+"NaNe2"` and `+"Infinitye2"` are NaN; Rust's parse refuses them.
+    text.parse::<f64>().unwrap_or(f64::NAN)
+}
+
+/// JavaScript's `Math.round`: the nearest integer, ties towards +∞. `x - floor(x)` is
+/// compared with 0.5, which is exact enough: rounding is monotonic and 0.5 representable, so
+/// the comparison decides as the exact difference would. (The sign of a zero result may differ
+/// from JavaScript's; `round` normalises zeros.)
+fn math_round(x: f64) -> f64 {
+    if !x.is_finite() {
+        return x;
+    }
+    let f = x.floor();
+    if x - f >= 0.5 {
+        f + 1.0
+    } else {
+        f
+    }
+}
+
+/// `a % b`: JavaScript's remainder (the sign of the dividend), which is C's `fmod`.
+pub fn rem(a: f64, b: f64) -> f64 {
+    a % b
+}
+
+/// `$power(base, exponent)`; a non-finite result is D3061 for the caller.
+pub fn power(base: f64, exponent: f64) -> f64 {
+    base.powf(exponent)
+}
+
+pub extern "C" fn round_c(x: f64, precision: i32) -> f64 {
+    round(x, precision)
+}
+
+pub extern "C" fn rem_c(a: f64, b: f64) -> f64 {
+    rem(a, b)
+}
+
+pub extern "C" fn power_c(base: f64, exponent: f64) -> f64 {
+    power(base, exponent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_traps_of_the_issue() {
+        assert_eq!(round(2.675, 2), 2.68);
+        assert_eq!(round(0.125, 2), 0.12);
+        assert_eq!(round(0.375, 2), 0.38);
+        assert_eq!(round(2.5, 0), 2.0);
+        assert_eq!(round(3.5, 0), 4.0);
+        assert_eq!(round(-2.5, 0), -2.0);
+        assert_eq!(round(-3.5, 0), -4.0);
+        assert_eq!(round(1250.0, -2), 1200.0);
+        assert_eq!(round(1350.0, -2), 1400.0);
+        // -0 never comes out.
+        for (x, p) in [
+            (-0.0, 0),
+            (-0.4, 0),
+            (-0.5, 0),
+            (-0.004, 2),
+            (-0.005, 2),
+            (-0.0, 3),
+        ] {
+            let r = round(x, p);
+            assert!(r == 0.0 && r.is_sign_positive(), "{x} -> {r:?}");
+        }
+        // Exponent forms of toString on both sides of the shift.
+        assert_eq!(round(1e21, 2), 1e21);
+        assert_eq!(round(1.5e-7, 7), 2e-7);
+        assert_eq!(round(2.5e-7, 7), 2e-7);
+        assert!(round(f64::INFINITY, 2).is_nan());
+        assert!(round(f64::NAN, 0).is_nan());
+    }
+
+    #[test]
+    fn math_round_matches_javascript() {
+        assert_eq!(math_round(0.49999999999999994), 0.0);
+        assert_eq!(math_round(-0.5), 0.0);
+        assert_eq!(math_round(-1.5), -1.0);
+        assert_eq!(math_round(4503599627370495.5), 4503599627370496.0);
+        assert_eq!(math_round(-4503599627370495.5), -4503599627370495.0);
+        assert_eq!(math_round(9007199254740993.0), 9007199254740992.0);
+    }
+
+    #[test]
+    fn remainder_has_the_sign_of_the_dividend() {
+        assert_eq!(rem(-7.0, 3.0), -1.0);
+        assert_eq!(rem(7.0, -3.0), 1.0);
+        assert!(rem(1.0, 0.0).is_nan());
+        assert_eq!(rem(5.5, 2.0), 1.5);
+    }
+}
