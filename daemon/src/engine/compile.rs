@@ -118,6 +118,8 @@ pub struct Node {
     pub aggregate: Option<Aggregate>,
     /// Where in the spec the node comes from (`derivations[3]`), for messages.
     pub location: String,
+    /// The JIT tier of a derivation (`engine/jit.rs`).
+    pub jit: super::jit::JitCell,
 }
 
 impl Node {
@@ -710,6 +712,11 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     for (id, d) in drafts.into_iter().enumerate() {
         let mut n = d.node;
         n.level = level[id];
+        // A library export named like a built-in (`$abs`) shadows it: not arithmetic then.
+        let eligible = matches!(n.kind, NodeKind::Derivation { .. })
+            && n.aggregate.is_none()
+            && !n.expr.calls.iter().any(|c| env.binds(c));
+        n.jit = super::jit::JitCell::new(eligible, n.concrete.is_none());
         nodes.push(n);
     }
     let max_level = derivation_ids
@@ -826,6 +833,7 @@ fn draft_empty(
             input_paths: Arc::from(Vec::new()),
             aggregate,
             location,
+            jit: super::jit::JitCell::default(),
         },
         reads: Vec::new(),
     }

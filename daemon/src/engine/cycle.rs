@@ -22,6 +22,9 @@ use crate::expr::path::{render, Address, PathSeg};
 use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
 use crate::spec::Policy;
 use crate::value::{Seg, Val};
+use valem_jit::ir::Ty;
+
+use super::jit;
 
 /// Which instances of a node must be recomputed.
 #[derive(Default, Debug)]
@@ -142,6 +145,10 @@ struct Cycle<'a> {
     evaluated: HashSet<NodeId>,
     hits: Vec<(u32, Vec<usize>)>,
     journal: Journal,
+    /// Slot values of a JIT call (reused).
+    jit_slots: Vec<f64>,
+    /// Whether the last `evaluate` was answered by compiled code.
+    jit_hit: bool,
 }
 
 impl<'a> Cycle<'a> {
@@ -177,6 +184,8 @@ impl<'a> Cycle<'a> {
             evaluated: HashSet::default(),
             hits: Vec::new(),
             journal: Journal::default(),
+            jit_slots: Vec::new(),
+            jit_hit: false,
         }
     }
 
@@ -324,7 +333,37 @@ impl<'a> Cycle<'a> {
         }
     }
 
+    /// The JIT tier's answer, when the node's code is ready and every slot holds a number.
+    fn evaluate_jit(&mut self, node: &Node, inst: &[Seg]) -> Option<JValue> {
+        let (nj, code) = node.jit.code(node.expr.ast(), &self.cm.spec.constants)?;
+        let merged = &self.st.merged;
+        let input = match node.input {
+            Input::Doc => Some(merged),
+            Input::Element => merged.get_path(element_prefix(&node.targets[0], inst)),
+            Input::Field => merged.get_path(inst),
+        };
+        // `$parent` as `evaluate` binds it (derivations: the target's JSON parent).
+        let parent = (node.uses_parent && !inst.is_empty())
+            .then(|| merged.get_path(&inst[..inst.len() - 1]))
+            .flatten();
+        if !jit::read_slots(&nj.inputs, input, parent, &mut self.jit_slots) {
+            return None;
+        }
+        let x = code.set.call(code.index, &self.jit_slots)?;
+        Some(match code.ty {
+            Ty::Num => JValue::Number(x),
+            Ty::Bool => JValue::Bool(x != 0.0),
+        })
+    }
+
     fn evaluate(&mut self, node: &Node, inst: &[Seg]) -> Result<Option<JValue>, ExprError> {
+        self.jit_hit = false;
+        if node.jit.eligible {
+            if let Some(v) = self.evaluate_jit(node, inst) {
+                self.jit_hit = true;
+                return Ok(Some(v));
+            }
+        }
         if let (Some(agg), Input::Doc) = (&node.aggregate, node.input) {
             if let Some(v) = aggregate(&self.st.merged, agg) {
                 return Ok(v);
@@ -360,6 +399,7 @@ impl<'a> Cycle<'a> {
             result: if passed.is_some() { Val::Null } else { result },
             constraint_passed: passed,
             error_message: error,
+            jit: self.jit_hit && passed.is_none(),
         });
     }
 
@@ -696,6 +736,7 @@ impl<'a> Cycle<'a> {
                     result: Val::Null,
                     constraint_passed: Some(false),
                     error_message: None,
+                    jit: false,
                 });
             }
             return Err(MutationError::Constraint {

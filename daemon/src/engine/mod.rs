@@ -6,6 +6,7 @@
 pub mod compile;
 mod cycle;
 pub mod graph;
+pub mod jit;
 pub mod schema;
 pub mod testrun;
 pub mod trie;
@@ -115,6 +116,9 @@ pub struct Trace {
     pub constraint_passed: Option<bool>,
     /// The evaluation error, if it failed.
     pub error_message: Option<String>,
+    /// `true` when compiled code computed the value (the JIT tier); absent otherwise.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub jit: bool,
 }
 
 fn serialize_val<S: serde::Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {

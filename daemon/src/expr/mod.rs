@@ -225,9 +225,8 @@ impl Compiled {
                 }
             }
             let mut ev = Evaluator::with_options(ctx, limits.options());
-            if self.js_round {
-                let _ = ev.register_fn(JS_ROUND, js_round);
-            }
+            // Always: a bound library lambda may call `$round` (renamed in its own body).
+            let _ = ev.register_fn(JS_ROUND, js_round);
             if let Some(now) = env.now_ms {
                 if self.calls.contains("millis") {
                     let _ = ev.register_fn_override("millis", move |_: &[JValue]| {

@@ -1,0 +1,339 @@
+//! The JIT tier: arithmetic derivations run as native code once they are hot.
+//!
+//! At model compile, every derivation whose expression lowers to the numeric IR
+//! ([`valem_jit::ir`]) gets a [`NodeJit`]: the input paths its slots read and a shared
+//! [`Slot`], one per distinct program (same IR, same slot layout: `a + b` and `x + y` share one).
+//! After a node has run [`tier_after`] times it asks for code; one compiler thread per process
+//! compiles what is queued into one [`CodeSet`] and publishes it in the slot, so the shard never
+//! waits for cranelift. Until then, and whenever an input is not a JSON number or a value is not
+//! finite, the interpreter answers: the JIT never changes an answer.
+//!
+//! Code is freed when the last node using it goes away: nodes hold their slot, slots hold their
+//! code set, and the registry holds slots weakly.
+//!
+//! `--jit off` / `VALEM_JIT=0` turn the tier off ([`set_enabled`]), checked per evaluation so a
+//! bench can compare both in one process.
+
+use std::cell::{Cell, OnceCell};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use valem_jit::codegen::{CodeSet, Shapes};
+use valem_jit::ir::{self, Base, Program, Ty};
+
+use crate::value::{intern, Seg, Val};
+
+/// Compiled code of one program: its set and its index there.
+#[derive(Debug)]
+pub struct Code {
+    pub set: Arc<CodeSet>,
+    pub index: usize,
+    pub ty: Ty,
+}
+
+/// One distinct program, shared by every node that lowers to it.
+#[derive(Debug)]
+pub struct Slot {
+    program: Program,
+    shapes: Shapes,
+    requested: AtomicBool,
+    /// `None` inside: code generation failed; the interpreter keeps the node.
+    code: OnceLock<Option<Code>>,
+}
+
+impl Slot {
+    pub fn code(&self) -> Option<&Code> {
+        self.code.get().and_then(Option::as_ref)
+    }
+}
+
+/// A lowered derivation: its slots' inputs and its shared program.
+#[derive(Debug)]
+pub struct NodeJit {
+    /// Per slot: where it reads (`$` or `$parent`) and the field path.
+    pub inputs: Vec<(Base, Vec<Seg>)>,
+    pub slot: Arc<Slot>,
+}
+
+impl NodeJit {
+    /// Lower `ast`; `None` when it is not in the arithmetic subset. `batch`: the node has
+    /// `[*]` instances (a batched entry is compiled too).
+    fn lower(
+        ast: &jsonata_core::ast::AstNode,
+        constants: &serde_json::Map<String, serde_json::Value>,
+        batch: bool,
+    ) -> Option<NodeJit> {
+        let program = ir::lower(ast, &|name| constants.get(name).and_then(|c| c.as_f64())).ok()?;
+        let inputs = program
+            .inputs
+            .iter()
+            .map(|r| {
+                (
+                    r.base.clone(),
+                    r.fields.iter().map(|f| Seg::Field(intern(f))).collect(),
+                )
+            })
+            .collect();
+        let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
+        Some(NodeJit {
+            inputs,
+            slot: registry().slot(program, shapes),
+        })
+    }
+}
+
+/// A node's tier state: counts runs, lowers the expression once it is hot (the node's first
+/// [`tier_after`] runs pay nothing but a counter) and asks for its code.
+#[derive(Debug, Default)]
+pub struct JitCell {
+    /// Set at compile: an arithmetic-candidate derivation (no native aggregate, no library
+    /// function shadowing a built-in).
+    pub eligible: bool,
+    /// The node has `[*]` instances.
+    pub batch: bool,
+    runs: Cell<u32>,
+    lowered: OnceCell<Option<NodeJit>>,
+}
+
+impl JitCell {
+    pub fn new(eligible: bool, batch: bool) -> JitCell {
+        JitCell {
+            eligible,
+            batch,
+            ..JitCell::default()
+        }
+    }
+
+    /// The node's lowering and code when the code is ready; otherwise count this run.
+    #[inline]
+    pub fn code(
+        &self,
+        ast: &jsonata_core::ast::AstNode,
+        constants: &serde_json::Map<String, serde_json::Value>,
+    ) -> Option<(&NodeJit, &Code)> {
+        if !self.eligible || !enabled() {
+            return None;
+        }
+        if let Some(lowered) = self.lowered.get() {
+            let nj = lowered.as_ref()?;
+            return nj.slot.code().map(|c| (nj, c));
+        }
+        let runs = self.runs.get();
+        self.runs.set(runs.saturating_add(1));
+        if runs < tier_after() {
+            return None;
+        }
+        let nj = self
+            .lowered
+            .get_or_init(|| NodeJit::lower(ast, constants, self.batch))
+            .as_ref()?;
+        if !nj.slot.requested.swap(true, Ordering::AcqRel) {
+            registry().request(nj.slot.clone());
+        }
+        nj.slot.code().map(|c| (nj, c))
+    }
+
+    /// Whether the expression lowered (after the node got hot).
+    pub fn lowered(&self) -> Option<bool> {
+        self.lowered.get().map(Option::is_some)
+    }
+}
+
+/// Read slot values from `input` (for `Base::Input`) and `parent`: every path must reach a
+/// JSON number through objects, or the interpreter answers (`false`).
+#[inline]
+pub fn read_slots(
+    inputs: &[(Base, Vec<Seg>)],
+    input: Option<&Val>,
+    parent: Option<&Val>,
+    out: &mut Vec<f64>,
+) -> bool {
+    out.clear();
+    for (base, path) in inputs {
+        let root = match base {
+            Base::Input => input,
+            Base::Parent => parent,
+        };
+        match root.and_then(|r| r.get_path(path)) {
+            Some(Val::Num(n)) => out.push(*n),
+            _ => return false,
+        }
+    }
+    true
+}
+
+// --- switches ---------------------------------------------------------------------------------
+
+static ENABLED: AtomicU8 = AtomicU8::new(0); // 0: not read yet, 1: off, 2: on
+static TIER_AFTER: AtomicU32 = AtomicU32::new(u32::MAX);
+
+/// Whether the JIT tier runs: on unless `VALEM_JIT` is `0`/`off`/`false` or [`set_enabled`]
+/// said otherwise.
+#[inline]
+pub fn enabled() -> bool {
+    match ENABLED.load(Ordering::Relaxed) {
+        2 => true,
+        1 => false,
+        _ => {
+            let on = !matches!(
+                std::env::var("VALEM_JIT").as_deref(),
+                Ok("0") | Ok("off") | Ok("false")
+            );
+            ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+pub fn set_enabled(on: bool) {
+    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Runs of a node before its code is requested: `VALEM_JIT_AFTER`, default 2 (0: at once).
+#[inline]
+pub fn tier_after() -> u32 {
+    let t = TIER_AFTER.load(Ordering::Relaxed);
+    if t != u32::MAX {
+        return t;
+    }
+    let t = std::env::var("VALEM_JIT_AFTER")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2)
+        .min(u32::MAX - 1);
+    TIER_AFTER.store(t, Ordering::Relaxed);
+    t
+}
+
+pub fn set_tier_after(runs: u32) {
+    TIER_AFTER.store(runs.min(u32::MAX - 1), Ordering::Relaxed);
+}
+
+/// Wait (at most `timeout`) until every requested program has been compiled. For tests and
+/// benches; the engine never waits.
+pub fn flush(timeout: Duration) -> bool {
+    let end = Instant::now() + timeout;
+    while registry().pending.load(Ordering::Acquire) > 0 {
+        if Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    true
+}
+
+/// Programs compiled so far and bytes of machine code generated (for benches and `/metrics`).
+pub fn stats() -> (usize, usize) {
+    let r = registry();
+    (
+        r.compiled.load(Ordering::Relaxed),
+        r.code_bytes.load(Ordering::Relaxed),
+    )
+}
+
+// --- the registry and the compiler thread --------------------------------------------------------
+
+struct Registry {
+    slots: Mutex<HashMap<(String, bool), Weak<Slot>>>,
+    tx: Mutex<Option<Sender<Arc<Slot>>>>,
+    pending: AtomicUsize,
+    compiled: AtomicUsize,
+    code_bytes: AtomicUsize,
+}
+
+fn registry() -> &'static Registry {
+    static R: OnceLock<Registry> = OnceLock::new();
+    R.get_or_init(|| Registry {
+        slots: Mutex::new(HashMap::new()),
+        tx: Mutex::new(None),
+        pending: AtomicUsize::new(0),
+        compiled: AtomicUsize::new(0),
+        code_bytes: AtomicUsize::new(0),
+    })
+}
+
+/// The most programs compiled into one code set (one module, its pages shared).
+const BATCH: usize = 256;
+
+impl Registry {
+    fn slot(&self, program: Program, shapes: Shapes) -> Arc<Slot> {
+        let key = (program.key(), shapes.batch);
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = slots.get(&key).and_then(Weak::upgrade) {
+            return s;
+        }
+        if slots.len() > 1024 && slots.len().is_power_of_two() {
+            slots.retain(|_, w| w.strong_count() > 0);
+        }
+        let s = Arc::new(Slot {
+            program,
+            shapes,
+            requested: AtomicBool::new(false),
+            code: OnceLock::new(),
+        });
+        slots.insert(key, Arc::downgrade(&s));
+        s
+    }
+
+    fn request(&self, slot: Arc<Slot>) {
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let sender = tx.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::channel();
+            let spawned = std::thread::Builder::new()
+                .name("valem-jit".into())
+                .spawn(move || compiler(rx));
+            if let Err(e) = spawned {
+                tracing::warn!("the JIT compiler thread did not start: {e}");
+            }
+            tx
+        });
+        if let Err(mpsc::SendError(slot)) = sender.send(slot) {
+            // No compiler: the node stays interpreted.
+            let _ = slot.code.set(None);
+            self.pending.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn compiler(rx: Receiver<Arc<Slot>>) {
+    let r = registry();
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(s) => batch.push(s),
+                Err(_) => break,
+            }
+        }
+        let n = batch.len();
+        let programs: Vec<(&Program, Shapes)> =
+            batch.iter().map(|s| (&s.program, s.shapes)).collect();
+        match CodeSet::compile(&programs) {
+            Ok(set) => {
+                r.code_bytes.fetch_add(set.code_bytes(), Ordering::Relaxed);
+                r.compiled.fetch_add(n, Ordering::Relaxed);
+                let set = Arc::new(set);
+                for (index, s) in batch.iter().enumerate() {
+                    let _ = s.code.set(Some(Code {
+                        set: set.clone(),
+                        index,
+                        ty: s.program.ty,
+                    }));
+                }
+            }
+            Err(e) => {
+                tracing::warn!("{e}; {n} derivation(s) stay interpreted");
+                for s in &batch {
+                    let _ = s.code.set(None);
+                }
+            }
+        }
+        drop(programs);
+        drop(batch);
+        r.pending.fetch_sub(n, Ordering::AcqRel);
+    }
+}
