@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
-use valem::engine::{EngineLimits, Model, MutationError};
+use valem::engine::{jit, EngineLimits, Model, MutationError};
 use valem::spec::parse_spec;
 
 /// Building blocks a generated spec picks from: derivations, meta and constraints over fan-out
@@ -165,8 +165,18 @@ fn limits() -> EngineLimits {
     }
 }
 
-/// The state a fresh model computes for `base` in one cycle.
+/// The state a fresh model computes for `base` in one cycle, by the interpreter alone (the
+/// live model runs with the JIT tier on, compiling from the first run).
 fn scratch(spec: &valem::spec::ModelSpec, base: &Value) -> (Value, Map<String, Value>) {
+    // A global switch: other tests of this binary may see it off for a moment, which cannot
+    // change their answers (that is the JIT's contract, checked here).
+    jit::set_enabled(false);
+    let out = scratch_interpreted(spec, base);
+    jit::set_enabled(true);
+    out
+}
+
+fn scratch_interpreted(spec: &valem::spec::ModelSpec, base: &Value) -> (Value, Map<String, Value>) {
     let (mut m, _) = Model::create(spec, NOW, limits()).expect("spec compiles");
     let writes: Vec<(String, Value)> = base
         .as_object()
@@ -191,6 +201,7 @@ proptest! {
         constraint_mask in 0u8..16,
         steps in proptest::collection::vec(step(), 1..16),
     ) {
+        jit::set_tier_after(0);
         let spec = parse_spec(&spec_for(mask, meta_mask, constraint_mask)).unwrap();
         let (mut model, _) = Model::create(&spec, NOW, limits()).unwrap();
         for s in &steps {

@@ -366,3 +366,72 @@ fn the_traps_of_the_issue() {
     let (j, i) = c("$max([-x, x])", json!({"x": 0}));
     assert_eq!(j.map(|x| Out::Bits(x.to_bits())), Some(i));
 }
+
+/// The tier in the engine: after the first run the code is requested, and once it is ready
+/// the traces say the values came from it: scalar derivations, and `[*]` derivations through
+/// the batched entry; a non-number input goes back to the interpreter for that instance only.
+#[test]
+fn the_engine_answers_from_compiled_code_once_it_is_hot() {
+    use valem::engine::{EngineLimits, Model};
+    valem::engine::jit::set_tier_after(0);
+    let spec = valem::spec::parse_spec(&json!({
+        "id": "jit-engine",
+        "schema": {"type": "object"},
+        "derivations": [
+            {"path": "$.total", "expr": "$round(price * qty * 1.075, 2)"},
+            {"path": "$.big", "expr": "total > 30"},
+            {"path": "$.items[*].line", "expr": "$parent.price * $parent.qty"},
+        ]
+    }))
+    .expect("spec");
+    let (mut m, _) = Model::create(&spec, 0, EngineLimits::default()).expect("creates");
+    let items: Vec<Json> = (0..40).map(|i| json!({"price": i, "qty": 2})).collect();
+    m.mutate(
+        &[
+            ("$.price".to_string(), json!(10)),
+            ("$.qty".to_string(), json!(3)),
+            ("$.items".to_string(), json!(items)),
+        ],
+        0,
+    )
+    .expect("initial values");
+    let items_write: Vec<(String, Json)> = (0..40)
+        .map(|i| (format!("$.items[{i}].qty"), json!(3)))
+        .collect();
+    m.mutate(&[("$.price".to_string(), json!(11))], 0)
+        .expect("mutates");
+    m.mutate(&items_write, 0).expect("mutates");
+    assert!(valem::engine::jit::flush(std::time::Duration::from_secs(
+        10
+    )));
+    let mut writes = items_write.clone();
+    for w in &mut writes {
+        w.1 = json!(4);
+    }
+    writes[5].1 = json!("four"); // this instance: the interpreter (T2002 → null)
+    writes.push(("$.price".to_string(), json!(12)));
+    let r = m.mutate(&writes, 0).expect("mutates");
+    let trace = |path: &str| {
+        r.traces
+            .iter()
+            .find(|t| &*t.target_path == path)
+            .unwrap_or_else(|| panic!("no trace of {path}"))
+    };
+    assert!(trace("$.total").jit, "{:?}", trace("$.total"));
+    assert!(trace("$.big").jit);
+    assert!(trace("$.items[0].line").jit);
+    assert!(!trace("$.items[5].line").jit);
+    let doc = m.merged_json(0);
+    assert_eq!(doc["total"], json!(38.7)); // 12 * 3 * 1.075 = 38.7
+    assert_eq!(doc["big"], json!(true));
+    assert_eq!(doc["items"][7]["line"], json!(28));
+    assert_eq!(doc["items"][5]["line"], Json::Null);
+    // With the tier off, the same answers from the interpreter.
+    valem::engine::jit::set_enabled(false);
+    let r = m
+        .mutate(&[("$.qty".to_string(), json!(4))], 0)
+        .expect("mutates");
+    valem::engine::jit::set_enabled(true);
+    assert!(r.traces.iter().all(|t| !t.jit));
+    assert_eq!(m.merged_json(0)["total"], json!(51.6));
+}

@@ -78,6 +78,10 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
+        /// The arithmetic fast path: `on` compiles hot arithmetic derivations to native code
+        /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
+        #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
+        jit: bool,
         #[command(flatten)]
         store: StoreArgs,
         #[command(flatten)]
@@ -114,6 +118,10 @@ pub enum Command {
         /// Embedded mode: most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
+        /// Embedded mode: the arithmetic fast path: `on` compiles hot arithmetic derivations to native code
+        /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
+        #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
+        jit: bool,
     },
     /// Run the daemon: REST, Streamable HTTP MCP at /mcp, WebSocket, /healthz, /metrics.
     ///
@@ -156,6 +164,10 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
+        /// The arithmetic fast path: `on` compiles hot arithmetic derivations to native code
+        /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
+        #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
+        jit: bool,
         #[command(flatten)]
         store: StoreArgs,
         #[command(flatten)]
@@ -177,6 +189,15 @@ pub enum Command {
         /// Print this example's spec.
         name: Option<String>,
     },
+}
+
+/// `on`/`off` (also `1`/`0`, `true`/`false`).
+fn on_off(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "on" | "1" | "true" => Ok(true),
+        "off" | "0" | "false" => Ok(false),
+        _ => Err(format!("expected on or off; got {s:?}")),
+    }
 }
 
 /// A positive, finite number of seconds (at most a day).
@@ -460,9 +481,11 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_message_bytes,
             shards,
             max_models,
+            jit,
             store,
             plugins,
         } => {
+            crate::engine::jit::set_enabled(jit);
             if let Some(url) = url {
                 return Ok(mcp_proxy(&url, api_key, max_message_bytes, &plugins));
             }
@@ -510,7 +533,9 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_line_bytes,
             shards,
             max_models,
+            jit,
         } => {
+            crate::engine::jit::set_enabled(jit);
             let url = url.filter(|u| !u.trim().is_empty());
             let mut backend: Box<dyn crate::console::Backend> = match url {
                 Some(u) => match crate::console::remote::Remote::new(&u, api_key) {
@@ -561,10 +586,12 @@ fn run(cli: Cli) -> Result<i32, String> {
             request_timeout,
             shards,
             max_models,
+            jit,
             store,
             plugins,
             conformance_fixtures,
         } => {
+            crate::engine::jit::set_enabled(jit);
             init_logging();
             let (plugins, guidance) =
                 match load_plugins("serve", &plugins, store.data_dir.as_deref()) {

@@ -483,8 +483,15 @@ impl<'a> Cycle<'a> {
                 None => {
                     let insts = self.instances(id, &node.targets[0]);
                     self.dirty.remove(&id);
-                    for inst in insts {
-                        self.derive_instance(node, &inst, None, again);
+                    let batch = self.evaluate_batch(node, &insts);
+                    for (k, inst) in insts.iter().enumerate() {
+                        match batch.as_ref().and_then(|b| b[k].clone()) {
+                            Some(v) => {
+                                self.jit_hit = true;
+                                self.write_derived(node, inst, None, again, Ok(Some(v)));
+                            }
+                            None => self.derive_instance(node, inst, None, again),
+                        }
                     }
                 }
             }
@@ -494,7 +501,57 @@ impl<'a> Cycle<'a> {
 
     /// Evaluate one instance of a derivation; write and propagate it when it changed.
     fn derive_instance(&mut self, node: &Node, inst: &[Seg], key: Option<&Arc<str>>, again: bool) {
-        let (value, error) = match self.evaluate(node, inst) {
+        let result = self.evaluate(node, inst);
+        self.write_derived(node, inst, key, again, result);
+    }
+
+    /// The JIT's answers for many instances of a `[*]` derivation at once (the batched entry
+    /// over columns): per instance, the value, or `None` where the interpreter must answer.
+    /// `None` overall when the node has no batched code or too few instances for it to pay.
+    fn evaluate_batch(&mut self, node: &Node, insts: &[Vec<Seg>]) -> Option<Vec<Option<JValue>>> {
+        const MIN_ROWS: usize = 16;
+        if insts.len() < MIN_ROWS || !node.jit.eligible || node.input != Input::Doc {
+            return None;
+        }
+        let (nj, code) = node.jit.code(node.expr.ast(), &self.cm.spec.constants)?;
+        let merged = &self.st.merged;
+        let mut cols: Vec<Vec<f64>> = vec![Vec::with_capacity(insts.len()); nj.inputs.len()];
+        let mut guarded = vec![false; insts.len()];
+        for (k, inst) in insts.iter().enumerate() {
+            let parent = (node.uses_parent && !inst.is_empty())
+                .then(|| merged.get_path(&inst[..inst.len() - 1]))
+                .flatten();
+            guarded[k] = jit::read_slots(&nj.inputs, Some(merged), parent, &mut self.jit_slots);
+            for (s, col) in cols.iter_mut().enumerate() {
+                col.push(if guarded[k] { self.jit_slots[s] } else { 0.0 });
+            }
+        }
+        let views: Vec<&[f64]> = cols.iter().map(Vec::as_slice).collect();
+        let mut out = vec![0.0; insts.len()];
+        let mut ok = vec![0u8; insts.len()];
+        code.set.call_batch(code.index, &views, &mut out, &mut ok)?;
+        Some(
+            (0..insts.len())
+                .map(|k| {
+                    (guarded[k] && ok[k] == 1).then(|| match code.ty {
+                        Ty::Num => JValue::Number(out[k]),
+                        Ty::Bool => JValue::Bool(out[k] != 0.0),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// Write one derived value; propagate it when it changed.
+    fn write_derived(
+        &mut self,
+        node: &Node,
+        inst: &[Seg],
+        key: Option<&Arc<str>>,
+        again: bool,
+        result: Result<Option<JValue>, ExprError>,
+    ) {
+        let (value, error) = match result {
             Ok(Some(v)) => (from_jvalue(&v), None),
             Ok(None) => (Val::Null, None),
             Err(e) => (Val::Null, Some(e.message)),
