@@ -81,8 +81,10 @@ async def test_the_example_tool_is_listed_with_its_schema_and_mutates_a_model():
 async def test_faulty_plugins_give_clear_errors_and_everything_else_keeps_working(tmp_path):
     text = tmp_path / "libtext.so"
     text.write_text("not a library")
+    # 5 s, not 1: with RUST_BACKTRACE set (as in CI) the panicking plugin's first backtrace is
+    # symbolised from a debug build before the call returns, which took over a second there.
     args = [
-        "--plugin-timeout", "1",
+        "--plugin-timeout", "5",
         "--plugin", lib("valem_test_plugin_faulty"),
         "--plugin", lib("valem_test_plugin_raw"),
         "--plugin", str(tmp_path / "libmissing.so"),
@@ -98,7 +100,7 @@ async def test_faulty_plugins_give_clear_errors_and_everything_else_keeps_workin
         assert "not JSON" in e, e
         e = await s.fails("faulty__fail")
         assert "on_purpose" in e, e
-        with anyio.fail_after(10):
+        with anyio.fail_after(20):
             e = await s.fails("faulty__hang")
         assert "did not answer" in e, e
         # The same plugin, the other plugins and the daemon still answer.
