@@ -167,7 +167,7 @@ pub fn fanout_mutations(n: usize, count: usize, start: u64) -> Vec<(Vec<Seg>, Va
 
 /// The derived paths a result reports, sorted.
 pub fn derived(r: &MutationResult) -> Vec<String> {
-    let mut d = r.derived_updated.clone();
+    let mut d: Vec<String> = r.derived_updated.iter().map(|d| d.to_string()).collect();
     d.sort();
     d
 }

@@ -120,6 +120,11 @@ pub struct Node {
     pub location: String,
     /// The JIT tier of a derivation (`engine/jit.rs`).
     pub jit: super::jit::JitCell,
+    /// A concrete derivation's readers: what a write of its target dirties, looked up in the
+    /// reader index on the first write and kept (the index never changes after compile).
+    pub write_hits: std::cell::OnceCell<Box<[super::trie::Hit]>>,
+    /// What its traces share (built at the first trace).
+    pub trace_source: std::cell::OnceCell<Arc<super::TraceSource>>,
 }
 
 impl Node {
@@ -834,6 +839,8 @@ fn draft_empty(
             aggregate,
             location,
             jit: super::jit::JitCell::default(),
+            write_hits: std::cell::OnceCell::new(),
+            trace_source: std::cell::OnceCell::new(),
         },
         reads: Vec::new(),
     }

@@ -16,7 +16,7 @@ use super::compile::{
 };
 use super::{
     ConstraintViolation, EffectRequest, EngineLimits, MetaEntry, MutationError, MutationResult,
-    State, Trace,
+    State, Trace, TraceSource,
 };
 use crate::expr::path::{render, Address, PathSeg};
 use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
@@ -235,6 +235,24 @@ impl<'a> Cycle<'a> {
             self.mark(id, b);
         }
         self.hits = hits;
+        self.mark_whole_doc();
+    }
+
+    /// `propagate` for a write of a concrete derivation's own target, from its cached hits.
+    fn propagate_target(&mut self, node: &Node, target: &[Seg]) {
+        let readers = &self.cm.readers;
+        let hits = node.write_hits.get_or_init(|| {
+            let mut hits = Vec::new();
+            readers.hits(target, &mut hits);
+            hits.into_boxed_slice()
+        });
+        for (id, b) in hits.iter() {
+            self.mark(*id, b.clone());
+        }
+        self.mark_whole_doc();
+    }
+
+    fn mark_whole_doc(&mut self) {
         if !self.whole_doc_marked && !self.cm.whole_doc_nodes.is_empty() {
             self.whole_doc_marked = true;
             for i in 0..self.cm.whole_doc_nodes.len() {
@@ -394,8 +412,15 @@ impl<'a> Cycle<'a> {
     ) {
         self.result.traces.push(Trace {
             target_path: target,
-            expression: node.expr.text.clone(),
-            input_paths: node.input_paths.clone(),
+            source: node
+                .trace_source
+                .get_or_init(|| {
+                    Arc::new(TraceSource {
+                        expression: node.expr.text.clone(),
+                        input_paths: node.input_paths.clone(),
+                    })
+                })
+                .clone(),
             result: if passed.is_some() { Val::Null } else { result },
             constraint_passed: passed,
             error_message: error,
@@ -585,9 +610,13 @@ impl<'a> Cycle<'a> {
         if written {
             self.version += 1;
             if !again || !self.result.derived_updated.iter().any(|d| **d == *target) {
-                self.result.derived_updated.push(target.to_string());
+                self.result.derived_updated.push(target.clone());
             }
-            self.propagate(inst);
+            if key.is_some() {
+                self.propagate_target(node, inst);
+            } else {
+                self.propagate(inst);
+            }
         }
         self.trace(node, target, value, None, error);
     }
@@ -788,8 +817,10 @@ impl<'a> Cycle<'a> {
             for v in &rollback {
                 traces.push(Trace {
                     target_path: Arc::from(format!("$constraint:{}", v.constraint_id)),
-                    expression: Arc::from(""),
-                    input_paths: Arc::from(Vec::new()),
+                    source: Arc::new(TraceSource {
+                        expression: Arc::from(""),
+                        input_paths: Arc::from(Vec::new()),
+                    }),
                     result: Val::Null,
                     constraint_passed: Some(false),
                     error_message: None,

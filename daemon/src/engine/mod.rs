@@ -105,9 +105,9 @@ impl State {
 pub struct Trace {
     /// What was computed: a field address, a meta key (`$.path#prop`) or a constraint/effect id.
     pub target_path: Arc<str>,
-    pub expression: Arc<str>,
-    /// The addresses the expression read.
-    pub input_paths: Arc<[String]>,
+    /// The expression and what it reads: one per node, shared by all its traces.
+    #[serde(flatten)]
+    pub source: Arc<TraceSource>,
     /// The value computed (any JSON).
     #[serde(serialize_with = "serialize_val")]
     #[schemars(schema_with = "crate::spec::schema::any_token")]
@@ -119,6 +119,15 @@ pub struct Trace {
     /// `true` when compiled code computed the value (the JIT tier); absent otherwise.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub jit: bool,
+}
+
+/// The part of a trace that is the same for every evaluation of a node.
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TraceSource {
+    pub expression: Arc<str>,
+    /// The addresses the expression read.
+    pub input_paths: Arc<[String]>,
 }
 
 fn serialize_val<S: serde::Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {
@@ -164,8 +173,9 @@ pub struct MutationResult {
     pub success: bool,
     /// The base addresses the mutation wrote.
     pub mutated_paths: Vec<String>,
-    /// The derived addresses whose values changed.
-    pub derived_updated: Vec<String>,
+    /// The derived addresses whose values changed (shared with the traces and the graph keys).
+    #[schemars(with = "Vec<String>")]
+    pub derived_updated: Vec<Arc<str>>,
     /// The meta keys (`$.path#prop`) whose values changed.
     pub meta_updated: Vec<String>,
     /// Violated `flag` constraints (the mutation committed anyway).

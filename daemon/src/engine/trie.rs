@@ -3,9 +3,20 @@
 //! (where derivations write). Arrays are mapped implicitly, as JSONata navigation does: a read of
 //! `$.items.total` matches a write of `$.items[3].total`.
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap as HashMap};
 
 use crate::value::{Key, Seg};
+
+/// A `(node, member name)` lookup key borrowing the name: it hashes exactly as the stored
+/// `(u32, Key)` does (`Arc<str>` hashes as its text), so a lookup clones nothing.
+#[derive(Hash)]
+struct FieldRef<'a>(u32, &'a str);
+
+impl hashbrown::Equivalent<(u32, Key)> for FieldRef<'_> {
+    fn equivalent(&self, k: &(u32, Key)) -> bool {
+        self.0 == k.0 && *self.1 == *k.1
+    }
+}
 
 /// One segment of an indexed pattern.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -67,7 +78,7 @@ impl TNode {
 #[derive(Debug)]
 pub struct Trie {
     nodes: Vec<TNode>,
-    fields: HashMap<(u32, Key), u32>,
+    fields: hashbrown::HashMap<(u32, Key), u32, FxBuildHasher>,
     indices: HashMap<(u32, usize), u32>,
 }
 
@@ -75,7 +86,7 @@ impl Default for Trie {
     fn default() -> Self {
         Trie {
             nodes: vec![TNode::default()],
-            fields: HashMap::default(),
+            fields: hashbrown::HashMap::default(),
             indices: HashMap::default(),
         }
     }
@@ -87,7 +98,7 @@ pub type Hit = (u32, Vec<usize>);
 
 impl Trie {
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
-        self.fields.get(&(t as u32, k.clone())).map(|&c| c as usize)
+        self.fields.get(&FieldRef(t as u32, k)).map(|&c| c as usize)
     }
 
     fn index(&self, t: usize, i: usize) -> Option<usize> {

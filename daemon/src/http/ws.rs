@@ -192,7 +192,8 @@ fn within(path: &str, prefix: &str) -> bool {
 fn touches(r: &MutationResult, prefixes: &[String]) -> bool {
     r.mutated_paths
         .iter()
-        .chain(&r.derived_updated)
+        .map(String::as_str)
+        .chain(r.derived_updated.iter().map(|d| &**d))
         .any(|p| prefixes.iter().any(|x| within(p, x) || within(x, p)))
 }
 
@@ -310,7 +311,7 @@ mod tests {
         assert!(!within("$.ab", "$.a"));
         let r = MutationResult {
             mutated_paths: vec!["$.order".into()],
-            derived_updated: vec!["$.total".into()],
+            derived_updated: vec![Arc::from("$.total")],
             ..Default::default()
         };
         assert!(touches(&r, &["$.order.qty".into()]), "an ancestor write");

@@ -113,7 +113,7 @@ impl AuditTrail {
     pub fn append(&mut self, e: Entry<'_>) -> &AuditRecord {
         let r = e.result;
         let mut paths: Vec<String> = e.mutations.keys().cloned().collect();
-        paths.extend(r.derived_updated.iter().cloned());
+        paths.extend(r.derived_updated.iter().map(|d| d.to_string()));
         paths.extend(r.traces.iter().map(|t| t.target_path.to_string()));
         let mut rec = json!({
             "modelId": e.model_id,
