@@ -522,3 +522,96 @@ fn jsonata_suite() {
         "{passed} cases passed, below the floor of {PASS_FLOOR}"
     );
 }
+
+/// The suite with the JIT on: every case whose expression is in the JIT's arithmetic subset is
+/// also compiled (scalar and batched entries) and run on the case's input; wherever the code
+/// answers (every slot held a number and nothing went non-finite), its answer must be the
+/// suite's expected result, exactly. Elsewhere the engine falls back to the interpreter, which
+/// `jsonata_suite` checks.
+#[test]
+fn jsonata_suite_through_the_jit() {
+    use valem::engine::jit::read_slots;
+    use valem::expr::Compiled;
+    use valem::value::{intern, Seg, Val};
+    use valem_jit::codegen::{CodeSet, Shapes};
+    use valem_jit::ir::{self, Ty};
+
+    let dir = suite_dir();
+    assert!(
+        dir.join("groups").is_dir(),
+        "JSONata test suite not found at {}",
+        dir.display()
+    );
+    let cases = load_cases(&dir);
+    let (mut lowered, mut answered) = (0usize, 0usize);
+    let mut wrong = Vec::new();
+    for case in &cases {
+        let Ok(text) = &case.expr else { continue };
+        let Ok(compiled) = Compiled::compile(text, &Limits::default()) else {
+            continue;
+        };
+        let constant = |name: &str| case.bindings.get(name).and_then(Json::as_f64);
+        let Ok(program) = ir::lower(compiled.ast(), &constant) else {
+            continue;
+        };
+        lowered += 1;
+        let inputs: Vec<_> = program
+            .inputs
+            .iter()
+            .map(|r| {
+                let path: Vec<Seg> = r.fields.iter().map(|f| Seg::Field(intern(f))).collect();
+                (r.base.clone(), path)
+            })
+            .collect();
+        let input = case.input.as_ref().map(Val::from_json);
+        let mut slots = Vec::new();
+        if !read_slots(&inputs, input.as_ref(), None, &mut slots) {
+            continue;
+        }
+        let code = CodeSet::compile(&[(&program, Shapes::BOTH)])
+            .unwrap_or_else(|e| panic!("{}: codegen failed: {e:?}", case.id));
+        let scalar = code.call(0, &slots);
+        let cols: Vec<&[f64]> = slots.iter().map(std::slice::from_ref).collect();
+        let (mut out, mut ok) = ([0.0], [0u8]);
+        code.call_batch(0, &cols, &mut out, &mut ok)
+            .unwrap_or_else(|| panic!("{}: no batched entry", case.id));
+        let batched = (ok[0] == 1).then_some(out[0]);
+        assert_eq!(
+            scalar.map(f64::to_bits),
+            batched.map(f64::to_bits),
+            "{}: scalar and batched entries disagree",
+            case.id
+        );
+        let Some(x) = scalar else { continue };
+        answered += 1;
+        let have = match program.ty {
+            Ty::Num => Json::from(x),
+            Ty::Bool => Json::Bool(x != 0.0),
+        };
+        let good = match &case.expect {
+            Expect::Value(want) => same(want, &have, &mut false),
+            _ => false,
+        };
+        if !good {
+            wrong.push(format!(
+                "{}: `{}` -> {have} by the JIT, the suite expects {}",
+                case.id,
+                clip(text),
+                show_expect(&case.expect)
+            ));
+        }
+    }
+    println!(
+        "JIT over the suite: {lowered} cases in the subset, {answered} answered by compiled code"
+    );
+    assert!(
+        wrong.is_empty(),
+        "the JIT disagrees with the suite:\n{}",
+        wrong.join("\n")
+    );
+    // Not vacuous: a good share of the arithmetic cases run as compiled code.
+    assert!(
+        answered >= 50,
+        "only {answered} suite cases were answered by compiled code"
+    );
+}

@@ -14,17 +14,18 @@
 //! accumulator is not NaN, and otherwise the caller falls back to the interpreter. Only the
 //! taken branch of `?:` runs. `%`, `$power` and `$round` call the shared helpers.
 //!
-//! A [`CodeSet`] owns one cranelift module (the code pages of every function compiled into it)
-//! and frees them when dropped.
+//! A [`CodeSet`] owns the pages of every function compiled into it (through its own memory
+//! provider, [`Pages`]) and unmaps them when dropped; the cranelift module itself is dropped as
+//! soon as the code is final, so a set costs its pages and its entry table, nothing more.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cranelift_codegen::ir::condcodes::FloatCC;
 use cranelift_codegen::ir::{types, AbiParam, InstBuilder, MemFlagsData, SigRef, Signature, Value};
 use cranelift_codegen::isa::OwnedTargetIsa;
 use cranelift_codegen::settings::{self, Configurable};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
-use cranelift_jit::{JITBuilder, JITModule};
+use cranelift_jit::{BranchProtection, JITBuilder, JITMemoryKind, JITMemoryProvider, JITModule};
 use cranelift_module::{default_libcall_names, FuncId, Linkage, Module};
 
 use crate::helpers;
@@ -97,15 +98,111 @@ struct Entry {
 /// Compiled code for a set of programs, freed on drop. `Send`: compile on one thread, run on
 /// another.
 pub struct CodeSet {
-    module: Option<JITModule>,
+    /// Kept for its pages: dropping it unmaps them.
+    _pages: Pages,
     entries: Vec<Entry>,
     code_bytes: usize,
 }
 
-// SAFETY: the module is only touched by `drop` (free_memory); the entries are plain function
-// pointers into its pages, which are immutable once finalised.
+// SAFETY: the entries are plain function pointers into `_pages`, which are immutable once
+// finalised and live as long as the set.
 unsafe impl Send for CodeSet {}
 unsafe impl Sync for CodeSet {}
+
+/// One bump region of pages for one kind of memory.
+#[derive(Default)]
+struct Region {
+    /// Finalised maps (code made executable, read-only data made read-only).
+    done: Vec<memmap2::Mmap>,
+    /// Maps still writable: the current one last.
+    open: Vec<memmap2::MmapMut>,
+    /// Bytes used in the last open map.
+    used: usize,
+}
+
+impl Region {
+    fn allocate(&mut self, size: usize, align: usize) -> std::io::Result<*mut u8> {
+        if let Some(map) = self.open.last_mut() {
+            let at = self.used.next_multiple_of(align.max(1));
+            if at + size <= map.len() {
+                self.used = at + size;
+                // SAFETY: `at + size` is within the map.
+                return Ok(unsafe { map.as_mut_ptr().add(at) });
+            }
+        }
+        // Whole pages (the kernel rounds up further where pages are larger).
+        let mut map = memmap2::MmapMut::map_anon(size.max(1).next_multiple_of(4096))?;
+        let ptr = map.as_mut_ptr();
+        self.open.push(map);
+        self.used = size;
+        Ok(ptr)
+    }
+}
+
+#[derive(Default)]
+struct PagesInner {
+    code: Region,
+    readonly: Region,
+    writable: Region,
+}
+
+/// The memory provider of one [`CodeSet`]: the module allocates through it while compiling,
+/// and the set keeps the pages once the module is dropped (a module's own provider would leak
+/// them unless freed through the module, which would have to be kept alive for that).
+#[derive(Clone, Default)]
+struct Pages(Arc<Mutex<PagesInner>>);
+
+impl Pages {
+    fn with<R>(&self, f: impl FnOnce(&mut PagesInner) -> R) -> R {
+        let mut g = match self.0.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        f(&mut g)
+    }
+}
+
+impl JITMemoryProvider for Pages {
+    fn allocate(
+        &mut self,
+        size: usize,
+        align: u64,
+        kind: JITMemoryKind,
+    ) -> std::io::Result<*mut u8> {
+        let align = usize::try_from(align).map_err(std::io::Error::other)?;
+        self.with(|p| match kind {
+            JITMemoryKind::Executable => p.code.allocate(size, align),
+            JITMemoryKind::ReadOnly => p.readonly.allocate(size, align),
+            JITMemoryKind::Writable => p.writable.allocate(size, align),
+        })
+    }
+
+    unsafe fn free_memory(&mut self) {
+        // The pages go when the CodeSet holding them is dropped.
+    }
+
+    fn finalize(&mut self, _: BranchProtection) -> cranelift_module::ModuleResult<()> {
+        self.with(|p| -> std::io::Result<()> {
+            for map in p.readonly.open.drain(..) {
+                p.readonly.done.push(map.make_read_only()?);
+            }
+            p.readonly.used = 0;
+            for map in p.code.open.drain(..) {
+                // SAFETY: the range is a live map this provider owns.
+                unsafe {
+                    wasmtime_internal_jit_icache_coherence::clear_cache(
+                        map.as_ptr().cast(),
+                        map.len(),
+                    )
+                }?;
+                p.code.done.push(map.make_exec()?);
+            }
+            p.code.used = 0;
+            wasmtime_internal_jit_icache_coherence::pipeline_flush_mt()
+        })
+        .map_err(|e| cranelift_module::ModuleError::Backend(e.into()))
+    }
+}
 
 impl std::fmt::Debug for CodeSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -116,20 +213,13 @@ impl std::fmt::Debug for CodeSet {
     }
 }
 
-impl Drop for CodeSet {
-    fn drop(&mut self) {
-        if let Some(m) = self.module.take() {
-            // SAFETY: no function pointer of this module outlives the CodeSet: `entries` are
-            // private and only called through `&self`.
-            unsafe { m.free_memory() };
-        }
-    }
-}
-
 impl CodeSet {
     /// Compile `programs` into one module.
     pub fn compile(programs: &[(&Program, Shapes)]) -> Result<CodeSet, CodegenError> {
-        let mut module = JITModule::new(JITBuilder::with_isa(isa()?, default_libcall_names()));
+        let pages = Pages::default();
+        let mut builder = JITBuilder::with_isa(isa()?, default_libcall_names());
+        builder.memory_provider(Box::new(pages.clone()));
+        let mut module = JITModule::new(builder);
         let mut ctx = module.make_context();
         let mut fctx = FunctionBuilderContext::new();
         let ptr = module.target_config().pointer_type();
@@ -195,8 +285,10 @@ impl CodeSet {
                 }),
             })
             .collect();
+        // The code is final and relocated: the module's bookkeeping can go; the pages stay.
+        drop(module);
         Ok(CodeSet {
-            module: Some(module),
+            _pages: pages,
             entries,
             code_bytes,
         })
