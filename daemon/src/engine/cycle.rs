@@ -18,7 +18,7 @@ use super::{
     ConstraintViolation, EffectRequest, EngineLimits, MetaEntry, MutationError, MutationResult,
     State, Trace, TraceSource,
 };
-use crate::expr::path::{render, Address, PathSeg};
+use crate::expr::path::{render, render_into, Address, PathSeg};
 use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
 use crate::spec::Policy;
 use crate::value::{Seg, Val};
@@ -149,6 +149,8 @@ struct Cycle<'a> {
     jit_slots: Vec<f64>,
     /// Whether the last `evaluate` was answered by compiled code.
     jit_hit: bool,
+    /// Reused to render instance addresses.
+    render_buf: String,
 }
 
 impl<'a> Cycle<'a> {
@@ -186,6 +188,7 @@ impl<'a> Cycle<'a> {
             journal: Journal::default(),
             jit_slots: Vec::new(),
             jit_hit: false,
+            render_buf: String::new(),
         }
     }
 
@@ -433,7 +436,9 @@ impl<'a> Cycle<'a> {
         if let Some(c) = pattern.concrete() {
             return vec![c];
         }
-        let mut out = BTreeSet::new();
+        // One expansion yields distinct instances in ascending order already; several bound
+        // prefixes may overlap, so their union is sorted and de-duplicated.
+        let mut out = Vec::new();
         let all = dirty.is_none_or(|d| d.all);
         if all {
             expand(
@@ -455,8 +460,12 @@ impl<'a> Cycle<'a> {
                     &mut out,
                 );
             }
+            if d.prefixes.len() > 1 {
+                out.sort_unstable();
+                out.dedup();
+            }
         }
-        out.into_iter().collect()
+        out
     }
 
     // --- phases -----------------------------------------------------------------------------
@@ -513,7 +522,7 @@ impl<'a> Cycle<'a> {
                         match batch.as_ref().and_then(|b| b[k].clone()) {
                             Some(v) => {
                                 self.jit_hit = true;
-                                self.write_derived(node, inst, None, again, Ok(Some(v)));
+                                self.write_value(node, inst, None, again, v, None);
                             }
                             None => self.derive_instance(node, inst, None, again),
                         }
@@ -533,7 +542,7 @@ impl<'a> Cycle<'a> {
     /// The JIT's answers for many instances of a `[*]` derivation at once (the batched entry
     /// over columns): per instance, the value, or `None` where the interpreter must answer.
     /// `None` overall when the node has no batched code or too few instances for it to pay.
-    fn evaluate_batch(&mut self, node: &Node, insts: &[Vec<Seg>]) -> Option<Vec<Option<JValue>>> {
+    fn evaluate_batch(&mut self, node: &Node, insts: &[Vec<Seg>]) -> Option<Vec<Option<Val>>> {
         const MIN_ROWS: usize = 16;
         if insts.len() < MIN_ROWS || !node.jit.eligible || node.input != Input::Doc {
             return None;
@@ -559,8 +568,8 @@ impl<'a> Cycle<'a> {
             (0..insts.len())
                 .map(|k| {
                     (guarded[k] && ok[k] == 1).then(|| match code.ty {
-                        Ty::Num => JValue::Number(out[k]),
-                        Ty::Bool => JValue::Bool(out[k] != 0.0),
+                        Ty::Num => Val::num(out[k]),
+                        Ty::Bool => Val::Bool(out[k] != 0.0),
                     })
                 })
                 .collect(),
@@ -581,18 +590,41 @@ impl<'a> Cycle<'a> {
             Ok(None) => (Val::Null, None),
             Err(e) => (Val::Null, Some(e.message)),
         };
+        self.write_value(node, inst, key, again, value, error);
+    }
+
+    /// `write_derived` of a value already converted.
+    fn write_value(
+        &mut self,
+        node: &Node,
+        inst: &[Seg],
+        key: Option<&Arc<str>>,
+        again: bool,
+        value: Val,
+        error: Option<String>,
+    ) {
         let target: Arc<str> = match key {
             Some(k) => k.clone(),
-            None => Arc::from(render(inst)),
+            None => {
+                render_into(inst, &mut self.render_buf);
+                Arc::from(self.render_buf.as_str())
+            }
         };
         let written = if let ([Seg::Field(k)], Val::Obj(m)) = (inst, &mut self.st.merged) {
-            // A top-level derived member: one lookup replaces it and yields the old value.
-            let old = m.insert(k.clone(), value.clone());
-            let changed = old.as_ref() != Some(&value);
-            if changed {
-                self.journal.merged.push((Some(k.clone()), old));
+            // A top-level derived member: one lookup finds it, compares and replaces it.
+            match m.get_mut(k) {
+                Some(slot) if *slot == value => false,
+                Some(slot) => {
+                    let old = std::mem::replace(slot, value.clone());
+                    self.journal.merged.push((Some(k.clone()), Some(old)));
+                    true
+                }
+                None => {
+                    m.insert(k.clone(), value.clone());
+                    self.journal.merged.push((Some(k.clone()), None));
+                    true
+                }
             }
-            changed
         } else {
             let changed = self.st.merged.get_path(inst) != Some(&value);
             if changed {
@@ -931,10 +963,10 @@ fn expand(
     bind: Option<&[usize]>,
     wi: usize,
     cur: &mut Vec<Seg>,
-    out: &mut BTreeSet<Vec<Seg>>,
+    out: &mut Vec<Vec<Seg>>,
 ) {
     let Some((first, rest)) = segs.split_first() else {
-        out.insert(cur.clone());
+        out.push(cur.clone());
         return;
     };
     match first {

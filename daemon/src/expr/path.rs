@@ -165,18 +165,25 @@ fn seg_matches(a: &PathSeg, b: &PathSeg) -> bool {
 
 /// Render a concrete path canonically.
 pub fn render(segs: &[Seg]) -> String {
-    let mut s = String::from("$");
+    let mut s = String::new();
+    render_into(segs, &mut s);
+    s
+}
+
+/// `render` into `s` (cleared first), allocating only when `s` must grow.
+pub fn render_into(segs: &[Seg], s: &mut String) {
+    use std::fmt::Write as _;
+    s.clear();
+    s.push('$');
     for seg in segs {
         match seg {
-            Seg::Field(k) => push_field(&mut s, k),
+            Seg::Field(k) => push_field(s, k),
             Seg::Index(i) => {
-                s.push('[');
-                s.push_str(&i.to_string());
-                s.push(']');
+                // Writing to a String cannot fail.
+                let _ = write!(s, "[{i}]");
             }
         }
     }
-    s
 }
 
 fn push_field(s: &mut String, k: &str) {
