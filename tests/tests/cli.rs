@@ -244,3 +244,165 @@ fn every_bundled_example_validates_and_passes_its_tests() {
         names.len()
     );
 }
+
+/// `valem bench --json`'s object, after checking the fields every report has.
+fn bench_json(args: &[&str]) -> Value {
+    let mut full = vec!["bench", "--json"];
+    full.extend_from_slice(args);
+    let o = run(&full, None);
+    assert!(o.status.success(), "valem {full:?}: {}", stderr(&o));
+    let r: Value = serde_json::from_str(stdout(&o).trim())
+        .unwrap_or_else(|e| panic!("valem {full:?}: not one JSON object ({e}): {}", stdout(&o)));
+    for k in [
+        "shape",
+        "n",
+        "nodes",
+        "jit",
+        "compile_ms",
+        "first_cycle_ms",
+        "mutations",
+        "rejected",
+        "p50_us",
+        "p90_us",
+        "p99_us",
+        "max_us",
+        "mean_us",
+        "mutations_per_s",
+        "recomputed_per_mutation",
+        "derived_updated_per_mutation",
+        "rss_mb",
+        "peak_rss_mb",
+    ] {
+        assert!(r.get(k).is_some(), "{full:?}: no `{k}` in {r}");
+    }
+    let (p50, p90, p99, max) = (
+        r["p50_us"].as_f64().unwrap(),
+        r["p90_us"].as_f64().unwrap(),
+        r["p99_us"].as_f64().unwrap(),
+        r["max_us"].as_f64().unwrap(),
+    );
+    assert!(0.0 < p50 && p50 <= p90 && p90 <= p99 && p99 <= max, "{r}");
+    assert!(r["rss_mb"].as_f64().unwrap() > 1.0, "{r}");
+    r
+}
+
+#[test]
+fn bench_shapes_report_what_each_mutation_recomputes() {
+    let r = bench_json(&["--shape", "fanout", "--n", "500", "--count", "50"]);
+    assert_eq!(
+        (r["shape"].as_str(), r["n"].as_u64()),
+        (Some("fanout"), Some(500))
+    );
+    assert_eq!(r["mutations"], 50);
+    assert_eq!(r["nodes"], 500);
+    // One price written: its one total, nothing else.
+    assert_eq!(r["recomputed_per_mutation"], 1.0);
+    assert_eq!(r["derived_updated_per_mutation"], 1.0);
+
+    let r = bench_json(&[
+        "--shape", "chain", "--n", "300", "--count", "20", "--jit", "off",
+    ]);
+    assert_eq!(r["jit"], false);
+    assert_eq!(
+        r["recomputed_per_mutation"], 300.0,
+        "a seed write recomputes the chain"
+    );
+
+    let r = bench_json(&["--shape", "items", "--n", "200", "--count", "30"]);
+    // One qty written: that item's total and the sum.
+    assert_eq!(r["derived_updated_per_mutation"], 2.0, "{r}");
+
+    let r = bench_json(&["--shape", "mixed", "--n", "100", "--count", "60"]);
+    assert!(
+        r["rejected"].as_u64().unwrap() > 0,
+        "the discount cap rolls some back: {r}"
+    );
+    assert!(r["rejected"].as_u64().unwrap() < 60, "{r}");
+
+    // The table: one line per measurement.
+    let o = run(
+        &["bench", "--shape", "chain", "--n", "50", "--count", "5"],
+        None,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let t = stdout(&o);
+    for label in ["compile", "first cycle", "latency", "recomputed", "memory"] {
+        assert!(
+            t.lines().any(|l| l.starts_with(label)),
+            "no `{label}` line in\n{t}"
+        );
+    }
+    // Not a terminal: no progress bar on stderr.
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+}
+
+#[test]
+fn bench_runs_every_bundled_example_and_a_mutations_file() {
+    let listed = stdout(&run(&["examples"], None));
+    for name in listed.lines().filter(|l| !l.trim().is_empty()) {
+        let spec = format!("example:{name}");
+        let r = bench_json(&["--spec", &spec, "--count", "40"]);
+        assert_eq!(r["shape"], "spec");
+        assert_eq!(r["spec"], spec.as_str());
+        assert_eq!(r["mutations"], 40, "{name}: {r}");
+        assert!(
+            r["rejected"].as_u64().unwrap() < 40,
+            "{name}: every generated write was refused: {r}"
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(
+        &dir,
+        "m.json",
+        r#"[{"$.price": 3, "$.qty": 4}, {"$.qty": 5}]"#,
+    );
+    let r = bench_json(&["--spec", "example:demo", "--mutations", &m, "--count", "4"]);
+    assert_eq!(r["mutations"], 4);
+    assert_eq!(r["rejected"], 0);
+    // 3*4, then 3*5, then 3*4 again...: every cycle changes the total.
+    assert_eq!(r["derived_updated_per_mutation"], 1.0, "{r}");
+}
+
+#[test]
+fn bench_bad_input_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--n".into(), "0".into()], "--n must be at least 1"),
+        (
+            vec!["--spec".into(), "example:nope".into()],
+            "no bundled example `nope`",
+        ),
+        (
+            vec![
+                "--spec".into(),
+                "example:demo".into(),
+                "--mutations".into(),
+                write(&dir, "bad.json", r#"{"$.price": 1}"#),
+            ],
+            "expected a JSON array",
+        ),
+        (
+            vec![
+                "--spec".into(),
+                "example:demo".into(),
+                "--mutations".into(),
+                write(&dir, "bad2.json", "[{\"$.price\": 1}, 7]"),
+            ],
+            "[1] is not a non-empty object",
+        ),
+        (
+            vec!["--max-seconds=0".into()],
+            "--max-seconds must be a positive",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut full = vec!["bench"];
+        full.extend(args.iter().map(String::as_str));
+        let o = run(&full, None);
+        assert_eq!(o.status.code(), Some(1), "{full:?}");
+        assert!(stderr(&o).contains(want), "{full:?}: {}", stderr(&o));
+    }
+    // --mutations without --spec is a usage error.
+    let o = run(&["bench", "--mutations", "x.json"], None);
+    assert_eq!(o.status.code(), Some(2));
+}

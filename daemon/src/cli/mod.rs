@@ -184,6 +184,45 @@ pub enum Command {
         #[command(subcommand)]
         action: PluginsAction,
     },
+    /// Measure a model in-process (the engine alone, no transport or store): compile time, the
+    /// first cycle, per-mutation latency percentiles, mutations/s, evaluations per mutation and
+    /// resident memory.
+    ///
+    /// A synthetic shape (`--shape fanout|chain|items|mixed --n N`), or your own spec (`--spec
+    /// FILE`, seeded with its first test's `given`) with random writes to its writable number,
+    /// integer, boolean and string fields within their schema bounds, or the mutations of
+    /// `--mutations FILE`. Prints a table, or with `--json` one JSON object (see docs/bench.md).
+    /// Mutations stop at `--count` or after `--max-seconds`, whichever comes first.
+    Bench {
+        /// The synthetic shape (ignored with --spec).
+        #[arg(long, value_enum, default_value = "fanout")]
+        shape: crate::bench::Shape,
+        /// The shape's size: derivations (fanout, chain) or items (items, mixed).
+        #[arg(long, default_value_t = 10_000)]
+        n: usize,
+        /// Benchmark this spec instead (a file, `-`, or `example:<name>`).
+        #[arg(long, value_name = "FILE")]
+        spec: Option<String>,
+        /// With --spec: a JSON array of mutation objects `{"$.path": value, ...}`, applied one
+        /// per cycle in order (cycled), instead of generated writes.
+        #[arg(long, value_name = "FILE", requires = "spec")]
+        mutations: Option<String>,
+        /// Most mutations to time.
+        #[arg(long, default_value_t = 1_000)]
+        count: usize,
+        /// Stop timing mutations after this many seconds (at least one runs).
+        #[arg(long, default_value_t = 10.0)]
+        max_seconds: f64,
+        /// The arithmetic fast path for the run: on or off.
+        #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
+        jit: bool,
+        /// Seed of the mutation generator.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// List the bundled example specs, or print one.
     Examples {
         /// Print this example's spec.
@@ -324,6 +363,24 @@ fn load_spec(arg: &str) -> Result<(Json, ModelSpec), String> {
     Ok((json, spec))
 }
 
+/// `--mutations FILE` of `valem bench`: a JSON array of `{"$.path": value}` objects.
+fn parse_mutation_list(arg: &str) -> Result<Vec<Vec<(String, Json)>>, String> {
+    let v = parse_json(&read_arg(arg)?, arg)?;
+    let Json::Array(items) = v else {
+        return Err(format!("{arg}: expected a JSON array of mutation objects"));
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| match m {
+            Json::Object(o) if !o.is_empty() => Ok(o.into_iter().collect()),
+            _ => Err(format!(
+                "{arg}: [{i}] is not a non-empty object of {{\"$.path\": value}}"
+            )),
+        })
+        .collect()
+}
+
 fn print_json(v: &Json) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
@@ -353,6 +410,67 @@ fn print_report(r: &Report) {
 fn run(cli: Cli) -> Result<i32, String> {
     let limits = EngineLimits::default();
     match cli.command {
+        Command::Bench {
+            shape,
+            n,
+            spec,
+            mutations,
+            count,
+            max_seconds,
+            jit,
+            seed,
+            json,
+        } => {
+            if !(max_seconds > 0.0 && max_seconds.is_finite()) {
+                return Err(format!(
+                    "--max-seconds must be a positive number; got {max_seconds}"
+                ));
+            }
+            let workload = match spec {
+                Some(file) => {
+                    let (_, parsed) = load_spec(&file)?;
+                    let mutations = match mutations {
+                        Some(m) => Some(parse_mutation_list(&m)?),
+                        None => None,
+                    };
+                    crate::bench::Workload::Spec {
+                        name: file,
+                        spec: Box::new(parsed),
+                        mutations,
+                    }
+                }
+                None => crate::bench::Workload::Shape(shape, n),
+            };
+            let opts = crate::bench::Options {
+                workload,
+                mutations: count,
+                max_time: std::time::Duration::from_secs_f64(max_seconds),
+                jit,
+                seed,
+            };
+            let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            let mut progress = |done: usize, of: usize| {
+                if tty {
+                    let w = 30;
+                    let filled = (done * w).checked_div(of.max(1)).unwrap_or(0).min(w);
+                    eprint!(
+                        "\r[{}{}] {done}/{of} mutations",
+                        "#".repeat(filled),
+                        ".".repeat(w - filled)
+                    );
+                    if done >= of {
+                        eprintln!();
+                    }
+                }
+            };
+            let report = crate::bench::run(&opts, &mut progress)?;
+            if json {
+                println!("{}", serde_json::to_string(&report).unwrap_or_default());
+            } else {
+                print!("{}", crate::bench::table(&report));
+            }
+            Ok(0)
+        }
         Command::Spec { action } => match action {
             SpecAction::Validate { file, json } => {
                 let text = read_arg(&file)?;

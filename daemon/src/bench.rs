@@ -1,0 +1,668 @@
+//! `valem bench`: measure a model in-process, through the engine alone (no transport, no store).
+//!
+//! A run builds one model — a synthetic shape (`fanout`, `chain`, `items`, `mixed`) of size `n`,
+//! or a user's spec seeded from its first test's `given` — times its compilation and its first
+//! cycle (the initial data in one mutation), then applies mutations one cycle each, timing every
+//! one, until the count or the time budget runs out. [`Report`] is what it prints; its JSON form
+//! (`--json`) is documented field by field below and in `docs/bench.md`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::{json, Map, Value as Json};
+
+use crate::engine::{jit, EngineLimits, Model};
+use crate::expr::path::Address;
+use crate::spec::{parse_spec, ModelSpec};
+use crate::value::Seg;
+
+/// The clock every cycle of a run sees.
+const NOW_MS: i64 = 1_700_000_000_000;
+
+/// The synthetic shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Shape {
+    /// `total_i = price_i * qty_i` for i < n; a mutation writes one `price_k`.
+    Fanout,
+    /// `f_0 = seed + 1`, `f_i = f_{i-1} + 1`; a mutation writes `seed` (all n recompute).
+    Chain,
+    /// n items, `items[*].total = $parent.price * $parent.qty`, `sum = $sum(items.total)`; a
+    /// mutation writes one item's `qty`.
+    Items,
+    /// `items` plus a tax, a grand total, a meta-derivation per item and two constraints (one
+    /// rollback, one flag); a mutation writes one item's `qty` or `discount`.
+    Mixed,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub workload: Workload,
+    /// Most timed mutations.
+    pub mutations: usize,
+    /// Stop timing mutations after this long (at least one always runs).
+    pub max_time: Duration,
+    pub jit: bool,
+    pub seed: u64,
+}
+
+#[derive(Clone, Debug)]
+pub enum Workload {
+    Shape(Shape, usize),
+    /// A spec with its name (the file argument); mutations from the file, else generated.
+    Spec {
+        name: String,
+        spec: Box<ModelSpec>,
+        mutations: Option<Vec<Vec<(String, Json)>>>,
+    },
+}
+
+/// The measurements of one run (`--json` prints exactly this object).
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// `fanout`, `chain`, `items`, `mixed`, or `spec`.
+    pub shape: String,
+    /// The spec's file argument (`spec` runs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spec: Option<String>,
+    /// The size parameter (`spec` runs: the number of derivations).
+    pub n: usize,
+    /// Graph nodes: derivations, meta-derivations, constraints, effects.
+    pub nodes: usize,
+    pub jit: bool,
+    /// Compiling the spec into its graph, in ms.
+    pub compile_ms: f64,
+    /// The first cycle: creating the model and applying the initial data in one mutation.
+    pub first_cycle_ms: f64,
+    /// Timed mutations (each one cycle).
+    pub mutations: usize,
+    /// Of those, refused by the schema or rolled back by a constraint (still timed).
+    pub rejected: usize,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+    pub mean_us: f64,
+    pub mutations_per_s: f64,
+    /// Mean evaluations per committed mutation (derivations, meta, constraints run).
+    pub recomputed_per_mutation: f64,
+    /// Mean derived values changed per committed mutation.
+    pub derived_updated_per_mutation: f64,
+    /// Resident memory after the run, MB (peak in `peak_rss_mb`).
+    pub rss_mb: f64,
+    pub peak_rss_mb: f64,
+}
+
+/// Run one benchmark. Errors are messages for the command line.
+pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Report, String> {
+    jit::set_enabled(opts.jit);
+    let limits = EngineLimits {
+        max_mutations: usize::MAX,
+        ..EngineLimits::default()
+    };
+    let (shape, name, n, spec, seed_data) = match &opts.workload {
+        Workload::Shape(s, n) => {
+            let (spec, data) = shape_spec(*s, *n)?;
+            (format!("{s:?}").to_lowercase(), None, *n, spec, data)
+        }
+        Workload::Spec { name, spec, .. } => {
+            let data = spec
+                .tests
+                .first()
+                .map(|t| {
+                    t.given
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let n = spec.derivations.len();
+            ("spec".into(), Some(name.clone()), n, (**spec).clone(), data)
+        }
+    };
+    let spec = Arc::new(spec);
+
+    let t = Instant::now();
+    let compiled = crate::engine::compile::compile(spec.clone(), &crate::expr::Limits::default())
+        .map_err(|errs| {
+        let first = errs
+            .first()
+            .map_or(String::new(), |e| format!("{}: {}", e.location, e.message));
+        format!("the spec does not compile: {first}")
+    })?;
+    let compile_ms = ms(t.elapsed());
+    let nodes = compiled.nodes.len();
+
+    let t = Instant::now();
+    let (mut model, _) = Model::from_compiled(std::rc::Rc::new(compiled), NOW_MS, limits)
+        .map_err(|e| format!("the model cannot be created: {e}"))?;
+    if !seed_data.is_empty() {
+        model
+            .mutate(&seed_data, NOW_MS)
+            .map_err(|e| format!("the initial data does not apply: {e}"))?;
+    }
+    let first_cycle_ms = ms(t.elapsed());
+
+    let mut gen = Mutations::new(&opts.workload, &model, opts.seed)?;
+    let mut times = Vec::with_capacity(opts.mutations.min(1 << 20));
+    let (mut rejected, mut evaluated, mut updated, mut committed) =
+        (0usize, 0usize, 0usize, 0usize);
+    let started = Instant::now();
+    while times.len() < opts.mutations.max(1)
+        && (times.is_empty() || started.elapsed() < opts.max_time)
+    {
+        let batch = gen.next(&model);
+        let t = Instant::now();
+        let r = model.mutate(&batch, NOW_MS);
+        times.push(t.elapsed());
+        match r {
+            Ok(r) => {
+                committed += 1;
+                evaluated += r.traces.len();
+                updated += r.derived_updated.len();
+            }
+            Err(_) => rejected += 1,
+        }
+        if times.len() % 64 == 0 {
+            progress(times.len(), opts.mutations);
+        }
+    }
+    let total = started.elapsed();
+    progress(times.len(), times.len());
+    times.sort_unstable();
+    let pct = |p: f64| {
+        let i = ((times.len() as f64 * p).ceil() as usize).clamp(1, times.len()) - 1;
+        us(times[i])
+    };
+    let sum: Duration = times.iter().sum();
+    let (rss, peak) = rss_mb();
+    let per = |x: usize| {
+        if committed == 0 {
+            0.0
+        } else {
+            x as f64 / committed as f64
+        }
+    };
+    Ok(Report {
+        shape,
+        spec: name,
+        n,
+        nodes,
+        jit: opts.jit,
+        compile_ms,
+        first_cycle_ms,
+        mutations: times.len(),
+        rejected,
+        p50_us: pct(0.50),
+        p90_us: pct(0.90),
+        p99_us: pct(0.99),
+        max_us: times.last().map_or(0.0, |d| us(*d)),
+        mean_us: us(sum) / times.len() as f64,
+        mutations_per_s: times.len() as f64 / total.as_secs_f64().max(1e-9),
+        recomputed_per_mutation: per(evaluated),
+        derived_updated_per_mutation: per(updated),
+        rss_mb: rss,
+        peak_rss_mb: peak,
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// Resident memory in MB from /proc/self/status: (VmRSS, VmHWM); NaN where unavailable.
+fn rss_mb() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| -> f64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(f64::NAN, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+// --- shapes ------------------------------------------------------------------------------------
+
+/// A shape's spec and its initial data (one mutation).
+pub fn shape_spec(shape: Shape, n: usize) -> Result<(ModelSpec, Vec<(String, Json)>), String> {
+    if n == 0 {
+        return Err("--n must be at least 1".into());
+    }
+    let mut data = Vec::new();
+    let spec = match shape {
+        Shape::Fanout => {
+            for i in 0..n {
+                data.push((format!("$.price_{i}"), json!(i + 1)));
+                data.push((format!("$.qty_{i}"), json!(2)));
+            }
+            json!({
+                "id": "fanout",
+                "schema": {"type": "object"},
+                "derivations": (0..n)
+                    .map(|i| json!({"path": format!("$.total_{i}"), "expr": format!("price_{i} * qty_{i}")}))
+                    .collect::<Vec<_>>(),
+            })
+        }
+        Shape::Chain => {
+            data.push(("$.seed".into(), json!(0)));
+            json!({
+                "id": "chain",
+                "schema": {"type": "object"},
+                "derivations": (0..n)
+                    .map(|i| {
+                        let expr = if i == 0 { "seed + 1".to_string() } else { format!("f_{} + 1", i - 1) };
+                        json!({"path": format!("$.f_{i}"), "expr": expr})
+                    })
+                    .collect::<Vec<_>>(),
+            })
+        }
+        Shape::Items | Shape::Mixed => {
+            let items: Vec<Json> = (0..n)
+                .map(|i| json!({"price": (i % 97) + 1, "qty": 2, "discount": 0}))
+                .collect();
+            data.push(("$.items".into(), Json::Array(items)));
+            let mut spec = json!({
+                "id": if shape == Shape::Items { "items" } else { "mixed" },
+                "schema": {"type": "object"},
+                "derivations": [
+                    {"path": "$.items[*].total", "expr": "$parent.price * $parent.qty"},
+                    {"path": "$.sum", "expr": "$sum(items.total)"}
+                ],
+            });
+            if shape == Shape::Mixed {
+                spec = json!({
+                    "id": "mixed",
+                    "schema": {"type": "object", "properties": {"items": {"type": "array", "items": {
+                        "type": "object",
+                        "properties": {
+                            "price": {"type": "number", "minimum": 0},
+                            "qty": {"type": "integer", "minimum": 0},
+                            "discount": {"type": "number", "minimum": 0, "maximum": 1}
+                        }
+                    }}}},
+                    "constants": {"taxRate": 0.2, "maxDiscount": 0.5},
+                    "derivations": [
+                        {"path": "$.items[*].total", "expr": "$parent.price * $parent.qty * (1 - $parent.discount)"},
+                        {"path": "$.sum", "expr": "$sum(items.total)"},
+                        {"path": "$.tax", "expr": "$round(sum * $const.taxRate, 2)"},
+                        {"path": "$.grand", "expr": "sum + tax"}
+                    ],
+                    "metaDerivations": [
+                        {"path": "$.items[*].discount", "property": "readOnly", "expr": "qty = 0"}
+                    ],
+                    "constraints": [
+                        {"id": "discount-cap", "path": "$.items[*]", "expr": "discount <= $const.maxDiscount",
+                         "message": "discount above the cap", "policy": "rollback"},
+                        {"id": "big-order", "expr": "grand < 1000000000", "message": "very large order", "policy": "flag"}
+                    ]
+                });
+            }
+            spec
+        }
+    };
+    let spec = parse_spec(&spec).map_err(|e| format!("{}: {}", e.location(), e.message()))?;
+    Ok((spec, data))
+}
+
+// --- mutations ---------------------------------------------------------------------------------
+
+/// A writable leaf the generator may write, with what values it accepts.
+#[derive(Clone, Debug)]
+struct Field {
+    addr: String,
+    kind: Kind,
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    Number { min: f64, max: f64, integer: bool },
+    Bool,
+    Enum(Vec<Json>),
+    Text { max_len: usize },
+}
+
+enum Mutations {
+    Shape {
+        shape: Shape,
+        n: usize,
+        counter: u64,
+        rng: Rng,
+    },
+    File {
+        list: Vec<Vec<(String, Json)>>,
+        i: usize,
+    },
+    Fields {
+        fields: Vec<Field>,
+        rng: Rng,
+    },
+}
+
+impl Mutations {
+    fn new(w: &Workload, model: &Model, seed: u64) -> Result<Mutations, String> {
+        Ok(match w {
+            Workload::Shape(shape, n) => Mutations::Shape {
+                shape: *shape,
+                n: *n,
+                counter: 1_000,
+                rng: Rng::new(seed),
+            },
+            Workload::Spec {
+                mutations: Some(list),
+                ..
+            } => {
+                if list.is_empty() {
+                    return Err("the mutations file holds no mutation".into());
+                }
+                Mutations::File {
+                    list: list.clone(),
+                    i: 0,
+                }
+            }
+            Workload::Spec { spec, name, .. } => {
+                let fields = writable_fields(spec, model);
+                if fields.is_empty() {
+                    return Err(format!(
+                        "{name}: no writable number, integer, boolean or string field found in the \
+                         schema or the first test's data; give the mutations with --mutations FILE"
+                    ));
+                }
+                Mutations::Fields {
+                    fields,
+                    rng: Rng::new(seed),
+                }
+            }
+        })
+    }
+
+    fn next(&mut self, _model: &Model) -> Vec<(String, Json)> {
+        match self {
+            Mutations::Shape {
+                shape,
+                n,
+                counter,
+                rng,
+            } => {
+                *counter += 1;
+                let k = rng.below(*n);
+                match shape {
+                    Shape::Fanout => vec![(format!("$.price_{k}"), json!(*counter))],
+                    Shape::Chain => vec![("$.seed".into(), json!(*counter))],
+                    // Values only grow: every write changes its item (no early cutoff).
+                    Shape::Items => vec![(format!("$.items[{k}].qty"), json!(*counter))],
+                    Shape::Mixed => {
+                        if *counter % 2 == 0 {
+                            vec![(format!("$.items[{k}].qty"), json!(*counter))]
+                        } else {
+                            // Now and then above the cap: a rollback.
+                            let d = (*counter % 7) as f64 / 10.0;
+                            vec![(format!("$.items[{k}].discount"), json!(d))]
+                        }
+                    }
+                }
+            }
+            Mutations::File { list, i } => {
+                let m = list[*i % list.len()].clone();
+                *i += 1;
+                m
+            }
+            Mutations::Fields { fields, rng } => {
+                let f = &fields[rng.below(fields.len())];
+                vec![(f.addr.clone(), f.kind.value(rng))]
+            }
+        }
+    }
+}
+
+impl Kind {
+    fn value(&self, rng: &mut Rng) -> Json {
+        match self {
+            Kind::Number { min, max, integer } => {
+                let x = min + (max - min) * rng.unit();
+                if *integer {
+                    json!(x.round().clamp(min.ceil(), max.floor()) as i64)
+                } else {
+                    json!((x * 100.0).round() / 100.0)
+                }
+            }
+            Kind::Bool => json!(rng.below(2) == 1),
+            Kind::Enum(vals) => vals[rng.below(vals.len())].clone(),
+            Kind::Text { max_len } => {
+                let s = format!("v{}", rng.below(100_000));
+                json!(s.chars().take((*max_len).max(1)).collect::<String>())
+            }
+        }
+    }
+}
+
+/// Writable leaves: the schema's properties (recursively; array elements at the indices the
+/// seeded data has), minus derived targets and `readOnly` fields.
+fn writable_fields(spec: &ModelSpec, model: &Model) -> Vec<Field> {
+    let derived: Vec<Address> = spec
+        .derivations
+        .iter()
+        .filter_map(|d| Address::parse(&d.path).ok())
+        .collect();
+    let doc = model.state().base.to_json();
+    let mut out = Vec::new();
+    walk_schema(&spec.schema, &spec.schema, "$", Some(&doc), &mut out, 0);
+    out.retain(|f| {
+        let Ok(a) = Address::parse(&f.addr) else {
+            return false;
+        };
+        let Some(c) = a.concrete() else { return false };
+        !derived.iter().any(|d| matches_concrete(d, &c))
+    });
+    out
+}
+
+fn matches_concrete(pattern: &Address, c: &[Seg]) -> bool {
+    use crate::expr::path::PathSeg;
+    pattern.segs.len() == c.len()
+        && pattern.segs.iter().zip(c).all(|(p, s)| match (p, s) {
+            (PathSeg::Wild, Seg::Index(_)) => true,
+            (PathSeg::Index(i), Seg::Index(j)) => i == j,
+            (PathSeg::Field(a), Seg::Field(b)) => **a == **b,
+            _ => false,
+        })
+}
+
+/// Resolve a local `$ref` (`#/...`) against the root schema.
+fn resolve<'a>(root: &'a Json, s: &'a Json) -> &'a Json {
+    let mut s = s;
+    for _ in 0..16 {
+        match s.get("$ref").and_then(Json::as_str) {
+            Some(r) => match r.strip_prefix('#').and_then(|p| root.pointer(p)) {
+                Some(t) => s = t,
+                None => return s,
+            },
+            None => return s,
+        }
+    }
+    s
+}
+
+fn walk_schema(
+    root: &Json,
+    s: &Json,
+    at: &str,
+    data: Option<&Json>,
+    out: &mut Vec<Field>,
+    depth: usize,
+) {
+    if depth > 32 {
+        return;
+    }
+    let s = resolve(root, s);
+    if s.get("readOnly") == Some(&Json::Bool(true)) {
+        return;
+    }
+    if let Some(vals) = s.get("enum").and_then(Json::as_array) {
+        if !vals.is_empty() {
+            out.push(Field {
+                addr: at.into(),
+                kind: Kind::Enum(vals.clone()),
+            });
+        }
+        return;
+    }
+    let ty = match s.get("type") {
+        Some(Json::String(t)) => t.as_str(),
+        Some(Json::Array(ts)) => ts
+            .iter()
+            .filter_map(Json::as_str)
+            .find(|t| *t != "null")
+            .unwrap_or(""),
+        _ => "",
+    };
+    let num = |k: &str| s.get(k).and_then(Json::as_f64);
+    match ty {
+        "object" => {
+            let empty = Map::new();
+            let props = s
+                .get("properties")
+                .and_then(Json::as_object)
+                .unwrap_or(&empty);
+            for (k, sub) in props {
+                if !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') || k.is_empty() {
+                    continue;
+                }
+                let child = data.and_then(|d| d.get(k));
+                walk_schema(root, sub, &format!("{at}.{k}"), child, out, depth + 1);
+            }
+        }
+        "array" => {
+            let (Some(items), Some(Json::Array(elems))) = (s.get("items"), data) else {
+                return;
+            };
+            for (i, e) in elems.iter().enumerate().take(1000) {
+                walk_schema(root, items, &format!("{at}[{i}]"), Some(e), out, depth + 1);
+            }
+        }
+        "number" | "integer" => {
+            let min = num("minimum")
+                .or(num("exclusiveMinimum").map(|x| x + 1.0))
+                .unwrap_or(0.0);
+            let max = num("maximum")
+                .or(num("exclusiveMaximum").map(|x| x - 1.0))
+                .unwrap_or(min + 1000.0);
+            if max >= min {
+                out.push(Field {
+                    addr: at.into(),
+                    kind: Kind::Number {
+                        min,
+                        max,
+                        integer: ty == "integer",
+                    },
+                });
+            }
+        }
+        "boolean" => out.push(Field {
+            addr: at.into(),
+            kind: Kind::Bool,
+        }),
+        "string" if s.get("pattern").is_none() && s.get("format").is_none() => {
+            let max_len = num("maxLength").map_or(12, |m| m as usize);
+            let min_len = num("minLength").map_or(0, |m| m as usize);
+            if min_len <= 2 {
+                out.push(Field {
+                    addr: at.into(),
+                    kind: Kind::Text { max_len },
+                });
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A cheap deterministic sequence (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() >> 33) as usize) % n.max(1)
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The human table.
+pub fn table(r: &Report) -> String {
+    let what = match &r.spec {
+        Some(s) => format!("spec {s}"),
+        None => format!("{} n={}", r.shape, r.n),
+    };
+    let rows = [
+        (
+            "model",
+            format!(
+                "{what} ({} nodes), jit {}",
+                r.nodes,
+                if r.jit { "on" } else { "off" }
+            ),
+        ),
+        ("compile", format!("{:.1} ms", r.compile_ms)),
+        ("first cycle", format!("{:.1} ms", r.first_cycle_ms)),
+        (
+            "mutations",
+            format!(
+                "{} ({} rejected), {:.0}/s",
+                r.mutations, r.rejected, r.mutations_per_s
+            ),
+        ),
+        (
+            "latency",
+            format!(
+                "p50 {} · p90 {} · p99 {} · max {}",
+                dur(r.p50_us),
+                dur(r.p90_us),
+                dur(r.p99_us),
+                dur(r.max_us)
+            ),
+        ),
+        (
+            "recomputed",
+            format!(
+                "{:.1} evaluations, {:.1} derived values changed per mutation",
+                r.recomputed_per_mutation, r.derived_updated_per_mutation
+            ),
+        ),
+        (
+            "memory",
+            format!("{:.1} MB resident ({:.1} MB peak)", r.rss_mb, r.peak_rss_mb),
+        ),
+    ];
+    rows.iter().map(|(k, v)| format!("{k:<12} {v}\n")).collect()
+}
+
+fn dur(us: f64) -> String {
+    if us >= 1000.0 {
+        format!("{:.2} ms", us / 1000.0)
+    } else {
+        format!("{us:.1} µs")
+    }
+}
