@@ -14,7 +14,7 @@ fn chain(c: &mut Criterion) {
         .sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
-    for n in [10_000usize, 100_000] {
+    for n in [1_000usize, 10_000, 100_000] {
         let mut model = chain_model(n);
 
         // Check once that a seed write recomputes the whole chain.

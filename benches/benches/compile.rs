@@ -17,7 +17,7 @@ fn compile(c: &mut Criterion) {
         .sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
-    for n in [10_000usize, 100_000] {
+    for n in [1_000usize, 10_000, 100_000] {
         let spec = fanout_spec(n);
 
         // Uncached compile; the drop of the compiled model is not timed.

@@ -14,7 +14,7 @@ fn fanout(c: &mut Criterion) {
     g.sample_size(50)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    for n in [10_000usize, 100_000] {
+    for n in [1_000usize, 10_000, 100_000] {
         let mut model = fanout_model(n);
         let idx = random_indices(n, POOL, n as u64);
 

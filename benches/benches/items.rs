@@ -16,7 +16,7 @@ fn items(c: &mut Criterion) {
     g.sample_size(10)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(4));
-    for n in [10_000usize, 100_000] {
+    for n in [1_000usize, 10_000, 100_000] {
         let mut model = items_model(n);
         let idx = random_indices(n, POOL, n as u64 + 1);
 

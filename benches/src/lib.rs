@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 use valem::engine::{EngineLimits, Model, MutationResult};
 use valem::expr::path::Address;
-use valem::spec::{parse_spec, ModelSpec};
+use valem::spec::ModelSpec;
 use valem::value::Seg;
 
 /// A fixed clock for every cycle.
@@ -21,47 +21,24 @@ pub fn limits() -> EngineLimits {
     }
 }
 
-fn spec(id: &str, derivations: Vec<Value>) -> ModelSpec {
-    let json = json!({
-        "id": id,
-        "schema": {"type": "object"},
-        "derivations": derivations,
-    });
-    parse_spec(&json).expect("bench spec parses")
+fn shape(s: valem::bench::Shape, n: usize) -> ModelSpec {
+    valem::bench::shape_spec(s, n).expect("bench spec parses").0
 }
 
-/// Fan-out: `$.total_i = price_i * qty_i` for i in 0..n.
+/// Fan-out: `$.total_i = price_i * qty_i` for i in 0..n (`valem bench --shape fanout`).
 pub fn fanout_spec(n: usize) -> ModelSpec {
-    let d = (0..n)
-        .map(|i| json!({"path": format!("$.total_{i}"), "expr": format!("price_{i} * qty_{i}")}))
-        .collect();
-    spec("fanout", d)
+    shape(valem::bench::Shape::Fanout, n)
 }
 
-/// Chain: `$.f_0 = seed + 1`, `$.f_i = f_{i-1} + 1` for i in 1..n.
+/// Chain: `$.f_0 = seed + 1`, `$.f_i = f_{i-1} + 1` for i in 1..n (`--shape chain`).
 pub fn chain_spec(n: usize) -> ModelSpec {
-    let d = (0..n)
-        .map(|i| {
-            let expr = if i == 0 {
-                "seed + 1".to_string()
-            } else {
-                format!("f_{} + 1", i - 1)
-            };
-            json!({"path": format!("$.f_{i}"), "expr": expr})
-        })
-        .collect();
-    spec("chain", d)
+    shape(valem::bench::Shape::Chain, n)
 }
 
-/// Items: `$.items[*].total = $parent.price * $parent.qty`, `$.sum = $sum(items.total)`.
+/// Items: `$.items[*].total = $parent.price * $parent.qty`, `$.sum = $sum(items.total)`
+/// (`--shape items`).
 pub fn items_spec() -> ModelSpec {
-    spec(
-        "items",
-        vec![
-            json!({"path": "$.items[*].total", "expr": "$parent.price * $parent.qty"}),
-            json!({"path": "$.sum", "expr": "$sum(items.total)"}),
-        ],
-    )
+    shape(valem::bench::Shape::Items, 1)
 }
 
 /// Parse a concrete address into segments (for `mutate_parsed`).
