@@ -7,14 +7,14 @@ use serde_json::{json, Map, Value};
 use valem::engine::{jit, EngineLimits, Model, MutationError};
 use valem::spec::parse_spec;
 
-/// Building blocks a generated spec picks from: derivations, meta and constraints over fan-out
-/// fields, chains, `[*]` items with aggregates, nested objects, a whole-document reader and lazy
-/// derivations.
 /// A result's derived paths as plain strings, for comparisons.
 fn strs(v: &[std::sync::Arc<str>]) -> Vec<&str> {
     v.iter().map(|d| &**d).collect()
 }
 
+/// Building blocks a generated spec picks from: derivations, meta and constraints over fan-out
+/// fields, chains, `[*]` items with aggregates (kept by delta or rescanned), nested objects, a
+/// whole-document reader and lazy derivations.
 fn derivation_pool() -> Vec<Value> {
     vec![
         json!({"path": "$.d0", "expr": "a0 * 2 + a1"}),
@@ -36,6 +36,8 @@ fn derivation_pool() -> Vec<Value> {
         json!({"path": "$.lz", "expr": "sum * 10", "evaluation": "lazy"}),
         json!({"path": "$.lz2", "expr": "lz + a0", "evaluation": "lazy"}),
         json!({"path": "$.label", "expr": "a0 > 5 ? 'high' : 'low'"}),
+        json!({"path": "$.sumq", "expr": "$sum(items.qty)"}),
+        json!({"path": "$.avgp", "expr": "$average(items.price)"}),
     ]
 }
 
@@ -115,6 +117,10 @@ enum Step {
     ReplaceItems(Vec<(i64, i64)>),
     NullField(usize),
     Pair(usize, i64, usize, i64),
+    /// A non-integer item value: delta aggregates must fall back to a rescan.
+    ItemDecimal(usize, &'static str, i64),
+    /// A string where a number was: aggregates leave it to JSONata.
+    ItemText(usize),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -130,6 +136,13 @@ fn step() -> impl Strategy<Value = Step> {
         proptest::collection::vec((0i64..12, -1i64..5), 0..5).prop_map(Step::ReplaceItems),
         (0usize..5).prop_map(Step::NullField),
         (0usize..5, 0i64..15, 0usize..5, 0i64..15).prop_map(|(a, x, b, y)| Step::Pair(a, x, b, y)),
+        (
+            0usize..6,
+            prop_oneof![Just("price"), Just("qty")],
+            -20i64..150
+        )
+            .prop_map(|(i, f, v)| Step::ItemDecimal(i, f, v)),
+        (0usize..6).prop_map(Step::ItemText),
     ]
 }
 
@@ -158,6 +171,13 @@ fn mutation(step: &Step, model: &Model) -> Vec<(String, Value)> {
         Step::Pair(a, x, b, y) => {
             vec![(format!("$.a{a}"), json!(x)), (format!("$.a{b}"), json!(y))]
         }
+        Step::ItemDecimal(i, f, v) => {
+            vec![(
+                format!("$.items[{}].{f}", i % (n + 1)),
+                json!(*v as f64 * 0.1),
+            )]
+        }
+        Step::ItemText(i) => vec![(format!("$.items[{}].qty", i % (n + 1)), json!("x"))],
     }
 }
 
@@ -201,7 +221,7 @@ proptest! {
 
     #[test]
     fn incremental_equals_recompute(
-        mask in 0u32..(1 << 19),
+        mask in 0u32..(1 << 21),
         meta_mask in 0u8..16,
         constraint_mask in 0u8..16,
         steps in proptest::collection::vec(step(), 1..16),
@@ -267,4 +287,63 @@ fn early_cutoff_stops_at_unchanged_values() {
         "next must not be recomputed when sign is unchanged"
     );
     assert!(r.derived_updated.is_empty());
+}
+
+/// A `$sum` over `[*]` values keeps its running totals in the state: one changed item updates
+/// them by its delta (exact while every value is an integer), and a non-integer value turns
+/// them inexact, after which the sum is rescanned (and still equals a recompute).
+#[test]
+fn a_sum_over_items_is_kept_by_delta_while_exact() {
+    let spec = parse_spec(&json!({
+        "id": "agg",
+        "schema": {"type": "object"},
+        "derivations": [
+            {"path": "$.items[*].total", "expr": "$parent.price * $parent.qty"},
+            {"path": "$.sum", "expr": "$sum(items.total)"},
+            {"path": "$.n", "expr": "$count(items.total)"}
+        ]
+    }))
+    .unwrap();
+    let (mut m, _) = Model::create(&spec, NOW, limits()).unwrap();
+    let items: Vec<Value> = (0..50).map(|i| json!({"price": i, "qty": 2})).collect();
+    m.mutate(&[("$.items".into(), Value::Array(items))], NOW)
+        .unwrap();
+    let memo = |m: &Model| {
+        let mut v: Vec<_> = m.state().aggregates.values().copied().collect();
+        v.sort_by(|a, b| a.sum.total_cmp(&b.sum));
+        v
+    };
+    let want: f64 = (0..50).map(|i| (i * 2) as f64).sum();
+    assert!(
+        memo(&m).iter().all(|a| a.exact && a.count == 50),
+        "{:?}",
+        memo(&m)
+    );
+    assert!(memo(&m).iter().any(|a| a.sum == want));
+    let r = m
+        .mutate(&[("$.items[7].qty".into(), json!(5))], NOW)
+        .unwrap();
+    assert_eq!(strs(&r.derived_updated), vec!["$.items[7].total", "$.sum"]);
+    assert_eq!(
+        m.get(&seg("$.sum"), NOW).and_then(|v| v.as_f64()),
+        Some(want + 21.0)
+    );
+    assert!(memo(&m).iter().any(|a| a.exact && a.sum == want + 21.0));
+    // A decimal: the totals are no longer exact; the sum is the left-to-right scan's.
+    m.mutate(&[("$.items[3].price".into(), json!(0.1))], NOW)
+        .unwrap();
+    assert!(memo(&m).iter().any(|a| !a.exact));
+    let (fresh, _) = scratch(&spec, &m.state().base.to_json());
+    assert_eq!(m.merged_json(NOW), fresh);
+    // A rolled-back or refused cycle leaves the totals as they were (they are state).
+    let before = memo(&m);
+    let _ = m.mutate(&[("$.items[*].qty".into(), json!(1))], NOW);
+    assert_eq!(memo(&m), before);
+}
+
+fn seg(a: &str) -> Vec<valem::value::Seg> {
+    valem::expr::path::Address::parse(a)
+        .unwrap()
+        .concrete()
+        .unwrap()
 }

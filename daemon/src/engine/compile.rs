@@ -131,6 +131,18 @@ impl Node {
     pub fn wildcards(&self) -> usize {
         self.targets.first().map_or(0, Address::wildcard_count)
     }
+
+    /// The aggregate of a concrete derivation that the cycle keeps up to date by delta instead
+    /// of rescanning: `$sum`, `$count` or `$average` of `array.field`.
+    pub fn delta_aggregate(&self) -> Option<&Aggregate> {
+        let agg = self.aggregate.as_ref()?;
+        (matches!(self.kind, NodeKind::Derivation { lazy: false })
+            && self.concrete.is_some()
+            && self.input == Input::Doc
+            && agg.path.len() == 2
+            && matches!(agg.func, AggFunc::Sum | AggFunc::Count | AggFunc::Average))
+        .then_some(agg)
+    }
 }
 
 /// The extra expressions of an effect besides its trigger.
@@ -171,6 +183,9 @@ pub struct CompileError {
 pub struct CompiledModel {
     pub spec: Arc<ModelSpec>,
     pub nodes: Vec<Node>,
+    /// Some derivation is an aggregate kept by delta (`Node::delta_aggregate`): writes note
+    /// their old and new values for it.
+    pub has_delta_aggregates: bool,
     /// Derivation nodes grouped by topological level.
     pub levels: Vec<Vec<NodeId>>,
     /// Per node, the nodes that read what it writes (derivations only write).
@@ -747,9 +762,11 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
     let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
 
+    let has_delta_aggregates = nodes.iter().any(|n| n.delta_aggregate().is_some());
     Ok(CompiledModel {
         schema: spec.schema.clone(),
         spec,
+        has_delta_aggregates,
         nodes,
         levels,
         dependents,

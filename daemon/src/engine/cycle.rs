@@ -15,8 +15,8 @@ use super::compile::{
     AggFunc, Aggregate, CompiledModel, Input, Node, NodeId, NodeKind, Projection,
 };
 use super::{
-    ConstraintViolation, EffectRequest, EngineLimits, MetaEntry, MutationError, MutationResult,
-    State, Trace, TraceSource,
+    AggMemo, ConstraintViolation, EffectRequest, EngineLimits, MetaEntry, MutationError,
+    MutationResult, State, Trace, TraceSource,
 };
 use crate::expr::path::{render, render_into, Address, PathSeg};
 use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
@@ -25,6 +25,9 @@ use crate::value::{Seg, Val};
 use valem_jit::ir::Ty;
 
 use super::jit;
+
+/// One aggregate leaf's old and new number (`None`: absent).
+type LeafChange = (Option<f64>, Option<f64>);
 
 /// Which instances of a node must be recomputed.
 #[derive(Default, Debug)]
@@ -61,6 +64,7 @@ struct Journal {
     meta: Vec<(Arc<str>, Option<MetaEntry>)>,
     stale: Vec<(NodeId, bool)>,
     effect_keys: Vec<(Arc<str>, Option<Val>)>,
+    aggregates: Vec<(NodeId, Option<AggMemo>)>,
 }
 
 /// Save the top-level member of `doc` that a write at `path` changes (or the whole root).
@@ -151,6 +155,13 @@ struct Cycle<'a> {
     jit_hit: bool,
     /// Reused to render instance addresses.
     render_buf: String,
+    /// The old and new value of the write being propagated, for delta aggregates.
+    agg_change: Option<(Option<Val>, Val)>,
+    /// Per delta aggregate dirtied this cycle: the leaf changes since it last ran, or `None`
+    /// when something else reached it (then it rescans).
+    agg_delta: HashMap<NodeId, Option<Vec<LeafChange>>>,
+    /// The node whose change was just noted (its next `mark` comes with a delta).
+    agg_noted: Option<NodeId>,
 }
 
 impl<'a> Cycle<'a> {
@@ -189,6 +200,9 @@ impl<'a> Cycle<'a> {
             jit_slots: Vec::new(),
             jit_hit: false,
             render_buf: String::new(),
+            agg_change: None,
+            agg_delta: HashMap::default(),
+            agg_noted: None,
         }
     }
 
@@ -198,6 +212,13 @@ impl<'a> Cycle<'a> {
             return;
         }
         let node = &self.cm.nodes[id as usize];
+        if self.cm.has_delta_aggregates
+            && self.agg_noted.take() != Some(id)
+            && node.delta_aggregate().is_some()
+        {
+            // Reached by something other than a noted leaf write: rescan.
+            self.agg_delta.insert(id, None);
+        }
         // An empty binding, or a node without `[*]`, means every instance.
         let every = binding.is_empty() || node.wildcards() == 0;
         match node.kind {
@@ -235,6 +256,9 @@ impl<'a> Cycle<'a> {
         hits.clear();
         self.cm.readers.hits(w, &mut hits);
         for (id, b) in hits.drain(..) {
+            if self.cm.has_delta_aggregates {
+                self.note_aggregate(id, w);
+            }
             self.mark(id, b);
         }
         self.hits = hits;
@@ -250,9 +274,39 @@ impl<'a> Cycle<'a> {
             hits.into_boxed_slice()
         });
         for (id, b) in hits.iter() {
+            if self.cm.has_delta_aggregates {
+                self.note_aggregate(*id, target);
+            }
             self.mark(*id, b.clone());
         }
         self.mark_whole_doc();
+    }
+
+    /// A write at `w` reaches node `id`: when `id` is a delta aggregate and `w` is one of its
+    /// leaves (`array[k].field`) with number-or-absent old and new values, note the change;
+    /// anything else makes it rescan.
+    fn note_aggregate(&mut self, id: NodeId, w: &[Seg]) {
+        let Some(agg) = self.cm.nodes[id as usize].delta_aggregate() else {
+            return;
+        };
+        let leaf = matches!(w, [Seg::Field(a), Seg::Index(_), Seg::Field(f)]
+            if **a == *agg.path[0] && **f == *agg.path[1]);
+        let num = |v: Option<&Val>| match v {
+            None => Some(None),
+            Some(Val::Num(x)) => Some(Some(*x)),
+            Some(_) => None,
+        };
+        let change = match (&self.agg_change, leaf) {
+            (Some((old, new)), true) => num(old.as_ref()).zip(num(Some(new))),
+            _ => None,
+        };
+        let e = self.agg_delta.entry(id).or_insert_with(|| Some(Vec::new()));
+        match (e.as_mut(), change) {
+            // Past a few dozen changes a rescan is as cheap and bounds the log.
+            (Some(log), Some(c)) if log.len() < 64 => log.push(c),
+            _ => *e = None,
+        }
+        self.agg_noted = Some(id);
     }
 
     fn mark_whole_doc(&mut self) {
@@ -281,6 +335,9 @@ impl<'a> Cycle<'a> {
         let max = self.limits.max_array_index;
         // The first container this write creates: instances below it are new.
         let created = (1..segs.len()).find(|&k| self.st.merged.get_path(&segs[..k]).is_none());
+        if self.cm.has_delta_aggregates {
+            self.agg_change = Some((self.st.merged.get_path(segs).cloned(), value.clone()));
+        }
         let j = &mut self.journal;
         if let ([Seg::Field(k)], Val::Obj(b), Val::Obj(m)) =
             (segs, &mut self.st.base, &mut self.st.merged)
@@ -318,6 +375,7 @@ impl<'a> Cycle<'a> {
         self.version += 1;
         self.result.mutated_paths.push(render(segs));
         self.propagate(segs);
+        self.agg_change = None;
         match created {
             Some(k) => self.shadow(&segs[..k]),
             None => self.shadow(segs),
@@ -386,6 +444,11 @@ impl<'a> Cycle<'a> {
             }
         }
         if let (Some(agg), Input::Doc) = (&node.aggregate, node.input) {
+            if node.delta_aggregate().is_some() {
+                if let Some(v) = self.delta_aggregate(agg) {
+                    return Ok(v);
+                }
+            }
             if let Some(v) = aggregate(&self.st.merged, agg) {
                 return Ok(v);
             }
@@ -402,6 +465,43 @@ impl<'a> Cycle<'a> {
             node.expr.eval(&input, &env, &self.limits.expr)
         } else {
             node.expr.eval(&input, &self.env, &self.limits.expr)
+        }
+    }
+
+    /// A delta aggregate's value: its memo updated by the leaf changes noted since it last ran
+    /// when the memo is exact, else a rescan that refreshes the memo. `None` when the leaves
+    /// are not all numbers (the caller leaves it to `aggregate` and JSONata).
+    fn delta_aggregate(&mut self, agg: &Aggregate) -> Option<Option<JValue>> {
+        let id = self.evaluating?;
+        let delta = self.agg_delta.remove(&id);
+        let memo = self.st.aggregates.get(&id).copied();
+        let updated = match (memo, delta) {
+            (Some(m), Some(Some(changes))) if m.exact => apply_changes(m, &changes),
+            _ => None,
+        };
+        let next = updated.or_else(|| scan_memo(&self.st.merged, agg));
+        if next != memo {
+            self.journal.aggregates.push((id, memo));
+            match next {
+                Some(m) => self.st.aggregates.insert(id, m),
+                None => self.st.aggregates.remove(&id),
+            };
+        }
+        let m = next?;
+        Some(match agg.func {
+            AggFunc::Count => Some(JValue::Number(m.count as f64)),
+            AggFunc::Average if m.count == 0 => None,
+            AggFunc::Average => Some(JValue::Number(m.sum / m.count as f64)),
+            _ => Some(JValue::Number(m.sum)),
+        })
+    }
+
+    /// Forget the memo of an aggregate that saw changes it did not run for.
+    fn drop_unrun_aggregates(&mut self) {
+        for (id, _) in std::mem::take(&mut self.agg_delta) {
+            if let Some(old) = self.st.aggregates.remove(&id) {
+                self.journal.aggregates.push((id, Some(old)));
+            }
         }
     }
 
@@ -531,6 +631,9 @@ impl<'a> Cycle<'a> {
             }
             self.evaluating = None;
         }
+        if !self.agg_delta.is_empty() {
+            self.drop_unrun_aggregates();
+        }
     }
 
     /// Evaluate one instance of a derivation; write and propagate it when it changed.
@@ -610,23 +713,34 @@ impl<'a> Cycle<'a> {
                 Arc::from(self.render_buf.as_str())
             }
         };
+        let noting = self.cm.has_delta_aggregates;
         let written = if let ([Seg::Field(k)], Val::Obj(m)) = (inst, &mut self.st.merged) {
             // A top-level derived member: one lookup finds it, compares and replaces it.
             match m.get_mut(k) {
                 Some(slot) if *slot == value => false,
                 Some(slot) => {
                     let old = std::mem::replace(slot, value.clone());
+                    if noting {
+                        self.agg_change = Some((Some(old.clone()), value.clone()));
+                    }
                     self.journal.merged.push((Some(k.clone()), Some(old)));
                     true
                 }
                 None => {
                     m.insert(k.clone(), value.clone());
+                    if noting {
+                        self.agg_change = Some((None, value.clone()));
+                    }
                     self.journal.merged.push((Some(k.clone()), None));
                     true
                 }
             }
         } else {
-            let changed = self.st.merged.get_path(inst) != Some(&value);
+            let cur = self.st.merged.get_path(inst);
+            let changed = cur != Some(&value);
+            if changed && noting {
+                self.agg_change = Some((cur.cloned(), value.clone()));
+            }
             if changed {
                 let j = &mut self.journal;
                 save(
@@ -649,6 +763,7 @@ impl<'a> Cycle<'a> {
             } else {
                 self.propagate(inst);
             }
+            self.agg_change = None;
         }
         self.trace(node, target, value, None, error);
     }
@@ -837,6 +952,12 @@ impl<'a> Cycle<'a> {
             }
         }
         restore(&mut self.st.effect_keys, j.effect_keys);
+        for (id, old) in j.aggregates.into_iter().rev() {
+            match old {
+                Some(m) => self.st.aggregates.insert(id, m),
+                None => self.st.aggregates.remove(&id),
+            };
+        }
     }
 
     fn finish(mut self) -> Result<MutationResult, MutationError> {
@@ -1064,6 +1185,54 @@ fn aggregate(doc: &Val, agg: &Aggregate) -> Option<Option<JValue>> {
     })
 }
 
+/// A memo's totals after the noted leaf changes; `None` when a change would make it inexact
+/// (a non-integer, or magnitudes past 2^53): then the caller rescans.
+fn apply_changes(mut m: AggMemo, changes: &[LeafChange]) -> Option<AggMemo> {
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    for &(old, new) in changes {
+        if let Some(o) = old {
+            m.sum -= o;
+            m.abs_sum -= o.abs();
+            m.count = m.count.checked_sub(1)?;
+        }
+        if let Some(n) = new {
+            if n.fract() != 0.0 || m.abs_sum + n.abs() > EXACT {
+                return None;
+            }
+            m.sum += n;
+            m.abs_sum += n.abs();
+            m.count += 1;
+        }
+    }
+    Some(m)
+}
+
+/// An aggregate's memo from a full scan (the same left-to-right sum `aggregate` computes);
+/// `None` when a leaf is not a number or the shape is left to JSONata.
+fn scan_memo(doc: &Val, agg: &Aggregate) -> Option<AggMemo> {
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    let mut leaves: Vec<&Val> = Vec::new();
+    if !collect(doc, &agg.path, &mut leaves) {
+        return None;
+    }
+    let mut m = AggMemo {
+        sum: 0.0,
+        abs_sum: 0.0,
+        count: leaves.len(),
+        exact: true,
+    };
+    let mut nums = Vec::with_capacity(leaves.len());
+    for l in leaves {
+        let Val::Num(x) = l else { return None };
+        nums.push(*x);
+        m.abs_sum += x.abs();
+        m.exact &= x.fract() == 0.0;
+    }
+    m.sum = nums.iter().sum();
+    m.exact &= m.abs_sum <= EXACT;
+    Some(m)
+}
+
 /// Navigate like a JSONata path over plain data; false on shapes we leave to JSONata.
 fn collect<'v>(v: &'v Val, path: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
     let Some((k, rest)) = path.split_first() else {
@@ -1236,6 +1405,7 @@ pub(super) fn recompute(
 ) -> MutationResult {
     st.merged = st.base.clone();
     st.meta = Default::default();
+    st.aggregates = Default::default();
     st.lazy_stale = Default::default();
     let mut c = Cycle::new(cm, limits, st, now_ms);
     c.allowed = Some(HashSet::default());

@@ -69,6 +69,19 @@ pub struct State {
     pub lazy_stale: OrdSet<NodeId>,
     /// Effect id → the dedupe key it last fired with.
     pub effect_keys: OrdMap<Arc<str>, Val>,
+    /// What the delta-kept aggregates last saw (a cache of `merged`; not observable).
+    pub aggregates: OrdMap<NodeId, AggMemo>,
+}
+
+/// An aggregate's running totals over its leaves (`cycle.rs`, delta aggregates). `exact`: every
+/// leaf is an integer and the sum of their magnitudes is at most 2^53, so any order of
+/// additions — the left-to-right scan, or a delta — gives the same, exact, sum.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AggMemo {
+    pub sum: f64,
+    pub abs_sum: f64,
+    pub count: usize,
+    pub exact: bool,
 }
 
 impl State {
