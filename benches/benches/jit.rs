@@ -157,18 +157,23 @@ fn warm(model: &mut Model, write: &[(Vec<Seg>, Value)]) {
     assert!(jit::flush(Duration::from_secs(60)), "the JIT finishes");
 }
 
-fn recompute(c: &mut Criterion) {
-    let n = 100_000;
-    let mut g = c.benchmark_group("jit_chain");
+/// One group: the same model recomputed with the tier off, then on, after each write of
+/// `pool` (every write recomputes all `n` nodes).
+fn off_and_on(
+    c: &mut Criterion,
+    name: &str,
+    model: &mut Model,
+    pool: &mut Pool<Vec<Seg>>,
+    n: usize,
+) {
+    let mut g = c.benchmark_group(name);
     g.sample_size(10)
         .sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
-    let mut model = chain_model(n);
-    let mut pool = Pool::new(vec![segs("$.seed")], 0);
     for on in [false, true] {
         if on {
-            warm(&mut model, pool.next_batch());
+            warm(model, pool.next_batch());
         }
         jit::set_enabled(on);
         let r = model
@@ -181,13 +186,16 @@ fn recompute(c: &mut Criterion) {
         );
     }
     g.finish();
+}
+
+fn recompute(c: &mut Criterion) {
+    let n = 100_000;
+    jit::set_enabled(false);
+    let mut model = chain_model(n);
+    let mut pool = Pool::new(vec![segs("$.seed")], 0);
+    off_and_on(c, "jit_chain", &mut model, &mut pool, n);
     drop(model);
 
-    let mut g = c.benchmark_group("jit_items");
-    g.sample_size(10)
-        .sampling_mode(SamplingMode::Flat)
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(5));
     let spec = valem::spec::parse_spec(&json!({
         "id": "items-rate",
         "schema": {"type": "object"},
@@ -201,21 +209,7 @@ fn recompute(c: &mut Criterion) {
     seed(&mut model, items_data(n));
     seed(&mut model, vec![(segs("$.rate"), json!(1))]);
     let mut pool = Pool::new(vec![segs("$.rate")], 2);
-    for on in [false, true] {
-        if on {
-            warm(&mut model, pool.next_batch());
-        }
-        jit::set_enabled(on);
-        let r = model
-            .mutate_parsed(pool.next_batch(), NOW_MS)
-            .expect("mutates");
-        assert_eq!(r.derived_updated.len(), n);
-        g.bench_function(
-            BenchmarkId::new(n.to_string(), if on { "on" } else { "off" }),
-            |b| b.iter(|| black_box(model.mutate_parsed(pool.next_batch(), NOW_MS).unwrap())),
-        );
-    }
-    g.finish();
+    off_and_on(c, "jit_items", &mut model, &mut pool, n);
     let (programs, bytes) = jit::stats();
     println!("jit: {programs} programs compiled by the tier, {bytes} bytes of machine code");
 }

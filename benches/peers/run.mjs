@@ -65,7 +65,8 @@ async function hyperformula(shape, n, seconds) {
   } else {
     for (let i = 0; i < n; i++) rows.push([(i % 97) + 1, 2, `=A${i + 1}*B${i + 1}`, i === 0 ? `=SUM(C1:C${n})` : null]);
   }
-  const hf = HyperFormula.buildFromArray(rows, { licenseKey: 'gpl-v3' });
+  // The default sheet is 40,000 rows at most.
+  const hf = HyperFormula.buildFromArray(rows, { licenseKey: 'gpl-v3', maxRows: Math.max(40000, n + 1) });
   const build_ms = performance.now() - t0;
   let v = 1000;
   const op = {

@@ -150,18 +150,7 @@ pub fn derived(r: &MutationResult) -> Vec<String> {
 }
 
 /// Resident memory in MB from /proc/self/status: (VmRSS, VmHWM).
-pub fn rss_mb() -> (f64, f64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| -> f64 {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<f64>().ok())
-            .map_or(f64::NAN, |kb| kb / 1024.0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
+pub use valem::bench::rss_mb;
 
 /// A ring of pre-built single-write mutations whose values never repeat: each `next` bumps a
 /// counter into the next slot's value, so every cycle changes its field (no early cutoff).

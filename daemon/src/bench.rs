@@ -217,7 +217,7 @@ fn us(d: Duration) -> f64 {
 }
 
 /// Resident memory in MB from /proc/self/status: (VmRSS, VmHWM); NaN where unavailable.
-fn rss_mb() -> (f64, f64) {
+pub fn rss_mb() -> (f64, f64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| -> f64 {
         status
