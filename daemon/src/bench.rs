@@ -46,6 +46,9 @@ pub struct Options {
     pub max_time: Duration,
     pub jit: bool,
     pub seed: u64,
+    /// Through the model service over a durable store in a temporary directory (strict: every
+    /// mutation acknowledged after its fsync), instead of the engine alone.
+    pub durable: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -72,7 +75,10 @@ pub struct Report {
     /// Graph nodes: derivations, meta-derivations, constraints, effects.
     pub nodes: usize,
     pub jit: bool,
-    /// Compiling the spec into its graph, in ms.
+    /// Through the service and a strict durable store (each mutation fsynced before it counts).
+    pub durable: bool,
+    /// Compiling the spec into its graph, in ms (durable runs: creating the model through the
+    /// service, its first stored record included).
     pub compile_ms: f64,
     /// The first cycle: creating the model and applying the initial data in one mutation.
     pub first_cycle_ms: f64,
@@ -122,30 +128,13 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
             ("spec".into(), Some(name.clone()), n, (**spec).clone(), data)
         }
     };
-    let spec = Arc::new(spec);
-
-    let t = Instant::now();
-    let compiled = crate::engine::compile::compile(spec.clone(), &crate::expr::Limits::default())
-        .map_err(|errs| {
-        let first = errs
-            .first()
-            .map_or(String::new(), |e| format!("{}: {}", e.location, e.message));
-        format!("the spec does not compile: {first}")
-    })?;
-    let compile_ms = ms(t.elapsed());
-    let nodes = compiled.nodes.len();
-
-    let t = Instant::now();
-    let (mut model, _) = Model::from_compiled(std::rc::Rc::new(compiled), NOW_MS, limits)
-        .map_err(|e| format!("the model cannot be created: {e}"))?;
-    if !seed_data.is_empty() {
-        model
-            .mutate(&seed_data, NOW_MS)
-            .map_err(|e| format!("the initial data does not apply: {e}"))?;
-    }
-    let first_cycle_ms = ms(t.elapsed());
-
-    let mut gen = Mutations::new(&opts.workload, &model, opts.seed)?;
+    let mut gen = Mutations::new(&opts.workload, &seed_data, opts.seed)?;
+    let mut target: Box<dyn Target> = if opts.durable {
+        Box::new(Durable::open(spec, &seed_data, limits)?)
+    } else {
+        Box::new(Engine::open(spec, &seed_data, limits)?)
+    };
+    let (compile_ms, first_cycle_ms, nodes) = target.built();
     let mut times = Vec::with_capacity(opts.mutations.min(1 << 20));
     let (mut rejected, mut evaluated, mut updated, mut committed) =
         (0usize, 0usize, 0usize, 0usize);
@@ -153,23 +142,24 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
     while times.len() < opts.mutations.max(1)
         && (times.is_empty() || started.elapsed() < opts.max_time)
     {
-        let batch = gen.next(&model);
+        let batch = gen.next();
         let t = Instant::now();
-        let r = model.mutate(&batch, NOW_MS);
+        let r = target.mutate(batch);
         times.push(t.elapsed());
         match r {
-            Ok(r) => {
+            Some((e, u)) => {
                 committed += 1;
-                evaluated += r.traces.len();
-                updated += r.derived_updated.len();
+                evaluated += e;
+                updated += u;
             }
-            Err(_) => rejected += 1,
+            None => rejected += 1,
         }
         if times.len() % 64 == 0 {
             progress(times.len(), opts.mutations);
         }
     }
     let total = started.elapsed();
+    drop(target);
     progress(times.len(), times.len());
     times.sort_unstable();
     let pct = |p: f64| {
@@ -191,6 +181,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
         n,
         nodes,
         jit: opts.jit,
+        durable: opts.durable,
         compile_ms,
         first_cycle_ms,
         mutations: times.len(),
@@ -206,6 +197,136 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
         rss_mb: rss,
         peak_rss_mb: peak,
     })
+}
+
+/// What a run drives: the engine alone, or the service over a store.
+trait Target {
+    /// Compile ms, first-cycle ms, graph nodes.
+    fn built(&self) -> (f64, f64, usize);
+    /// One cycle: (evaluations, derived values changed), or `None` when refused.
+    fn mutate(&mut self, batch: Vec<(String, Json)>) -> Option<(usize, usize)>;
+}
+
+struct Engine {
+    model: Model,
+    built: (f64, f64, usize),
+}
+
+impl Engine {
+    fn open(
+        spec: ModelSpec,
+        seed_data: &[(String, Json)],
+        limits: EngineLimits,
+    ) -> Result<Engine, String> {
+        let spec = Arc::new(spec);
+        let t = Instant::now();
+        let compiled =
+            crate::engine::compile::compile(spec.clone(), &crate::expr::Limits::default())
+                .map_err(|errs| {
+                    let first = errs
+                        .first()
+                        .map_or(String::new(), |e| format!("{}: {}", e.location, e.message));
+                    format!("the spec does not compile: {first}")
+                })?;
+        let compile_ms = ms(t.elapsed());
+        let nodes = compiled.nodes.len();
+
+        let t = Instant::now();
+        let (mut model, _) = Model::from_compiled(std::rc::Rc::new(compiled), NOW_MS, limits)
+            .map_err(|e| format!("the model cannot be created: {e}"))?;
+        if !seed_data.is_empty() {
+            model
+                .mutate(seed_data, NOW_MS)
+                .map_err(|e| format!("the initial data does not apply: {e}"))?;
+        }
+        let first_cycle_ms = ms(t.elapsed());
+        Ok(Engine {
+            model,
+            built: (compile_ms, first_cycle_ms, nodes),
+        })
+    }
+}
+
+impl Target for Engine {
+    fn built(&self) -> (f64, f64, usize) {
+        self.built
+    }
+
+    fn mutate(&mut self, batch: Vec<(String, Json)>) -> Option<(usize, usize)> {
+        let r = self.model.mutate(&batch, NOW_MS).ok()?;
+        Some((r.traces.len(), r.derived_updated.len()))
+    }
+}
+
+/// The service with one shard over a strict store in a temporary directory (removed after).
+struct Durable {
+    service: Arc<crate::service::ModelService>,
+    id: String,
+    built: (f64, f64, usize),
+    _dir: tempfile::TempDir,
+}
+
+impl Durable {
+    fn open(
+        spec: ModelSpec,
+        seed_data: &[(String, Json)],
+        engine: EngineLimits,
+    ) -> Result<Durable, String> {
+        let dir = tempfile::Builder::new()
+            .prefix("valem-bench-")
+            .tempdir()
+            .map_err(|e| format!("cannot create a temporary data directory: {e}"))?;
+        let store = crate::store::Store::open(dir.path(), crate::store::StoreOptions::default())
+            .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
+        let limits = crate::service::ServiceLimits {
+            engine,
+            ..Default::default()
+        };
+        let service = crate::service::ModelService::open(1, limits, Arc::new(store))
+            .map_err(|e| format!("the service does not start: {e}"))?;
+        let nodes = crate::engine::compile::compile(
+            Arc::new(spec.clone()),
+            &crate::expr::Limits::default(),
+        )
+        .map(|c| c.nodes.len())
+        .unwrap_or(0);
+        let id = spec.id.clone();
+        let t = Instant::now();
+        service
+            .create(spec)
+            .map_err(|e| format!("the model cannot be created: {e}"))?;
+        let compile_ms = ms(t.elapsed());
+        let t = Instant::now();
+        if !seed_data.is_empty() {
+            service
+                .mutate(&id, seed_data.to_vec())
+                .map_err(|e| format!("the initial data does not apply: {e}"))?;
+        }
+        let first_cycle_ms = ms(t.elapsed());
+        Ok(Durable {
+            service,
+            id,
+            built: (compile_ms, first_cycle_ms, nodes),
+            _dir: dir,
+        })
+    }
+}
+
+impl Target for Durable {
+    fn built(&self) -> (f64, f64, usize) {
+        self.built
+    }
+
+    fn mutate(&mut self, batch: Vec<(String, Json)>) -> Option<(usize, usize)> {
+        let r = self.service.mutate(&self.id, batch).ok()?;
+        Some((r.traces.len(), r.derived_updated.len()))
+    }
+}
+
+impl Drop for Durable {
+    fn drop(&mut self) {
+        self.service.drain();
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -348,7 +469,7 @@ enum Mutations {
 }
 
 impl Mutations {
-    fn new(w: &Workload, model: &Model, seed: u64) -> Result<Mutations, String> {
+    fn new(w: &Workload, seed_data: &[(String, Json)], seed: u64) -> Result<Mutations, String> {
         Ok(match w {
             Workload::Shape(shape, n) => Mutations::Shape {
                 shape: *shape,
@@ -369,7 +490,7 @@ impl Mutations {
                 }
             }
             Workload::Spec { spec, name, .. } => {
-                let fields = writable_fields(spec, model);
+                let fields = writable_fields(spec, seed_data);
                 if fields.is_empty() {
                     return Err(format!(
                         "{name}: no writable number, integer, boolean or string field found in the \
@@ -384,7 +505,7 @@ impl Mutations {
         })
     }
 
-    fn next(&mut self, _model: &Model) -> Vec<(String, Json)> {
+    fn next(&mut self) -> Vec<(String, Json)> {
         match self {
             Mutations::Shape {
                 shape,
@@ -446,13 +567,24 @@ impl Kind {
 
 /// Writable leaves: the schema's properties (recursively; array elements at the indices the
 /// seeded data has), minus derived targets and `readOnly` fields.
-fn writable_fields(spec: &ModelSpec, model: &Model) -> Vec<Field> {
+fn writable_fields(spec: &ModelSpec, seed_data: &[(String, Json)]) -> Vec<Field> {
     let derived: Vec<Address> = spec
         .derivations
         .iter()
         .filter_map(|d| Address::parse(&d.path).ok())
         .collect();
-    let doc = model.state().base.to_json();
+    // The seeded base document, from a scratch model (spec workloads are small).
+    let limits = EngineLimits {
+        max_mutations: usize::MAX,
+        ..EngineLimits::default()
+    };
+    let doc = match Model::create(spec, NOW_MS, limits) {
+        Ok((mut m, _)) => {
+            let _ = m.mutate(seed_data, NOW_MS);
+            m.state().base.to_json()
+        }
+        Err(_) => Json::Null,
+    };
     let mut out = Vec::new();
     walk_schema(&spec.schema, &spec.schema, "$", Some(&doc), &mut out, 0);
     out.retain(|f| {

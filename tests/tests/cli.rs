@@ -1,7 +1,7 @@
 //! The spec tooling CLI as a user runs it: real binary, real files, real exit codes.
 
 use serde_json::{json, Value};
-use valem_tests::{repo_root, run, stderr, stdout};
+use valem_tests::{repo_root, run, stderr, stdout, valem_bin};
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> String {
     let p = dir.path().join(name);
@@ -405,4 +405,37 @@ fn bench_bad_input_is_a_clear_error() {
     // --mutations without --spec is a usage error.
     let o = run(&["bench", "--mutations", "x.json"], None);
     assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn bench_durable_goes_through_a_store_and_removes_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(valem_bin())
+        .args([
+            "bench",
+            "--json",
+            "--durable",
+            "--shape",
+            "items",
+            "--n",
+            "50",
+            "--count",
+            "20",
+        ])
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(r["durable"], true);
+    assert_eq!(
+        (r["mutations"].as_u64(), r["rejected"].as_u64()),
+        (Some(20), Some(0))
+    );
+    assert_eq!(r["derived_updated_per_mutation"], 2.0, "{r}");
+    // The store lived in a temporary directory under TMPDIR, and is gone.
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let r = bench_json(&["--shape", "chain", "--n", "20", "--count", "3"]);
+    assert_eq!(r["durable"], false);
 }

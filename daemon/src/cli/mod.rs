@@ -184,7 +184,8 @@ pub enum Command {
         #[command(subcommand)]
         action: PluginsAction,
     },
-    /// Measure a model in-process (the engine alone, no transport or store): compile time, the
+    /// Measure a model in-process (the engine alone, or with --durable the service over a
+    /// durable store; no transport): compile time, the
     /// first cycle, per-mutation latency percentiles, mutations/s, evaluations per mutation and
     /// resident memory.
     ///
@@ -219,6 +220,10 @@ pub enum Command {
         /// Seed of the mutation generator.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Go through the model service and a durable store (strict: each mutation counts
+        /// once fsynced) in a temporary directory, removed after the run.
+        #[arg(long)]
+        durable: bool,
         /// Print one JSON object instead of the table.
         #[arg(long)]
         json: bool,
@@ -419,6 +424,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_seconds,
             jit,
             seed,
+            durable,
             json,
         } => {
             if !(max_seconds > 0.0 && max_seconds.is_finite()) {
@@ -447,6 +453,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 max_time: std::time::Duration::from_secs_f64(max_seconds),
                 jit,
                 seed,
+                durable,
             };
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
             let mut progress = |done: usize, of: usize| {
