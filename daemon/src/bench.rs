@@ -284,18 +284,17 @@ impl Durable {
         };
         let service = crate::service::ModelService::open(1, limits, Arc::new(store))
             .map_err(|e| format!("the service does not start: {e}"))?;
-        let nodes = crate::engine::compile::compile(
-            Arc::new(spec.clone()),
-            &crate::expr::Limits::default(),
-        )
-        .map(|c| c.nodes.len())
-        .unwrap_or(0);
         let id = spec.id.clone();
         let t = Instant::now();
-        service
+        let info = service
             .create(spec)
             .map_err(|e| format!("the model cannot be created: {e}"))?;
         let compile_ms = ms(t.elapsed());
+        // One graph node per derivation, meta-derivation, constraint and effect.
+        let nodes = info.derivation_count
+            + info.meta_derivation_count
+            + info.constraint_count
+            + info.effect_count;
         let t = Instant::now();
         if !seed_data.is_empty() {
             service

@@ -368,22 +368,23 @@ fn load_spec(arg: &str) -> Result<(Json, ModelSpec), String> {
     Ok((json, spec))
 }
 
-/// `--mutations FILE` of `valem bench`: a JSON array of `{"$.path": value}` objects.
+/// `--mutations FILE` of `valem bench`: a JSON array of non-empty `{"$.path": value}` objects
+/// (stricter than `parse_batches`, which it then uses: one bare object or an empty one would
+/// benchmark nothing useful).
 fn parse_mutation_list(arg: &str) -> Result<Vec<Vec<(String, Json)>>, String> {
     let v = parse_json(&read_arg(arg)?, arg)?;
-    let Json::Array(items) = v else {
+    let Some(items) = v.as_array() else {
         return Err(format!("{arg}: expected a JSON array of mutation objects"));
     };
-    items
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| match m {
-            Json::Object(o) if !o.is_empty() => Ok(o.into_iter().collect()),
-            _ => Err(format!(
-                "{arg}: [{i}] is not a non-empty object of {{\"$.path\": value}}"
-            )),
-        })
-        .collect()
+    if let Some(i) = items
+        .iter()
+        .position(|m| m.as_object().is_none_or(serde_json::Map::is_empty))
+    {
+        return Err(format!(
+            "{arg}: [{i}] is not a non-empty object of {{\"$.path\": value}}"
+        ));
+    }
+    parse_batches(&v)
 }
 
 fn print_json(v: &Json) {

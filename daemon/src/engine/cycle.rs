@@ -716,25 +716,22 @@ impl<'a> Cycle<'a> {
         let noting = self.cm.has_delta_aggregates;
         let written = if let ([Seg::Field(k)], Val::Obj(m)) = (inst, &mut self.st.merged) {
             // A top-level derived member: one lookup finds it, compares and replaces it.
-            match m.get_mut(k) {
-                Some(slot) if *slot == value => false,
-                Some(slot) => {
-                    let old = std::mem::replace(slot, value.clone());
-                    if noting {
-                        self.agg_change = Some((Some(old.clone()), value.clone()));
-                    }
-                    self.journal.merged.push((Some(k.clone()), Some(old)));
-                    true
-                }
+            let old = match m.get_mut(k) {
+                Some(slot) if *slot == value => None,
+                Some(slot) => Some(Some(std::mem::replace(slot, value.clone()))),
                 None => {
                     m.insert(k.clone(), value.clone());
-                    if noting {
-                        self.agg_change = Some((None, value.clone()));
-                    }
-                    self.journal.merged.push((Some(k.clone()), None));
-                    true
+                    Some(None)
                 }
+            };
+            let written = old.is_some();
+            if let Some(old) = old {
+                if noting {
+                    self.agg_change = Some((old.clone(), value.clone()));
+                }
+                self.journal.merged.push((Some(k.clone()), old));
             }
+            written
         } else {
             let cur = self.st.merged.get_path(inst);
             let changed = cur != Some(&value);
@@ -1185,10 +1182,12 @@ fn aggregate(doc: &Val, agg: &Aggregate) -> Option<Option<JValue>> {
     })
 }
 
+/// 2^53: integers up to this magnitude, and their sums up to it, are exact in an f64.
+const EXACT: f64 = 9_007_199_254_740_992.0;
+
 /// A memo's totals after the noted leaf changes; `None` when a change would make it inexact
 /// (a non-integer, or magnitudes past 2^53): then the caller rescans.
 fn apply_changes(mut m: AggMemo, changes: &[LeafChange]) -> Option<AggMemo> {
-    const EXACT: f64 = 9_007_199_254_740_992.0;
     for &(old, new) in changes {
         if let Some(o) = old {
             m.sum -= o;
@@ -1210,7 +1209,6 @@ fn apply_changes(mut m: AggMemo, changes: &[LeafChange]) -> Option<AggMemo> {
 /// An aggregate's memo from a full scan (the same left-to-right sum `aggregate` computes);
 /// `None` when a leaf is not a number or the shape is left to JSONata.
 fn scan_memo(doc: &Val, agg: &Aggregate) -> Option<AggMemo> {
-    const EXACT: f64 = 9_007_199_254_740_992.0;
     let mut leaves: Vec<&Val> = Vec::new();
     if !collect(doc, &agg.path, &mut leaves) {
         return None;
@@ -1221,14 +1219,19 @@ fn scan_memo(doc: &Val, agg: &Aggregate) -> Option<AggMemo> {
         count: leaves.len(),
         exact: true,
     };
-    let mut nums = Vec::with_capacity(leaves.len());
-    for l in leaves {
+    for l in &leaves {
         let Val::Num(x) = l else { return None };
-        nums.push(*x);
         m.abs_sum += x.abs();
         m.exact &= x.fract() == 0.0;
     }
-    m.sum = nums.iter().sum();
+    // All numbers (checked above): the same left-to-right `sum` as `aggregate`'s.
+    m.sum = leaves
+        .iter()
+        .filter_map(|l| match l {
+            Val::Num(x) => Some(*x),
+            _ => None,
+        })
+        .sum();
     m.exact &= m.abs_sum <= EXACT;
     Some(m)
 }
