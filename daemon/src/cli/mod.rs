@@ -69,6 +69,10 @@ pub enum Command {
         /// API key of the daemon (sent as `Authorization: Bearer`).
         #[arg(long, env = "VALEM_API_KEY", hide_env_values = true, requires = "url")]
         api_key: Option<String>,
+        /// With --url: offer `pair_browser`, which pairs the agent with the developer's browser
+        /// sandbox (the daemon's /sandbox/) so both drive one live session.
+        #[arg(long, requires = "url")]
+        browser: bool,
         /// Largest accepted message in bytes; longer lines are refused with -32600 and skipped.
         #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = crate::mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
         max_message_bytes: usize,
@@ -176,6 +180,13 @@ pub enum Command {
         /// conformance tests only; never enable it on a real daemon.
         #[arg(long, hide = true)]
         conformance_fixtures: bool,
+        /// Seconds a sandbox pairing (POST /sandbox/pair) waits for the developer's approval
+        /// before it expires.
+        #[arg(long, env = "VALEM_PAIRING_TTL", default_value_t = 600.0, value_parser = seconds)]
+        pairing_ttl: f64,
+        /// Seconds the pairing agent is told to wait between token polls (`intervalSec`).
+        #[arg(long, env = "VALEM_PAIRING_INTERVAL", default_value_t = 3.0, value_parser = seconds)]
+        pairing_interval: f64,
     },
     /// Load the plugins as `valem serve` would (same flags) and list them: name, kind, version,
     /// SDK and rustc versions, path, and each one's tools or topics; libraries that did not load
@@ -604,6 +615,7 @@ fn run(cli: Cli) -> Result<i32, String> {
         Command::Mcp {
             url,
             api_key,
+            browser,
             max_message_bytes,
             shards,
             max_models,
@@ -613,7 +625,13 @@ fn run(cli: Cli) -> Result<i32, String> {
         } => {
             crate::engine::jit::set_enabled(jit);
             if let Some(url) = url {
-                return Ok(mcp_proxy(&url, api_key, max_message_bytes, &plugins));
+                return Ok(mcp_proxy(
+                    &url,
+                    api_key,
+                    browser,
+                    max_message_bytes,
+                    &plugins,
+                ));
             }
             let (plugins, guidance) = match load_plugins("mcp", &plugins, store.data_dir.as_deref())
             {
@@ -716,6 +734,8 @@ fn run(cli: Cli) -> Result<i32, String> {
             store,
             plugins,
             conformance_fixtures,
+            pairing_ttl,
+            pairing_interval,
         } => {
             crate::engine::jit::set_enabled(jit);
             init_logging();
@@ -756,6 +776,8 @@ fn run(cli: Cli) -> Result<i32, String> {
                 header_timeout: std::time::Duration::from_secs_f64(header_timeout),
                 request_timeout: std::time::Duration::from_secs_f64(request_timeout),
                 conformance_fixtures,
+                pairing_ttl: std::time::Duration::from_secs_f64(pairing_ttl),
+                pairing_interval: std::time::Duration::from_secs_f64(pairing_interval),
                 ..Default::default()
             };
             let keyed = config.api_key.is_some();
@@ -1055,6 +1077,7 @@ fn open_service(
 fn mcp_proxy(
     url: &str,
     api_key: Option<String>,
+    browser: bool,
     max_message_bytes: usize,
     plugin_args: &PluginArgs,
 ) -> i32 {
@@ -1083,7 +1106,12 @@ fn mcp_proxy(
     }
     // Authoring tools only: they never touch this service's registry.
     let service = crate::service::ModelService::new(1, Default::default());
-    let server = crate::mcp::Server::new(service, guidance, crate::mcp::Mode::Proxy);
+    let mode = if browser {
+        crate::mcp::Mode::ProxyWithBrowser
+    } else {
+        crate::mcp::Mode::Proxy
+    };
+    let server = crate::mcp::Server::new(service, guidance, mode);
     eprintln!(
         "valem mcp {}: proxy to {url}; reading JSON-RPC on stdin",
         env!("CARGO_PKG_VERSION")
@@ -1093,7 +1121,7 @@ fn mcp_proxy(
     let stdin = std::io::stdin().lock();
     match crate::mcp::stdio::serve_with(
         move |out| -> std::sync::Arc<dyn crate::mcp::Handler> {
-            crate::mcp::proxy::Proxy::new(server, &url, key, out)
+            crate::mcp::proxy::Proxy::new(server, &url, key, out, browser)
         },
         stdin,
         std::io::stdout(),

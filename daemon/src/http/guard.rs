@@ -20,14 +20,34 @@ pub async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Resp
     if req.uri().path() == "/healthz" {
         return next.run(req).await;
     }
-    if let Err(r) = check(&st.config, req.headers(), req.uri()) {
+    // The sandbox page and the browser's half of pairing need no API key; a live session
+    // token stands in for it on the paths it opens.
+    let path = req.uri().path();
+    let keyless = super::sandbox::is_public(req.method(), path)
+        || (super::sandbox::session_may_use(path)
+            && req
+                .headers()
+                .get(super::sandbox::SESSION_HEADER)
+                .and_then(|t| t.to_str().ok())
+                .or_else(|| {
+                    path.ends_with("/subscribe")
+                        .then(|| query_param(req.uri(), "session"))
+                        .flatten()
+                })
+                .is_some_and(|t| st.pairings.session(t.trim()).is_some()));
+    if let Err(r) = check(&st.config, req.headers(), req.uri(), keyless) {
         st.metrics.rejected(r.status().as_u16());
         return r;
     }
     next.run(req).await
 }
 
-fn check(cfg: &Config, headers: &HeaderMap, uri: &axum::http::Uri) -> Result<(), Response> {
+fn check(
+    cfg: &Config,
+    headers: &HeaderMap,
+    uri: &axum::http::Uri,
+    keyless: bool,
+) -> Result<(), Response> {
     let host = headers
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
@@ -50,7 +70,7 @@ fn check(cfg: &Config, headers: &HeaderMap, uri: &axum::http::Uri) -> Result<(),
             )));
         }
     }
-    if let Some(key) = &cfg.api_key {
+    if let Some(key) = cfg.api_key.as_ref().filter(|_| !keyless) {
         let presented = bearer(headers).or_else(|| query_token(uri));
         match presented {
             Some(p) if constant_time_eq(p.as_bytes(), key.as_bytes()) => {}
@@ -139,9 +159,15 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 /// `?token=` of the WebSocket handshake (browsers cannot set headers on it).
 fn query_token(uri: &axum::http::Uri) -> Option<&str> {
-    uri.query()?
-        .split('&')
-        .find_map(|kv| kv.strip_prefix("token="))
+    query_param(uri, "token")
+}
+
+fn query_param<'a>(uri: &'a axum::http::Uri, name: &str) -> Option<&'a str> {
+    uri.query()?.split('&').find_map(|kv| {
+        kv.split_once('=')
+            .filter(|(k, _)| *k == name)
+            .map(|(_, v)| v)
+    })
 }
 
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -29,6 +29,7 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value as Json};
 use tokio::sync::mpsc;
 
+use super::sandbox::Scoped;
 use super::AppState;
 use crate::mcp::{code, Outbox, Session, PROTOCOL_VERSIONS};
 
@@ -53,6 +54,9 @@ struct Outbound {
 
 pub struct HttpSession {
     session: Arc<Session>,
+    /// The sandbox session it was opened in (with `X-Session-Token`): every message of it is
+    /// scoped to that session's models.
+    scope: Option<Scoped>,
     out: Arc<Mutex<Outbound>>,
     last_used: Mutex<Instant>,
 }
@@ -216,6 +220,7 @@ fn is_initialize(msg: &Json) -> bool {
 
 async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
     let headers = req.headers().clone();
+    let scoped = req.extensions().get::<Scoped>().cloned();
     let limit = st.config.max_body_bytes;
     let too_large = || {
         rpc_error(
@@ -257,7 +262,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             )
         }
     };
-    let msg: Json = match serde_json::from_slice(&body) {
+    let mut msg: Json = match serde_json::from_slice(&body) {
         Ok(m) => m,
         Err(e) => {
             return rpc_error(
@@ -276,7 +281,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
                 "initialize must be sent without Mcp-Session-Id (it opens a new session)",
             );
         }
-        match open_session(&st) {
+        match open_session(&st, scoped.clone()) {
             Ok((sid, hs)) => (sid, hs, true),
             Err(r) => return r,
         }
@@ -285,6 +290,36 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             Ok((sid, hs)) => (sid, hs, false),
             Err(r) => return r,
         }
+    };
+    // A sandbox session is used with its own token only, and an operator's session never with one.
+    match (&hs.scope, &scoped) {
+        (None, None) => {}
+        (Some(a), Some(b)) if a.ns == b.ns => {}
+        (Some(_), _) => {
+            return rpc_error(
+                StatusCode::FORBIDDEN,
+                code::INVALID_REQUEST,
+                "this MCP session belongs to a sandbox session: send its X-Session-Token",
+            )
+        }
+        (None, Some(_)) => {
+            return rpc_error(
+                StatusCode::FORBIDDEN,
+                code::INVALID_REQUEST,
+                "this MCP session was opened without a session token; a token cannot join it",
+            )
+        }
+    }
+    let request = msg.clone();
+    let scope = hs.scope.clone();
+    if let Some(s) = &scope {
+        s.inbound_rpc(&mut msg);
+    }
+    let out = move |mut r: Json| {
+        if let Some(s) = &scope {
+            s.outbound_rpc(&request, &mut r);
+        }
+        r
     };
     if !needs_reply(&msg) {
         let session = hs.session.clone();
@@ -300,7 +335,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
     let session = hs.session.clone();
     if let Some(call) = session.call_deferred(&msg) {
         // A cycle: await the shard; the worker serves other connections meanwhile.
-        let reply = call.await;
+        let reply = call.await.map(&out);
         return with_session_header(
             plain_reply(&st, created, &sid, reply, json_ok),
             created,
@@ -329,10 +364,14 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
                 "the request's worker failed",
             );
         };
-        let emitted = emitted
+        let reply = reply.map(&out);
+        let emitted: Vec<Json> = emitted
             .lock()
             .map(|mut e| std::mem::take(&mut *e))
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .into_iter()
+            .map(&out)
+            .collect();
         let res = if emitted.is_empty() {
             plain_reply(&st, created, &sid, reply, json_ok)
         } else {
@@ -366,7 +405,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
                     )
                 }
             };
-            plain_reply(&st, created, &sid, reply, json_ok)
+            plain_reply(&st, created, &sid, reply.map(&out), json_ok)
         }
         Some(first) => {
             let rest = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
@@ -375,7 +414,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             let all = stream::once(async move { first })
                 .chain(rest)
                 .chain(reply)
-                .map(|m| Ok::<_, Infallible>(message_event(&m)));
+                .map(move |m| Ok::<_, Infallible>(message_event(&out(m))));
             Sse::new(all).into_response()
         }
     };
@@ -427,7 +466,10 @@ fn plain_reply(
     }
 }
 
-fn open_session(st: &AppState) -> Result<(String, Arc<HttpSession>), Response> {
+fn open_session(
+    st: &AppState,
+    scope: Option<Scoped>,
+) -> Result<(String, Arc<HttpSession>), Response> {
     if st.sessions.len() >= st.sessions.max {
         st.sessions.reap();
         if st.sessions.len() >= st.sessions.max {
@@ -450,7 +492,16 @@ fn open_session(st: &AppState) -> Result<(String, Arc<HttpSession>), Response> {
     };
     let out: Arc<Mutex<Outbound>> = Arc::default();
     let sink = out.clone();
+    let strip = scope.clone();
     let outbox: Outbox = Arc::new(move |msg: &Json| {
+        let msg = &match &strip {
+            Some(s) => {
+                let mut m = msg.clone();
+                s.strip(&mut m);
+                m
+            }
+            None => msg.clone(),
+        };
         let Ok(mut o) = sink.lock() else { return };
         o.streams.retain(|s| !s.is_closed());
         // Round-robin: the first live stream takes it, then goes to the back.
@@ -470,6 +521,7 @@ fn open_session(st: &AppState) -> Result<(String, Arc<HttpSession>), Response> {
     let session = Session::new(st.mcp.clone(), outbox);
     let hs = Arc::new(HttpSession {
         session,
+        scope,
         out,
         last_used: Mutex::new(Instant::now()),
     });

@@ -16,6 +16,7 @@ pub mod guard;
 pub mod mcp;
 pub mod metrics;
 pub mod rest;
+pub mod sandbox;
 pub mod ws;
 
 use std::net::SocketAddr;
@@ -62,6 +63,10 @@ pub struct Config {
     pub mcp_session_idle: Duration,
     /// Serve the conformance suite's fixture tools, resources and prompts (tests only).
     pub conformance_fixtures: bool,
+    /// How long a sandbox pairing waits for the developer's approval.
+    pub pairing_ttl: Duration,
+    /// How often the agent is told to poll for the pairing's token.
+    pub pairing_interval: Duration,
 }
 
 impl Default for Config {
@@ -79,6 +84,8 @@ impl Default for Config {
             max_subscriptions: 4096,
             mcp_session_idle: Duration::from_secs(3600),
             conformance_fixtures: false,
+            pairing_ttl: Duration::from_secs(600),
+            pairing_interval: Duration::from_secs(3),
         }
     }
 }
@@ -93,6 +100,8 @@ pub struct AppState {
     pub sessions: Arc<mcp::Sessions>,
     /// Open WebSocket subscriptions.
     pub subscriptions: Arc<std::sync::atomic::AtomicUsize>,
+    /// Sandbox pairings and the browser sessions they opened.
+    pub pairings: Arc<sandbox::Pairings>,
     /// Flips to true when the daemon starts shutting down: long-lived streams end.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -110,7 +119,12 @@ impl AppState {
             config.max_mcp_sessions,
             config.mcp_session_idle,
         ));
+        let pairings = Arc::new(sandbox::Pairings::new(
+            config.pairing_ttl,
+            config.pairing_interval,
+        ));
         let state = AppState {
+            pairings,
             service,
             mcp,
             config: Arc::new(config),
@@ -167,15 +181,24 @@ pub fn error_response(status: StatusCode, body: Json) -> Response {
 /// The whole application: routes, guard, limits.
 pub fn router(state: AppState) -> Router {
     // The guard wraps every route and the fallback (an unknown path answers 401/403 like a
-    // known one: no probing without the key); it lets `/healthz` through itself.
-    Router::new()
+    // known one: no probing without the key); it lets `/healthz` through itself. Sandbox
+    // scoping rewrites a session's model ids before routing, so it wraps the routed app.
+    let routed = Router::new()
         .route("/healthz", get(healthz))
         .merge(rest::routes(&state))
         .merge(ws::routes(&state))
         .merge(mcp::routes(&state))
+        .merge(sandbox::routes())
         .route("/metrics", get(metrics::serve))
         .route("/plugins", get(plugins))
         .fallback(not_found)
+        .with_state(state.clone());
+    Router::new()
+        .fallback_service(routed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            sandbox::scope,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), guard::guard))
         .layer(middleware::from_fn_with_state(
             state.clone(),

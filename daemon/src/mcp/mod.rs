@@ -7,6 +7,7 @@
 pub mod fixtures;
 pub mod guidance;
 pub mod ops;
+pub mod pairing;
 pub mod proxy;
 pub mod resources;
 pub mod stdio;
@@ -66,6 +67,8 @@ pub enum Mode {
     DaemonWithFixtures,
     /// `valem mcp --url`: model tools run on a daemon, authoring tools here.
     Proxy,
+    /// `valem mcp --url --browser`: the proxy, plus `pair_browser` to share a sandbox session.
+    ProxyWithBrowser,
 }
 
 /// What every session shares: the service, the tool catalog, the guidance topics, the plugins.
@@ -145,6 +148,13 @@ impl Server {
             }
             Mode::Daemon | Mode::DaemonWithFixtures | Mode::Proxy => {
                 "Models live on a shared daemon: other clients may read and change them too."
+            }
+            Mode::ProxyWithBrowser => {
+                "Models live on a shared daemon. Call pair_browser first: it pairs you with the \
+                 developer's browser tab, and from then on the models you create appear there live \
+                 and the developer's edits reach you (subscribe to valem://state/{id}). Model ids \
+                 are scoped to the paired session. Prefer dry_run before evolve_spec on a shared \
+                 model; evolutions that would strand its state are rejected."
             }
         }
     }
@@ -280,6 +290,11 @@ impl Session {
     /// Did the client declare this capability (`sampling`, `elicitation`, …) at initialize?
     pub fn client_can(&self, capability: &str) -> bool {
         self.lock().client_capabilities.get(capability).is_some()
+    }
+
+    /// The client's declaration of a capability at initialize, if any.
+    pub fn client_capability(&self, capability: &str) -> Option<Json> {
+        self.lock().client_capabilities.get(capability).cloned()
     }
 
     /// Send the client a request (on `io`, else the session's outbox) and wait for its
@@ -563,6 +578,7 @@ impl Session {
                     Mode::Embedded => "embedded, in-memory",
                     Mode::Daemon | Mode::DaemonWithFixtures => "daemon, shared models",
                     Mode::Proxy => "proxy to a daemon",
+                    Mode::ProxyWithBrowser => "proxy to a daemon, browser pairing",
                 };
                 self.log(
                     "info",

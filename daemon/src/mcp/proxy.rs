@@ -6,14 +6,15 @@
 //! arrive on its GET stream and are relayed to stdout. When the daemon is down a call gets a
 //! clear error; the next call reconnects (a new upstream session, subscriptions re-made).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader, Read};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value as Json};
 
+use super::pairing::{self, Pairing};
 use super::{code, tools, Handler, Outbox, Server, Session, PROTOCOL_VERSIONS};
 
 /// The upstream revision we ask the daemon for.
@@ -22,14 +23,90 @@ const UPSTREAM_VERSION: &str = "2025-11-25";
 pub struct Proxy {
     local: Arc<Session>,
     up: Arc<Upstream>,
+    /// `--browser`: `pair_browser` is offered.
+    browser: bool,
+    pairing: Arc<Pairing>,
+    /// Running `pair_browser` calls by request id: set to cancel.
+    waits: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>>,
 }
 
 impl Proxy {
-    pub fn new(server: Arc<Server>, url: &str, api_key: Option<String>, out: Outbox) -> Arc<Proxy> {
+    pub fn new(
+        server: Arc<Server>,
+        url: &str,
+        api_key: Option<String>,
+        out: Outbox,
+        browser: bool,
+    ) -> Arc<Proxy> {
+        let pairing = Arc::new(Pairing::default());
+        let mut up = Upstream::new(url, api_key, out.clone());
+        up.session_token = pairing.token.clone();
         Arc::new(Proxy {
-            local: Session::new(server, out.clone()),
-            up: Arc::new(Upstream::new(url, api_key, out)),
+            local: Session::new(server, out),
+            up: Arc::new(up),
+            browser,
+            pairing,
+            waits: Arc::default(),
         })
+    }
+
+    fn is_pair_call(&self, msg: &Json) -> bool {
+        self.browser
+            && msg.get("method").and_then(|m| m.as_str()) == Some("tools/call")
+            && msg.pointer("/params/name").and_then(|n| n.as_str()) == Some("pair_browser")
+    }
+
+    /// `pair_browser` on its own thread; its reply is written when it is done (none if the
+    /// client cancelled it).
+    fn start_pairing(&self, msg: Json) {
+        let Some(id) = msg.get("id").cloned() else {
+            return;
+        };
+        let key = id.to_string();
+        let flag = Arc::new(AtomicBool::new(false));
+        if let Ok(mut w) = self.waits.lock() {
+            w.insert(key.clone(), flag.clone());
+        }
+        let progress_token = msg.pointer("/params/_meta/progressToken").cloned();
+        let local = self.local.clone();
+        let up = self.up.clone();
+        let pairing = self.pairing.clone();
+        let waits = self.waits.clone();
+        let spawned = std::thread::Builder::new()
+            .name("valem-pair".into())
+            .spawn(move || {
+                let env = pairing::Env {
+                    base: &up.base,
+                    agent: &up.agent,
+                    api_key: up.api_key.as_deref(),
+                    local: &local,
+                    cancelled: &flag,
+                    progress_token,
+                };
+                let reply = pairing.call(&env);
+                if let Ok(mut w) = waits.lock() {
+                    w.remove(&key);
+                }
+                if reply
+                    .as_ref()
+                    .and_then(|r| r.pointer("/structuredContent/status"))
+                    .and_then(|s| s.as_str())
+                    == Some("paired")
+                {
+                    // The next upstream request opens a session scoped to the paired one.
+                    up.reset();
+                }
+                if let Some(r) = reply {
+                    local.notify(None, &json!({"jsonrpc": "2.0", "id": id, "result": r}));
+                }
+            });
+        if spawned.is_err() {
+            self.local.notify(
+                None,
+                &json!({"jsonrpc": "2.0", "id": msg.get("id"), "error": {
+                    "code": code::INTERNAL_ERROR, "message": "could not start the pairing thread"}}),
+            );
+        }
     }
 
     /// Does this request go to the daemon?
@@ -87,11 +164,22 @@ impl Proxy {
 
     fn handle_one(&self, msg: Json) -> Option<Json> {
         let initialized = self.local.protocol_version().is_some();
-        if initialized && msg.get("id").is_some() && Proxy::remote(&msg) {
+        if initialized && msg.get("id").is_some() && self.is_pair_call(&msg) {
+            self.start_pairing(msg);
+            None
+        } else if initialized && msg.get("id").is_some() && Proxy::remote(&msg) {
             self.forward(msg)
         } else if initialized && msg.get("method").and_then(|m| m.as_str()) == Some("tools/list") {
             let mut reply = self.local.handle(msg)?;
             self.add_daemon_tools(&mut reply);
+            if self.browser {
+                if let Some(t) = reply
+                    .pointer_mut("/result/tools")
+                    .and_then(|t| t.as_array_mut())
+                {
+                    t.push(pairing::tool_json());
+                }
+            }
             Some(reply)
         } else {
             self.local.handle(msg)
@@ -132,6 +220,18 @@ impl Proxy {
 
 impl Handler for Proxy {
     fn intercept(&self, msg: &Json) -> bool {
+        if msg.get("method").and_then(|m| m.as_str()) == Some("notifications/cancelled") {
+            if let Some(rid) = msg.pointer("/params/requestId") {
+                if let Some(flag) = self
+                    .waits
+                    .lock()
+                    .ok()
+                    .and_then(|w| w.get(&rid.to_string()).cloned())
+                {
+                    flag.store(true, Ordering::SeqCst);
+                }
+            }
+        }
         self.local.intercept(msg)
     }
 
@@ -175,6 +275,8 @@ struct Upstream {
     /// `…/mcp`
     endpoint: String,
     api_key: Option<String>,
+    /// The paired sandbox session's token (`--browser`, once paired): sent on every request.
+    session_token: Arc<Mutex<Option<String>>>,
     agent: ureq::Agent,
     stream_agent: ureq::Agent,
     state: Mutex<UpState>,
@@ -210,6 +312,7 @@ impl Upstream {
             base: url.trim_end_matches('/').to_string(),
             endpoint: endpoint_of(url),
             api_key,
+            session_token: Arc::default(),
             agent,
             stream_agent,
             state: Mutex::new(UpState {
@@ -266,6 +369,18 @@ impl Upstream {
             }
         }
         Err("the daemon dropped the session twice".into())
+    }
+
+    fn token(&self) -> Option<String> {
+        self.session_token.lock().ok().and_then(|t| t.clone())
+    }
+
+    /// Forget the upstream session (the next call opens a new one, with the current token).
+    fn reset(&self) {
+        let mut st = self.lock();
+        if st.session.take().is_some() {
+            self.generation.fetch_add(1, Ordering::SeqCst);
+        }
     }
 
     fn drop_session(&self, sid: &str) {
@@ -331,6 +446,9 @@ impl Upstream {
         if let Some(k) = &self.api_key {
             r = r.header("Authorization", &format!("Bearer {k}"));
         }
+        if let Some(t) = self.token() {
+            r = r.header("X-Session-Token", &t);
+        }
         r
     }
 
@@ -378,6 +496,7 @@ impl Upstream {
         let agent = self.stream_agent.clone();
         let endpoint = self.endpoint.clone();
         let key = self.api_key.clone();
+        let token = self.token();
         let out = self.out.clone();
         let current = self.generation.clone();
         let _ = std::thread::Builder::new()
@@ -392,6 +511,9 @@ impl Upstream {
                         .header("MCP-Protocol-Version", &version);
                     if let Some(k) = &key {
                         r = r.header("Authorization", &format!("Bearer {k}"));
+                    }
+                    if let Some(t) = &token {
+                        r = r.header("X-Session-Token", t);
                     }
                     match r.call() {
                         Ok(res) if res.status().as_u16() == 200 => {
