@@ -10,6 +10,7 @@ let current = null; // the selected model id
 let currentView = null; // the selected view id
 let socket = null;
 let listTimer = null;
+let spec = null; // the selected model's spec (schema and whether it has a view)
 
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
@@ -131,6 +132,7 @@ function selectModel(id) {
   for (const b of $("model-list").querySelectorAll("button")) b.setAttribute("aria-current", b.dataset.id === id ? "true" : "false");
   $("model-title").textContent = id;
   $("explain-body").replaceChildren();
+  spec = null;
   subscribe(id);
   render();
 }
@@ -139,7 +141,11 @@ function subscribe(id) {
   if (socket) { socket.onclose = null; socket.close(); }
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
   socket = new WebSocket(proto + "//" + location.host + "/models/" + encodeURIComponent(id) + "/subscribe?session=" + encodeURIComponent(token));
-  socket.onmessage = () => { if (current === id) render(); };
+  socket.onmessage = (ev) => {
+    if (current !== id) return;
+    try { if (JSON.parse(ev.data).kind === "spec-evolved") spec = null; } catch (_) { /* a frame we do not know */ }
+    render();
+  };
   socket.onclose = () => { if (current === id) setTimeout(() => current === id && subscribe(id), 1000); };
 }
 
@@ -147,8 +153,15 @@ async function render() {
   const id = current;
   if (!id) return;
   const enc = encodeURIComponent(id);
+  if (!spec) {
+    const s = await api("GET", "/models/" + enc + "/spec");
+    if (id !== current) return;
+    spec = s.ok ? s.data : {};
+  }
+  const hasView = !!(spec.viewDefinition && (spec.viewDefinition.views || []).length);
+  const noView = { ok: false };
   const [view, state] = await Promise.all([
-    api("GET", "/models/" + enc + "/view" + (currentView ? "/" + encodeURIComponent(currentView) : "")),
+    hasView ? api("GET", "/models/" + enc + "/view" + (currentView ? "/" + encodeURIComponent(currentView) : "")) : noView,
     api("GET", "/models/" + enc + "/state"),
   ]);
   if (id !== current) return;
@@ -161,8 +174,9 @@ async function render() {
     form.replaceChildren(...(view.data.components || []).map(renderComponent).filter(Boolean));
   } else {
     $("view-tabs").replaceChildren();
-    // No viewDefinition: every top-level field of the state, editable where it is a scalar.
-    form.replaceChildren(...genericFields(state.ok ? state.data : {}));
+    if (hasView && view.data) $("view-error").textContent = view.data.message || view.data.error || "The view could not be evaluated";
+    // No viewDefinition: the schema's top-level fields, editable unless derived or read-only.
+    form.replaceChildren(...genericFields(spec, state.ok ? state.data : {}));
   }
   if (focused && $(focused)) $(focused).focus();
 }
@@ -179,9 +193,10 @@ let seq = 0;
 const uid = (c) => "f-" + (c.id || "c") .replace(/[^A-Za-z0-9_-]/g, "_") + "-" + (++seq);
 
 const INPUTS = new Set(["textField", "numericField", "numberField", "currencyField", "percentField", "slider",
-  "checkboxField", "switchField", "toggle", "selectField", "radioField", "dateField", "textArea", "textAreaField",
-  "emailField", "comboBox", "ratingField"]);
-const NUMERIC = new Set(["numericField", "numberField", "currencyField", "percentField", "slider", "ratingField"]);
+  "sliderField", "checkboxField", "switchField", "toggle", "toggleField", "selectField", "radioField", "dateField",
+  "textArea", "textAreaField", "emailField", "comboBox", "ratingField"]);
+const NUMERIC = new Set(["numericField", "numberField", "currencyField", "percentField", "slider", "sliderField", "ratingField"]);
+const BOOLEAN = new Set(["checkboxField", "switchField", "toggle", "toggleField"]);
 
 function whyButton(bind) {
   if (!bind) return null;
@@ -192,7 +207,7 @@ function renderComponent(c) {
   if (!c || c.visible === false) return null;
   const label = c.label || c.text || c.id || c.bind || "";
   if (Array.isArray(c.components)) {
-    const fs = el("fieldset", { "data-component": c.id }, el("legend", { text: c.label || c.id || c.type }));
+    const fs = el("fieldset", { "data-component": c.id }, c.label ? el("legend", { text: c.label }) : null);
     for (const sub of c.components) { const r = renderComponent(sub); if (r) fs.append(r); }
     return fs;
   }
@@ -206,7 +221,17 @@ function renderComponent(c) {
     return fs;
   }
   if (INPUTS.has(c.type) && c.bind) return renderInput(c, label);
-  if (c.type === "dataTable" && Array.isArray(c.value)) return renderTable(c, label);
+  if ((c.type === "dataTable" || c.type === "dataChart") && Array.isArray(c.value)) return renderTable(c, label);
+  if (c.type === "separatorLine" || c.type === "divider") return el("hr", {});
+  if (c.type === "spacer") return el("div", { style: "height:" + (Number(c.size) || 16) + "px" });
+  if (c.type === "button") return el("div", { class: "field" }, el("button", { type: "button", class: "secondary", disabled: true, title: "Actions run from the agent, not the sandbox", text: label }));
+  if (Array.isArray(c.items)) {
+    return el("dl", { class: "field", "data-component": c.id }, el("dt", { class: "muted", text: c.label || "" }),
+      ...c.items.map((it) => el("dd", {}, el("span", { class: "muted", text: (it.label || it.bind || "") + ": " }),
+        el("span", { class: "value", text: fmt(it.value !== undefined && it.value !== null ? it.value : it.text) }), " ",
+        it.bind && !String(it.bind).includes("[*]") ? whyButton(it.bind) : null)));
+  }
+  if (c.type === "jsonViewer") return el("div", { class: "field" }, el("span", { class: "muted", text: label }), el("pre", { text: JSON.stringify(c.value, null, 2) }));
   const shown = c.value !== undefined ? c.value : c.text;
   return el("div", { class: "field", "data-component": c.id, "data-bind": c.bind },
     el("span", { class: "muted", text: (c.type === "label" && c.value === undefined ? "" : label) }), " ",
@@ -219,7 +244,7 @@ function renderInput(c, label) {
   const err = el("p", { class: "error", role: "alert", id: id + "-err" });
   const readOnly = c.readOnly === true || c.enabled === false;
   let input;
-  if (c.type === "checkboxField" || c.type === "switchField" || c.type === "toggle") {
+  if (BOOLEAN.has(c.type)) {
     input = el("input", { type: "checkbox", id, disabled: readOnly });
     input.checked = c.value === true;
   } else if (Array.isArray(c.options) && c.options.length) {
@@ -265,14 +290,22 @@ function renderTable(c, label) {
       el("tbody", {}, ...rows.map((r) => el("tr", {}, ...cols.map((k) => el("td", { text: fmt(r && typeof r === "object" ? r[key(k.key)] : r) })))))));
 }
 
-function genericFields(state) {
+function genericFields(spec, state) {
   const out = [el("p", { class: "muted", text: "This model has no view; its fields:" })];
-  for (const [k, v] of Object.entries(state || {})) {
+  const props = (spec.schema && spec.schema.properties) || {};
+  const derived = new Set((spec.derivations || []).map((d) => String(d.path || "")));
+  const keys = [...new Set([...Object.keys(props), ...Object.keys(state || {})])];
+  for (const k of keys) {
     const bind = "$." + k;
-    if (v === null || typeof v !== "object") {
-      out.push(renderInput({ id: k, type: typeof v === "boolean" ? "checkboxField" : (typeof v === "number" ? "numericField" : "textField"), bind, value: v }, k));
+    const p = props[k] || {};
+    const v = state ? state[k] : undefined;
+    const t = p.type || typeof v;
+    if (derived.has(bind) || p.readOnly || (v !== null && v !== undefined && typeof v === "object")) {
+      out.push(el("div", { class: "field", "data-bind": bind }, el("span", { class: "muted", text: k }), " ",
+        el("span", { class: "value", text: fmt(v) }), " ", derived.has(bind) ? whyButton(bind) : null));
     } else {
-      out.push(el("div", { class: "field" }, el("span", { class: "muted", text: k }), " ", el("span", { class: "value", text: fmt(v) })));
+      const type = t === "boolean" ? "checkboxField" : (t === "number" || t === "integer" ? "numericField" : "textField");
+      out.push(renderInput({ id: k, type, bind, value: v, min: p.minimum, max: p.maximum }, k));
     }
   }
   return out;
