@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tungstenite::client::IntoClientRequest;
 use valem_tests::{Daemon, Http, Mcp};
 
 const KEY: &str = "k3y-for-pairing-tests";
@@ -176,6 +177,18 @@ fn pair_browser_without_elicitation_shares_a_scoped_session() {
         listed.contains("\"demo\"") && !listed.contains("other"),
         "{listed}"
     );
+    // The page's WebSocket: the session token on the handshake's query (no API key).
+    let req = format!(
+        "ws://{}/models/demo/subscribe?session={browser_token}",
+        d.addr
+    )
+    .into_client_request()
+    .expect("a WebSocket request");
+    let stream = std::net::TcpStream::connect(&d.addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    let (mut ws, _) = tungstenite::client(req, stream).expect("WebSocket upgrade");
     let edit = browser.post(
         "/models/demo/mutations",
         &[("Content-Type", "application/json"), scoped[0]],
@@ -195,6 +208,15 @@ fn pair_browser_without_elicitation_shares_a_scoped_session() {
             break;
         }
     }
+    let frame = loop {
+        match ws.read().expect("a frame") {
+            tungstenite::Message::Text(t) => {
+                break serde_json::from_str::<Value>(t.as_str()).unwrap()
+            }
+            _ => continue,
+        }
+    };
+    assert_eq!(frame["modelId"], "demo", "{frame}");
     let total = m.tool(9, "get_field", json!({"id": "demo", "path": "$.total"}));
     assert_eq!(
         total["content"][0]["text"].as_str().map(str::trim),

@@ -59,6 +59,7 @@ async fn subscribe(
     State(st): State<AppState>,
     P(id): P<String>,
     q: Params,
+    scoped: Option<axum::Extension<super::sandbox::Scoped>>,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let ws = ws.map_err(|r| {
@@ -105,10 +106,15 @@ async fn subscribe(
     .await?;
 
     let stop = st.shutdown.clone();
+    // A sandbox session's frames name the model by the session's own id.
+    let shown = match scoped {
+        Some(axum::Extension(s)) => id.strip_prefix(&s.prefix()).unwrap_or(&id).to_string(),
+        None => id,
+    };
     Ok(ws
         .max_message_size(MAX_CLIENT_MESSAGE)
         .on_upgrade(move |socket| async move {
-            run(socket, id, rx, overflow, paths, stop).await;
+            run(socket, shown, rx, overflow, paths, stop).await;
             drop(slot);
         })
         .into_response())
