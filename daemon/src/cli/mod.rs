@@ -90,6 +90,8 @@ pub enum Command {
         store: StoreArgs,
         #[command(flatten)]
         plugins: PluginArgs,
+        #[command(flatten)]
+        effects: EffectsArgs,
     },
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///
@@ -176,6 +178,8 @@ pub enum Command {
         store: StoreArgs,
         #[command(flatten)]
         plugins: PluginArgs,
+        #[command(flatten)]
+        effects: EffectsArgs,
         /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
         /// conformance tests only; never enable it on a real daemon.
         #[arg(long, hide = true)]
@@ -622,6 +626,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             jit,
             store,
             plugins,
+            effects,
         } => {
             crate::engine::jit::set_enabled(jit);
             if let Some(url) = url {
@@ -648,6 +653,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Err(code) => return Ok(code),
             };
             attach_plugins("mcp", &service, &plugins);
+            let _effects = crate::service::effects::Runner::start(&service, effects.config());
             let server = crate::mcp::Server::with_plugins(
                 service.clone(),
                 guidance,
@@ -733,6 +739,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             jit,
             store,
             plugins,
+            effects,
             conformance_fixtures,
             pairing_ttl,
             pairing_interval,
@@ -760,6 +767,8 @@ fn run(cli: Cli) -> Result<i32, String> {
                 crate::mcp::Mode::Daemon
             };
             attach_plugins("serve", &service, &plugins);
+            // Effect executors: resume what the last run left, then run new dispatches.
+            let _effects = crate::service::effects::Runner::start(&service, effects.config());
             let server = crate::mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
             let config = crate::http::Config {
                 listen,
@@ -858,6 +867,47 @@ pub struct StoreArgs {
     /// space). Past it writes fail as on a full disk, and work again once there is room.
     #[arg(long, env = "VALEM_MAX_DB_BYTES")]
     pub max_db_bytes: Option<u64>,
+}
+
+/// What effect executors may do (`valem serve` and the embedded `valem mcp`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct EffectsArgs {
+    /// Comma-separated hosts `server` effects may call (`*`: any host). Empty (the default)
+    /// refuses every call: effects reach nothing until the operator lists a destination.
+    #[arg(
+        long,
+        env = "VALEM_EFFECTS_ALLOWED_HOSTS",
+        value_delimiter = ',',
+        value_name = "HOSTS"
+    )]
+    pub effects_allowed_hosts: Vec<String>,
+    /// Let `server` effects reach loopback, private (RFC 1918), link-local and other non-public
+    /// addresses. Off by default: a listed host that resolves to one is refused.
+    #[arg(long, env = "VALEM_EFFECTS_ALLOW_PRIVATE_IPS", value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1, default_missing_value = "true", default_value = "false", value_name = "BOOL")]
+    pub effects_allow_private_ips: bool,
+    /// Largest response body a `server` effect folds back, in bytes.
+    #[arg(long, env = "VALEM_EFFECTS_MAX_RESPONSE_BYTES", default_value_t = 1 << 20)]
+    pub effects_max_response_bytes: usize,
+    /// Seconds a `server` effect call may take when its policy names no `timeoutMs`.
+    #[arg(long, env = "VALEM_EFFECTS_TIMEOUT", default_value_t = 5.0, value_parser = seconds)]
+    pub effects_timeout: f64,
+}
+
+impl EffectsArgs {
+    pub fn config(&self) -> crate::service::effects::EffectsConfig {
+        crate::service::effects::EffectsConfig {
+            allowed_hosts: self
+                .effects_allowed_hosts
+                .iter()
+                .map(|h| h.trim().to_string())
+                .filter(|h| !h.is_empty())
+                .collect(),
+            allow_private_ips: self.effects_allow_private_ips,
+            max_response_bytes: self.effects_max_response_bytes,
+            default_timeout: std::time::Duration::from_secs_f64(self.effects_timeout),
+            ..Default::default()
+        }
+    }
 }
 
 /// Which plugins to load (`valem serve`, `valem mcp`, `valem plugins list`).

@@ -7,6 +7,7 @@
 mod audit;
 mod audit_sink;
 mod blobs;
+pub mod effects;
 pub mod metrics;
 mod shard;
 pub mod time;
@@ -113,6 +114,8 @@ impl ModelInfo {
 pub enum Source {
     Client,
     Patch,
+    /// An effect executor folding its outcome back (status, `response.set`).
+    Foldback,
 }
 
 impl Source {
@@ -120,6 +123,7 @@ impl Source {
         match self {
             Source::Client => "client",
             Source::Patch => "patch",
+            Source::Foldback => "foldback",
         }
     }
 }
@@ -165,6 +169,9 @@ pub enum ServiceError {
         "the daemon is overloaded ({0} requests are queued for this model's shard); retry shortly"
     )]
     Busy(usize),
+    /// A fold-back whose effect fired again with another key meanwhile: not applied.
+    #[error("effect `{0}` was superseded: its dedupe key changed while it ran")]
+    Superseded(String),
 }
 
 impl ServiceError {
@@ -894,6 +901,46 @@ impl ModelService {
 
     /// [`mutate`](Self::mutate) for async surfaces: the future waits for the cycle without
     /// blocking its thread.
+    /// An effect's fold-back: applied (as a `foldback` cycle) only while the effect's last
+    /// dedupe key is still `key` — checked on the shard, so no write slips in between.
+    pub fn foldback(
+        &self,
+        id: &str,
+        effect_id: &str,
+        key: Option<Json>,
+        mutations: Vec<(String, Json)>,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let (owned, effect) = (id.to_string(), effect_id.to_string());
+        self.on_model_reply(id, true, move |s, r| {
+            if let Some(k) = &key {
+                let current = s
+                    .entry(&owned)
+                    .map(|e| e.model.state().effect_keys.get(effect.as_str()).cloned());
+                match current {
+                    Ok(c) if c.as_ref() == Some(&crate::value::Val::from_json(k)) => {}
+                    Ok(_) => return r.send(Err(ServiceError::Superseded(effect))),
+                    Err(e) => return r.send(Err(e)),
+                }
+            }
+            s.mutate(&owned, mutations, Source::Foldback, r)
+        })
+        .wait()?
+    }
+
+    /// The dedupe key each effect of the model last fired with.
+    pub fn effect_keys(&self, id: &str) -> Result<Vec<(String, Json)>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model(id, move |s| {
+            let e = s.entry(&owned)?;
+            Ok(e.model
+                .state()
+                .effect_keys
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_json()))
+                .collect())
+        })
+    }
+
     pub fn mutate_async(
         &self,
         id: &str,

@@ -221,6 +221,7 @@ pub fn service_error(e: &ServiceError) -> ApiError {
             "storage",
             "Storage failure",
         ),
+        ServiceError::Superseded(_) => plain(StatusCode::CONFLICT, "superseded", "Superseded"),
         ServiceError::Busy(queued) => {
             let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "busy", "Overloaded");
             r.body["queued"] = json!(queued);

@@ -1,0 +1,367 @@
+//! Effect executors against the real daemon, with a local HTTP server as the `server`
+//! destination: one call per dedupe key (also across a `kill -9` while the call is in flight),
+//! the status lifecycle at `statusPath`, retries of a failing destination, the egress guard
+//! (allow-list, private addresses), a timer scheduled before a restart firing after it, `llm`
+//! reported as not executable, and fold-backs audited as `source: "foldback"`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use valem_tests::{Daemon, Http};
+
+/// A destination that records each request (path and Idempotency-Key) and answers by path:
+/// `/slow…` after 3 s, `/fail` with 500, anything else 200 `{"multiplier": 1.25}`.
+struct Destination {
+    port: u16,
+    hits: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+impl Destination {
+    fn start() -> Destination {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let hits: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+        let h = hits.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let h = h.clone();
+                std::thread::spawn(move || serve(conn, &h));
+            }
+        });
+        Destination { port, hits }
+    }
+
+    fn count(&self, prefix: &str) -> usize {
+        self.hits
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, _)| p.starts_with(prefix))
+            .count()
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.hits
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, k)| k.clone())
+            .collect()
+    }
+}
+
+fn serve(conn: TcpStream, hits: &Mutex<Vec<(String, String)>>) {
+    let mut r = BufReader::new(conn.try_clone().expect("clone"));
+    let mut line = String::new();
+    if r.read_line(&mut line).is_err() {
+        return;
+    }
+    let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+    let mut key = String::new();
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h).is_err() || h.trim().is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            if k.eq_ignore_ascii_case("idempotency-key") {
+                key = v.trim().to_string();
+            }
+        }
+    }
+    hits.lock().unwrap().push((path.clone(), key));
+    if path.starts_with("/slow") {
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    let (status, body) = if path.starts_with("/fail") {
+        (
+            "500 Internal Server Error",
+            "{\"error\":\"down\"}".to_string(),
+        )
+    } else {
+        ("200 OK", "{\"multiplier\":1.25}".to_string())
+    };
+    let mut c = conn;
+    let _ = write!(
+        c,
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+fn spec(port: u16, path: &str, retries: u32) -> Value {
+    json!({
+        "id": "quote",
+        "schema": {"type": "object"},
+        "effects": [{
+            "id": "rate",
+            "executor": "server",
+            "trigger": "region != null",
+            "dedupeKey": "region",
+            "request": {"method": "GET", "url": format!("http://127.0.0.1:{port}{path}?region={{ region }}")},
+            "response": {"set": {"$.multiplier": "$response.multiplier"}},
+            "statusPath": "$.io",
+            "policy": {"retries": retries, "backoff": 50, "timeoutMs": 10000}
+        }]
+    })
+}
+
+fn daemon(dir: &std::path::Path, extra: &[&str]) -> Daemon {
+    let mut args = vec!["--data-dir", dir.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    Daemon::start(&args)
+}
+
+const LOCAL: &[&str] = &[
+    "--effects-allowed-hosts",
+    "127.0.0.1",
+    "--effects-allow-private-ips",
+];
+
+fn state(http: &Http, id: &str) -> Value {
+    http.get(&format!("/models/{id}/state")).json()
+}
+
+/// Poll the state until `ok` holds (bounded).
+fn wait_for(http: &Http, id: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = state(http, id);
+        if ok(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what}: state stayed {s}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn mutate(http: &Http, id: &str, m: Value) {
+    let r = http.post_json(&format!("/models/{id}/mutations"), &m);
+    assert_eq!(r.status, 200, "{r:?}");
+}
+
+fn phase(s: &Value, at: &str) -> String {
+    s[at]["phase"].as_str().unwrap_or("").to_string()
+}
+
+#[test]
+fn a_server_effect_fires_once_per_key_and_folds_back() {
+    let dest = Destination::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), LOCAL);
+    let http = Http::new(&d);
+    assert_eq!(
+        http.post_json("/models", &spec(dest.port, "/rate", 0))
+            .status,
+        201
+    );
+    mutate(&http, "quote", json!({"$.region": "north"}));
+    let s = wait_for(&http, "quote", "applied", |s| phase(s, "io") == "applied");
+    assert_eq!(s["multiplier"], 1.25, "{s}");
+    assert_eq!(s["io"]["key"], "north", "{s}");
+    assert_eq!(dest.count("/rate"), 1);
+    assert_eq!(dest.keys(), vec!["quote/rate/\"north\"".to_string()]);
+    // Other writes, and the same key again: no new call.
+    mutate(&http, "quote", json!({"$.note": "x"}));
+    mutate(&http, "quote", json!({"$.region": "north"}));
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(dest.count("/rate"), 1);
+    // A new key: one more call.
+    mutate(&http, "quote", json!({"$.region": "south"}));
+    wait_for(&http, "quote", "second key", |s| {
+        s["io"]["key"] == "south" && phase(s, "io") == "applied"
+    });
+    assert_eq!(dest.count("/rate"), 2);
+    // The fold-backs are audited as such.
+    let audit = http.get("/models/quote/audit?limit=50").json();
+    let sources: Vec<&str> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["source"].as_str())
+        .collect();
+    assert!(
+        sources.contains(&"foldback") && sources.contains(&"client"),
+        "{sources:?}"
+    );
+}
+
+#[test]
+fn an_in_flight_call_is_not_repeated_after_kill_9() {
+    let dest = Destination::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), LOCAL);
+    let http = Http::new(&d);
+    assert_eq!(
+        http.post_json("/models", &spec(dest.port, "/slow", 0))
+            .status,
+        201
+    );
+    mutate(&http, "quote", json!({"$.region": "west"}));
+    // The call is out (the destination holds it for 3 s) and recorded in flight.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dest.count("/slow") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the call never reached the destination"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(phase(&state(&http, "quote"), "io"), "in_flight");
+    d.kill9();
+    let d = daemon(dir.path(), LOCAL);
+    let http = Http::new(&d);
+    let s = wait_for(&http, "quote", "failed after the restart", |s| {
+        phase(s, "io") == "failed"
+    });
+    assert!(
+        s["io"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("interrupted"),
+        "{s}"
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(dest.count("/slow"), 1, "the key fired twice");
+    // The model works on: a new key fires.
+    mutate(&http, "quote", json!({"$.region": "east"}));
+    wait_for(&http, "quote", "new key after restart", |s| {
+        s["io"]["key"] == "east" && s["io"]["phase"] == "in_flight"
+    });
+}
+
+#[test]
+fn a_failing_destination_is_retried_then_failed() {
+    let dest = Destination::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), LOCAL);
+    let http = Http::new(&d);
+    assert_eq!(
+        http.post_json("/models", &spec(dest.port, "/fail", 2))
+            .status,
+        201
+    );
+    mutate(&http, "quote", json!({"$.region": "north"}));
+    let s = wait_for(&http, "quote", "failed", |s| phase(s, "io") == "failed");
+    assert_eq!(s["io"]["attempts"], 3, "{s}");
+    assert!(
+        s["io"]["error"].as_str().unwrap_or("").contains("HTTP 500"),
+        "{s}"
+    );
+    assert!(s.get("multiplier").is_none(), "{s}");
+    assert_eq!(dest.count("/fail"), 3);
+}
+
+#[test]
+fn the_egress_guard_refuses_unlisted_hosts_and_private_addresses() {
+    let dest = Destination::start();
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing is allowed by default.
+    let d = daemon(dir.path(), &[]);
+    let http = Http::new(&d);
+    assert_eq!(
+        http.post_json("/models", &spec(dest.port, "/rate", 3))
+            .status,
+        201
+    );
+    mutate(&http, "quote", json!({"$.region": "north"}));
+    let s = wait_for(&http, "quote", "refused", |s| phase(s, "io") == "failed");
+    assert!(
+        s["io"]["error"].as_str().unwrap().contains("allow-list"),
+        "{s}"
+    );
+    // Listed, but loopback without --effects-allow-private-ips.
+    drop(d);
+    let dir2 = tempfile::tempdir().unwrap();
+    let d = daemon(dir2.path(), &["--effects-allowed-hosts", "127.0.0.1"]);
+    let http = Http::new(&d);
+    assert_eq!(
+        http.post_json("/models", &spec(dest.port, "/rate", 3))
+            .status,
+        201
+    );
+    mutate(&http, "quote", json!({"$.region": "north"}));
+    let s = wait_for(&http, "quote", "refused", |s| phase(s, "io") == "failed");
+    assert!(
+        s["io"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("non-public address"),
+        "{s}"
+    );
+    assert_eq!(s["io"]["attempts"], 1, "a refusal is not retried: {s}");
+    assert_eq!(dest.count("/"), 0, "nothing reached the destination");
+}
+
+#[test]
+fn a_timer_scheduled_before_a_restart_fires_after_it_and_llm_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &[]);
+    let http = Http::new(&d);
+    let spec = json!({
+        "id": "t",
+        "schema": {"type": "object"},
+        "effects": [
+            {"id": "expire", "executor": "timer", "trigger": "armed = true", "dedupeKey": "armed",
+             "afterMs": "1500", "response": {"set": {"$.expired": "true"}}, "statusPath": "$.timer"},
+            {"id": "ask", "executor": "llm", "trigger": "armed = true", "dedupeKey": "armed",
+             "prompt": "'hello'", "response": {"set": {"$.answer": "$response"}}, "statusPath": "$.llm"}
+        ]
+    });
+    let r = http.post_json("/models", &spec);
+    assert_eq!(r.status, 201, "{r:?}");
+    mutate(&http, "t", json!({"$.armed": true}));
+    let s = wait_for(&http, "t", "pending timer", |s| {
+        phase(s, "timer") == "pending"
+    });
+    let fire_at = s["timer"]["fireAt"].as_i64().expect("fireAt");
+    let s = wait_for(&http, "t", "llm reported", |s| phase(s, "llm") == "failed");
+    assert!(
+        s["llm"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("not executable"),
+        "{s}"
+    );
+    d.kill9();
+    let d = daemon(dir.path(), &[]);
+    let http = Http::new(&d);
+    let s = wait_for(&http, "t", "the timer fired after the restart", |s| {
+        s["expired"] == true
+    });
+    assert_eq!(phase(&s, "timer"), "applied", "{s}");
+    let now = chrono_now_ms();
+    assert!(now >= fire_at, "fired before its time ({now} < {fire_at})");
+}
+
+fn chrono_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+#[test]
+fn a_timer_whose_trigger_no_longer_holds_is_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &[]);
+    let http = Http::new(&d);
+    let spec = json!({
+        "id": "c",
+        "schema": {"type": "object"},
+        "effects": [{"id": "expire", "executor": "timer", "trigger": "armed = true",
+            "dedupeKey": "armed", "afterMs": 300, "response": {"set": {"$.expired": "true"}},
+            "statusPath": "$.timer"}]
+    });
+    assert_eq!(http.post_json("/models", &spec).status, 201);
+    mutate(&http, "c", json!({"$.armed": true}));
+    mutate(&http, "c", json!({"$.armed": "later"}));
+    // The trigger no longer holds when the timer comes due (its key did not fire again).
+    let s = wait_for(&http, "c", "cancelled", |s| {
+        phase(s, "timer") == "cancelled"
+    });
+    assert!(s.get("expired").is_none(), "{s}");
+}
