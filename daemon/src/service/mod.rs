@@ -704,9 +704,11 @@ impl ModelService {
 
     // --- registry ---------------------------------------------------------------------------
 
-    /// Validate, compile and register a new model.
+    /// Validate, compile and register a new model. A spec with a `template` (and no lineage
+    /// yet) is first materialized over the template model's spec (`spec::template`).
     pub fn create(&self, spec: ModelSpec) -> Result<ModelInfo, ServiceError> {
         use std::sync::atomic::Ordering;
+        let spec = self.materialize(spec)?;
         let report = crate::spec::validate::validate(&spec, &self.limits.engine);
         if !report.valid {
             return Err(ServiceError::InvalidSpec(report.errors));
@@ -733,6 +735,36 @@ impl ModelService {
     }
 
     /// Model ids, alphabetical.
+    /// A branch flattened over its template (a model of this daemon); other specs unchanged.
+    pub fn materialize(&self, spec: ModelSpec) -> Result<ModelSpec, ServiceError> {
+        let Some(t) = spec.template.as_ref().filter(|_| spec.lineage.is_empty()) else {
+            return Ok(spec);
+        };
+        let finding = |message: String| {
+            ServiceError::InvalidSpec(vec![Finding {
+                location: "template.ref".into(),
+                message,
+            }])
+        };
+        if t.reference == spec.id {
+            return Err(finding(format!(
+                "lineage is cyclic: `{}` cannot be its own template",
+                spec.id
+            )));
+        }
+        let template = match self.spec(&t.reference) {
+            Ok(s) => s,
+            Err(ServiceError::NotFound(_)) => {
+                return Err(finding(format!(
+                    "template `{}` is not a model of this daemon; create it first",
+                    t.reference
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        crate::spec::template::materialize(&spec, &template).map_err(finding)
+    }
+
     pub fn list(&self) -> Result<Vec<String>, ServiceError> {
         let mut all = Vec::new();
         for i in 0..self.shards.len() {

@@ -4,6 +4,7 @@
 
 pub mod evolve;
 pub mod schema;
+pub mod template;
 pub mod validate;
 
 use schemars::JsonSchema;
