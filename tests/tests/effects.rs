@@ -365,3 +365,22 @@ fn a_timer_whose_trigger_no_longer_holds_is_cancelled() {
     });
     assert!(s.get("expired").is_none(), "{s}");
 }
+
+#[test]
+fn effects_requested_by_the_seeding_cycle_run_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &[]);
+    let http = Http::new(&d);
+    let spec = json!({
+        "id": "seeded",
+        "schema": {"type": "object"},
+        "defaultValues": [{"path": "$", "expr": "{\"armed\": true}"}],
+        "effects": [{"id": "soon", "executor": "timer", "trigger": "armed = true",
+            "dedupeKey": "armed", "afterMs": 100, "response": {"set": {"$.fired": "true"}},
+            "statusPath": "$.timer"}]
+    });
+    let r = http.post_json("/models", &spec);
+    assert_eq!(r.status, 201, "{r:?}");
+    let s = wait_for(&http, "seeded", "fired", |s| s["fired"] == true);
+    assert_eq!(phase(&s, "timer"), "applied", "{s}");
+}

@@ -274,19 +274,33 @@ impl Shard {
                 Err(e) => return reply.send(Err(e)),
             },
         };
-        let info = match self.insert(spec, t) {
-            Ok(e) => ModelInfo::of(&e.spec),
+        let (info, seeded) = match self.insert_seeded(spec, t) {
+            Ok((e, seeded)) => (ModelInfo::of(&e.spec), seeded),
             Err(e) => return reply.send(Err(e)),
         };
         let id = info.id.clone();
-        self.durably(&id, persist, info, reply, None);
+        // Effects the seeding cycle requested reach the executors once the model is durable.
+        let event = (!seeded.dispatched_effects.is_empty()).then(|| Event::Mutation {
+            model_id: id.clone(),
+            result: Arc::new(seeded),
+        });
+        self.durably(&id, persist, info, reply, event);
     }
 
     /// Compile `spec` into a fresh model created at `t` (µs) and register it.
     fn insert(&mut self, spec: ModelSpec, t: i64) -> Result<&mut Entry, ServiceError> {
-        let (model, _) =
+        Ok(self.insert_seeded(spec, t)?.0)
+    }
+
+    /// [`insert`](Self::insert), with the result of the seeding cycle.
+    fn insert_seeded(
+        &mut self,
+        spec: ModelSpec,
+        t: i64,
+    ) -> Result<(&mut Entry, MutationResult), ServiceError> {
+        let (model, seeded) =
             Model::create(&spec, t / 1000, self.limits.engine.clone()).map_err(create_error)?;
-        self.register(spec, model, t)
+        Ok((self.register(spec, model, t)?, seeded))
     }
 
     fn register(
