@@ -556,11 +556,11 @@ fn remote_url_from_the_environment() {
 }
 
 #[test]
-fn remote_url_must_be_plain_http() {
-    let o = valem_tests::run(&["console", "--url", "https://valem.example"], None);
+fn remote_url_must_be_http_or_https() {
+    let o = valem_tests::run(&["console", "--url", "ftp://valem.example"], None);
     assert_eq!(o.status.code(), Some(2));
     let err = valem_tests::stderr(&o);
-    assert!(err.contains("https") && err.contains("TLS"), "{err}");
+    assert!(err.contains("http://") && err.contains("https://"), "{err}");
     assert!(valem_tests::stdout(&o).is_empty());
     let o = valem_tests::run(&["console", "--url", "localhost:8080"], None);
     assert_eq!(o.status.code(), Some(2));

@@ -384,3 +384,94 @@ fn effects_requested_by_the_seeding_cycle_run_too() {
     let s = wait_for(&http, "seeded", "fired", |s| s["fired"] == true);
     assert_eq!(phase(&s, "timer"), "applied", "{s}");
 }
+
+/// A TLS destination with a certificate made for 127.0.0.1; the PEM file of that certificate.
+fn tls_destination(hits: Arc<Mutex<Vec<(String, String)>>>) -> (u16, tempfile::NamedTempFile) {
+    use std::io::Read;
+    let ck = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).expect("cert");
+    let mut pem = tempfile::NamedTempFile::new().expect("temp");
+    pem.write_all(ck.cert.pem().as_bytes()).expect("write pem");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![ck.cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(ck.signing_key.serialize_der().into()),
+        )
+        .expect("server config");
+    let config = Arc::new(config);
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().flatten() {
+            let (config, hits) = (config.clone(), hits.clone());
+            std::thread::spawn(move || {
+                let Ok(conn) = rustls::ServerConnection::new(config) else {
+                    return;
+                };
+                let mut tls = rustls::StreamOwned::new(conn, tcp);
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tls.read(&mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf).to_string();
+                let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                hits.lock().unwrap().push((path, String::new()));
+                let body = "{\"multiplier\":2}";
+                let _ = write!(
+                    tls,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = tls.flush();
+                tls.conn.send_close_notify();
+                let _ = tls.flush();
+            });
+        }
+    });
+    (port, pem)
+}
+
+#[test]
+fn an_https_destination_is_called_with_the_operators_ca() {
+    let hits: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let (port, pem) = tls_destination(hits.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let ca = pem.path().to_str().unwrap().to_string();
+    let mut args = LOCAL.to_vec();
+    args.extend_from_slice(&["--effects-ca-file", &ca]);
+    let d = daemon(dir.path(), &args);
+    let http = Http::new(&d);
+    let mut s = spec(port, "/rate", 0);
+    s["effects"][0]["request"]["url"] =
+        json!(format!("https://127.0.0.1:{port}/rate?region={{ region }}"));
+    assert_eq!(http.post_json("/models", &s).status, 201);
+    mutate(&http, "quote", json!({"$.region": "north"}));
+    let st = wait_for(&http, "quote", "applied over https", |s| {
+        matches!(phase(s, "io").as_str(), "applied" | "failed")
+    });
+    assert_eq!(phase(&st, "io"), "applied", "{st}");
+    assert_eq!(st["multiplier"], 2, "{st}");
+    assert_eq!(hits.lock().unwrap().len(), 1);
+
+    // Without the operator's CA the certificate is not trusted: failed, and said why.
+    let dir2 = tempfile::tempdir().unwrap();
+    let d2 = daemon(dir2.path(), LOCAL);
+    let http2 = Http::new(&d2);
+    assert_eq!(http2.post_json("/models", &s).status, 201);
+    mutate(&http2, "quote", json!({"$.region": "north"}));
+    let st = wait_for(&http2, "quote", "refused certificate", |s| {
+        phase(s, "io") == "failed"
+    });
+    let err = st["io"]["error"].as_str().unwrap_or("").to_lowercase();
+    assert!(
+        err.contains("cert") || err.contains("tls") || err.contains("issuer"),
+        "{st}"
+    );
+}

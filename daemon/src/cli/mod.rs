@@ -653,7 +653,14 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Err(code) => return Ok(code),
             };
             attach_plugins("mcp", &service, &plugins);
-            let _effects = crate::service::effects::Runner::start(&service, effects.config());
+            let effects = match effects.config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("valem mcp: --effects-ca-file: {e}");
+                    return Ok(2);
+                }
+            };
+            let _effects = crate::service::effects::Runner::start(&service, effects);
             let server = crate::mcp::Server::with_plugins(
                 service.clone(),
                 guidance,
@@ -768,7 +775,14 @@ fn run(cli: Cli) -> Result<i32, String> {
             };
             attach_plugins("serve", &service, &plugins);
             // Effect executors: resume what the last run left, then run new dispatches.
-            let _effects = crate::service::effects::Runner::start(&service, effects.config());
+            let effects = match effects.config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("valem serve: --effects-ca-file: {e}");
+                    return Ok(2);
+                }
+            };
+            let _effects = crate::service::effects::Runner::start(&service, effects);
             let server = crate::mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
             let config = crate::http::Config {
                 listen,
@@ -891,11 +905,21 @@ pub struct EffectsArgs {
     /// Seconds a `server` effect call may take when its policy names no `timeoutMs`.
     #[arg(long, env = "VALEM_EFFECTS_TIMEOUT", default_value_t = 5.0, value_parser = seconds)]
     pub effects_timeout: f64,
+    /// A PEM file of CA certificates: https effects trust these instead of Mozilla's roots
+    /// (an internal CA).
+    #[arg(long, env = "VALEM_EFFECTS_CA_FILE", value_name = "PEM")]
+    pub effects_ca_file: Option<PathBuf>,
 }
 
 impl EffectsArgs {
-    pub fn config(&self) -> crate::service::effects::EffectsConfig {
-        crate::service::effects::EffectsConfig {
+    /// The executors' configuration; a CA file that cannot be read is an error.
+    pub fn config(&self) -> Result<crate::service::effects::EffectsConfig, String> {
+        let ca_certs = match &self.effects_ca_file {
+            Some(p) => Some(crate::service::effects::load_ca_file(p)?),
+            None => None,
+        };
+        Ok(crate::service::effects::EffectsConfig {
+            ca_certs,
             allowed_hosts: self
                 .effects_allowed_hosts
                 .iter()
@@ -906,7 +930,7 @@ impl EffectsArgs {
             max_response_bytes: self.effects_max_response_bytes,
             default_timeout: std::time::Duration::from_secs_f64(self.effects_timeout),
             ..Default::default()
-        }
+        })
     }
 }
 
@@ -1131,9 +1155,9 @@ fn mcp_proxy(
     max_message_bytes: usize,
     plugin_args: &PluginArgs,
 ) -> i32 {
-    if !url.starts_with("http://") {
+    if !url.starts_with("http://") && !url.starts_with("https://") {
         eprintln!(
-            "valem mcp: --url must be an http:// URL of a valem daemon (got `{url}`; https is not supported yet — front the daemon with a local TLS-terminating proxy)"
+            "valem mcp: --url must be an http:// or https:// URL of a valem daemon (got `{url}`)"
         );
         return 2;
     }

@@ -23,9 +23,9 @@ const MAX_ERROR_TEXT_CHARS: usize = 2000;
 /// Why the remote backend could not start or a call failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RemoteError {
-    #[error("--url {0}: https needs TLS, which this build of valem does not include; reach the daemon over http:// (on loopback, or through an SSH tunnel or a TLS-terminating proxy)")]
-    Https(String),
-    #[error("--url must be an http:// base URL such as http://127.0.0.1:8080, not `{0}`")]
+    #[error(
+        "--url must be an http:// or https:// base URL such as http://127.0.0.1:8080, not `{0}`"
+    )]
     BadUrl(String),
     #[error("cannot reach the valem daemon at {url}: {detail} (is `valem serve` running there?)")]
     Unreachable { url: String, detail: String },
@@ -368,15 +368,14 @@ impl Backend for Remote {
     }
 }
 
-/// The base URL without its trailing slash; only plain `http://` with a host.
+/// The base URL without its trailing slash; `http://` or `https://` with a host.
 fn check_base_url(url: &str) -> Result<String, RemoteError> {
     let trimmed = url.trim();
     let lower = trimmed.to_ascii_lowercase();
-    if lower.starts_with("https://") {
-        return Err(RemoteError::Https(trimmed.to_string()));
-    }
     let bad = || RemoteError::BadUrl(trimmed.to_string());
-    if !lower.starts_with("http://") || trimmed.contains(['?', '#']) {
+    if !(lower.starts_with("http://") || lower.starts_with("https://"))
+        || trimmed.contains(['?', '#'])
+    {
         return Err(bad());
     }
     let uri: ureq::http::Uri = trimmed.parse().map_err(|_| bad())?;
@@ -502,10 +501,7 @@ mod tests {
             check_base_url("http://h/valem"),
             Ok("http://h/valem".into())
         );
-        assert!(matches!(
-            check_base_url("https://h"),
-            Err(RemoteError::Https(_))
-        ));
+        assert_eq!(check_base_url("https://h/"), Ok("https://h".into()));
         for bad in ["ftp://h", "127.0.0.1:8080", "http://", "http://h/?q", ""] {
             assert!(
                 matches!(check_base_url(bad), Err(RemoteError::BadUrl(_))),

@@ -6,13 +6,16 @@
 //! - `caller`: returned to the mutating caller only; never run here.
 //! - `server`: one HTTP request (`request: {method, url, headers, body}`; `{ expr }` segments of
 //!   the url and headers interpolate JSONata over the merged document, `body` is JSONata) behind
-//!   the egress guard: http only (this build has no TLS), the host must be on
+//!   the egress guard: https (Mozilla's roots, or `--effects-ca-file`) or plain http, the host must be on
 //!   `--effects-allowed-hosts` (none by default: every call refused; `*` = any host), every
 //!   resolved address must be public unless `--effects-allow-private-ips`, no redirects, a
 //!   response over `--effects-max-response-bytes` fails, `policy.timeoutMs` (default 5 s). A
 //!   failure is retried `policy.retries` times (default 0), waiting `policy.backoff` ms (default
 //!   500; or `{delayMs, factor}`) doubled per attempt. `response.set` sees the parsed body as
-//!   `$response`. Every request carries `Idempotency-Key: <model>/<effect>/<key>`.
+//!   `$response`. Every request carries `Idempotency-Key: <model>/<effect>/<key>`. Plain http
+//!   connects to the very address the guard checked; https connects by name (the certificate
+//!   names the host), re-resolved right after the check, so a DNS-rebinding window of
+//!   microseconds remains there, as in the reference.
 //! - `timer`: fires at `at` (epoch ms or ISO-8601) or `afterMs` after the dispatch; at fire time
 //!   a trigger no longer true cancels it, else `response.set` is evaluated on the current state.
 //! - `llm`: parsed, then reported `failed`: no LLM provider can be configured in this build.
@@ -59,6 +62,27 @@ pub struct EffectsConfig {
     pub max_timeout: Duration,
     /// Calls running at once (more wait).
     pub max_in_flight: usize,
+    /// Trust only these CA certificates for https (default: Mozilla's roots).
+    pub ca_certs: Option<Vec<ureq::tls::Certificate<'static>>>,
+}
+
+/// The certificates of a PEM file (`--effects-ca-file`).
+pub fn load_ca_file(
+    path: &std::path::Path,
+) -> Result<Vec<ureq::tls::Certificate<'static>>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut certs = Vec::new();
+    for item in ureq::tls::parse_pem(&pem) {
+        match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
+            Ok(_) => {}
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        }
+    }
+    if certs.is_empty() {
+        return Err(format!("{} holds no PEM certificate", path.display()));
+    }
+    Ok(certs)
 }
 
 impl Default for EffectsConfig {
@@ -70,6 +94,7 @@ impl Default for EffectsConfig {
             default_timeout: Duration::from_secs(5),
             max_in_flight: 16,
             max_timeout: Duration::from_secs(60),
+            ca_certs: None,
         }
     }
 }
@@ -537,14 +562,26 @@ impl Runner {
             None => None,
         };
         let target = self.guard(&url).map_err(Failure::Refused)?;
-        let agent = ureq::Agent::config_builder()
+        let mut config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .max_redirects(0)
             .proxy(None)
-            .timeout_global(Some(policy.timeout))
-            .build()
-            .new_agent();
-        let pinned = format!("http://{}{}", target.addr, target.path_and_query);
+            .timeout_global(Some(policy.timeout));
+        if let Some(certs) = &self.cfg.ca_certs {
+            config = config.tls_config(
+                ureq::tls::TlsConfig::builder()
+                    .root_certs(ureq::tls::RootCerts::new_with_certs(certs))
+                    .build(),
+            );
+        }
+        let agent = config.build().new_agent();
+        // Plain http connects to the address the guard checked; https must name the host for
+        // its certificate, so it is re-resolved (and was re-checked just above).
+        let pinned = if target.tls {
+            url.clone()
+        } else {
+            format!("http://{}{}", target.addr, target.path_and_query)
+        };
         let idem = format!(
             "{model}/{}/{}",
             req.effect_id,
@@ -597,13 +634,13 @@ impl Runner {
 
     /// The egress guard: where `url` may be sent, or why not.
     fn guard(&self, url: &str) -> Result<Target, String> {
-        let rest = url.strip_prefix("http://").ok_or_else(|| {
-            if url.starts_with("https://") {
-                format!("`{url}`: https is not supported by this build (no TLS); use a local TLS-terminating proxy")
-            } else {
-                format!("`{url}` is not an http:// URL")
-            }
-        })?;
+        let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
+            (true, r)
+        } else if let Some(r) = url.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err(format!("`{url}` is not an http:// or https:// URL"));
+        };
         let (authority, path) = match rest.find(['/', '?']) {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, "/"),
@@ -619,7 +656,7 @@ impl Runner {
             .strip_prefix(&format!("[{host}]"))
             .or_else(|| authority.strip_prefix(host.as_str()))
             .and_then(|p| p.strip_prefix(':'))
-            .map_or(Ok(80), |p| p.parse())
+            .map_or(Ok(if tls { 443 } else { 80 }), |p| p.parse())
             .map_err(|_| format!("`{url}`: the port is not a number"))?;
         let listed = self
             .cfg
@@ -647,6 +684,7 @@ impl Runner {
             }
         }
         Ok(Target {
+            tls,
             addr: addrs[0],
             host_header: authority.to_string(),
             path_and_query: path.to_string(),
@@ -719,6 +757,7 @@ impl Runner {
 }
 
 struct Target {
+    tls: bool,
     addr: SocketAddr,
     host_header: String,
     path_and_query: String,
