@@ -158,6 +158,16 @@ fn pair_browser_without_elicitation_shares_a_scoped_session() {
     // The operator sees the namespaced id.
     let all = keyed.get("/models").text();
     assert!(all.contains(&format!("{ns}__demo")), "{all}");
+    // Resources: the session's state resource only.
+    let res = m.call(60, "resources/list", json!({}));
+    let uris: Vec<&str> = res["result"]["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["uri"].as_str())
+        .filter(|u| u.starts_with("valem://state/"))
+        .collect();
+    assert_eq!(uris, vec!["valem://state/demo"], "{res}");
     // The paired agent cannot reach the operator's model.
     let denied = m.tool(7, "get_model_info", json!({"id": "other"}));
     assert_eq!(denied["isError"], true, "{denied}");

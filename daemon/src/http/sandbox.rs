@@ -83,7 +83,11 @@ struct Pairing {
 struct SandboxSession {
     ns: String,
     created: Instant,
+    last_used: Instant,
 }
+
+/// A sandbox session unused this long ends (its models stay; pair again to reach them).
+const SESSION_IDLE: Duration = Duration::from_secs(24 * 3600);
 
 #[derive(Default)]
 struct Inner {
@@ -337,6 +341,7 @@ impl Pairings {
             SandboxSession {
                 ns: ns.clone(),
                 created: now,
+                last_used: now,
             },
         );
         Ok((token, ns))
@@ -391,12 +396,17 @@ impl Pairings {
         }
     }
 
-    /// The namespace of a live session token.
+    /// The namespace of a live session token (each use keeps it alive).
     pub fn session(&self, token: &str) -> Option<String> {
-        let g = self.lock();
-        // Look up by key, then compare the stored token in constant time.
-        let (k, s) = g.sessions.get_key_value(token)?;
-        constant_time_eq(k.as_bytes(), token.as_bytes()).then(|| s.ns.clone())
+        let mut g = self.lock();
+        let now = Instant::now();
+        let s = g.sessions.get_mut(token)?;
+        if now.duration_since(s.last_used) > SESSION_IDLE {
+            g.sessions.remove(token);
+            return None;
+        }
+        s.last_used = now;
+        Some(s.ns.clone())
     }
 }
 
@@ -487,6 +497,17 @@ impl Scoped {
     pub fn outbound_rpc(&self, request: &Json, reply: &mut Json) {
         let lists_models = request.get("method").and_then(|m| m.as_str()) == Some("tools/call")
             && request.pointer("/params/name").and_then(|n| n.as_str()) == Some("list_models");
+        if request.get("method").and_then(|m| m.as_str()) == Some("resources/list") {
+            // Other models' state resources are not this session's to see.
+            let own = format!("{}{}", crate::mcp::resources::STATE_PREFIX, self.prefix());
+            if let Some(Json::Array(list)) = reply.pointer_mut("/result/resources") {
+                list.retain(|r| {
+                    r.get("uri").and_then(|u| u.as_str()).is_none_or(|u| {
+                        !u.starts_with(crate::mcp::resources::STATE_PREFIX) || u.starts_with(&own)
+                    })
+                });
+            }
+        }
         if lists_models {
             if let Some(Json::Array(content)) = reply.pointer_mut("/result/content") {
                 for block in content {
