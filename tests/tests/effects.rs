@@ -143,6 +143,21 @@ fn mutate(http: &Http, id: &str, m: Value) {
     assert_eq!(r.status, 200, "{r:?}");
 }
 
+/// A durable daemon with `extra` flags and the quote model calling `path` on `dest`.
+fn quote(
+    dest: &Destination,
+    path: &str,
+    retries: u32,
+    extra: &[&str],
+) -> (tempfile::TempDir, Daemon, Http) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), extra);
+    let http = Http::new(&d);
+    let r = http.post_json("/models", &spec(dest.port, path, retries));
+    assert_eq!(r.status, 201, "{r:?}");
+    (dir, d, http)
+}
+
 fn phase(s: &Value, at: &str) -> String {
     s[at]["phase"].as_str().unwrap_or("").to_string()
 }
@@ -150,14 +165,7 @@ fn phase(s: &Value, at: &str) -> String {
 #[test]
 fn a_server_effect_fires_once_per_key_and_folds_back() {
     let dest = Destination::start();
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), LOCAL);
-    let http = Http::new(&d);
-    assert_eq!(
-        http.post_json("/models", &spec(dest.port, "/rate", 0))
-            .status,
-        201
-    );
+    let (_dir, _d, http) = quote(&dest, "/rate", 0, LOCAL);
     mutate(&http, "quote", json!({"$.region": "north"}));
     let s = wait_for(&http, "quote", "applied", |s| phase(s, "io") == "applied");
     assert_eq!(s["multiplier"], 1.25, "{s}");
@@ -192,14 +200,7 @@ fn a_server_effect_fires_once_per_key_and_folds_back() {
 #[test]
 fn an_in_flight_call_is_not_repeated_after_kill_9() {
     let dest = Destination::start();
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), LOCAL);
-    let http = Http::new(&d);
-    assert_eq!(
-        http.post_json("/models", &spec(dest.port, "/slow", 0))
-            .status,
-        201
-    );
+    let (dir, d, http) = quote(&dest, "/slow", 0, LOCAL);
     mutate(&http, "quote", json!({"$.region": "west"}));
     // The call is out (the destination holds it for 3 s) and recorded in flight.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -236,14 +237,7 @@ fn an_in_flight_call_is_not_repeated_after_kill_9() {
 #[test]
 fn a_failing_destination_is_retried_then_failed() {
     let dest = Destination::start();
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), LOCAL);
-    let http = Http::new(&d);
-    assert_eq!(
-        http.post_json("/models", &spec(dest.port, "/fail", 2))
-            .status,
-        201
-    );
+    let (_dir, _d, http) = quote(&dest, "/fail", 2, LOCAL);
     mutate(&http, "quote", json!({"$.region": "north"}));
     let s = wait_for(&http, "quote", "failed", |s| phase(s, "io") == "failed");
     assert_eq!(s["io"]["attempts"], 3, "{s}");

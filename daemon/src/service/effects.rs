@@ -99,6 +99,15 @@ impl Default for EffectsConfig {
     }
 }
 
+/// What one execution of an effect works on.
+struct Job<'a> {
+    svc: &'a ModelService,
+    model: &'a str,
+    spec: &'a ModelSpec,
+    effect: &'a EffectSpec,
+    req: &'a EffectRequest,
+}
+
 /// A timer waiting to fire.
 #[derive(Clone, Debug)]
 struct Timer {
@@ -409,6 +418,13 @@ impl Runner {
             return;
         };
         let policy = Policy::of(e, &self.cfg);
+        let job = Job {
+            svc: &svc,
+            model,
+            spec: &spec,
+            effect: e,
+            req,
+        };
         loop {
             attempts += 1;
             let r = self.set_status(
@@ -423,10 +439,10 @@ impl Runner {
             if r.is_err() {
                 return self.report(model, req, r);
             }
-            let outcome = self.http(&svc, model, &spec, e, req, &policy);
+            let outcome = self.http(&job, &policy);
             match outcome {
                 Ok(response) => {
-                    let r = self.apply(&svc, model, &spec, e, req, Some(response), attempts);
+                    let r = self.apply(&job, Some(response), attempts);
                     return self.report(model, req, r);
                 }
                 Err(Failure::Refused(why)) => {
@@ -458,17 +474,14 @@ impl Runner {
 
     /// `response.set` evaluated (with `$response`) on the current state, plus the `applied`
     /// status, as one fold-back cycle.
-    #[allow(clippy::too_many_arguments)]
-    fn apply(
-        &self,
-        svc: &ModelService,
-        model: &str,
-        spec: &ModelSpec,
-        e: &EffectSpec,
-        req: &EffectRequest,
-        response: Option<Json>,
-        attempts: u32,
-    ) -> Result<(), ServiceError> {
+    fn apply(&self, job: &Job, response: Option<Json>, attempts: u32) -> Result<(), ServiceError> {
+        let Job {
+            svc,
+            model,
+            spec,
+            effect: e,
+            req,
+        } = *job;
         let limits = &svc.limits().engine.expr;
         let doc = svc.state(model, None)?;
         let mut env = model_env(spec, limits).map_err(ServiceError::BadRequest)?;
@@ -515,15 +528,14 @@ impl Runner {
         }
     }
 
-    fn http(
-        &self,
-        svc: &ModelService,
-        model: &str,
-        spec: &ModelSpec,
-        e: &EffectSpec,
-        req: &EffectRequest,
-        policy: &Policy,
-    ) -> Result<Json, Failure> {
+    fn http(&self, job: &Job, policy: &Policy) -> Result<Json, Failure> {
+        let Job {
+            svc,
+            model,
+            spec,
+            effect: e,
+            req,
+        } = *job;
         let Some(request) = e.request.as_ref().and_then(|r| r.as_object()) else {
             return Err(Failure::Refused(
                 "only `request` server effects run here (`requests` fan-out and model `target` links are not executed yet)".into(),
@@ -740,7 +752,14 @@ impl Runner {
         });
         let holds = matches!(still, Some(Some(ref v)) if trigger_holds(v));
         let r = if holds {
-            self.apply(&svc, &t.model, &spec, e, &t.req, None, 0)
+            let job = Job {
+                svc: &svc,
+                model: &t.model,
+                spec: &spec,
+                effect: e,
+                req: &t.req,
+            };
+            self.apply(&job, None, 0)
         } else {
             self.set_status(
                 &t.model,
