@@ -129,12 +129,16 @@ pub enum Command {
         #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
         jit: bool,
     },
-    /// Run the daemon: REST, Streamable HTTP MCP at /mcp, WebSocket, /healthz, /metrics.
+    /// Run the daemon: REST, Streamable HTTP MCP at /mcp, WebSocket, the browser sandbox at
+    /// /sandbox/ (with device-flow pairing for `valem mcp --url … --browser`), /healthz,
+    /// /metrics; effects requested by committed cycles run here (see --effects-*).
     ///
     /// Listens on loopback by default. Requests must name a loopback Host (or one of
     /// --allowed-hosts) and, from a browser, a loopback Origin (or one of --allowed-origins).
     /// With --api-key every request but /healthz must carry `Authorization: Bearer <key>`
-    /// (the WebSocket may pass `?token=<key>`). Stops on SIGINT/SIGTERM after finishing
+    /// (the WebSocket may pass `?token=<key>`); the sandbox page and the browser's half of
+    /// pairing need no key, and a paired session's `X-Session-Token` stands in for it on its
+    /// own models (`/models…`, `/mcp`). Stops on SIGINT/SIGTERM after finishing
     /// in-flight requests. Logs go to stderr; RUST_LOG sets the level (default info).
     Serve {
         /// Address to listen on (port 0 picks a free port; the chosen address is printed).
