@@ -469,3 +469,55 @@ fn an_https_destination_is_called_with_the_operators_ca() {
         "{st}"
     );
 }
+
+#[test]
+fn model_links_write_and_read_another_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), &[]);
+    let http = Http::new(&d);
+    let ledger = json!({"id": "ledger", "schema": {"type": "object"},
+        "derivations": [{"path": "$.doubled", "expr": "amount * 2"}]});
+    assert_eq!(http.post_json("/models", &ledger).status, 201);
+    let orders = json!({
+        "id": "orders",
+        "schema": {"type": "object"},
+        "effects": [
+            {"id": "post", "executor": "server", "trigger": "amount != null", "dedupeKey": "amount",
+             "target": {"ref": "ledger", "path": "$.amount"}, "body": "amount",
+             "response": {"set": {"$.posted": "$response.success"}}, "statusPath": "$.io"},
+            {"id": "peek", "executor": "server", "trigger": "posted = true", "dedupeKey": "amount",
+             "target": {"ref": "ledger", "read": "$.doubled"},
+             "response": {"set": {"$.seen": "$response"}}, "statusPath": "$.io2"},
+            {"id": "nowhere", "executor": "server", "trigger": "amount != null", "dedupeKey": "amount",
+             "target": {"ref": "missing-model", "path": "$.x"}, "body": "1", "statusPath": "$.io3"}
+        ]
+    });
+    let r = http.post_json("/models", &orders);
+    assert_eq!(r.status, 201, "{r:?}");
+    mutate(&http, "orders", json!({"$.amount": 21}));
+    let s = wait_for(&http, "orders", "linked write and read", |s| {
+        s["seen"] == 42
+    });
+    assert_eq!(s["posted"], true, "{s}");
+    assert_eq!(phase(&s, "io"), "applied");
+    let s = wait_for(&http, "orders", "missing target", |s| {
+        phase(s, "io3") == "failed"
+    });
+    assert!(
+        s["io3"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("missing-model"),
+        "{s}"
+    );
+    assert_eq!(state(&http, "ledger")["doubled"], 42);
+    let audit = http.get("/models/ledger/audit").json();
+    assert!(
+        audit
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["source"] == "link"),
+        "{audit}"
+    );
+}

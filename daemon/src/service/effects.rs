@@ -16,6 +16,9 @@
 //!   connects to the very address the guard checked; https connects by name (the certificate
 //!   names the host), re-resolved right after the check, so a DNS-rebinding window of
 //!   microseconds remains there, as in the reference.
+//! - `server` with a `target` link to another model of this daemon: a write-link (`{ref, path}`
+//!   and `body`) mutates it (audited `source: "link"`), `$response` being its mutation result; a
+//!   read-link (`{ref, read}`) reads a field into `$response`. A missing target fails the effect.
 //! - `timer`: fires at `at` (epoch ms or ISO-8601) or `afterMs` after the dispatch; at fire time
 //!   a trigger no longer true cancels it, else `response.set` is evaluated on the current state.
 //! - `llm`: parsed, then reported `failed`: no LLM provider can be configured in this build.
@@ -536,9 +539,12 @@ impl Runner {
             effect: e,
             req,
         } = *job;
+        if let Some(target) = &e.target {
+            return self.link(job, target);
+        }
         let Some(request) = e.request.as_ref().and_then(|r| r.as_object()) else {
             return Err(Failure::Refused(
-                "only `request` server effects run here (`requests` fan-out and model `target` links are not executed yet)".into(),
+                "`requests` fan-out is not executed yet; use one `request` or a model `target` link".into(),
             ));
         };
         let limits = &svc.limits().engine.expr;
@@ -642,6 +648,71 @@ impl Runner {
         }
         Ok(serde_json::from_slice(&text)
             .unwrap_or_else(|_| Json::String(String::from_utf8_lossy(&text).into_owned())))
+    }
+
+    /// A link to another model of this daemon: a write-link (`{ref, path}` + `body`) mutates it
+    /// and `$response` is its mutation result; a read-link (`{ref, read}`) reads a field and
+    /// `$response` is the value. A model of a sandbox session links within its session.
+    fn link(&self, job: &Job, target: &Json) -> Result<Json, Failure> {
+        let Job {
+            svc,
+            model,
+            spec,
+            effect: e,
+            ..
+        } = *job;
+        let reference = target
+            .get("ref")
+            .and_then(|r| r.as_str())
+            .ok_or_else(|| Failure::Refused("target.ref is missing".into()))?;
+        let linked = match session_prefix(model) {
+            Some(p) => format!("{p}{reference}"),
+            None => reference.to_string(),
+        };
+        if linked == model {
+            return Err(Failure::Refused("a model cannot link to itself".into()));
+        }
+        let missing = |err: ServiceError| match err {
+            ServiceError::NotFound(_) => Failure::Refused(format!(
+                "link target `{reference}` is not a model of this daemon"
+            )),
+            ServiceError::Mutation(m) => {
+                Failure::Refused(format!("link target `{reference}` refused the write: {m}"))
+            }
+            other => Failure::Failed(format!("link target `{reference}`: {other}")),
+        };
+        if let Some(read) = target.get("read").and_then(|r| r.as_str()) {
+            return svc
+                .field(&linked, read)
+                .map(|v| v.unwrap_or(Json::Null))
+                .map_err(missing);
+        }
+        let path = target
+            .get("path")
+            .and_then(|p| p.as_str())
+            .ok_or_else(|| Failure::Refused("a target needs `path` (write) or `read`".into()))?;
+        let limits = &svc.limits().engine.expr;
+        let doc = svc
+            .state(model, None)
+            .map_err(|e| Failure::Failed(e.to_string()))?;
+        let env = model_env(spec, limits).map_err(Failure::Refused)?;
+        let body = match &e.body {
+            Some(ex) => eval(ex, &json_to_jvalue(&doc), &env, limits)
+                .map_err(|m| Failure::Refused(format!("body: {m}")))?
+                .unwrap_or(Json::Null),
+            None => Json::Null,
+        };
+        let r = svc
+            .mutate_linked(&linked, vec![(path.to_string(), body)])
+            .map_err(missing)?;
+        let mut out = r.to_json(false);
+        if let Some(p) = session_prefix(model) {
+            crate::http::sandbox::Scoped {
+                ns: p.trim_end_matches(crate::http::sandbox::NS_SEP).to_string(),
+            }
+            .strip(&mut out);
+        }
+        Ok(out)
     }
 
     /// The egress guard: where `url` may be sent, or why not.
@@ -859,6 +930,14 @@ pub fn is_public(ip: IpAddr) -> bool {
                 || (s[0] == 0x2001 && s[1] == 0x0db8))
         }
     }
+}
+
+/// The `<namespace>__` prefix of a sandbox session's model id, if it is one.
+fn session_prefix(model: &str) -> Option<&str> {
+    let (ns, _) = model.split_once(crate::http::sandbox::NS_SEP)?;
+    let hex = ns.strip_prefix('s')?;
+    (hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| &model[..ns.len() + crate::http::sandbox::NS_SEP.len()])
 }
 
 /// The engine's trigger truthiness: booleans as is, numbers ≠ 0 and non-empty strings pass;

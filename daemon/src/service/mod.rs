@@ -116,6 +116,8 @@ pub enum Source {
     Patch,
     /// An effect executor folding its outcome back (status, `response.set`).
     Foldback,
+    /// Another model's `server` effect writing through a `target` link.
+    Link,
 }
 
 impl Source {
@@ -124,6 +126,7 @@ impl Source {
             Source::Client => "client",
             Source::Patch => "patch",
             Source::Foldback => "foldback",
+            Source::Link => "link",
         }
     }
 }
@@ -955,6 +958,19 @@ impl ModelService {
                 }
             }
             s.mutate(&owned, mutations, Source::Foldback, r)
+        })
+        .wait()?
+    }
+
+    /// A write from another model's `target` link (audited `source: "link"`).
+    pub fn mutate_linked(
+        &self,
+        id: &str,
+        mutations: Vec<(String, Json)>,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model_reply(id, true, move |s, r| {
+            s.mutate(&owned, mutations, Source::Link, r)
         })
         .wait()?
     }
