@@ -416,3 +416,33 @@ fn pairing_negative_cases() {
     assert_eq!(keyed.get_with("/models", &bogus).status, 401);
     assert_eq!(anon.get("/models").status, 401);
 }
+
+#[test]
+fn a_session_lost_with_a_daemon_restart_can_be_paired_again() {
+    let d = daemon(&[]);
+    let addr = d.addr.clone();
+    let browser = Http::new(&d);
+    let mut m = proxy(&d);
+    m.handshake("2025-11-25");
+    let first = structured(&m.tool(1, "pair_browser", json!({})));
+    let (pair, code) = codes(first["verificationUriComplete"].as_str().unwrap());
+    assert_eq!(approve(&browser, &pair, &code).status, 200);
+    assert_eq!(
+        structured(&m.tool(2, "pair_browser", json!({})))["status"],
+        "paired"
+    );
+    // The daemon restarts: pairings and sessions lived in its memory.
+    d.terminate();
+    let _d = Daemon::start_on(&addr, &["--api-key", KEY, "--pairing-interval", "1"]);
+    let lost = m.tool(3, "list_models", json!({}));
+    assert_eq!(lost["isError"], true, "{lost}");
+    let text = lost["content"][0]["text"].as_str().unwrap_or("");
+    assert!(text.contains("pair_browser"), "{text}");
+    // pair_browser starts over instead of claiming the dead session.
+    let again = structured(&m.tool(4, "pair_browser", json!({})));
+    assert_eq!(again["status"], "pending", "{again}");
+    assert_ne!(
+        codes(again["verificationUriComplete"].as_str().unwrap()).0,
+        pair
+    );
+}

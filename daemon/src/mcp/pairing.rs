@@ -168,6 +168,16 @@ impl Pairing {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The paired session is gone (the daemon refused its token): the next `pair_browser`
+    /// starts a new pairing. True when there was one to forget.
+    pub fn forget(&self) -> bool {
+        let had = self.token.lock().ok().and_then(|mut t| t.take()).is_some();
+        if had {
+            *self.lock() = State::None;
+        }
+        had
+    }
+
     /// One `pair_browser` call; `None` when it was cancelled (no reply is owed).
     pub fn call(&self, env: &Env) -> Option<Json> {
         if self.busy.swap(true, Ordering::SeqCst) {

@@ -145,11 +145,20 @@ impl Proxy {
                 Some(reply)
             }
             Err(why) => {
-                let text = format!(
-                    "the valem daemon at {} could not be reached: {why}. Start it with `valem serve` \
-                     (or check --url); the next call reconnects.",
-                    self.up.base
-                );
+                let text = if why.starts_with("HTTP 401") && self.pairing.forget() {
+                    // The daemon no longer knows the session (it restarted, or the session
+                    // ended): unpaired now, so pair_browser mints a new pairing.
+                    self.up.reset();
+                    format!(
+                        "the paired browser session ended ({why}); call pair_browser to pair again"
+                    )
+                } else {
+                    format!(
+                        "the valem daemon at {} could not be reached: {why}. Start it with `valem serve` \
+                         (or check --url); the next call reconnects.",
+                        self.up.base
+                    )
+                };
                 Some(if method == "tools/call" {
                     json!({"jsonrpc": "2.0", "id": id, "result": {
                         "content": [{"type": "text", "text": text}],
