@@ -521,3 +521,37 @@ fn model_links_write_and_read_another_model() {
         "{audit}"
     );
 }
+
+#[test]
+fn a_requests_fan_out_sends_each_descriptor_and_folds_back_all_responses() {
+    let dest = Destination::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), LOCAL);
+    let http = Http::new(&d);
+    let base = format!("http://127.0.0.1:{}", dest.port);
+    let spec = json!({
+        "id": "fan",
+        "schema": {"type": "object"},
+        "effects": [{
+            "id": "rates", "executor": "server", "trigger": "$count(regions) > 0",
+            "dedupeKey": "$join(regions, ',')",
+            "requests": format!("regions.{{ \"url\": \"{base}/rate?region=\" & $, \"method\": \"POST\", \"body\": {{\"region\": $}} }}"),
+            "response": {"set": {"$.multipliers": "$response.multiplier"}},
+            "statusPath": "$.io"
+        }]
+    });
+    let r = http.post_json("/models", &spec);
+    assert_eq!(r.status, 201, "{r:?}");
+    mutate(&http, "fan", json!({"$.regions": ["north", "south"]}));
+    let s = wait_for(&http, "fan", "fan-out applied", |s| {
+        phase(s, "io") == "applied"
+    });
+    assert_eq!(s["multipliers"], json!([1.25, 1.25]), "{s}");
+    assert_eq!(dest.count("/rate?region=north"), 1);
+    assert_eq!(dest.count("/rate?region=south"), 1);
+    let keys = dest.keys();
+    assert!(
+        keys.iter().any(|k| k.ends_with("/0")) && keys.iter().any(|k| k.ends_with("/1")),
+        "{keys:?}"
+    );
+}

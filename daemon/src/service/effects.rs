@@ -19,6 +19,10 @@
 //! - `server` with a `target` link to another model of this daemon: a write-link (`{ref, path}`
 //!   and `body`) mutates it (audited `source: "link"`), `$response` being its mutation result; a
 //!   read-link (`{ref, read}`) reads a field into `$response`. A missing target fails the effect.
+//! - `server` with `requests`: JSONata producing an array of descriptors `{method, url, headers,
+//!   body}` (values, not templates; at most 64), sent in order; `$response` is the array of
+//!   their responses, and one failure fails the attempt (a retry sends them all again, each
+//!   with its own `Idempotency-Key: …/<index>`).
 //! - `timer`: fires at `at` (epoch ms or ISO-8601) or `afterMs` after the dispatch; at fire time
 //!   a trigger no longer true cancels it, else `response.set` is evaluated on the current state.
 //! - `llm`: parsed, then reported `failed`: no LLM provider can be configured in this build.
@@ -531,6 +535,8 @@ impl Runner {
         }
     }
 
+    /// The effect's HTTP call(s): one `request`, or each descriptor a `requests` fan-out
+    /// produced, in order (`$response` is then the array of their responses).
     fn http(&self, job: &Job, policy: &Policy) -> Result<Json, Failure> {
         let Job {
             svc,
@@ -542,44 +548,74 @@ impl Runner {
         if let Some(target) = &e.target {
             return self.link(job, target);
         }
-        let Some(request) = e.request.as_ref().and_then(|r| r.as_object()) else {
-            return Err(Failure::Refused(
-                "`requests` fan-out is not executed yet; use one `request` or a model `target` link".into(),
-            ));
-        };
         let limits = &svc.limits().engine.expr;
         let doc = svc
             .state(model, None)
             .map_err(|e| Failure::Failed(e.to_string()))?;
         let env = model_env(spec, limits).map_err(Failure::Refused)?;
         let input = json_to_jvalue(&doc);
-        let method = request
-            .get("method")
-            .and_then(|m| m.as_str())
-            .unwrap_or("GET")
-            .to_ascii_uppercase();
-        let url_t = request
-            .get("url")
-            .and_then(|u| u.as_str())
-            .ok_or_else(|| Failure::Refused("request.url is missing".into()))?;
-        let url = interpolate(url_t, &input, &env, limits, true).map_err(Failure::Refused)?;
-        let mut headers = Vec::new();
-        if let Some(h) = request.get("headers").and_then(|h| h.as_object()) {
-            for (k, v) in h {
-                let t = v.as_str().map_or_else(|| v.to_string(), str::to_string);
-                headers.push((
-                    k.clone(),
-                    interpolate(&t, &input, &env, limits, false).map_err(Failure::Refused)?,
-                ));
-            }
+        let key = req
+            .dedupe_key
+            .as_ref()
+            .map_or_else(String::new, |k| k.to_string());
+        if let Some(request) = e.request.as_ref().and_then(|r| r.as_object()) {
+            let one = prepare(request, &input, &env, limits, true)?;
+            return self.send(&one, policy, &format!("{model}/{}/{key}", req.effect_id));
         }
-        let body = match request.get("body") {
-            Some(Json::String(ex)) => eval(ex, &input, &env, limits)
-                .map_err(|m| Failure::Refused(format!("request.body: {m}")))?,
-            Some(other) => Some(other.clone()),
-            None => None,
+        let Some(fan) = &e.requests else {
+            return Err(Failure::Refused(
+                "a server effect needs request, requests or target".into(),
+            ));
         };
-        let target = self.guard(&url).map_err(Failure::Refused)?;
+        let list = match eval(fan, &input, &env, limits)
+            .map_err(|m| Failure::Refused(format!("requests: {m}")))?
+        {
+            Some(Json::Array(a)) => a,
+            Some(one @ Json::Object(_)) => vec![one],
+            None => Vec::new(),
+            Some(other) => {
+                return Err(Failure::Refused(format!(
+                    "requests must produce an array of request descriptors, not {other}"
+                )))
+            }
+        };
+        if list.len() > MAX_FAN_OUT {
+            return Err(Failure::Refused(format!(
+                "requests produced {} descriptors; at most {MAX_FAN_OUT} run per effect",
+                list.len()
+            )));
+        }
+        // Descriptors are values already (their strings are not templates).
+        let prepared = list
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let d = d.as_object().ok_or_else(|| {
+                    Failure::Refused(format!("requests[{i}] is not an object: {d}"))
+                })?;
+                prepare(d, &input, &env, limits, false).map_err(|f| f.at(&format!("requests[{i}]")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = Vec::with_capacity(prepared.len());
+        for (i, p) in prepared.iter().enumerate() {
+            let idem = format!("{model}/{}/{key}/{i}", req.effect_id);
+            out.push(
+                self.send(p, policy, &idem)
+                    .map_err(|f| f.at(&format!("requests[{i}]")))?,
+            );
+        }
+        Ok(Json::Array(out))
+    }
+
+    /// One prepared request through the egress guard; its parsed response.
+    fn send(&self, p: &Prepared, policy: &Policy, idem: &str) -> Result<Json, Failure> {
+        let Prepared {
+            method,
+            url,
+            headers,
+            body,
+        } = p;
+        let target = self.guard(url).map_err(Failure::Refused)?;
         let mut config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .max_redirects(0)
@@ -600,24 +636,17 @@ impl Runner {
         } else {
             format!("http://{}{}", target.addr, target.path_and_query)
         };
-        let idem = format!(
-            "{model}/{}/{}",
-            req.effect_id,
-            req.dedupe_key
-                .as_ref()
-                .map_or_else(String::new, |k| k.to_string())
-        );
         let result = {
             let mut b = ureq::http::Request::builder()
                 .method(method.as_str())
                 .uri(&pinned)
                 .header("Host", &target.host_header)
-                .header("Idempotency-Key", idem.as_str())
+                .header("Idempotency-Key", idem)
                 .header("User-Agent", concat!("valem/", env!("CARGO_PKG_VERSION")));
-            for (k, v) in &headers {
+            for (k, v) in headers {
                 b = b.header(k.as_str(), v.as_str());
             }
-            let bytes = match &body {
+            let bytes = match body {
                 Some(v) => {
                     b = b.header("Content-Type", "application/json");
                     v.to_string().into_bytes()
@@ -843,6 +872,76 @@ impl Runner {
             )
         };
         self.report(&t.model, &t.req, r);
+    }
+}
+
+/// Most requests one `requests` fan-out may produce.
+const MAX_FAN_OUT: usize = 64;
+
+/// One HTTP request ready to go.
+struct Prepared {
+    method: String,
+    url: String,
+    headers: Vec<(String, String)>,
+    body: Option<Json>,
+}
+
+/// A request descriptor made ready. In `request` (`templates`), url and header values
+/// interpolate `{ expr }` and `body` is JSONata; in a `requests` descriptor they are values.
+fn prepare(
+    d: &Map<String, Json>,
+    input: &JValue,
+    env: &Env,
+    limits: &Limits,
+    templates: bool,
+) -> Result<Prepared, Failure> {
+    let method = d
+        .get("method")
+        .and_then(|m| m.as_str())
+        .unwrap_or("GET")
+        .to_ascii_uppercase();
+    let url_t = d
+        .get("url")
+        .and_then(|u| u.as_str())
+        .ok_or_else(|| Failure::Refused("request.url is missing".into()))?;
+    let url = if templates {
+        interpolate(url_t, input, env, limits, true).map_err(Failure::Refused)?
+    } else {
+        url_t.to_string()
+    };
+    let mut headers = Vec::new();
+    if let Some(h) = d.get("headers").and_then(|h| h.as_object()) {
+        for (k, v) in h {
+            let t = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+            let value = if templates {
+                interpolate(&t, input, env, limits, false).map_err(Failure::Refused)?
+            } else {
+                t
+            };
+            headers.push((k.clone(), value));
+        }
+    }
+    let body = match d.get("body") {
+        Some(Json::String(ex)) if templates => eval(ex, input, env, limits)
+            .map_err(|m| Failure::Refused(format!("request.body: {m}")))?,
+        Some(Json::Null) | None => None,
+        Some(other) => Some(other.clone()),
+    };
+    Ok(Prepared {
+        method,
+        url,
+        headers,
+        body,
+    })
+}
+
+impl Failure {
+    /// The same failure, said of one part (`requests[2]`).
+    fn at(self, what: &str) -> Failure {
+        match self {
+            Failure::Refused(m) => Failure::Refused(format!("{what}: {m}")),
+            Failure::Failed(m) => Failure::Failed(format!("{what}: {m}")),
+        }
     }
 }
 
