@@ -927,15 +927,20 @@ impl ModelService {
         id: &str,
         mutations: Vec<(String, Json)>,
     ) -> Result<Arc<MutationResult>, ServiceError> {
-        let owned = id.to_string();
-        self.on_model_reply(id, true, move |s, r| {
-            s.mutate(&owned, mutations, Source::Client, r)
-        })
-        .wait()?
+        self.mutate_as(id, mutations, Source::Client)
     }
 
-    /// [`mutate`](Self::mutate) for async surfaces: the future waits for the cycle without
-    /// blocking its thread.
+    fn mutate_as(
+        &self,
+        id: &str,
+        mutations: Vec<(String, Json)>,
+        source: Source,
+    ) -> Result<Arc<MutationResult>, ServiceError> {
+        let owned = id.to_string();
+        self.on_model_reply(id, true, move |s, r| s.mutate(&owned, mutations, source, r))
+            .wait()?
+    }
+
     /// An effect's fold-back: applied (as a `foldback` cycle) only while the effect's last
     /// dedupe key is still `key` — checked on the shard, so no write slips in between.
     pub fn foldback(
@@ -968,11 +973,7 @@ impl ModelService {
         id: &str,
         mutations: Vec<(String, Json)>,
     ) -> Result<Arc<MutationResult>, ServiceError> {
-        let owned = id.to_string();
-        self.on_model_reply(id, true, move |s, r| {
-            s.mutate(&owned, mutations, Source::Link, r)
-        })
-        .wait()?
+        self.mutate_as(id, mutations, Source::Link)
     }
 
     /// The dedupe key each effect of the model last fired with.
@@ -989,6 +990,8 @@ impl ModelService {
         })
     }
 
+    /// [`mutate`](Self::mutate) for async surfaces: the future waits for the cycle without
+    /// blocking its thread.
     pub fn mutate_async(
         &self,
         id: &str,
