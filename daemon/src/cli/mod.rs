@@ -657,14 +657,10 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Err(code) => return Ok(code),
             };
             attach_plugins("mcp", &service, &plugins);
-            let effects = match effects.config() {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("valem mcp: --effects-ca-file: {e}");
-                    return Ok(2);
-                }
+            let _effects = match effects.start("mcp", &service) {
+                Ok(r) => r,
+                Err(code) => return Ok(code),
             };
-            let _effects = crate::service::effects::Runner::start(&service, effects);
             let server = crate::mcp::Server::with_plugins(
                 service.clone(),
                 guidance,
@@ -778,15 +774,10 @@ fn run(cli: Cli) -> Result<i32, String> {
                 crate::mcp::Mode::Daemon
             };
             attach_plugins("serve", &service, &plugins);
-            // Effect executors: resume what the last run left, then run new dispatches.
-            let effects = match effects.config() {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("valem serve: --effects-ca-file: {e}");
-                    return Ok(2);
-                }
+            let _effects = match effects.start("serve", &service) {
+                Ok(r) => r,
+                Err(code) => return Ok(code),
             };
-            let _effects = crate::service::effects::Runner::start(&service, effects);
             let server = crate::mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
             let config = crate::http::Config {
                 listen,
@@ -916,6 +907,22 @@ pub struct EffectsArgs {
 }
 
 impl EffectsArgs {
+    /// Start the effect executors of `service` (they resume what the last run left, then run
+    /// new dispatches); a CA file that cannot be read is reported, exit code 2.
+    fn start(
+        &self,
+        cmd: &str,
+        service: &std::sync::Arc<crate::service::ModelService>,
+    ) -> Result<std::sync::Arc<crate::service::effects::Runner>, i32> {
+        match self.config() {
+            Ok(c) => Ok(crate::service::effects::Runner::start(service, c)),
+            Err(e) => {
+                eprintln!("valem {cmd}: --effects-ca-file: {e}");
+                Err(2)
+            }
+        }
+    }
+
     /// The executors' configuration; a CA file that cannot be read is an error.
     pub fn config(&self) -> Result<crate::service::effects::EffectsConfig, String> {
         let ca_certs = match &self.effects_ca_file {

@@ -20,24 +20,22 @@ pub async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Resp
     if req.uri().path() == "/healthz" {
         return next.run(req).await;
     }
-    // The sandbox page and the browser's half of pairing need no API key; a live session
-    // token stands in for it on the paths it opens.
+    // A live session token is looked up once, here; the request carries its scope on for
+    // [`super::sandbox::scope`]. The sandbox page and the browser's half of pairing need no
+    // API key, and the token stands in for it on the paths it opens.
+    let scoped = super::sandbox::session_token(&req)
+        .and_then(|t| st.pairings.session(&t))
+        .map(|ns| super::sandbox::Scoped { ns });
     let path = req.uri().path();
     let keyless = super::sandbox::is_public(req.method(), path)
-        || (super::sandbox::session_may_use(path)
-            && req
-                .headers()
-                .get(super::sandbox::SESSION_HEADER)
-                .and_then(|t| t.to_str().ok())
-                .or_else(|| {
-                    path.ends_with("/subscribe")
-                        .then(|| query_param(req.uri(), "session"))
-                        .flatten()
-                })
-                .is_some_and(|t| st.pairings.session(t.trim()).is_some()));
+        || (scoped.is_some() && super::sandbox::session_may_use(path));
     if let Err(r) = check(&st.config, req.headers(), req.uri(), keyless) {
         st.metrics.rejected(r.status().as_u16());
         return r;
+    }
+    let mut req = req;
+    if let Some(s) = scoped {
+        req.extensions_mut().insert(s);
     }
     next.run(req).await
 }
@@ -162,7 +160,7 @@ fn query_token(uri: &axum::http::Uri) -> Option<&str> {
     query_param(uri, "token")
 }
 
-fn query_param<'a>(uri: &'a axum::http::Uri, name: &str) -> Option<&'a str> {
+pub(super) fn query_param<'a>(uri: &'a axum::http::Uri, name: &str) -> Option<&'a str> {
     uri.query()?.split('&').find_map(|kv| {
         kv.split_once('=')
             .filter(|(k, _)| *k == name)

@@ -575,18 +575,14 @@ pub fn is_public(method: &axum::http::Method, path: &str) -> bool {
     page || browser
 }
 
-fn session_token(req: &Request) -> Option<String> {
+/// The session token a request presents: `X-Session-Token`, or `?session=` on a WebSocket
+/// handshake (browsers cannot set headers there).
+pub fn session_token(req: &Request) -> Option<String> {
     if let Some(t) = req.headers().get(SESSION_HEADER) {
         return Some(t.to_str().unwrap_or("").trim().to_string());
     }
-    // Browsers cannot set headers on a WebSocket handshake.
     if req.uri().path().ends_with("/subscribe") {
-        return req
-            .uri()
-            .query()?
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("session="))
-            .map(str::to_string);
+        return super::guard::query_param(req.uri(), "session").map(str::to_string);
     }
     None
 }
@@ -598,12 +594,13 @@ fn unauthorized(message: &str) -> Response {
     )
 }
 
-/// Before routing: scope a request that carries a session token to its session.
+/// Before routing: scope a request that carries a session token to its session (the guard
+/// looked the token up and left the [`Scoped`] on the request).
 pub async fn scope(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
-    let Some(token) = session_token(&req) else {
+    if session_token(&req).is_none() {
         return next.run(req).await;
-    };
-    let Some(ns) = st.pairings.session(&token) else {
+    }
+    let Some(scoped) = req.extensions().get::<Scoped>().cloned() else {
         return unauthorized(
             "the session token is unknown or its session ended; pair again (pair_browser)",
         );
@@ -615,7 +612,6 @@ pub async fn scope(State(st): State<AppState>, mut req: Request, next: Next) -> 
             json!({"error": "Forbidden", "message": format!("a session token does not grant {path}")}),
         );
     }
-    let scoped = Scoped { ns };
     let method = req.method().clone();
     // `/models/{id}…`: the id becomes the session's.
     if let Some(rest) = path.strip_prefix("/models/") {
@@ -656,7 +652,6 @@ pub async fn scope(State(st): State<AppState>, mut req: Request, next: Next) -> 
         parts.headers.remove(header::CONTENT_LENGTH);
         req = Request::from_parts(parts, Body::from(bytes));
     }
-    req.extensions_mut().insert(scoped.clone());
     let res = next.run(req).await;
     if path == "/mcp" || path.ends_with("/subscribe") {
         // The MCP transport scopes its own messages; a WebSocket is a stream.
@@ -764,7 +759,7 @@ async fn mint(State(st): State<AppState>, headers: HeaderMap) -> Response {
             let base = base_url(&headers);
             let uri = format!("{base}/sandbox/#pair={}", m.pair_code);
             let complete = format!("{uri}&code={}", m.user_code);
-            let mut r = axum::Json(json!({
+            no_store(json!({
                 "pairCode": m.pair_code,
                 "deviceSecret": m.device_secret,
                 "userCode": m.user_code,
@@ -773,10 +768,6 @@ async fn mint(State(st): State<AppState>, headers: HeaderMap) -> Response {
                 "expiresInSec": st.pairings.ttl().as_secs(),
                 "intervalSec": st.pairings.interval().as_secs(),
             }))
-            .into_response();
-            r.headers_mut()
-                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            r
         }
         Err(e) => e.response(st.pairings.interval()),
     }
@@ -791,46 +782,55 @@ async fn peek(State(st): State<AppState>, Path(code): Path<String>) -> Response 
     }
 }
 
-/// The string field `name` of a JSON body, or a 400 naming it.
-fn field(body: &Bytes, name: &str) -> Result<String, Response> {
+/// The string fields `names` of a JSON body, or a 400 naming the first one missing.
+fn fields<const N: usize>(body: &Bytes, names: [&str; N]) -> Result<[String; N], Response> {
     let v: Json = serde_json::from_slice(body).map_err(|e| {
         error_response(
             StatusCode::BAD_REQUEST,
             json!({"error": "Bad request", "message": format!("the body is not JSON: {e}")}),
         )
     })?;
-    v.get(name)
-        .and_then(|x| x.as_str())
-        .map(str::to_string)
-        .ok_or_else(|| {
-            error_response(
-                StatusCode::BAD_REQUEST,
-                json!({"error": "Bad request", "message": format!("the body needs a `{name}` string")}),
-            )
-        })
+    let mut out: [String; N] = std::array::from_fn(|_| String::new());
+    for (slot, name) in out.iter_mut().zip(names) {
+        *slot = v
+            .get(name)
+            .and_then(|x| x.as_str())
+            .map(str::to_string)
+            .ok_or_else(|| {
+                error_response(
+                    StatusCode::BAD_REQUEST,
+                    json!({"error": "Bad request", "message": format!("the body needs a `{name}` string")}),
+                )
+            })?;
+    }
+    Ok(out)
+}
+
+/// A JSON answer that must not be cached (it carries secrets).
+fn no_store(v: Json) -> Response {
+    let mut r = axum::Json(v).into_response();
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
 }
 
 async fn approve(State(st): State<AppState>, body: Bytes) -> Response {
-    let (code, user) = match (field(&body, "pairCode"), field(&body, "userCode")) {
-        (Ok(c), Ok(u)) => (c, u),
-        (Err(r), _) | (_, Err(r)) => return r,
+    let [code, user] = match fields(&body, ["pairCode", "userCode"]) {
+        Ok(f) => f,
+        Err(r) => return r,
     };
     match st.pairings.approve(&code, &user) {
         Ok((token, ns)) => {
             tracing::info!(namespace = %ns, "sandbox pairing approved");
-            let mut r =
-                axum::Json(json!({"sessionToken": token, "namespaceId": ns})).into_response();
-            r.headers_mut()
-                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            r
+            no_store(json!({"sessionToken": token, "namespaceId": ns}))
         }
         Err(e) => e.response(st.pairings.interval()),
     }
 }
 
 async fn deny(State(st): State<AppState>, body: Bytes) -> Response {
-    let code = match field(&body, "pairCode") {
-        Ok(c) => c,
+    let [code] = match fields(&body, ["pairCode"]) {
+        Ok(f) => f,
         Err(r) => return r,
     };
     match st.pairings.deny(&code) {
@@ -840,18 +840,12 @@ async fn deny(State(st): State<AppState>, body: Bytes) -> Response {
 }
 
 async fn token(State(st): State<AppState>, body: Bytes) -> Response {
-    let (code, secret) = match (field(&body, "pairCode"), field(&body, "deviceSecret")) {
-        (Ok(c), Ok(s)) => (c, s),
-        (Err(r), _) | (_, Err(r)) => return r,
+    let [code, secret] = match fields(&body, ["pairCode", "deviceSecret"]) {
+        Ok(f) => f,
+        Err(r) => return r,
     };
     match st.pairings.token(&code, &secret) {
-        Ok((token, ns)) => {
-            let mut r =
-                axum::Json(json!({"sessionToken": token, "namespaceId": ns})).into_response();
-            r.headers_mut()
-                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            r
-        }
+        Ok((token, ns)) => no_store(json!({"sessionToken": token, "namespaceId": ns})),
         Err(e) => e.response(st.pairings.interval()),
     }
 }

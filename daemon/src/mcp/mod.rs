@@ -289,7 +289,7 @@ impl Session {
 
     /// Did the client declare this capability (`sampling`, `elicitation`, …) at initialize?
     pub fn client_can(&self, capability: &str) -> bool {
-        self.lock().client_capabilities.get(capability).is_some()
+        self.client_capability(capability).is_some()
     }
 
     /// The client's declaration of a capability at initialize, if any.

@@ -73,32 +73,24 @@ pub struct Env<'a> {
     pub progress_token: Option<Json>,
 }
 
-fn text_result(v: &Json, is_error: bool) -> Json {
-    let text = serde_json::to_string_pretty(v).unwrap_or_default();
-    let mut r = json!({"content": [{"type": "text", "text": text}], "isError": is_error});
-    if v.is_object() && !is_error {
-        r["structuredContent"] = v.clone();
-    }
-    r
+/// A successful `pair_browser` result, in the tools' envelope.
+fn ok_result(v: Json) -> Json {
+    super::tools::envelope(Ok(v))
 }
 
 fn error_result(message: String) -> Json {
-    text_result(
-        &json!({"error": "Pairing failed", "message": message}),
-        true,
-    )
+    let body = json!({"error": "Pairing failed", "message": message});
+    let text = serde_json::to_string_pretty(&body).unwrap_or_default();
+    json!({"content": [{"type": "text", "text": text}], "isError": true})
 }
 
 impl Env<'_> {
     fn post(&self, path: &str, body: Json) -> Result<(u16, Json), String> {
-        let mut r = self
+        let r = self
             .agent
             .post(&format!("{}{path}", self.base))
             .header("Content-Type", "application/json");
-        if let Some(k) = self.api_key {
-            r = r.header("Authorization", &format!("Bearer {k}"));
-        }
-        let res = r
+        let res = super::proxy::authorize(r, self.api_key, None)
             .send(body.to_string().as_bytes())
             .map_err(|e| format!("the daemon at {} could not be reached: {e}", self.base))?;
         let status = res.status().as_u16();
@@ -195,9 +187,8 @@ impl Pairing {
             let st = self.lock();
             match &*st {
                 State::Paired { namespace } => {
-                    return Some(text_result(
-                        &json!({"status": "already_paired", "namespaceId": namespace}),
-                        false,
+                    return Some(ok_result(
+                        json!({"status": "already_paired", "namespaceId": namespace}),
                     ))
                 }
                 State::Minted(m) if m.expires > Instant::now() => Some(m.clone()),
@@ -216,7 +207,7 @@ impl Pairing {
         if fresh && !elicited {
             // Nobody can approve before the developer has the link: hand it over at once; the
             // next call waits for the approval.
-            return Some(text_result(&pending(&m, false), false));
+            return Some(ok_result(pending(&m, false)));
         }
         let started = Instant::now();
         let mut polls = 0u64;
@@ -256,10 +247,7 @@ impl Pairing {
                         );
                     }
                     env.progress(polls, "paired");
-                    return Some(text_result(
-                        &json!({"status": "paired", "namespaceId": ns}),
-                        false,
-                    ));
+                    return Some(ok_result(json!({"status": "paired", "namespaceId": ns})));
                 }
                 (_, "authorization_pending") => {}
                 (_, "slow_down") => m.interval += Duration::from_secs(1),
@@ -285,7 +273,7 @@ impl Pairing {
             }
             let left = m.expires.saturating_duration_since(Instant::now());
             if started.elapsed() + m.interval > POLL_BUDGET || left.is_zero() {
-                return Some(text_result(&pending(&m, elicited), false));
+                return Some(ok_result(pending(&m, elicited)));
             }
             env.progress(
                 polls,

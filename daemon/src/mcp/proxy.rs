@@ -447,18 +447,12 @@ impl Upstream {
     }
 
     fn post_builder(&self) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
-        let mut r = self
+        let r = self
             .agent
             .post(&self.endpoint)
             .header("Content-Type", "application/json")
             .header("Accept", "application/json, text/event-stream");
-        if let Some(k) = &self.api_key {
-            r = r.header("Authorization", &format!("Bearer {k}"));
-        }
-        if let Some(t) = self.token() {
-            r = r.header("X-Session-Token", &t);
-        }
-        r
+        authorize(r, self.api_key.as_deref(), self.token().as_deref())
     }
 
     fn post_initialize(&self, msg: &Json) -> Result<(Json, String), String> {
@@ -513,18 +507,12 @@ impl Upstream {
             .spawn(move || {
                 let mut backoff = Duration::from_millis(200);
                 while current.load(Ordering::SeqCst) == generation {
-                    let mut r = agent
+                    let r = agent
                         .get(&endpoint)
                         .header("Accept", "text/event-stream")
                         .header("Mcp-Session-Id", &sid)
                         .header("MCP-Protocol-Version", &version);
-                    if let Some(k) = &key {
-                        r = r.header("Authorization", &format!("Bearer {k}"));
-                    }
-                    if let Some(t) = &token {
-                        r = r.header("X-Session-Token", t);
-                    }
-                    match r.call() {
+                    match authorize(r, key.as_deref(), token.as_deref()).call() {
                         Ok(res) if res.status().as_u16() == 200 => {
                             backoff = Duration::from_millis(200);
                             let reader = BufReader::new(res.into_body().into_reader());
@@ -539,6 +527,21 @@ impl Upstream {
                 }
             });
     }
+}
+
+/// The daemon's credentials on a request: the API key, and the paired session's token.
+pub(super) fn authorize<B>(
+    mut r: ureq::RequestBuilder<B>,
+    api_key: Option<&str>,
+    session_token: Option<&str>,
+) -> ureq::RequestBuilder<B> {
+    if let Some(k) = api_key {
+        r = r.header("Authorization", &format!("Bearer {k}"));
+    }
+    if let Some(t) = session_token {
+        r = r.header("X-Session-Token", t);
+    }
+    r
 }
 
 enum Posted {

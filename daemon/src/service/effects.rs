@@ -43,7 +43,6 @@
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
@@ -128,7 +127,6 @@ pub struct Runner {
     cfg: EffectsConfig,
     timers: Mutex<Vec<Timer>>,
     wake: Condvar,
-    running: AtomicUsize,
     slots: (Mutex<usize>, Condvar),
 }
 
@@ -162,7 +160,6 @@ impl Runner {
             cfg,
             timers: Mutex::new(Vec::new()),
             wake: Condvar::new(),
-            running: AtomicUsize::new(0),
             slots: (Mutex::new(0), Condvar::new()),
         });
         let filter: EventFilter = Arc::new(|e: &Event| {
@@ -188,11 +185,6 @@ impl Runner {
             .name("valem-timers".into())
             .spawn(move || r.timer_loop());
         runner
-    }
-
-    /// Effect calls running now (metrics, tests).
-    pub fn running(&self) -> usize {
-        self.running.load(Ordering::SeqCst)
     }
 
     fn service(&self) -> Option<Arc<ModelService>> {
@@ -295,11 +287,7 @@ impl Runner {
             {
                 continue;
             }
-            let keys: Map<String, Json> = svc
-                .effect_keys(&id)
-                .unwrap_or_default()
-                .into_iter()
-                .collect();
+            let keys = svc.effect_keys(&id).unwrap_or_default();
             for e in &spec.effects {
                 let (Some(path), "server" | "timer") = (&e.status_path, e.executor()) else {
                     continue;
@@ -369,13 +357,9 @@ impl Runner {
         e: &EffectSpec,
     ) -> (Option<Json>, Option<Json>) {
         let limits = &svc.limits().engine.expr;
-        let Ok(doc) = svc.state(id, None) else {
+        let Ok((input, env)) = model_input(svc, id, spec) else {
             return (None, None);
         };
-        let Ok(env) = model_env(spec, limits) else {
-            return (None, None);
-        };
-        let input = json_to_jvalue(&doc);
         let ev = |t: &Option<String>| {
             t.as_deref()
                 .and_then(|t| eval(t, &input, &env, limits).ok().flatten())
@@ -387,17 +371,15 @@ impl Runner {
 
     fn spawn_call(self: &Arc<Self>, model: String, req: EffectRequest, attempts: u32) {
         let r = self.clone();
-        self.running.fetch_add(1, Ordering::SeqCst);
         let spawned = std::thread::Builder::new()
             .name("valem-effect".into())
             .spawn(move || {
                 r.acquire();
                 r.call(&model, &req, attempts);
                 r.release();
-                r.running.fetch_sub(1, Ordering::SeqCst);
             });
-        if spawned.is_err() {
-            self.running.fetch_sub(1, Ordering::SeqCst);
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "an effect thread did not start");
         }
     }
 
@@ -490,12 +472,10 @@ impl Runner {
             req,
         } = *job;
         let limits = &svc.limits().engine.expr;
-        let doc = svc.state(model, None)?;
-        let mut env = model_env(spec, limits).map_err(ServiceError::BadRequest)?;
+        let (input, mut env) = model_input(svc, model, spec)?;
         if let Some(r) = &response {
             env.vars.push((Rc::from("response"), json_to_jvalue(r)));
         }
-        let input = json_to_jvalue(&doc);
         let mut writes = Vec::new();
         if let Some(resp) = &e.response {
             for (target, ex) in &resp.set {
@@ -549,11 +529,7 @@ impl Runner {
             return self.link(job, target);
         }
         let limits = &svc.limits().engine.expr;
-        let doc = svc
-            .state(model, None)
-            .map_err(|e| Failure::Failed(e.to_string()))?;
-        let env = model_env(spec, limits).map_err(Failure::Refused)?;
-        let input = json_to_jvalue(&doc);
+        let (input, env) = model_input(svc, model, spec).map_err(Failure::from)?;
         let key = req
             .dedupe_key
             .as_ref()
@@ -721,12 +697,9 @@ impl Runner {
             .and_then(|p| p.as_str())
             .ok_or_else(|| Failure::Refused("a target needs `path` (write) or `read`".into()))?;
         let limits = &svc.limits().engine.expr;
-        let doc = svc
-            .state(model, None)
-            .map_err(|e| Failure::Failed(e.to_string()))?;
-        let env = model_env(spec, limits).map_err(Failure::Refused)?;
+        let (input, env) = model_input(svc, model, spec).map_err(Failure::from)?;
         let body = match &e.body {
-            Some(ex) => eval(ex, &json_to_jvalue(&doc), &env, limits)
+            Some(ex) => eval(ex, &input, &env, limits)
                 .map_err(|m| Failure::Refused(format!("body: {m}")))?
                 .unwrap_or(Json::Null),
             None => Json::Null,
@@ -846,10 +819,9 @@ impl Runner {
             return;
         };
         let limits = &svc.limits().engine.expr;
-        let still = svc.state(&t.model, None).ok().and_then(|doc| {
-            let env = model_env(&spec, limits).ok()?;
-            eval(&e.trigger, &json_to_jvalue(&doc), &env, limits).ok()
-        });
+        let still = model_input(&svc, &t.model, &spec)
+            .ok()
+            .and_then(|(input, env)| eval(&e.trigger, &input, &env, limits).ok());
         let holds = matches!(still, Some(Some(ref v)) if trigger_holds(v));
         let r = if holds {
             let job = Job {
@@ -1050,27 +1022,42 @@ fn trigger_holds(v: &Json) -> bool {
     }
 }
 
-/// `$const` and the library of `spec`, bound for evaluating its effect expressions.
-fn model_env(spec: &ModelSpec, limits: &Limits) -> Result<Env, String> {
+/// The model's merged document as an evaluation input, and an environment with `$const` and
+/// the spec's library bound as the compiler binds them. A library that does not evaluate is a
+/// `BadRequest`.
+fn model_input(
+    svc: &ModelService,
+    model: &str,
+    spec: &ModelSpec,
+) -> Result<(JValue, Env), ServiceError> {
+    let doc = svc.state(model, None)?;
     let mut env = Env {
         now_ms: Some(now_ms()),
         ..Env::default()
     };
-    if !spec.constants.is_empty() {
-        env.vars.push((
-            Rc::from("const"),
-            json_to_jvalue(&Json::Object(spec.constants.clone())),
-        ));
-    }
-    if let Some(lib) = &spec.library {
-        for layer in lib.layers() {
-            let bound = crate::engine::compile::eval_library_layer(&layer.define, &env, limits)?;
-            for (name, v) in bound {
-                env.vars.push((Rc::from(name.as_str()), v));
-            }
+    env.vars.push((
+        Rc::from("const"),
+        json_to_jvalue(&Json::Object(spec.constants.clone())),
+    ));
+    crate::engine::compile::bind_library(spec, &mut env, &svc.limits().engine.expr).map_err(
+        |errs| {
+            let e = errs.first();
+            ServiceError::BadRequest(
+                e.map_or_else(String::new, |e| format!("{}: {}", e.location, e.message)),
+            )
+        },
+    )?;
+    Ok((json_to_jvalue(&doc), env))
+}
+
+impl From<ServiceError> for Failure {
+    /// A library that does not evaluate is not worth retrying; anything else may pass.
+    fn from(e: ServiceError) -> Failure {
+        match e {
+            ServiceError::BadRequest(m) => Failure::Refused(m),
+            other => Failure::Failed(other.to_string()),
         }
     }
-    Ok(env)
 }
 
 fn eval(text: &str, input: &JValue, env: &Env, limits: &Limits) -> Result<Option<Json>, String> {

@@ -977,7 +977,7 @@ impl ModelService {
     }
 
     /// The dedupe key each effect of the model last fired with.
-    pub fn effect_keys(&self, id: &str) -> Result<Vec<(String, Json)>, ServiceError> {
+    pub fn effect_keys(&self, id: &str) -> Result<Map<String, Json>, ServiceError> {
         let owned = id.to_string();
         self.on_model(id, move |s| {
             let e = s.entry(&owned)?;
