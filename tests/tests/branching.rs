@@ -94,56 +94,38 @@ fn a_branch_of_a_bundled_example_inherits_overrides_and_passes_its_tests() {
     assert!(base_spec.get("lineage").is_none() || base_spec["lineage"] == json!([]));
 }
 
+/// Create an empty model `id`, branched from `template` when given.
+fn post_model(http: &Http, id: &str, template: Option<&str>) -> valem_tests::Reply {
+    let mut spec = json!({"id": id, "schema": {}});
+    if let Some(t) = template {
+        spec["template"] = json!({"ref": t});
+    }
+    http.post_json("/models", &spec)
+}
+
 #[test]
 fn missing_self_and_cyclic_templates_are_refused() {
     let d = Daemon::start(&[]);
     let http = Http::new(&d);
-    let missing = http.post_json(
-        "/models",
-        &json!({"id": "x", "template": {"ref": "nowhere"}, "schema": {}}),
-    );
+    let missing = post_model(&http, "x", Some("nowhere"));
     assert_eq!(missing.status, 422, "{missing:?}");
     assert!(
         missing.text().contains("not a model of this daemon"),
         "{missing:?}"
     );
-    let own = http.post_json(
-        "/models",
-        &json!({"id": "x", "template": {"ref": "x"}, "schema": {}}),
-    );
+    let own = post_model(&http, "x", Some("x"));
     assert_eq!(own.status, 422, "{own:?}");
     assert!(own.text().contains("cyclic"), "{own:?}");
 
     // a ← b, then a recreated from b: its chain would be [b, a] — a cycle.
-    assert_eq!(
-        http.post_json("/models", &json!({"id": "a", "schema": {}}))
-            .status,
-        201
-    );
-    assert_eq!(
-        http.post_json(
-            "/models",
-            &json!({"id": "b", "template": {"ref": "a"}, "schema": {}})
-        )
-        .status,
-        201
-    );
+    assert_eq!(post_model(&http, "a", None).status, 201);
+    assert_eq!(post_model(&http, "b", Some("a")).status, 201);
     assert_eq!(http.delete("/models/a").status, 200);
-    let cyc = http.post_json(
-        "/models",
-        &json!({"id": "a", "template": {"ref": "b"}, "schema": {}}),
-    );
+    let cyc = post_model(&http, "a", Some("b"));
     assert_eq!(cyc.status, 422, "{cyc:?}");
     assert!(cyc.text().contains("cyclic"), "{cyc:?}");
     // A three-level chain pins every ancestor, nearest first.
-    assert_eq!(
-        http.post_json(
-            "/models",
-            &json!({"id": "c", "template": {"ref": "b"}, "schema": {}})
-        )
-        .status,
-        201
-    );
+    assert_eq!(post_model(&http, "c", Some("b")).status, 201);
     let lineage = http.get("/models/c/lineage").json();
     let refs: Vec<&str> = lineage
         .as_array()

@@ -143,6 +143,14 @@ fn mutate(http: &Http, id: &str, m: Value) {
     assert_eq!(r.status, 200, "{r:?}");
 }
 
+/// A durable daemon with `extra` flags in a fresh directory, and a client of it.
+fn started(extra: &[&str]) -> (tempfile::TempDir, Daemon, Http) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(dir.path(), extra);
+    let http = Http::new(&d);
+    (dir, d, http)
+}
+
 /// A durable daemon with `extra` flags and the quote model calling `path` on `dest`.
 fn quote(
     dest: &Destination,
@@ -150,9 +158,7 @@ fn quote(
     retries: u32,
     extra: &[&str],
 ) -> (tempfile::TempDir, Daemon, Http) {
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), extra);
-    let http = Http::new(&d);
+    let (dir, d, http) = started(extra);
     let r = http.post_json("/models", &spec(dest.port, path, retries));
     assert_eq!(r.status, 201, "{r:?}");
     (dir, d, http)
@@ -252,15 +258,8 @@ fn a_failing_destination_is_retried_then_failed() {
 #[test]
 fn the_egress_guard_refuses_unlisted_hosts_and_private_addresses() {
     let dest = Destination::start();
-    let dir = tempfile::tempdir().unwrap();
     // Nothing is allowed by default.
-    let d = daemon(dir.path(), &[]);
-    let http = Http::new(&d);
-    assert_eq!(
-        http.post_json("/models", &spec(dest.port, "/rate", 3))
-            .status,
-        201
-    );
+    let (_dir, d, http) = quote(&dest, "/rate", 3, &[]);
     mutate(&http, "quote", json!({"$.region": "north"}));
     let s = wait_for(&http, "quote", "refused", |s| phase(s, "io") == "failed");
     assert!(
@@ -269,14 +268,7 @@ fn the_egress_guard_refuses_unlisted_hosts_and_private_addresses() {
     );
     // Listed, but loopback without --effects-allow-private-ips.
     drop(d);
-    let dir2 = tempfile::tempdir().unwrap();
-    let d = daemon(dir2.path(), &["--effects-allowed-hosts", "127.0.0.1"]);
-    let http = Http::new(&d);
-    assert_eq!(
-        http.post_json("/models", &spec(dest.port, "/rate", 3))
-            .status,
-        201
-    );
+    let (_dir2, _d, http) = quote(&dest, "/rate", 3, &["--effects-allowed-hosts", "127.0.0.1"]);
     mutate(&http, "quote", json!({"$.region": "north"}));
     let s = wait_for(&http, "quote", "refused", |s| phase(s, "io") == "failed");
     assert!(
@@ -292,9 +284,7 @@ fn the_egress_guard_refuses_unlisted_hosts_and_private_addresses() {
 
 #[test]
 fn a_timer_scheduled_before_a_restart_fires_after_it_and_llm_is_reported() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), &[]);
-    let http = Http::new(&d);
+    let (dir, d, http) = started(&[]);
     let spec = json!({
         "id": "t",
         "schema": {"type": "object"},
@@ -340,9 +330,7 @@ fn chrono_now_ms() -> i64 {
 
 #[test]
 fn a_timer_whose_trigger_no_longer_holds_is_cancelled() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), &[]);
-    let http = Http::new(&d);
+    let (_dir, _d, http) = started(&[]);
     let spec = json!({
         "id": "c",
         "schema": {"type": "object"},
@@ -362,9 +350,7 @@ fn a_timer_whose_trigger_no_longer_holds_is_cancelled() {
 
 #[test]
 fn effects_requested_by_the_seeding_cycle_run_too() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), &[]);
-    let http = Http::new(&d);
+    let (_dir, _d, http) = started(&[]);
     let spec = json!({
         "id": "seeded",
         "schema": {"type": "object"},
@@ -472,9 +458,7 @@ fn an_https_destination_is_called_with_the_operators_ca() {
 
 #[test]
 fn model_links_write_and_read_another_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), &[]);
-    let http = Http::new(&d);
+    let (_dir, _d, http) = started(&[]);
     let ledger = json!({"id": "ledger", "schema": {"type": "object"},
         "derivations": [{"path": "$.doubled", "expr": "amount * 2"}]});
     assert_eq!(http.post_json("/models", &ledger).status, 201);
@@ -525,9 +509,7 @@ fn model_links_write_and_read_another_model() {
 #[test]
 fn a_requests_fan_out_sends_each_descriptor_and_folds_back_all_responses() {
     let dest = Destination::start();
-    let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), LOCAL);
-    let http = Http::new(&d);
+    let (_dir, _d, http) = started(LOCAL);
     let base = format!("http://127.0.0.1:{}", dest.port);
     let spec = json!({
         "id": "fan",
