@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value as Json};
-use valem::engine::jit::read_slots;
+use valem::engine::jit::{read_doc_slots, slot_inputs};
+use valem::engine::merged::CellLayout;
 use valem::expr::{from_jvalue, to_jvalue, Compiled, Env, Limits, Value as JValue};
-use valem::value::{intern, Seg, Val};
+use valem::value::Val;
 use valem_jit::codegen::{CodeSet, Shapes};
 use valem_jit::interp;
-use valem_jit::ir::{self, Base, Ty};
+use valem_jit::ir::{self, Ty};
 
 const VARS: [&str; 4] = ["a", "b", "c", "d"];
 
@@ -180,16 +181,7 @@ fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
         .map_err(|r| TestCaseError::fail(format!("{text}: not lowered: {r}")))?;
     let code = CodeSet::compile(&[(&p, Shapes::BOTH)])
         .map_err(|e| TestCaseError::fail(format!("{text}: {e}")))?;
-    let inputs: Vec<(Base, Vec<Seg>)> = p
-        .inputs
-        .iter()
-        .map(|r| {
-            (
-                r.base.clone(),
-                r.fields.iter().map(|f| Seg::Field(intern(f))).collect(),
-            )
-        })
-        .collect();
+    let inputs = slot_inputs(&p, &CellLayout::default());
 
     let mut cols: Vec<Vec<f64>> = vec![Vec::new(); inputs.len()];
     let mut guarded: Vec<(usize, Out)> = Vec::new();
@@ -198,7 +190,7 @@ fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
         let d = doc(values);
         let want = interpreted(&c, &env, &d);
         let v = Val::from_json(&d);
-        if !read_slots(&inputs, Some(&v), None, &mut slots) {
+        if !read_doc_slots(&inputs, &v, &mut slots) {
             FALLBACKS.fetch_add(1, Ordering::Relaxed);
             continue; // the interpreter answers: the same by construction
         }
@@ -309,19 +301,10 @@ fn the_traps_of_the_issue() {
         let comp = Compiled::compile(text, &limits).unwrap();
         let p = ir::lower(comp.ast(), &|_| None).unwrap();
         let code = CodeSet::compile(&[(&p, Shapes::SCALAR)]).unwrap();
-        let inputs: Vec<(Base, Vec<Seg>)> = p
-            .inputs
-            .iter()
-            .map(|r| {
-                (
-                    r.base.clone(),
-                    r.fields.iter().map(|f| Seg::Field(intern(f))).collect(),
-                )
-            })
-            .collect();
+        let inputs = slot_inputs(&p, &CellLayout::default());
         let v = Val::from_json(&d);
         let mut slots = Vec::new();
-        let jit = if read_slots(&inputs, Some(&v), None, &mut slots) {
+        let jit = if read_doc_slots(&inputs, &v, &mut slots) {
             code.call(0, &slots)
         } else {
             None

@@ -104,6 +104,9 @@ pub struct Node {
     pub key_arc: Arc<str>,
     /// The concrete target of a derivation without `[*]`.
     pub concrete: Option<Vec<crate::value::Seg>>,
+    /// The cell holding a derivation's value when its target is one top-level member
+    /// (`engine/merged.rs`).
+    pub cell: Option<u32>,
     /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
     pub targets: Vec<Address>,
     pub expr: Rc<Compiled>,
@@ -191,6 +194,10 @@ pub struct CompiledModel {
     /// Per node, the nodes that read what it writes (derivations only write).
     pub dependents: Vec<Vec<NodeId>>,
     pub readers: Trie,
+    /// The top-level members whose derived values live in cells.
+    pub cells: Arc<super::merged::CellLayout>,
+    /// Every derivation writes a cell: the merged document's tree is the base document.
+    pub merged_is_base: bool,
     /// Where derivations write (read-only check, compile-time edges).
     pub producers: Trie,
     /// The target patterns of meta-derivations and scoped constraints (derivations are in
@@ -762,8 +769,14 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
     let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
 
+    let cells = assign_cells(&mut nodes, &levels, &producers);
+    let merged_is_base = derivation_ids
+        .iter()
+        .all(|&i| nodes[i as usize].cell.is_some());
     let has_delta_aggregates = nodes.iter().any(|n| n.delta_aggregate().is_some());
     Ok(CompiledModel {
+        cells: Arc::new(cells),
+        merged_is_base,
         schema: spec.schema.clone(),
         spec,
         has_delta_aggregates,
@@ -784,6 +797,38 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         limits: limits.clone(),
         validators: RefCell::new(HashMap::new()),
     })
+}
+
+/// Give a cell to every derivation whose target is one top-level member that no other
+/// derivation writes at or below; cells are numbered in evaluation order (level, then id).
+fn assign_cells(
+    nodes: &mut [Node],
+    levels: &[Vec<NodeId>],
+    producers: &Trie,
+) -> super::merged::CellLayout {
+    let mut keys = Vec::new();
+    let mut below = Vec::new();
+    for level in levels {
+        for &id in level {
+            let n = &nodes[id as usize];
+            let Some([crate::value::Seg::Field(k)]) = n.concrete.as_deref() else {
+                continue;
+            };
+            below.clear();
+            let at = [crate::value::Seg::Field(k.clone())];
+            producers.below(&at, &mut below);
+            let alone = below.is_empty()
+                && producers
+                    .at(&at)
+                    .is_some_and(|mut e| e.next() == Some(id) && e.next().is_none());
+            if alone {
+                let k = k.clone();
+                nodes[id as usize].cell = Some(keys.len() as u32);
+                keys.push(k);
+            }
+        }
+    }
+    super::merged::CellLayout::new(keys)
 }
 
 /// Whether the read pattern `r` is a strict ancestor of `target` (wildcards match indices).
@@ -844,6 +889,7 @@ fn draft_empty(
             kind,
             key_arc: Arc::from(key.as_str()),
             concrete,
+            cell: None,
             key,
             targets,
             expr,

@@ -25,6 +25,7 @@ use crate::value::{Seg, Val};
 use valem_jit::ir::Ty;
 
 use super::jit;
+use super::merged::Merged;
 
 /// One aggregate leaf's old and new number (`None`: absent).
 type LeafChange = (Option<f64>, Option<f64>);
@@ -65,6 +66,8 @@ struct Journal {
     stale: Vec<(NodeId, bool)>,
     effect_keys: Vec<(Arc<str>, Option<Val>)>,
     aggregates: Vec<(NodeId, Option<AggMemo>)>,
+    /// Cells written: each one's previous value.
+    cells: Vec<(u32, Option<Val>)>,
 }
 
 /// Save the top-level member of `doc` that a write at `path` changes (or the whole root).
@@ -334,43 +337,51 @@ impl<'a> Cycle<'a> {
     fn write_base(&mut self, segs: &[Seg], value: Val) -> Result<(), MutationError> {
         let max = self.limits.max_array_index;
         // The first container this write creates: instances below it are new.
-        let created = (1..segs.len()).find(|&k| self.st.merged.get_path(&segs[..k]).is_none());
+        let created = (1..segs.len()).find(|&k| self.st.merged().get_path(&segs[..k]).is_none());
         if self.cm.has_delta_aggregates {
-            self.agg_change = Some((self.st.merged.get_path(segs).cloned(), value.clone()));
+            self.agg_change = Some((self.st.merged().get_path(segs).cloned(), value.clone()));
+        }
+        if segs.is_empty() {
+            // The root is replaced: every cell is wiped (its derivation runs again).
+            self.clear_cells();
         }
         let j = &mut self.journal;
-        if let ([Seg::Field(k)], Val::Obj(b), Val::Obj(m)) =
-            (segs, &mut self.st.base, &mut self.st.merged)
-        {
-            // A top-level member: replace it and journal what it replaced, one lookup per tree.
-            // (Journaling the same member twice is harmless: undo replays newest first.)
-            let old_base = b.insert(k.clone(), value.clone());
-            j.base.push((Some(k.clone()), old_base));
-            let old_merged = m.insert(k.clone(), value);
-            j.merged.push((Some(k.clone()), old_merged));
-        } else {
-            save(
-                &self.st.base,
-                segs,
-                &mut j.base,
-                &mut j.base_seen,
-                &mut j.base_root,
-            );
-            save(
-                &self.st.merged,
-                segs,
-                &mut j.merged,
-                &mut j.merged_seen,
-                &mut j.merged_root,
-            );
-            self.st
-                .base
-                .set_path(segs, value.clone(), max)
-                .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
-            self.st
-                .merged
-                .set_path(segs, value, max)
-                .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+        match (segs, &mut self.st.base, &mut self.st.tree) {
+            ([Seg::Field(k)], Val::Obj(b), tree @ (None | Some(Val::Obj(_)))) => {
+                // A top-level member: replace it and journal what it replaced, one lookup per
+                // tree. (Journaling the same member twice is harmless: undo replays newest
+                // first.)
+                let old_base = b.insert(k.clone(), value.clone());
+                j.base.push((Some(k.clone()), old_base));
+                if let Some(Val::Obj(m)) = tree {
+                    let old_merged = m.insert(k.clone(), value);
+                    j.merged.push((Some(k.clone()), old_merged));
+                }
+            }
+            _ => {
+                save(
+                    &self.st.base,
+                    segs,
+                    &mut j.base,
+                    &mut j.base_seen,
+                    &mut j.base_root,
+                );
+                self.st
+                    .base
+                    .set_path(segs, value.clone(), max)
+                    .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+                if let Some(tree) = &mut self.st.tree {
+                    save(
+                        tree,
+                        segs,
+                        &mut j.merged,
+                        &mut j.merged_seen,
+                        &mut j.merged_root,
+                    );
+                    tree.set_path(segs, value, max)
+                        .map_err(|e| MutationError::Invalid(format!("{}: {e}", render(segs))))?;
+                }
+            }
         }
         self.version += 1;
         self.result.mutated_paths.push(render(segs));
@@ -383,6 +394,15 @@ impl<'a> Cycle<'a> {
         Ok(())
     }
 
+    /// Wipe every cell, journaling each value.
+    fn clear_cells(&mut self) {
+        for c in 0..self.cm.cells.len() as u32 {
+            if let Some(old) = self.st.cells.set(c, None) {
+                self.journal.cells.push((c, Some(old)));
+            }
+        }
+    }
+
     // --- evaluation -------------------------------------------------------------------------
 
     fn whole_doc(&mut self) -> JValue {
@@ -391,7 +411,7 @@ impl<'a> Cycle<'a> {
                 return j.clone();
             }
         }
-        let j = to_jvalue(&self.st.merged);
+        let j = self.st.merged().to_jvalue();
         self.whole_cache = Some((self.version, j.clone()));
         j
     }
@@ -399,33 +419,24 @@ impl<'a> Cycle<'a> {
     fn input(&mut self, node: &Node, inst: &[Seg]) -> JValue {
         match node.input {
             Input::Doc if node.whole_doc => self.whole_doc(),
-            Input::Doc => project(&self.st.merged, &node.projection),
+            Input::Doc => project_root(self.st.merged(), &node.projection),
             Input::Element => {
                 let el = element_prefix(&node.targets[0], inst);
-                self.st.merged.get_path(el).map_or(JValue::Null, to_jvalue)
+                self.st.merged().jvalue_at(el)
             }
-            Input::Field => self
-                .st
-                .merged
-                .get_path(inst)
-                .map_or(JValue::Null, to_jvalue),
+            Input::Field => self.st.merged().jvalue_at(inst),
         }
     }
 
     /// The JIT tier's answer, when the node's code is ready and every slot holds a number.
     fn evaluate_jit(&mut self, node: &Node, inst: &[Seg]) -> Option<JValue> {
-        let (nj, code) = node.jit.code(node.expr.ast(), &self.cm.spec.constants)?;
-        let merged = &self.st.merged;
-        let input = match node.input {
-            Input::Doc => Some(merged),
-            Input::Element => merged.get_path(element_prefix(&node.targets[0], inst)),
-            Input::Field => merged.get_path(inst),
-        };
-        // `$parent` as `evaluate` binds it (derivations: the target's JSON parent).
-        let parent = (node.uses_parent && !inst.is_empty())
-            .then(|| merged.get_path(&inst[..inst.len() - 1]))
-            .flatten();
-        if !jit::read_slots(&nj.inputs, input, parent, &mut self.jit_slots) {
+        let (nj, code) = node
+            .jit
+            .code(node.expr.ast(), &self.cm.spec.constants, &self.cm.cells)?;
+        // Only derivations are compiled: their input is the document. `$parent` as `evaluate`
+        // binds it: the target's JSON parent.
+        let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
+        if !jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots) {
             return None;
         }
         let x = code.set.call(code.index, &self.jit_slots)?;
@@ -449,7 +460,7 @@ impl<'a> Cycle<'a> {
                     return Ok(v);
                 }
             }
-            if let Some(v) = aggregate(&self.st.merged, agg) {
+            if let Some(v) = aggregate(self.st.merged(), agg) {
                 return Ok(v);
             }
         }
@@ -460,7 +471,7 @@ impl<'a> Cycle<'a> {
                 NodeKind::Derivation { .. } => &inst[..inst.len() - 1],
                 _ => element_prefix(&node.targets[0], inst),
             };
-            let parent = self.st.merged.get_path(at).map_or(JValue::Null, to_jvalue);
+            let parent = self.st.merged().jvalue_at(at);
             let env = self.env.with("parent", parent);
             node.expr.eval(&input, &env, &self.limits.expr)
         } else {
@@ -479,7 +490,7 @@ impl<'a> Cycle<'a> {
             (Some(m), Some(Some(changes))) if m.exact => apply_changes(m, &changes),
             _ => None,
         };
-        let next = updated.or_else(|| scan_memo(&self.st.merged, agg));
+        let next = updated.or_else(|| scan_memo(self.st.merged(), agg));
         if next != memo {
             self.journal.aggregates.push((id, memo));
             match next {
@@ -541,24 +552,10 @@ impl<'a> Cycle<'a> {
         let mut out = Vec::new();
         let all = dirty.is_none_or(|d| d.all);
         if all {
-            expand(
-                &pattern.segs,
-                Some(&self.st.merged),
-                None,
-                0,
-                &mut Vec::new(),
-                &mut out,
-            );
+            expand_root(&pattern.segs, self.st.merged(), None, &mut out);
         } else if let Some(d) = dirty {
             for p in &d.prefixes {
-                expand(
-                    &pattern.segs,
-                    Some(&self.st.merged),
-                    Some(p),
-                    0,
-                    &mut Vec::new(),
-                    &mut out,
-                );
+                expand_root(&pattern.segs, self.st.merged(), Some(p), &mut out);
             }
             if d.prefixes.len() > 1 {
                 out.sort_unstable();
@@ -650,15 +647,15 @@ impl<'a> Cycle<'a> {
         if insts.len() < MIN_ROWS || !node.jit.eligible || node.input != Input::Doc {
             return None;
         }
-        let (nj, code) = node.jit.code(node.expr.ast(), &self.cm.spec.constants)?;
-        let merged = &self.st.merged;
+        let (nj, code) = node
+            .jit
+            .code(node.expr.ast(), &self.cm.spec.constants, &self.cm.cells)?;
+        let merged = self.st.merged();
         let mut cols: Vec<Vec<f64>> = vec![Vec::with_capacity(insts.len()); nj.inputs.len()];
         let mut guarded = vec![false; insts.len()];
         for (k, inst) in insts.iter().enumerate() {
-            let parent = (node.uses_parent && !inst.is_empty())
-                .then(|| merged.get_path(&inst[..inst.len() - 1]))
-                .flatten();
-            guarded[k] = jit::read_slots(&nj.inputs, Some(merged), parent, &mut self.jit_slots);
+            let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
+            guarded[k] = jit::read_slots(&nj.inputs, merged, parent, &mut self.jit_slots);
             for (s, col) in cols.iter_mut().enumerate() {
                 col.push(if guarded[k] { self.jit_slots[s] } else { 0.0 });
             }
@@ -714,7 +711,20 @@ impl<'a> Cycle<'a> {
             }
         };
         let noting = self.cm.has_delta_aggregates;
-        let written = if let ([Seg::Field(k)], Val::Obj(m)) = (inst, &mut self.st.merged) {
+        let written = if let (Some(c), true) = (node.cell, key.is_some()) {
+            // A cell: compared and replaced by index. (Over a scalar root a top-level member
+            // does not exist, as in the tree.)
+            if !self.st.merged().root_is_obj() || self.st.cells.get(c) == Some(&value) {
+                false
+            } else {
+                let old = self.st.cells.set(c, Some(value.clone()));
+                if noting {
+                    self.agg_change = Some((old.clone(), value.clone()));
+                }
+                self.journal.cells.push((c, old));
+                true
+            }
+        } else if let ([Seg::Field(k)], Some(Val::Obj(m))) = (inst, &mut self.st.tree) {
             // A top-level derived member: one lookup finds it, compares and replaces it.
             let old = match m.get_mut(k) {
                 Some(slot) if *slot == value => None,
@@ -733,22 +743,26 @@ impl<'a> Cycle<'a> {
             }
             written
         } else {
-            let cur = self.st.merged.get_path(inst);
+            let cur = self.st.merged().get_path(inst);
             let changed = cur != Some(&value);
             if changed && noting {
                 self.agg_change = Some((cur.cloned(), value.clone()));
             }
-            if changed {
-                let j = &mut self.journal;
-                save(
-                    &self.st.merged,
-                    inst,
-                    &mut j.merged,
-                    &mut j.merged_seen,
-                    &mut j.merged_root,
-                );
+            match &mut self.st.tree {
+                Some(tree) if changed => {
+                    let j = &mut self.journal;
+                    save(
+                        tree,
+                        inst,
+                        &mut j.merged,
+                        &mut j.merged_seen,
+                        &mut j.merged_root,
+                    );
+                    tree.splice_existing(inst, value.clone())
+                }
+                // Without a tree every derivation writes a cell.
+                _ => false,
             }
-            changed && self.st.merged.splice_existing(inst, value.clone())
         };
         if written {
             self.version += 1;
@@ -939,7 +953,12 @@ impl<'a> Cycle<'a> {
     fn rollback(&mut self) {
         let j = std::mem::take(&mut self.journal);
         undo(&mut self.st.base, j.base);
-        undo(&mut self.st.merged, j.merged);
+        if let Some(tree) = &mut self.st.tree {
+            undo(tree, j.merged);
+        }
+        for (c, old) in j.cells.into_iter().rev() {
+            self.st.cells.set(c, old);
+        }
         restore(&mut self.st.meta, j.meta);
         for (id, was) in j.stale.into_iter().rev() {
             if was {
@@ -1018,10 +1037,7 @@ impl<'a> Cycle<'a> {
                 let parent = if c.is_empty() {
                     JValue::Null
                 } else {
-                    self.st
-                        .merged
-                        .get_path(&c[..c.len() - 1])
-                        .map_or(JValue::Null, to_jvalue)
+                    self.st.merged().jvalue_at(&c[..c.len() - 1])
                 };
                 let me = self.st.base.get_path(c).map_or(JValue::Null, to_jvalue);
                 let env = self.env.with("parent", parent).with("self", me);
@@ -1072,6 +1088,23 @@ fn element_prefix<'s>(pattern: &Address, inst: &'s [Seg]) -> &'s [Seg] {
         .rposition(|s| matches!(s, PathSeg::Wild))
         .map_or(0, |p| p + 1);
     &inst[..n.min(inst.len())]
+}
+
+/// Concrete instances of a pattern in the merged document, optionally restricted to bound
+/// leading wildcards.
+fn expand_root(segs: &[PathSeg], m: Merged<'_>, bind: Option<&[usize]>, out: &mut Vec<Vec<Seg>>) {
+    match segs.split_first() {
+        None => out.push(Vec::new()),
+        Some((PathSeg::Field(k), rest)) if m.root_is_obj() => {
+            let next = m.root_get(k);
+            if next.is_none() && rest.iter().any(|s| matches!(s, PathSeg::Wild)) {
+                return;
+            }
+            let mut cur = vec![Seg::Field(k.clone())];
+            expand(rest, next, bind, 0, &mut cur, out);
+        }
+        Some(_) => expand(segs, Some(m.doc), bind, 0, &mut Vec::new(), out),
+    }
 }
 
 /// Concrete instances of a pattern in `v`, optionally restricted to bound leading wildcards.
@@ -1134,6 +1167,23 @@ fn expand(
     }
 }
 
+/// The projected input of a document expression: only the paths it reads.
+fn project_root(m: Merged<'_>, p: &Projection) -> JValue {
+    if p.whole {
+        return m.to_jvalue();
+    }
+    if !m.root_is_obj() {
+        return project(m.doc, p);
+    }
+    let mut o = IndexMap::with_capacity(p.children.len());
+    for (k, sub) in &p.children {
+        if let Some(x) = m.root_get(k) {
+            o.insert(k.to_string(), project(x, sub));
+        }
+    }
+    JValue::object(o)
+}
+
 /// The projected input: only the paths the expression reads.
 fn project(v: &Val, p: &Projection) -> JValue {
     if p.whole {
@@ -1157,9 +1207,9 @@ fn project(v: &Val, p: &Projection) -> JValue {
 /// Native `$sum/$count/$average/$max/$min` over a field path. `None` means "let JSONata
 /// decide" (anything but plain numbers under plain objects, so errors and odd shapes keep
 /// JSONata's exact behaviour).
-fn aggregate(doc: &Val, agg: &Aggregate) -> Option<Option<JValue>> {
+fn aggregate(doc: Merged<'_>, agg: &Aggregate) -> Option<Option<JValue>> {
     let mut leaves: Vec<&Val> = Vec::new();
-    if !collect(doc, &agg.path, &mut leaves) {
+    if !collect_root(doc, &agg.path, &mut leaves) {
         return None;
     }
     if agg.func == AggFunc::Count {
@@ -1208,9 +1258,9 @@ fn apply_changes(mut m: AggMemo, changes: &[LeafChange]) -> Option<AggMemo> {
 
 /// An aggregate's memo from a full scan (the same left-to-right sum `aggregate` computes);
 /// `None` when a leaf is not a number or the shape is left to JSONata.
-fn scan_memo(doc: &Val, agg: &Aggregate) -> Option<AggMemo> {
+fn scan_memo(doc: Merged<'_>, agg: &Aggregate) -> Option<AggMemo> {
     let mut leaves: Vec<&Val> = Vec::new();
-    if !collect(doc, &agg.path, &mut leaves) {
+    if !collect_root(doc, &agg.path, &mut leaves) {
         return None;
     }
     let mut m = AggMemo {
@@ -1236,6 +1286,14 @@ fn scan_memo(doc: &Val, agg: &Aggregate) -> Option<AggMemo> {
     Some(m)
 }
 
+/// `collect` from the merged document's root.
+fn collect_root<'v>(m: Merged<'v>, path: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
+    match path.split_first() {
+        Some((k, rest)) if m.root_is_obj() => member(m.root_get(k), rest, out),
+        _ => collect(m.doc, path, out),
+    }
+}
+
 /// Navigate like a JSONata path over plain data; false on shapes we leave to JSONata.
 fn collect<'v>(v: &'v Val, path: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
     let Some((k, rest)) = path.split_first() else {
@@ -1246,26 +1304,31 @@ fn collect<'v>(v: &'v Val, path: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
         return true;
     };
     match v {
-        Val::Obj(m) => match m.get(k) {
-            Some(Val::Arr(a)) if !rest.is_empty() => a.iter().all(|x| match x {
-                Val::Arr(_) => false,
-                x => collect(x, rest, out),
-            }),
-            Some(Val::Arr(a)) => {
-                for x in a.iter() {
-                    match x {
-                        Val::Arr(_) => return false,
-                        x => out.push(x),
-                    }
-                }
-                true
-            }
-            Some(Val::Null) => false,
-            Some(x) => collect(x, rest, out),
-            None => true,
-        },
+        Val::Obj(m) => member(m.get(k), rest, out),
         Val::Null => false,
         _ => true,
+    }
+}
+
+/// `collect` past an object's member (`None`: absent).
+fn member<'v>(v: Option<&'v Val>, rest: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
+    match v {
+        Some(Val::Arr(a)) if !rest.is_empty() => a.iter().all(|x| match x {
+            Val::Arr(_) => false,
+            x => collect(x, rest, out),
+        }),
+        Some(Val::Arr(a)) => {
+            for x in a.iter() {
+                match x {
+                    Val::Arr(_) => return false,
+                    x => out.push(x),
+                }
+            }
+            true
+        }
+        Some(Val::Null) => false,
+        Some(x) => collect(x, rest, out),
+        None => true,
     }
 }
 
@@ -1406,7 +1469,8 @@ pub(super) fn recompute(
     st: &mut State,
     now_ms: i64,
 ) -> MutationResult {
-    st.merged = st.base.clone();
+    st.tree = (!cm.merged_is_base).then(|| st.base.clone());
+    st.cells = super::merged::Cells::new(cm.cells.clone());
     st.meta = Default::default();
     st.aggregates = Default::default();
     st.lazy_stale = Default::default();

@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use valem_jit::codegen::{CodeSet, Shapes};
 use valem_jit::ir::{self, Base, Program, Ty};
 
-use crate::value::{intern, Seg, Val};
+use super::merged::{CellLayout, Merged};
+use crate::value::{intern, Key, Seg, Val};
 
 /// Compiled code of one program: its set and its index there.
 #[derive(Debug)]
@@ -50,11 +51,21 @@ impl Slot {
     }
 }
 
+/// Where one slot reads its number.
+#[derive(Debug)]
+pub enum SlotInput {
+    /// A top-level member that is a cell (`merged.rs`), then the rest of the path.
+    Cell(u32, Key, Box<[Seg]>),
+    /// A path from the document root through the tree.
+    Doc(Box<[Seg]>),
+    /// A path from the target's parent (`$parent`).
+    Parent(Box<[Seg]>),
+}
+
 /// A lowered derivation: its slots' inputs and its shared program.
 #[derive(Debug)]
 pub struct NodeJit {
-    /// Per slot: where it reads (`$` or `$parent`) and the field path.
-    pub inputs: Vec<(Base, Vec<Seg>)>,
+    pub inputs: Vec<SlotInput>,
     pub slot: Arc<Slot>,
 }
 
@@ -64,25 +75,42 @@ impl NodeJit {
     fn lower(
         ast: &jsonata_core::ast::AstNode,
         constants: &serde_json::Map<String, serde_json::Value>,
+        cells: &CellLayout,
         batch: bool,
     ) -> Option<NodeJit> {
         let program = ir::lower(ast, &|name| constants.get(name).and_then(|c| c.as_f64())).ok()?;
-        let inputs = program
-            .inputs
-            .iter()
-            .map(|r| {
-                (
-                    r.base.clone(),
-                    r.fields.iter().map(|f| Seg::Field(intern(f))).collect(),
-                )
-            })
-            .collect();
+        let inputs = slot_inputs(&program, cells);
         let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
         Some(NodeJit {
             inputs,
             slot: registry().slot(program, shapes),
         })
     }
+}
+
+/// Where each slot of `program` reads, top-level members resolved to their cells.
+pub fn slot_inputs(program: &Program, cells: &CellLayout) -> Vec<SlotInput> {
+    program
+        .inputs
+        .iter()
+        .map(|r| {
+            let path: Box<[Seg]> = r.fields.iter().map(|f| Seg::Field(intern(f))).collect();
+            match (&r.base, path.split_first()) {
+                (Base::Parent, _) => SlotInput::Parent(path),
+                (Base::Input, Some((Seg::Field(k), rest))) => match cells.find(k) {
+                    Some(c) => SlotInput::Cell(c, k.clone(), rest.into()),
+                    None => SlotInput::Doc(path),
+                },
+                (Base::Input, _) => SlotInput::Doc(path),
+            }
+        })
+        .collect()
+}
+
+/// [`read_slots`] over a plain document (no cells, no parent): for tests and tools.
+pub fn read_doc_slots(inputs: &[SlotInput], doc: &Val, out: &mut Vec<f64>) -> bool {
+    let cells = super::merged::Cells::default();
+    read_slots(inputs, Merged { doc, cells: &cells }, None, out)
 }
 
 /// A node's tier state: counts runs, lowers the expression once it is hot (the node's first
@@ -113,6 +141,7 @@ impl JitCell {
         &self,
         ast: &jsonata_core::ast::AstNode,
         constants: &serde_json::Map<String, serde_json::Value>,
+        cells: &CellLayout,
     ) -> Option<(&NodeJit, &Code)> {
         if !self.eligible || !enabled() {
             return None;
@@ -128,7 +157,7 @@ impl JitCell {
         }
         let nj = self
             .lowered
-            .get_or_init(|| NodeJit::lower(ast, constants, self.batch))
+            .get_or_init(|| NodeJit::lower(ast, constants, cells, self.batch))
             .as_ref()?;
         if !nj.slot.requested.swap(true, Ordering::AcqRel) {
             registry().request(nj.slot.clone());
@@ -142,22 +171,24 @@ impl JitCell {
     }
 }
 
-/// Read slot values from `input` (for `Base::Input`) and `parent`: every path must reach a
-/// JSON number through objects, or the interpreter answers (`false`).
+/// Read slot values from the merged document (`parent`: the address of the target's parent,
+/// for `$parent` reads): every path must reach a JSON number through objects, or the
+/// interpreter answers (`false`).
 #[inline]
 pub fn read_slots(
-    inputs: &[(Base, Vec<Seg>)],
-    input: Option<&Val>,
-    parent: Option<&Val>,
+    inputs: &[SlotInput],
+    m: Merged<'_>,
+    parent: Option<&[Seg]>,
     out: &mut Vec<f64>,
 ) -> bool {
     out.clear();
-    for (base, path) in inputs {
-        let root = match base {
-            Base::Input => input,
-            Base::Parent => parent,
+    for input in inputs {
+        let v = match input {
+            SlotInput::Cell(c, k, rest) => m.cell_or_member(*c, k).and_then(|v| v.get_path(rest)),
+            SlotInput::Doc(path) => m.doc.get_path(path),
+            SlotInput::Parent(path) => parent.and_then(|p| m.get_at(p, path)),
         };
-        match root.and_then(|r| r.get_path(path)) {
+        match v {
             Some(Val::Num(n)) => out.push(*n),
             _ => return false,
         }

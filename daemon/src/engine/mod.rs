@@ -7,6 +7,7 @@ pub mod compile;
 mod cycle;
 pub mod graph;
 pub mod jit;
+pub mod merged;
 pub mod schema;
 pub mod testrun;
 pub mod trie;
@@ -29,6 +30,7 @@ use crate::expr::path::{render, Address};
 use crate::expr::Limits;
 use crate::spec::ModelSpec;
 use crate::value::{Seg, Val};
+use merged::{Cells, Merged};
 
 /// Limits of the engine beyond expression evaluation.
 #[derive(Clone, Debug)]
@@ -57,13 +59,17 @@ pub struct MetaEntry {
     pub value: Val,
 }
 
-/// A model's state: base document, merged document (base + derived values), meta cache, stale
-/// lazy derivations and effect dedupe keys. Every part is persistent, so cloning is O(1): a
-/// snapshot, a rollback point or a reader's view is a clone.
+/// A model's state: base document, merged document (base + derived values: the tree and the
+/// cells, `merged.rs`), meta cache, stale lazy derivations and effect dedupe keys. Every part is
+/// persistent, so cloning is O(1): a snapshot, a rollback point or a reader's view is a clone.
 #[derive(Clone, Debug, Default)]
 pub struct State {
     pub base: Val,
-    pub merged: Val,
+    /// The merged document's tree; `None` when it is `base` itself (no derivation of the
+    /// model writes into the tree).
+    tree: Option<Val>,
+    /// Derived values of top-level members.
+    cells: Cells,
     /// `"$.path#prop"` (the reference's key spelling) → value.
     pub meta: OrdMap<Arc<str>, MetaEntry>,
     pub lazy_stale: OrdSet<NodeId>,
@@ -85,6 +91,30 @@ pub struct AggMemo {
 }
 
 impl State {
+    /// An empty state for a compiled model.
+    fn empty(cm: &CompiledModel) -> State {
+        State {
+            base: Val::object(),
+            tree: (!cm.merged_is_base).then(Val::object),
+            cells: Cells::new(cm.cells.clone()),
+            ..State::default()
+        }
+    }
+
+    /// The merged document: base values and derived values.
+    #[inline]
+    pub fn merged(&self) -> Merged<'_> {
+        Merged {
+            doc: self.tree.as_ref().unwrap_or(&self.base),
+            cells: &self.cells,
+        }
+    }
+
+    /// The merged document as JSON in the reference's order (lazy values as they stand).
+    pub fn merged_json(&self) -> Json {
+        self.merged().ordered_json(&self.base)
+    }
+
     pub fn meta_json(&self) -> Map<String, Json> {
         self.meta
             .iter()
@@ -103,7 +133,7 @@ impl State {
         let stale: Vec<u32> = self.lazy_stale.iter().copied().collect();
         serde_json::json!({
             "base": self.base.to_json(),
-            "merged": self.merged.to_json(),
+            "merged": self.merged_json(),
             "meta": meta,
             "stale": stale,
             "effectKeys": keys,
@@ -344,12 +374,8 @@ impl Model {
         limits: EngineLimits,
     ) -> Result<(Model, MutationResult), CreateError> {
         let mut model = Model {
+            state: State::empty(&compiled),
             compiled,
-            state: State {
-                base: Val::object(),
-                merged: Val::object(),
-                ..State::default()
-            },
             limits,
         };
         let result = cycle::initialize(&model.compiled, &model.limits, &mut model.state, now_ms)
@@ -367,12 +393,12 @@ impl Model {
         limits: EngineLimits,
     ) -> Model {
         let mut model = Model {
-            compiled,
             state: State {
                 base,
                 effect_keys,
-                ..State::default()
+                ..State::empty(&compiled)
             },
+            compiled,
             limits,
         };
         cycle::recompute(&model.compiled, &model.limits, &mut model.state, now_ms);
@@ -448,13 +474,16 @@ impl Model {
     /// The merged document as JSON, lazy derivations evaluated.
     pub fn merged_json(&mut self, now_ms: i64) -> Json {
         self.materialize(now_ms);
-        ordered_json(Some(&self.state.base), &self.state.merged)
+        self.state.merged_json()
     }
 
     /// The value at an address (lazy derivations evaluated); `None` when absent.
     pub fn get(&mut self, path: &[Seg], now_ms: i64) -> Option<Json> {
         self.materialize(now_ms);
-        let merged = self.state.merged.get_path(path)?;
+        if path.is_empty() {
+            return Some(self.state.merged_json());
+        }
+        let merged = self.state.merged().get_path(path)?;
         Some(ordered_json(self.state.base.get_path(path), merged))
     }
 
@@ -474,12 +503,7 @@ impl Model {
     pub fn derived_cache(&mut self, now_ms: i64) -> Map<String, Json> {
         self.materialize(now_ms);
         let mut out = Map::new();
-        derived_diff(
-            Some(&self.state.base),
-            &self.state.merged,
-            &mut Vec::new(),
-            &mut out,
-        );
+        self.state.merged().derived_diff(&self.state.base, &mut out);
         out
     }
 
@@ -489,53 +513,4 @@ impl Model {
     }
 }
 
-fn derived_diff(base: Option<&Val>, merged: &Val, at: &mut Vec<Seg>, out: &mut Map<String, Json>) {
-    match (base, merged) {
-        (Some(Val::Obj(b)), Val::Obj(m)) => {
-            for (k, mv) in m.iter() {
-                at.push(Seg::Field(k.clone()));
-                derived_diff(b.get(k), mv, at, out);
-                at.pop();
-            }
-        }
-        (Some(Val::Arr(b)), Val::Arr(m)) => {
-            for (i, mv) in m.iter().enumerate() {
-                at.push(Seg::Index(i));
-                derived_diff(b.get(i), mv, at, out);
-                at.pop();
-            }
-        }
-        (Some(b), m) if b == m => {}
-        (_, m) => {
-            out.insert(render(at), m.to_json());
-        }
-    }
-}
-
-/// The merged document as the reference prints it: in every object the base fields first, in
-/// their order, then the derived fields in the order they were first computed.
-pub fn ordered_json(base: Option<&Val>, merged: &Val) -> Json {
-    match (base, merged) {
-        (Some(Val::Obj(b)), Val::Obj(m)) => {
-            let mut o = Map::with_capacity(m.len());
-            for (k, bv) in b.iter() {
-                if let Some(mv) = m.get(k) {
-                    o.insert(k.to_string(), ordered_json(Some(bv), mv));
-                }
-            }
-            for (k, mv) in m.iter() {
-                if !o.contains_key(&**k) {
-                    o.insert(k.to_string(), ordered_json(None, mv));
-                }
-            }
-            Json::Object(o)
-        }
-        (Some(Val::Arr(b)), Val::Arr(m)) => Json::Array(
-            m.iter()
-                .enumerate()
-                .map(|(i, mv)| ordered_json(b.get(i), mv))
-                .collect(),
-        ),
-        (_, m) => m.to_json(),
-    }
-}
+pub use merged::ordered_json;

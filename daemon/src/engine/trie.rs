@@ -290,6 +290,19 @@ impl Trie {
         }
     }
 
+    /// The entries indexed exactly at the concrete path `w` (through field and index
+    /// segments, not wildcards).
+    pub fn at(&self, w: &[Seg]) -> Option<impl Iterator<Item = u32> + '_> {
+        let mut t = 0usize;
+        for seg in w {
+            t = match seg {
+                Seg::Field(k) => self.field(t, k)?,
+                Seg::Index(i) => self.index(t, *i)?,
+            };
+        }
+        Some(self.nodes[t].entries())
+    }
+
     /// Entries strictly below the concrete path `w`, with the indices `w` binds.
     pub fn below(&self, w: &[Seg], out: &mut Vec<Hit>) {
         let mut bind = Vec::new();

@@ -15,7 +15,7 @@ use super::{
 use crate::engine::schema::{effective_schema, SchemaViolation};
 use crate::engine::view::ViewError;
 use crate::engine::{
-    compile_cached, ordered_json, CreateError, Model, MutationError, MutationResult, State, Trace,
+    compile_cached, CreateError, Model, MutationError, MutationResult, State, Trace,
 };
 use crate::expr::path::{render, Address};
 use crate::spec::evolve;
@@ -543,7 +543,7 @@ impl Shard {
             Some(at) => {
                 // The ring holds the newest commits without a gap: a hit in it is the answer.
                 if let Some((_, st)) = e.history.iter().rev().find(|(t, _)| *t <= at) {
-                    return Ok(ordered_json(Some(&st.base), &st.merged));
+                    return Ok(st.merged_json());
                 }
                 let (spec, created_us, evolved_us) = (e.spec.clone(), e.created_us, e.evolved_us);
                 if at < evolved_us {
@@ -590,7 +590,7 @@ impl Shard {
             |rec| apply_record(&mut model, &rec).map(|_| ()),
         )?;
         let st = model.state();
-        Ok(ordered_json(Some(&st.base), &st.merged))
+        Ok(st.merged_json())
     }
 
     pub fn field(&mut self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {

@@ -1,0 +1,321 @@
+//! The merged document (base values plus derived values) as the engine stores and reads it.
+//!
+//! Derivations whose target is one top-level member (`$.total`) — nearly all of them in large
+//! models — keep their values in **cells**: a persistent dense vector indexed by a number fixed
+//! at compile time ([`CellLayout`]), so writing or reading one costs an index, not a walk of a
+//! 100k-entry hash trie. Everything else (base values, derived values below the root) lives in
+//! the *tree*; when no derivation writes into the tree, the tree is the base document itself and
+//! base values are stored once. [`Merged`] reads the two as one document: a cell that holds a
+//! value shadows the tree's member of the same name.
+
+use std::sync::Arc;
+
+use indexmap::IndexMap;
+use rustc_hash::FxHashMap;
+use serde_json::{Map, Value as Json};
+
+use crate::expr::path::render;
+use crate::expr::{to_jvalue, Value as JValue};
+use crate::value::{Key, Seg, Val};
+
+/// Which top-level members are cells, fixed when a spec is compiled.
+#[derive(Debug, Default)]
+pub struct CellLayout {
+    by_name: FxHashMap<Key, u32>,
+    /// Numbered in the order their values are first computed (topological level, then spec
+    /// order): the order derived members follow the base members in output.
+    keys: Vec<Key>,
+}
+
+impl CellLayout {
+    /// `cells` in evaluation order: each cell's member name (the cell's number is its position).
+    pub fn new(cells: Vec<Key>) -> CellLayout {
+        let by_name = cells
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.clone(), i as u32))
+            .collect();
+        CellLayout {
+            by_name,
+            keys: cells,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The cell of a top-level member.
+    #[inline]
+    pub fn find(&self, name: &str) -> Option<u32> {
+        if self.keys.is_empty() {
+            return None;
+        }
+        self.by_name.get(name).copied()
+    }
+
+    pub fn key(&self, cell: u32) -> &Key {
+        &self.keys[cell as usize]
+    }
+}
+
+/// The values of a state's cells (`None`: not computed, or wiped). Cloning is O(1).
+#[derive(Clone, Debug, Default)]
+pub struct Cells {
+    layout: Arc<CellLayout>,
+    vals: imbl::Vector<Option<Val>>,
+}
+
+impl Cells {
+    pub fn new(layout: Arc<CellLayout>) -> Cells {
+        let vals = std::iter::repeat_n(None, layout.len()).collect();
+        Cells { layout, vals }
+    }
+
+    pub fn layout(&self) -> &Arc<CellLayout> {
+        &self.layout
+    }
+
+    #[inline]
+    pub fn get(&self, cell: u32) -> Option<&Val> {
+        self.vals.get(cell as usize).and_then(Option::as_ref)
+    }
+
+    /// Set a cell; returns what it held.
+    #[inline]
+    pub fn set(&mut self, cell: u32, v: Option<Val>) -> Option<Val> {
+        match self.vals.get_mut(cell as usize) {
+            Some(slot) => std::mem::replace(slot, v),
+            None => None,
+        }
+    }
+
+    /// Wipe every cell (the root was replaced).
+    pub fn clear(&mut self) {
+        *self = Cells::new(self.layout.clone());
+    }
+
+    fn any(&self) -> bool {
+        !self.layout.is_empty() && self.vals.iter().any(Option::is_some)
+    }
+}
+
+/// The merged document: `doc` (the tree) with the cells over its root. Cheap to copy.
+#[derive(Clone, Copy)]
+pub struct Merged<'a> {
+    pub doc: &'a Val,
+    pub cells: &'a Cells,
+}
+
+impl<'a> Merged<'a> {
+    /// The value of a top-level member. Cells count only over an object root (a derived member
+    /// of a scalar root does not exist, as in the tree).
+    #[inline]
+    pub fn root_get(&self, k: &str) -> Option<&'a Val> {
+        let Val::Obj(m) = self.doc else { return None };
+        if let Some(c) = self.cells.layout.find(k) {
+            if let Some(v) = self.cells.get(c) {
+                return Some(v);
+            }
+        }
+        m.get(k)
+    }
+
+    /// The value of the top-level member `k` whose cell is `cell` (known at compile time).
+    #[inline]
+    pub fn cell_or_member(&self, cell: u32, k: &str) -> Option<&'a Val> {
+        let Val::Obj(m) = self.doc else { return None };
+        self.cells.get(cell).or_else(|| m.get(k))
+    }
+
+    /// The value at a concrete, non-empty address (`None` for the root: see [`Merged::root`]).
+    #[inline]
+    pub fn get_path(&self, path: &[Seg]) -> Option<&'a Val> {
+        match path.split_first() {
+            Some((Seg::Field(k), rest)) => self.root_get(k)?.get_path(rest),
+            Some(_) => self.doc.get_path(path),
+            None if self.cells.any() => None,
+            None => Some(self.doc),
+        }
+    }
+
+    /// The value at `prefix` followed by `path`.
+    #[inline]
+    pub fn get_at(&self, prefix: &[Seg], path: &[Seg]) -> Option<&'a Val> {
+        if prefix.is_empty() {
+            self.get_path(path)
+        } else {
+            self.get_path(prefix)?.get_path(path)
+        }
+    }
+
+    /// The value at an address as a JSONata value (the root included); `Null` when absent.
+    pub fn jvalue_at(&self, path: &[Seg]) -> JValue {
+        if path.is_empty() {
+            return self.to_jvalue();
+        }
+        self.get_path(path).map_or(JValue::Null, to_jvalue)
+    }
+
+    /// Whether the root is an object.
+    pub fn root_is_obj(&self) -> bool {
+        matches!(self.doc, Val::Obj(_))
+    }
+
+    /// The root's members in document order: the tree's (a cell shadowing its namesake in
+    /// place), then the cells the tree does not have, in evaluation order.
+    pub fn members(&self) -> Vec<(&'a Key, &'a Val)> {
+        let Val::Obj(m) = self.doc else {
+            return Vec::new();
+        };
+        let layout = &self.cells.layout;
+        let mut out: Vec<(&Key, &Val)> = m
+            .iter()
+            .map(|(k, v)| {
+                let v = layout.find(k).and_then(|c| self.cells.get(c)).unwrap_or(v);
+                (k, v)
+            })
+            .collect();
+        for (c, v) in self.cells.vals.iter().enumerate() {
+            if let Some(v) = v {
+                let k = layout.key(c as u32);
+                if m.get(k).is_none() {
+                    out.push((k, v));
+                }
+            }
+        }
+        out
+    }
+
+    /// The whole merged document as one value (O(size); for whole-document readers).
+    pub fn root(&self) -> Val {
+        if !self.cells.any() || !self.root_is_obj() {
+            return self.doc.clone();
+        }
+        let mut m = crate::value::ObjMap::new();
+        for (k, v) in self.members() {
+            m.insert(k.clone(), v.clone());
+        }
+        Val::Obj(m)
+    }
+
+    /// The whole merged document as a JSONata value.
+    pub fn to_jvalue(&self) -> JValue {
+        if !self.cells.any() || !self.root_is_obj() {
+            return to_jvalue(self.doc);
+        }
+        let members = self.members();
+        let mut o = IndexMap::with_capacity(members.len());
+        for (k, v) in members {
+            o.insert(k.to_string(), to_jvalue(v));
+        }
+        JValue::object(o)
+    }
+
+    /// The whole merged document as JSON, in its own order.
+    pub fn to_json(&self) -> Json {
+        if !self.cells.any() || !self.root_is_obj() {
+            return self.doc.to_json();
+        }
+        Json::Object(
+            self.members()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_json()))
+                .collect(),
+        )
+    }
+
+    /// The merged document as the reference prints it: in every object the base fields first,
+    /// in their order, then the derived fields in the order they were first computed.
+    pub fn ordered_json(&self, base: &Val) -> Json {
+        match (base, self.doc) {
+            (Val::Obj(b), Val::Obj(_)) => {
+                let members = self.members();
+                let mut o = Map::with_capacity(members.len());
+                for (k, bv) in b.iter() {
+                    if let Some(mv) = self.root_get(k) {
+                        o.insert(k.to_string(), ordered_json(Some(bv), mv));
+                    }
+                }
+                for (k, mv) in members {
+                    if !o.contains_key(&**k) {
+                        o.insert(k.to_string(), ordered_json(None, mv));
+                    }
+                }
+                Json::Object(o)
+            }
+            _ => ordered_json(Some(base), self.doc),
+        }
+    }
+
+    /// Derived values: every address whose merged value is not (or not wholly) the base
+    /// value, keyed by canonical address.
+    pub fn derived_diff(&self, base: &Val, out: &mut Map<String, Json>) {
+        let mut at = Vec::new();
+        match (base, self.doc) {
+            (Val::Obj(b), Val::Obj(_)) => {
+                for (k, mv) in self.members() {
+                    at.push(Seg::Field(k.clone()));
+                    derived_diff(b.get(k), mv, &mut at, out);
+                    at.pop();
+                }
+            }
+            _ => derived_diff(Some(base), self.doc, &mut at, out),
+        }
+    }
+}
+
+fn derived_diff(base: Option<&Val>, merged: &Val, at: &mut Vec<Seg>, out: &mut Map<String, Json>) {
+    match (base, merged) {
+        (Some(Val::Obj(b)), Val::Obj(m)) => {
+            for (k, mv) in m.iter() {
+                at.push(Seg::Field(k.clone()));
+                derived_diff(b.get(k), mv, at, out);
+                at.pop();
+            }
+        }
+        (Some(Val::Arr(b)), Val::Arr(m)) => {
+            for (i, mv) in m.iter().enumerate() {
+                at.push(Seg::Index(i));
+                derived_diff(b.get(i), mv, at, out);
+                at.pop();
+            }
+        }
+        (Some(b), m) if b == m => {}
+        (_, m) => {
+            out.insert(render(at), m.to_json());
+        }
+    }
+}
+
+/// `base` and a merged value below the root printed in the reference's order (base fields
+/// first, then derived ones).
+pub fn ordered_json(base: Option<&Val>, merged: &Val) -> Json {
+    match (base, merged) {
+        (Some(Val::Obj(b)), Val::Obj(m)) => {
+            let mut o = Map::with_capacity(m.len());
+            for (k, bv) in b.iter() {
+                if let Some(mv) = m.get(k) {
+                    o.insert(k.to_string(), ordered_json(Some(bv), mv));
+                }
+            }
+            for (k, mv) in m.iter() {
+                if !o.contains_key(&**k) {
+                    o.insert(k.to_string(), ordered_json(None, mv));
+                }
+            }
+            Json::Object(o)
+        }
+        (Some(Val::Arr(b)), Val::Arr(m)) => Json::Array(
+            m.iter()
+                .enumerate()
+                .map(|(i, mv)| ordered_json(b.get(i), mv))
+                .collect(),
+        ),
+        (_, m) => m.to_json(),
+    }
+}
