@@ -23,7 +23,7 @@ fn chain(c: &mut Criterion) {
             .expect("mutation commits");
         assert_eq!(r.derived_updated.len(), n, "chain recompute set");
         let last = format!("$.f_{}", n - 1);
-        assert!(r.derived_updated.iter().any(|d| **d == *last));
+        assert!(r.derived_updated.iter().any(|d| d == &*last));
 
         let mut pool = Pool::new(vec![segs("$.seed")], 0);
         g.bench_function(BenchmarkId::new("mutate_seed", n), |b| {

@@ -23,10 +23,10 @@ use serde_json::{json, Value};
 use valem::engine::jit;
 use valem::engine::Model;
 use valem::expr::{to_jvalue, Compiled, Env, Limits};
-use valem::value::{intern, Seg, Val};
+use valem::value::{Seg, Val};
 use valem_benches::*;
 use valem_jit::codegen::{CodeSet, Shapes};
-use valem_jit::ir::{self, Base};
+use valem_jit::ir;
 
 // The daemon's allocator, so the engine costs what it costs in the daemon.
 #[global_allocator]
@@ -55,16 +55,8 @@ fn input() -> Value {
     })
 }
 
-fn slots_of(p: &ir::Program) -> Vec<(Base, Vec<Seg>)> {
-    p.inputs
-        .iter()
-        .map(|r| {
-            (
-                r.base.clone(),
-                r.fields.iter().map(|f| Seg::Field(intern(f))).collect(),
-            )
-        })
-        .collect()
+fn slots_of(p: &ir::Program) -> Vec<jit::SlotInput> {
+    jit::slot_inputs(p, &valem::engine::merged::CellLayout::default())
 }
 
 fn memory_report() {
@@ -118,7 +110,7 @@ fn eval(c: &mut Criterion) {
         let mut slots = Vec::new();
         // Same answer both ways (through the engine's conversion).
         let want = compiled.eval(&jdoc, &env, &limits).expect("evaluates");
-        assert!(jit::read_slots(&inputs, Some(&val), None, &mut slots));
+        assert!(jit::read_doc_slots(&inputs, &val, &mut slots));
         let got = code.call(0, &slots).expect("finite");
         let want = valem::expr::from_jvalue(&want.expect("defined"));
         assert_eq!(Val::num(got), want, "{name}");
@@ -127,7 +119,7 @@ fn eval(c: &mut Criterion) {
         });
         g.bench_function(BenchmarkId::new(name, "jit"), |b| {
             b.iter(|| {
-                jit::read_slots(&inputs, Some(&val), None, &mut slots);
+                jit::read_doc_slots(&inputs, &val, &mut slots);
                 black_box(code.call(0, &slots))
             })
         });

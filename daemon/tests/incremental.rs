@@ -8,8 +8,8 @@ use valem::engine::{jit, EngineLimits, Model, MutationError};
 use valem::spec::parse_spec;
 
 /// A result's derived paths as plain strings, for comparisons.
-fn strs(v: &[std::sync::Arc<str>]) -> Vec<&str> {
-    v.iter().map(|d| &**d).collect()
+fn strs(v: &valem::engine::Paths) -> Vec<&str> {
+    v.iter().collect()
 }
 
 /// Building blocks a generated spec picks from: derivations, meta and constraints over fan-out
@@ -265,7 +265,7 @@ fn one_item_write_recomputes_only_that_item_and_the_aggregate() {
         .mutate(&[("$.items[7].qty".into(), json!(3))], NOW)
         .unwrap();
     assert_eq!(strs(&r.derived_updated), vec!["$.items[7].total", "$.sum"]);
-    let evaluated: Vec<&str> = r.traces.iter().map(|t| &*t.target_path).collect();
+    let evaluated: Vec<String> = r.traces.iter().map(|t| t.target_path.to_string()).collect();
     assert_eq!(evaluated, vec!["$.items[7].total", "$.sum"]);
 }
 
@@ -280,7 +280,7 @@ fn early_cutoff_stops_at_unchanged_values() {
     let (mut m, _) = Model::create(&spec, NOW, limits()).unwrap();
     m.mutate(&[("$.a".into(), json!(5))], NOW).unwrap();
     let r = m.mutate(&[("$.a".into(), json!(6))], NOW).unwrap();
-    let evaluated: Vec<&str> = r.traces.iter().map(|t| &*t.target_path).collect();
+    let evaluated: Vec<String> = r.traces.iter().map(|t| t.target_path.to_string()).collect();
     assert_eq!(
         evaluated,
         vec!["$.sign"],

@@ -10,8 +10,8 @@ use valem::spec::{parse_spec, MetaProp};
 const NOW: i64 = 1_700_000_000_000;
 
 /// A result's derived paths as plain strings, for comparisons.
-fn strs(v: &[std::sync::Arc<str>]) -> Vec<&str> {
-    v.iter().map(|d| &**d).collect()
+fn strs(v: &valem::engine::Paths) -> Vec<&str> {
+    v.iter().collect()
 }
 
 fn model(spec: Value) -> Model {
@@ -77,7 +77,7 @@ fn lazy_derivations_run_on_read_only() {
         {"path": "$.report", "expr": "'n is ' & $string(double)", "evaluation": "lazy"}
     ]}));
     let r = set(&mut m, &[("$.n", json!(4))]);
-    let evaluated: Vec<&str> = r.traces.iter().map(|t| &*t.target_path).collect();
+    let evaluated: Vec<String> = r.traces.iter().map(|t| t.target_path.to_string()).collect();
     assert_eq!(evaluated, vec!["$.double"]);
     assert!(!m.state().lazy_stale.is_empty());
     assert_eq!(get(&mut m, "$.report"), json!("n is 8"));

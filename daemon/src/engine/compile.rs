@@ -97,6 +97,8 @@ impl Projection {
 /// One node of the dependency graph.
 #[derive(Debug)]
 pub struct Node {
+    /// Its number (its index in `CompiledModel::nodes`).
+    pub id: NodeId,
     pub kind: NodeKind,
     /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
     pub key: String,
@@ -104,6 +106,8 @@ pub struct Node {
     pub key_arc: Arc<str>,
     /// The concrete target of a derivation without `[*]`.
     pub concrete: Option<Vec<crate::value::Seg>>,
+    /// `[*]`s in the first target.
+    pub wild: u32,
     /// The cell holding a derivation's value when its target is one top-level member
     /// (`engine/merged.rs`).
     pub cell: Option<u32>,
@@ -126,13 +130,13 @@ pub struct Node {
     /// A concrete derivation's readers: what a write of its target dirties, looked up in the
     /// reader index on the first write and kept (the index never changes after compile).
     pub write_hits: std::cell::OnceCell<Box<[super::trie::Hit]>>,
-    /// What its traces share (built at the first trace).
-    pub trace_source: std::cell::OnceCell<Arc<super::TraceSource>>,
 }
 
 impl Node {
+    /// The `[*]`s of its (first) target.
+    #[inline]
     pub fn wildcards(&self) -> usize {
-        self.targets.first().map_or(0, Address::wildcard_count)
+        self.wild as usize
     }
 
     /// The aggregate of a concrete derivation that the cycle keeps up to date by delta instead
@@ -194,6 +198,8 @@ pub struct CompiledModel {
     /// Per node, the nodes that read what it writes (derivations only write).
     pub dependents: Vec<Vec<NodeId>>,
     pub readers: Trie,
+    /// Per node, its key and what its traces share.
+    pub trace_table: Arc<super::TraceTable>,
     /// The top-level members whose derived values live in cells.
     pub cells: Arc<super::merged::CellLayout>,
     /// Every derivation writes a cell: the merged document's tree is the base document.
@@ -216,6 +222,8 @@ pub struct CompiledModel {
     pub schema: Json,
     /// Compiled JSON Schema validators by effective-schema text (bounded).
     pub validators: RefCell<HashMap<String, Rc<jsonschema::Validator>>>,
+    /// The cycles' per-node bookkeeping, reused (`cycle.rs`).
+    pub(crate) scratch: RefCell<super::cycle::Scratch>,
 }
 
 impl std::fmt::Debug for CompiledModel {
@@ -738,6 +746,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let mut nodes: Vec<Node> = Vec::with_capacity(nodes_len);
     for (id, d) in drafts.into_iter().enumerate() {
         let mut n = d.node;
+        n.id = id as NodeId;
         n.level = level[id];
         // A library export named like a built-in (`$abs`) shadows it: not arithmetic then.
         let eligible = matches!(n.kind, NodeKind::Derivation { .. })
@@ -774,7 +783,18 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         .iter()
         .all(|&i| nodes[i as usize].cell.is_some());
     let has_delta_aggregates = nodes.iter().any(|n| n.delta_aggregate().is_some());
+    let mut trace_table = super::TraceTable::default();
+    for n in &nodes {
+        trace_table.push(
+            n.key_arc.clone(),
+            Arc::new(super::TraceSource {
+                expression: n.expr.text.clone(),
+                input_paths: n.input_paths.clone(),
+            }),
+        );
+    }
     Ok(CompiledModel {
+        trace_table: Arc::new(trace_table),
         cells: Arc::new(cells),
         merged_is_base,
         schema: spec.schema.clone(),
@@ -796,6 +816,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         exports,
         limits: limits.clone(),
         validators: RefCell::new(HashMap::new()),
+        scratch: RefCell::default(),
     })
 }
 
@@ -886,8 +907,10 @@ fn draft_empty(
     };
     NodeDraft {
         node: Node {
+            id: 0,
             kind,
             key_arc: Arc::from(key.as_str()),
+            wild: targets.first().map_or(0, Address::wildcard_count) as u32,
             concrete,
             cell: None,
             key,
@@ -903,7 +926,6 @@ fn draft_empty(
             location,
             jit: super::jit::JitCell::default(),
             write_hits: std::cell::OnceCell::new(),
-            trace_source: std::cell::OnceCell::new(),
         },
         reads: Vec::new(),
     }

@@ -16,7 +16,7 @@ use super::compile::{
 };
 use super::{
     AggMemo, ConstraintViolation, EffectRequest, EngineLimits, MetaEntry, MutationError,
-    MutationResult, State, Trace, TraceSource,
+    MutationResult, Paths, State, Traces,
 };
 use crate::expr::path::{render, render_into, Address, PathSeg};
 use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
@@ -30,23 +30,119 @@ use super::merged::Merged;
 /// One aggregate leaf's old and new number (`None`: absent).
 type LeafChange = (Option<f64>, Option<f64>);
 
-/// Which instances of a node must be recomputed.
-#[derive(Default, Debug)]
-struct Dirty {
-    all: bool,
-    prefixes: Vec<Vec<usize>>,
-    /// In `pending` (derivations only).
-    queued: bool,
+/// Per-node flags of a cycle (`Scratch::flags`).
+const QUEUED: u8 = 1; // in `pending` (derivations only)
+const DIRTY: u8 = 2; // some instances must be recomputed…
+const ALL: u8 = 4; // …all of them
+const EVALUATED: u8 = 8; // evaluated already this cycle
+
+/// Which nodes a cycle must recompute, and which instances: flags per node and, for `[*]`
+/// nodes dirtied below bound indices, the bound prefixes. Kept with the compiled model between
+/// cycles and left clean by each one, so a cycle allocates nothing in proportion to the model.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    flags: Vec<u8>,
+    prefixes: HashMap<NodeId, Vec<Vec<usize>>>,
+    /// Nodes whose flags were set (to clean them at the end).
+    touched: Vec<NodeId>,
 }
 
-impl Dirty {
-    /// Add the instances below `binding`, or all of them.
-    fn add(&mut self, binding: Vec<usize>, every: bool) {
+impl Scratch {
+    #[inline]
+    fn set(&mut self, id: NodeId, bits: u8) {
+        let f = &mut self.flags[id as usize];
+        if *f == 0 {
+            self.touched.push(id);
+        }
+        *f |= bits;
+    }
+
+    #[inline]
+    fn has(&self, id: NodeId, bits: u8) -> bool {
+        self.flags[id as usize] & bits != 0
+    }
+
+    /// Dirty the instances below `binding`, or all of them.
+    #[inline]
+    fn add(&mut self, id: NodeId, binding: Vec<usize>, every: bool) {
         if every {
-            self.all = true;
-            self.prefixes.clear();
-        } else if !self.all {
-            self.prefixes.push(binding);
+            self.set(id, DIRTY | ALL);
+            if !self.prefixes.is_empty() {
+                self.prefixes.remove(&id);
+            }
+        } else if !self.has(id, ALL) {
+            self.set(id, DIRTY);
+            self.prefixes.entry(id).or_default().push(binding);
+        }
+    }
+
+    /// Instances to recompute: `None` for all of them (or a node not dirtied at all).
+    fn bound(&self, id: NodeId) -> Option<&[Vec<usize>]> {
+        if !self.has(id, DIRTY) || self.has(id, ALL) {
+            return None;
+        }
+        Some(self.prefixes.get(&id).map_or(&[], Vec::as_slice))
+    }
+
+    /// Forget that `id` is dirty (it is being recomputed).
+    #[inline]
+    fn clean(&mut self, id: NodeId) {
+        self.flags[id as usize] &= !(QUEUED | DIRTY | ALL);
+        if !self.prefixes.is_empty() {
+            self.prefixes.remove(&id);
+        }
+    }
+
+    fn dirty_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.touched
+            .iter()
+            .copied()
+            .filter(|&id| self.has(id, DIRTY))
+    }
+
+    fn reset(&mut self) {
+        for id in self.touched.drain(..) {
+            self.flags[id as usize] = 0;
+        }
+        self.prefixes.clear();
+    }
+}
+
+/// The compiled model's scratch, or a private one when it is in use (a cycle within a cycle).
+enum ScratchRef<'a> {
+    Shared(std::cell::RefMut<'a, Scratch>),
+    Own(Scratch),
+}
+
+impl ScratchRef<'_> {
+    fn of(cm: &CompiledModel) -> ScratchRef<'_> {
+        let n = cm.nodes.len();
+        let mut sc = match cm.scratch.try_borrow_mut() {
+            Ok(sc) => ScratchRef::Shared(sc),
+            Err(_) => ScratchRef::Own(Scratch::default()),
+        };
+        if sc.flags.len() < n {
+            sc.flags.resize(n, 0);
+        }
+        sc
+    }
+}
+
+impl std::ops::Deref for ScratchRef<'_> {
+    type Target = Scratch;
+    fn deref(&self) -> &Scratch {
+        match self {
+            ScratchRef::Shared(s) => s,
+            ScratchRef::Own(s) => s,
+        }
+    }
+}
+
+impl std::ops::DerefMut for ScratchRef<'_> {
+    fn deref_mut(&mut self) -> &mut Scratch {
+        match self {
+            ScratchRef::Shared(s) => s,
+            ScratchRef::Own(s) => s,
         }
     }
 }
@@ -132,9 +228,9 @@ struct Cycle<'a> {
     st: &'a mut State,
     /// Constants, library exports and the pinned clock, bound where an expression uses them.
     env: Env,
-    /// Derivations to evaluate, lowest level first (each queued once: see `Dirty::queued`).
+    /// Derivations to evaluate, lowest level first (each queued once: see `QUEUED`).
     pending: BinaryHeap<Reverse<(u32, NodeId)>>,
-    dirty: HashMap<NodeId, Dirty>,
+    sc: ScratchRef<'a>,
     meta_dirty: BTreeSet<NodeId>,
     constraint_dirty: BTreeSet<NodeId>,
     effect_dirty: BTreeSet<NodeId>,
@@ -148,8 +244,6 @@ struct Cycle<'a> {
     whole_cache: Option<(u64, JValue)>,
     version: u64,
     result: MutationResult,
-    /// Derivations evaluated more than once this cycle (their updates are de-duplicated).
-    evaluated: HashSet<NodeId>,
     hits: Vec<(u32, Vec<usize>)>,
     journal: Journal,
     /// Slot values of a JIT call (reused).
@@ -165,6 +259,12 @@ struct Cycle<'a> {
     agg_delta: HashMap<NodeId, Option<Vec<LeafChange>>>,
     /// The node whose change was just noted (its next `mark` comes with a delta).
     agg_noted: Option<NodeId>,
+}
+
+impl Drop for Cycle<'_> {
+    fn drop(&mut self) {
+        self.sc.reset();
+    }
 }
 
 impl<'a> Cycle<'a> {
@@ -183,7 +283,7 @@ impl<'a> Cycle<'a> {
                 ..cm.env.clone()
             },
             pending: BinaryHeap::new(),
-            dirty: HashMap::default(),
+            sc: ScratchRef::of(cm),
             meta_dirty: BTreeSet::new(),
             constraint_dirty: BTreeSet::new(),
             effect_dirty: BTreeSet::new(),
@@ -195,9 +295,10 @@ impl<'a> Cycle<'a> {
             version: 0,
             result: MutationResult {
                 success: true,
+                derived_updated: Paths::new(cm.trace_table.clone()),
+                traces: Traces::new(cm.trace_table.clone()),
                 ..MutationResult::default()
             },
-            evaluated: HashSet::default(),
             hits: Vec::new(),
             journal: Journal::default(),
             jit_slots: Vec::new(),
@@ -226,22 +327,21 @@ impl<'a> Cycle<'a> {
         let every = binding.is_empty() || node.wildcards() == 0;
         match node.kind {
             NodeKind::Derivation { .. } => {
-                let d = self.dirty.entry(id).or_default();
-                if !d.queued {
-                    d.queued = true;
+                if !self.sc.has(id, QUEUED) {
+                    self.sc.set(id, QUEUED);
                     self.pending.push(Reverse((node.level, id)));
                 }
-                d.add(binding, every);
+                self.sc.add(id, binding, every);
             }
             NodeKind::Meta(_) => {
                 self.meta_dirty.insert(id);
-                self.dirty.entry(id).or_default().add(binding, every);
+                self.sc.add(id, binding, every);
             }
             NodeKind::Constraint { .. } => {
                 // A constraint's bindings come from its scope paths, not from `targets[0]`.
                 let every = binding.is_empty();
                 self.constraint_dirty.insert(id);
-                self.dirty.entry(id).or_default().add(binding, every);
+                self.sc.add(id, binding, every);
             }
             NodeKind::Effect { .. } => {
                 self.effect_dirty.insert(id);
@@ -516,50 +616,40 @@ impl<'a> Cycle<'a> {
         }
     }
 
+    /// Record an evaluation of `node`: its value, or for a constraint whether it held.
+    /// `target`: the address when it is not the node's key (`[*]` instances).
     fn trace(
         &mut self,
         node: &Node,
-        target: Arc<str>,
+        target: Option<Arc<str>>,
         result: Val,
         passed: Option<bool>,
         error: Option<String>,
     ) {
-        self.result.traces.push(Trace {
-            target_path: target,
-            source: node
-                .trace_source
-                .get_or_init(|| {
-                    Arc::new(TraceSource {
-                        expression: node.expr.text.clone(),
-                        input_paths: node.input_paths.clone(),
-                    })
-                })
-                .clone(),
-            result: if passed.is_some() { Val::Null } else { result },
-            constraint_passed: passed,
-            error_message: error,
-            jit: self.jit_hit && passed.is_none(),
-        });
+        let result = if passed.is_some() { Val::Null } else { result };
+        let jit = self.jit_hit && passed.is_none();
+        self.result
+            .traces
+            .push(node.id, target, result, passed, jit, error);
     }
 
     fn instances(&self, id: NodeId, pattern: &Address) -> Vec<Vec<Seg>> {
-        let dirty = self.dirty.get(&id);
         if let Some(c) = pattern.concrete() {
             return vec![c];
         }
         // One expansion yields distinct instances in ascending order already; several bound
         // prefixes may overlap, so their union is sorted and de-duplicated.
         let mut out = Vec::new();
-        let all = dirty.is_none_or(|d| d.all);
-        if all {
-            expand_root(&pattern.segs, self.st.merged(), None, &mut out);
-        } else if let Some(d) = dirty {
-            for p in &d.prefixes {
-                expand_root(&pattern.segs, self.st.merged(), Some(p), &mut out);
-            }
-            if d.prefixes.len() > 1 {
-                out.sort_unstable();
-                out.dedup();
+        match self.sc.bound(id) {
+            None => expand_root(&pattern.segs, self.st.merged(), None, &mut out),
+            Some(prefixes) => {
+                for p in prefixes {
+                    expand_root(&pattern.segs, self.st.merged(), Some(p), &mut out);
+                }
+                if prefixes.len() > 1 {
+                    out.sort_unstable();
+                    out.dedup();
+                }
             }
         }
         out
@@ -588,40 +678,36 @@ impl<'a> Cycle<'a> {
             let node = &cm.nodes[id as usize];
             if let NodeKind::Derivation { lazy: true } = node.kind {
                 if !self.include_lazy && !self.has_non_lazy_dependent(id) {
-                    self.dirty.remove(&id);
+                    self.sc.clean(id);
                     let was = self.st.lazy_stale.insert(id).is_some();
                     self.journal.stale.push((id, was));
                     continue;
                 }
                 if self.st.lazy_stale.remove(&id).is_some() {
                     self.journal.stale.push((id, true));
-                    self.dirty.insert(
-                        id,
-                        Dirty {
-                            all: true,
-                            ..Dirty::default()
-                        },
-                    );
+                    self.sc.clean(id);
+                    self.sc.set(id, DIRTY | ALL);
                 }
             }
-            let again = !self.evaluated.insert(id);
+            let again = self.sc.has(id, EVALUATED);
+            self.sc.set(id, EVALUATED);
             self.evaluating = Some(id);
             match &node.concrete {
                 Some(target) => {
-                    self.dirty.remove(&id);
-                    self.derive_instance(node, target, Some(&node.key_arc), again);
+                    self.sc.clean(id);
+                    self.derive_instance(node, target, true, again);
                 }
                 None => {
                     let insts = self.instances(id, &node.targets[0]);
-                    self.dirty.remove(&id);
+                    self.sc.clean(id);
                     let batch = self.evaluate_batch(node, &insts);
                     for (k, inst) in insts.iter().enumerate() {
                         match batch.as_ref().and_then(|b| b[k].clone()) {
                             Some(v) => {
                                 self.jit_hit = true;
-                                self.write_value(node, inst, None, again, v, None);
+                                self.write_value(node, inst, false, again, v, None);
                             }
-                            None => self.derive_instance(node, inst, None, again),
+                            None => self.derive_instance(node, inst, false, again),
                         }
                     }
                 }
@@ -634,9 +720,9 @@ impl<'a> Cycle<'a> {
     }
 
     /// Evaluate one instance of a derivation; write and propagate it when it changed.
-    fn derive_instance(&mut self, node: &Node, inst: &[Seg], key: Option<&Arc<str>>, again: bool) {
+    fn derive_instance(&mut self, node: &Node, inst: &[Seg], concrete: bool, again: bool) {
         let result = self.evaluate(node, inst);
-        self.write_derived(node, inst, key, again, result);
+        self.write_derived(node, inst, concrete, again, result);
     }
 
     /// The JIT's answers for many instances of a `[*]` derivation at once (the batched entry
@@ -681,7 +767,7 @@ impl<'a> Cycle<'a> {
         &mut self,
         node: &Node,
         inst: &[Seg],
-        key: Option<&Arc<str>>,
+        concrete: bool,
         again: bool,
         result: Result<Option<JValue>, ExprError>,
     ) {
@@ -690,7 +776,7 @@ impl<'a> Cycle<'a> {
             Ok(None) => (Val::Null, None),
             Err(e) => (Val::Null, Some(e.message)),
         };
-        self.write_value(node, inst, key, again, value, error);
+        self.write_value(node, inst, concrete, again, value, error);
     }
 
     /// `write_derived` of a value already converted.
@@ -698,20 +784,18 @@ impl<'a> Cycle<'a> {
         &mut self,
         node: &Node,
         inst: &[Seg],
-        key: Option<&Arc<str>>,
+        concrete: bool,
         again: bool,
         value: Val,
         error: Option<String>,
     ) {
-        let target: Arc<str> = match key {
-            Some(k) => k.clone(),
-            None => {
-                render_into(inst, &mut self.render_buf);
-                Arc::from(self.render_buf.as_str())
-            }
-        };
+        // `[*]` instances are named by their address; a concrete node by its key.
+        let target: Option<Arc<str>> = (!concrete).then(|| {
+            render_into(inst, &mut self.render_buf);
+            Arc::from(self.render_buf.as_str())
+        });
         let noting = self.cm.has_delta_aggregates;
-        let written = if let (Some(c), true) = (node.cell, key.is_some()) {
+        let written = if let (Some(c), true) = (node.cell, concrete) {
             // A cell: compared and replaced by index. (Over a scalar root a top-level member
             // does not exist, as in the tree.)
             if !self.st.merged().root_is_obj() || self.st.cells.get(c) == Some(&value) {
@@ -766,10 +850,13 @@ impl<'a> Cycle<'a> {
         };
         if written {
             self.version += 1;
-            if !again || !self.result.derived_updated.iter().any(|d| **d == *target) {
-                self.result.derived_updated.push(target.clone());
+            let updated = &mut self.result.derived_updated;
+            match &target {
+                None if !again || !updated.contains_node(node.id) => updated.push_node(node.id),
+                Some(t) if !again || !updated.contains(t) => updated.push(t.clone()),
+                _ => {}
             }
-            if key.is_some() {
+            if concrete {
                 self.propagate_target(node, inst);
             } else {
                 self.propagate(inst);
@@ -788,9 +875,9 @@ impl<'a> Cycle<'a> {
                 continue;
             };
             let pattern = &node.targets[0];
-            let full = self.dirty.get(&id).is_none_or(|d| d.all);
+            let full = self.sc.bound(id).is_none();
             let insts = self.instances(id, pattern);
-            self.dirty.remove(&id);
+            self.sc.clean(id);
             let mut keys = HashSet::default();
             for inst in insts {
                 let value = match self.evaluate(node, &inst) {
@@ -849,14 +936,14 @@ impl<'a> Cycle<'a> {
                     insts.extend(self.instances(id, t));
                 }
             }
-            self.dirty.remove(&id);
+            self.sc.clean(id);
             let mut failed = false;
             for inst in insts {
                 let (passed, error) = match self.evaluate(node, &inst) {
                     Ok(v) => (truthy(v.as_ref()), None),
                     Err(e) => (false, Some(e.message)),
                 };
-                self.trace(node, node.key_arc.clone(), Val::Null, Some(passed), error);
+                self.trace(node, None, Val::Null, Some(passed), error);
                 failed |= !passed;
             }
             if failed {
@@ -984,17 +1071,10 @@ impl<'a> Cycle<'a> {
             self.rollback();
             let mut traces = std::mem::take(&mut self.result.traces);
             for v in &rollback {
-                traces.push(Trace {
-                    target_path: Arc::from(format!("$constraint:{}", v.constraint_id)),
-                    source: Arc::new(TraceSource {
-                        expression: Arc::from(""),
-                        input_paths: Arc::from(Vec::new()),
-                    }),
-                    result: Val::Null,
-                    constraint_passed: Some(false),
-                    error_message: None,
-                    jit: false,
-                });
+                traces.push_detached(
+                    Arc::from(format!("$constraint:{}", v.constraint_id)),
+                    Some(false),
+                );
             }
             return Err(MutationError::Constraint {
                 violations: rollback,
@@ -1002,7 +1082,7 @@ impl<'a> Cycle<'a> {
             });
         }
         self.effects();
-        Ok(self.result)
+        Ok(std::mem::take(&mut self.result))
     }
 
     // --- defaults ---------------------------------------------------------------------------
@@ -1389,12 +1469,10 @@ pub(super) fn initialize(
     apply_schema_defaults(&mut c, &schema, &schema, &mut Vec::new(), 0)?;
     // Constraints and effects at creation: only those downstream of what was seeded.
     let mut allowed: HashSet<NodeId> = HashSet::default();
-    let mut stack: Vec<NodeId> = c
-        .dirty
-        .keys()
-        .copied()
-        .chain(c.effect_dirty.iter().copied())
-        .collect();
+    let mut stack: Vec<NodeId> =
+        c.sc.dirty_nodes()
+            .chain(c.effect_dirty.iter().copied())
+            .collect();
     while let Some(n) = stack.pop() {
         if allowed.insert(n) {
             stack.extend(cm.dependents[n as usize].iter().copied());

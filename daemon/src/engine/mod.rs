@@ -10,6 +10,7 @@ pub mod jit;
 pub mod merged;
 pub mod schema;
 pub mod testrun;
+pub mod trace;
 pub mod trie;
 pub mod view;
 
@@ -25,6 +26,7 @@ use serde_json::{Map, Value as Json};
 
 pub use compile::{CompileError, CompiledModel, NodeId};
 pub use schema::SchemaViolation;
+pub use trace::{Paths, Trace, TraceSource, TraceTable, Traces};
 
 use crate::expr::path::{render, Address};
 use crate::expr::Limits;
@@ -142,41 +144,6 @@ impl State {
     }
 }
 
-/// One evaluation, as `explain` and `includeTraces` report it.
-#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Trace {
-    /// What was computed: a field address, a meta key (`$.path#prop`) or a constraint/effect id.
-    pub target_path: Arc<str>,
-    /// The expression and what it reads: one per node, shared by all its traces.
-    #[serde(flatten)]
-    pub source: Arc<TraceSource>,
-    /// The value computed (any JSON).
-    #[serde(serialize_with = "serialize_val")]
-    #[schemars(schema_with = "crate::spec::schema::any_token")]
-    pub result: Val,
-    /// Constraints: whether it held; `null` otherwise.
-    pub constraint_passed: Option<bool>,
-    /// The evaluation error, if it failed.
-    pub error_message: Option<String>,
-    /// `true` when compiled code computed the value (the JIT tier); absent otherwise.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub jit: bool,
-}
-
-/// The part of a trace that is the same for every evaluation of a node.
-#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct TraceSource {
-    pub expression: Arc<str>,
-    /// The addresses the expression read.
-    pub input_paths: Arc<[String]>,
-}
-
-fn serialize_val<S: serde::Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {
-    v.to_json().serialize(s)
-}
-
 /// A failed constraint (the contract's violation item).
 #[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -216,9 +183,9 @@ pub struct MutationResult {
     pub success: bool,
     /// The base addresses the mutation wrote.
     pub mutated_paths: Vec<String>,
-    /// The derived addresses whose values changed (shared with the traces and the graph keys).
+    /// The derived addresses whose values changed.
     #[schemars(with = "Vec<String>")]
-    pub derived_updated: Vec<Arc<str>>,
+    pub derived_updated: Paths,
     /// The meta keys (`$.path#prop`) whose values changed.
     pub meta_updated: Vec<String>,
     /// Violated `flag` constraints (the mutation committed anyway).
@@ -227,7 +194,7 @@ pub struct MutationResult {
     pub dispatched_effects: Vec<EffectRequest>,
     /// Not serialized: `to_json(true)` adds it (the schema gets it from `traces_schema`).
     #[serde(skip)]
-    pub traces: Vec<Trace>,
+    pub traces: Traces,
 }
 
 /// The schema of the optional `traces` array `to_json(true)` adds. Self-contained (inlined), as a
@@ -271,7 +238,7 @@ pub enum MutationError {
     #[error("{}", constraint_message(.violations))]
     Constraint {
         violations: Vec<ConstraintViolation>,
-        traces: Vec<Trace>,
+        traces: Traces,
     },
     #[error("invalid mutation: {0}")]
     Invalid(String),

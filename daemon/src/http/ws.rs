@@ -199,7 +199,7 @@ fn touches(r: &MutationResult, prefixes: &[String]) -> bool {
     r.mutated_paths
         .iter()
         .map(String::as_str)
-        .chain(r.derived_updated.iter().map(|d| &**d))
+        .chain(r.derived_updated.iter())
         .any(|p| prefixes.iter().any(|x| within(p, x) || within(x, p)))
 }
 
@@ -317,7 +317,7 @@ mod tests {
         assert!(!within("$.ab", "$.a"));
         let r = MutationResult {
             mutated_paths: vec!["$.order".into()],
-            derived_updated: vec![Arc::from("$.total")],
+            derived_updated: vec![Arc::from("$.total")].into(),
             ..Default::default()
         };
         assert!(touches(&r, &["$.order.qty".into()]), "an ancestor write");

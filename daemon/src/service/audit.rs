@@ -251,7 +251,7 @@ mod tests {
         let mut t = AuditTrail::new(100);
         let r = MutationResult {
             success: true,
-            derived_updated: vec!["$.total".into()],
+            derived_updated: vec![std::sync::Arc::from("$.total")].into(),
             ..Default::default()
         };
         for i in 0..n {

@@ -156,7 +156,7 @@ fn replay(
     explain_max: usize,
 ) -> Result<(), String> {
     let result = apply_record(&mut e.model, &rec)?;
-    push_traces(&mut e.traces, &result.traces, explain_max);
+    push_traces(&mut e.traces, result.traces.iter(), explain_max);
     e.history.push_back((rec.at_us, e.model.state().clone()));
     while e.history.len() > history_max.max(1) {
         e.history.pop_front();
@@ -854,17 +854,15 @@ impl Shard {
                 // Rejected cycles leave no history or audit; their constraint traces explain the
                 // refusal (the derivation traces describe values that were never committed).
                 if let MutationError::Constraint { traces, .. } = &err {
-                    let refusal: Vec<Trace> = traces
+                    let refusal = traces
                         .iter()
-                        .filter(|t| t.target_path.starts_with("$constraint:"))
-                        .cloned()
-                        .collect();
-                    push_traces(&mut e.traces, &refusal, explain_max);
+                        .filter(|t| t.target_path.starts_with("$constraint:"));
+                    push_traces(&mut e.traces, refusal, explain_max);
                 }
                 return Err(ServiceError::Mutation(err));
             }
         };
-        push_traces(&mut e.traces, &result.traces, explain_max);
+        push_traces(&mut e.traces, result.traces.iter(), explain_max);
         e.history.push_back((t, e.model.state().clone()));
         while e.history.len() > history_max.max(1) {
             e.history.pop_front();
@@ -1141,12 +1139,18 @@ fn inline_refs(node: &Json, root: &Json, followed: usize) -> Json {
     }
 }
 
-fn push_traces(ring: &mut VecDeque<Trace>, traces: &[Trace], max: usize) {
-    for t in traces.iter().skip(traces.len().saturating_sub(max)) {
+/// Keep the newest `max` of `traces` in the explain ring (only those are expanded).
+fn push_traces(
+    ring: &mut VecDeque<Trace>,
+    traces: impl DoubleEndedIterator<Item = Trace>,
+    max: usize,
+) {
+    let newest: Vec<Trace> = traces.rev().take(max).collect();
+    for t in newest.into_iter().rev() {
         if ring.len() >= max {
             ring.pop_front();
         }
-        ring.push_back(t.clone());
+        ring.push_back(t);
     }
 }
 
