@@ -127,9 +127,6 @@ pub struct Node {
     pub location: String,
     /// The JIT tier of a derivation (`engine/jit.rs`).
     pub jit: super::jit::JitCell,
-    /// A concrete derivation's readers: what a write of its target dirties, looked up in the
-    /// reader index on the first write and kept (the index never changes after compile).
-    pub write_hits: std::cell::OnceCell<Box<[super::trie::Hit]>>,
 }
 
 impl Node {
@@ -198,6 +195,11 @@ pub struct CompiledModel {
     /// Per node, the nodes that read what it writes (derivations only write).
     pub dependents: Vec<Vec<NodeId>>,
     pub readers: Trie,
+    /// What a write of a concrete derivation's target dirties (its readers in the index, all
+    /// of every instance: the target has no array index), as ranges of `target_reader_ids`;
+    /// `None` for other nodes (their writes look the index up).
+    target_readers: Vec<Option<(u32, u32)>>,
+    target_reader_ids: Vec<NodeId>,
     /// Per node, its key and what its traces share.
     pub trace_table: Arc<super::TraceTable>,
     /// The top-level members whose derived values live in cells.
@@ -783,6 +785,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         .iter()
         .all(|&i| nodes[i as usize].cell.is_some());
     let has_delta_aggregates = nodes.iter().any(|n| n.delta_aggregate().is_some());
+    let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
     let mut trace_table = super::TraceTable::default();
     for n in &nodes {
         trace_table.push(
@@ -794,6 +797,8 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         );
     }
     Ok(CompiledModel {
+        target_readers,
+        target_reader_ids,
         trace_table: Arc::new(trace_table),
         cells: Arc::new(cells),
         merged_is_base,
@@ -818,6 +823,41 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         validators: RefCell::new(HashMap::new()),
         scratch: RefCell::default(),
     })
+}
+
+/// The readers of each concrete derivation target without array indices (a write there binds
+/// no `[*]`, so each reader is dirtied whole), looked up in the index once.
+#[allow(clippy::type_complexity)]
+fn target_readers(nodes: &[Node], readers: &Trie) -> (Vec<Option<(u32, u32)>>, Vec<NodeId>) {
+    let mut ranges = Vec::with_capacity(nodes.len());
+    let mut ids = Vec::new();
+    let mut hits = Vec::new();
+    for n in nodes {
+        let range = match (&n.kind, &n.concrete) {
+            (NodeKind::Derivation { .. }, Some(t))
+                if t.iter().all(|s| matches!(s, crate::value::Seg::Field(_))) =>
+            {
+                hits.clear();
+                readers.hits(t, &mut hits);
+                let start = ids.len() as u32;
+                ids.extend(hits.iter().map(|(id, _)| *id));
+                Some((start, ids.len() as u32))
+            }
+            _ => None,
+        };
+        ranges.push(range);
+    }
+    ids.shrink_to_fit();
+    (ranges, ids)
+}
+
+impl CompiledModel {
+    /// The readers a write of `node`'s target dirties (whole), when known at compile time.
+    #[inline]
+    pub fn target_readers(&self, node: NodeId) -> Option<&[NodeId]> {
+        let (a, b) = self.target_readers.get(node as usize).copied().flatten()?;
+        Some(&self.target_reader_ids[a as usize..b as usize])
+    }
 }
 
 /// Give a cell to every derivation whose target is one top-level member that no other
@@ -925,7 +965,6 @@ fn draft_empty(
             aggregate,
             location,
             jit: super::jit::JitCell::default(),
-            write_hits: std::cell::OnceCell::new(),
         },
         reads: Vec::new(),
     }

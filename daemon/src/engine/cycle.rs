@@ -30,6 +30,9 @@ use super::merged::Merged;
 /// One aggregate leaf's old and new number (`None`: absent).
 type LeafChange = (Option<f64>, Option<f64>);
 
+/// Traces past which a cycle counts as large (see `Scratch::last_traces`).
+const BIG_CYCLE: usize = 4096;
+
 /// Per-node flags of a cycle (`Scratch::flags`).
 const QUEUED: u8 = 1; // in `pending` (derivations only)
 const DIRTY: u8 = 2; // some instances must be recomputed…
@@ -45,6 +48,10 @@ pub(crate) struct Scratch {
     prefixes: HashMap<NodeId, Vec<Vec<usize>>>,
     /// Nodes whose flags were set (to clean them at the end).
     touched: Vec<NodeId>,
+    /// The last cycle's journal, emptied: its buffers serve the next cycle.
+    journal: Journal,
+    /// Traces the last cycle recorded (a large cycle reserves room for as many).
+    last_traces: usize,
 }
 
 impl Scratch {
@@ -150,7 +157,7 @@ impl std::ops::DerefMut for ScratchRef<'_> {
 /// What a cycle changed, to undo it exactly if the cycle fails. The cycle mutates the committed
 /// state in place (no copy when nobody else holds it); each top-level member of the base and
 /// merged documents is saved once, before its first change (an O(1) persistent clone).
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Journal {
     base: Vec<(Option<crate::value::Key>, Option<Val>)>,
     merged: Vec<(Option<crate::value::Key>, Option<Val>)>,
@@ -164,6 +171,23 @@ struct Journal {
     aggregates: Vec<(NodeId, Option<AggMemo>)>,
     /// Cells written: each one's previous value.
     cells: Vec<(u32, Option<Val>)>,
+}
+
+impl Journal {
+    /// Empty it, keeping its buffers.
+    fn clear(&mut self) {
+        self.base.clear();
+        self.merged.clear();
+        self.base_seen.clear();
+        self.merged_seen.clear();
+        self.base_root = false;
+        self.merged_root = false;
+        self.meta.clear();
+        self.stale.clear();
+        self.effect_keys.clear();
+        self.aggregates.clear();
+        self.cells.clear();
+    }
 }
 
 /// Save the top-level member of `doc` that a write at `path` changes (or the whole root).
@@ -264,6 +288,9 @@ struct Cycle<'a> {
 impl Drop for Cycle<'_> {
     fn drop(&mut self) {
         self.sc.reset();
+        let mut journal = std::mem::take(&mut self.journal);
+        journal.clear();
+        self.sc.journal = journal;
     }
 }
 
@@ -274,6 +301,8 @@ impl<'a> Cycle<'a> {
         st: &'a mut State,
         now_ms: i64,
     ) -> Self {
+        let mut sc = ScratchRef::of(cm);
+        let journal = std::mem::take(&mut sc.journal);
         Cycle {
             cm,
             limits,
@@ -283,7 +312,7 @@ impl<'a> Cycle<'a> {
                 ..cm.env.clone()
             },
             pending: BinaryHeap::new(),
-            sc: ScratchRef::of(cm),
+            sc,
             meta_dirty: BTreeSet::new(),
             constraint_dirty: BTreeSet::new(),
             effect_dirty: BTreeSet::new(),
@@ -300,7 +329,7 @@ impl<'a> Cycle<'a> {
                 ..MutationResult::default()
             },
             hits: Vec::new(),
-            journal: Journal::default(),
+            journal,
             jit_slots: Vec::new(),
             jit_hit: false,
             render_buf: String::new(),
@@ -368,19 +397,18 @@ impl<'a> Cycle<'a> {
         self.mark_whole_doc();
     }
 
-    /// `propagate` for a write of a concrete derivation's own target, from its cached hits.
+    /// `propagate` for a write of a concrete derivation's own target, from its readers listed
+    /// at compile time.
     fn propagate_target(&mut self, node: &Node, target: &[Seg]) {
-        let readers = &self.cm.readers;
-        let hits = node.write_hits.get_or_init(|| {
-            let mut hits = Vec::new();
-            readers.hits(target, &mut hits);
-            hits.into_boxed_slice()
-        });
-        for (id, b) in hits.iter() {
-            if self.cm.has_delta_aggregates {
-                self.note_aggregate(*id, target);
+        let cm = self.cm;
+        let Some(readers) = cm.target_readers(node.id) else {
+            return self.propagate(target);
+        };
+        for &id in readers {
+            if cm.has_delta_aggregates {
+                self.note_aggregate(id, target);
             }
-            self.mark(*id, b.clone());
+            self.mark(id, Vec::new());
         }
         self.mark_whole_doc();
     }
@@ -628,6 +656,11 @@ impl<'a> Cycle<'a> {
     ) {
         let result = if passed.is_some() { Val::Null } else { result };
         let jit = self.jit_hit && passed.is_none();
+        if self.result.traces.len() == BIG_CYCLE {
+            // A large cycle: make room for as many as the last large one had at once.
+            self.result.traces.reserve(self.sc.last_traces);
+            self.result.derived_updated.reserve(self.sc.last_traces);
+        }
         self.result
             .traces
             .push(node.id, target, result, passed, jit, error);
@@ -1082,6 +1115,7 @@ impl<'a> Cycle<'a> {
             });
         }
         self.effects();
+        self.sc.last_traces = self.result.traces.len();
         Ok(std::mem::take(&mut self.result))
     }
 

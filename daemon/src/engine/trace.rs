@@ -72,14 +72,20 @@ impl TraceTable {
 /// No node: a trace made outside the table (a refused cycle's constraint summary).
 const NO_NODE: u32 = u32::MAX;
 
-#[derive(Clone, Debug, PartialEq)]
+/// One evaluation in 32 bytes: what is rare (an instance address, an error) is in a side table.
+#[derive(Clone, Debug)]
 struct TraceRec {
     node: u32,
-    /// The address when it is not the node's key (`[*]` instances, meta keys).
-    target: Option<Arc<str>>,
+    /// Bits 0–1: constraint outcome (0 none, 1 failed, 2 held); bit 2: computed by the JIT;
+    /// bits 3–31: 1 + the index of its `Extra`, or 0.
+    bits: u32,
     result: Val,
-    passed: Option<bool>,
-    jit: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Extra {
+    /// The address when it is not the node's key (`[*]` instances).
+    target: Option<Arc<str>>,
     error: Option<Box<str>>,
 }
 
@@ -88,6 +94,7 @@ struct TraceRec {
 pub struct Traces {
     table: Arc<TraceTable>,
     recs: Vec<TraceRec>,
+    extra: Vec<Extra>,
 }
 
 impl PartialEq for Traces {
@@ -101,7 +108,13 @@ impl Traces {
         Traces {
             table,
             recs: Vec::new(),
+            extra: Vec::new(),
         }
+    }
+
+    /// Room for `n` traces.
+    pub fn reserve(&mut self, n: usize) {
+        self.recs.reserve(n);
     }
 
     /// Record one evaluation of `node`; `target` when it is not the node's key.
@@ -115,14 +128,19 @@ impl Traces {
         jit: bool,
         error: Option<String>,
     ) {
-        self.recs.push(TraceRec {
-            node,
-            target,
-            result,
-            passed,
-            jit,
-            error: error.map(String::into_boxed_str),
-        });
+        let mut bits = match passed {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        } | (u32::from(jit) << 2);
+        if target.is_some() || error.is_some() {
+            self.extra.push(Extra {
+                target,
+                error: error.map(String::into_boxed_str),
+            });
+            bits |= (self.extra.len() as u32) << 3;
+        }
+        self.recs.push(TraceRec { node, bits, result });
     }
 
     /// Record a trace that belongs to no node: `target` with an empty source.
@@ -139,9 +157,14 @@ impl Traces {
     }
 
     fn expand(&self, r: &TraceRec) -> Trace {
+        let extra = match r.bits >> 3 {
+            0 => None,
+            k => self.extra.get(k as usize - 1),
+        };
+        let target = extra.and_then(|e| e.target.clone());
         let (target, source) = if r.node == NO_NODE {
             (
-                r.target.clone().unwrap_or_else(|| Arc::from("")),
+                target.unwrap_or_else(|| Arc::from("")),
                 Arc::new(TraceSource {
                     expression: Arc::from(""),
                     input_paths: Arc::from(Vec::new()),
@@ -149,9 +172,7 @@ impl Traces {
             )
         } else {
             (
-                r.target
-                    .clone()
-                    .unwrap_or_else(|| self.table.key(r.node).clone()),
+                target.unwrap_or_else(|| self.table.key(r.node).clone()),
                 self.table.source(r.node).clone(),
             )
         };
@@ -159,9 +180,13 @@ impl Traces {
             target_path: target,
             source,
             result: r.result.clone(),
-            constraint_passed: r.passed,
-            error_message: r.error.as_deref().map(str::to_string),
-            jit: r.jit,
+            constraint_passed: match r.bits & 3 {
+                1 => Some(false),
+                2 => Some(true),
+                _ => None,
+            },
+            error_message: extra.and_then(|e| e.error.as_deref()).map(str::to_string),
+            jit: r.bits & 4 != 0,
         }
     }
 
@@ -181,17 +206,16 @@ impl Serialize for Traces {
     }
 }
 
-#[derive(Clone, Debug)]
-enum PathRef {
-    Node(u32),
-    Path(Arc<str>),
-}
+/// An item of [`Paths`]: a node number (its key), or with the top bit set an index into
+/// `Paths::strs`.
+const STR: u32 = 1 << 31;
 
 /// Addresses (the derived ones a cycle changed), in order.
 #[derive(Clone, Debug, Default)]
 pub struct Paths {
     table: Arc<TraceTable>,
-    items: Vec<PathRef>,
+    items: Vec<u32>,
+    strs: Vec<Arc<str>>,
 }
 
 impl Paths {
@@ -199,17 +223,24 @@ impl Paths {
         Paths {
             table,
             items: Vec::new(),
+            strs: Vec::new(),
         }
+    }
+
+    /// Room for `n` addresses.
+    pub fn reserve(&mut self, n: usize) {
+        self.items.reserve(n);
     }
 
     /// The key of `node`.
     #[inline]
     pub fn push_node(&mut self, node: u32) {
-        self.items.push(PathRef::Node(node));
+        self.items.push(node);
     }
 
     pub fn push(&mut self, path: Arc<str>) {
-        self.items.push(PathRef::Path(path));
+        self.items.push(STR | self.strs.len() as u32);
+        self.strs.push(path);
     }
 
     pub fn len(&self) -> usize {
@@ -221,19 +252,18 @@ impl Paths {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &str> + '_ {
-        self.items.iter().map(|p| match p {
-            PathRef::Node(n) => &**self.table.key(*n),
-            PathRef::Path(p) => &**p,
+        self.items.iter().map(|&p| {
+            if p & STR != 0 {
+                &*self.strs[(p & !STR) as usize]
+            } else {
+                &**self.table.key(p)
+            }
         })
     }
 
     /// Whether `node`'s key is listed.
     pub fn contains_node(&self, node: u32) -> bool {
-        let key = self.table.key(node);
-        self.items.iter().any(|p| match p {
-            PathRef::Node(n) => *n == node,
-            PathRef::Path(p) => p == key,
-        })
+        self.items.contains(&node) || self.contains(self.table.key(node))
     }
 
     pub fn contains(&self, path: &str) -> bool {
@@ -249,10 +279,11 @@ impl PartialEq for Paths {
 
 impl From<Vec<Arc<str>>> for Paths {
     fn from(v: Vec<Arc<str>>) -> Paths {
-        Paths {
-            table: Arc::default(),
-            items: v.into_iter().map(PathRef::Path).collect(),
+        let mut p = Paths::default();
+        for s in v {
+            p.push(s);
         }
+        p
     }
 }
 
