@@ -110,7 +110,10 @@ fn eval(c: &mut Criterion) {
         let mut slots = Vec::new();
         // Same answer both ways (through the engine's conversion).
         let want = compiled.eval(&jdoc, &env, &limits).expect("evaluates");
-        assert!(jit::read_doc_slots(&inputs, &val, &mut slots));
+        assert_eq!(
+            jit::read_doc_slots(&inputs, &val, &mut slots),
+            jit::Read::Numbers
+        );
         let got = code.call(0, &slots).expect("finite");
         let want = valem::expr::from_jvalue(&want.expect("defined"));
         assert_eq!(Val::num(got), want, "{name}");

@@ -121,6 +121,7 @@ fn main() {
             }
             lap("mutate", &mut t, iters);
         }
+        "sizes" => sizes_probe(n),
         "mem" => {
             // Resident memory by construction step of the fan-out model.
             let rss = |what: &str| {
@@ -164,4 +165,24 @@ fn main() {
         }
         other => panic!("unknown shape {other}"),
     }
+}
+
+#[allow(dead_code)]
+fn sizes_probe(n: usize) {
+    use valem::expr::{Compiled, Limits};
+    let before = live_mb();
+    let v: Vec<Compiled> = (0..n)
+        .map(|i| Compiled::compile(&format!("price_{i} * qty_{i}"), &Limits::default()).unwrap())
+        .collect();
+    println!(
+        "Compiled: {} B inline, {:.0} B per expression live",
+        std::mem::size_of::<Compiled>(),
+        (live_mb() - before) * 1048576.0 / n as f64
+    );
+    drop(v);
+    println!(
+        "Node {} B, Trace {} B",
+        std::mem::size_of::<valem::engine::compile::Node>(),
+        std::mem::size_of::<valem::engine::Trace>()
+    );
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value as Json};
-use valem::engine::jit::{read_doc_slots, slot_inputs};
+use valem::engine::jit::{read_doc_slots, slot_inputs, Read};
 use valem::engine::merged::CellLayout;
 use valem::expr::{from_jvalue, to_jvalue, Compiled, Env, Limits, Value as JValue};
 use valem::value::Val;
@@ -146,13 +146,18 @@ fn doc(values: &[Option<Json>]) -> Json {
 enum Out {
     Bits(u64),
     Other(Val),
+    /// JSONata's undefined (stored as null).
+    Undefined,
+    /// An evaluation error (stored as null).
+    Error,
 }
 
 fn interpreted(c: &Compiled, env: &Env, d: &Json) -> Out {
     match c.eval(&to_jvalue(&Val::from_json(d)), env, &Limits::default()) {
         Ok(Some(JValue::Number(n))) if n.is_finite() => Out::Bits(n.to_bits()),
         Ok(Some(v)) => Out::Other(from_jvalue(&v)),
-        Ok(None) | Err(_) => Out::Other(Val::Null),
+        Ok(None) => Out::Undefined,
+        Err(_) => Out::Error,
     }
 }
 
@@ -165,6 +170,7 @@ fn compiled_out(ty: Ty, x: f64) -> Out {
 
 static JIT_ANSWERS: AtomicUsize = AtomicUsize::new(0);
 static FALLBACKS: AtomicUsize = AtomicUsize::new(0);
+static UNDEFINED: AtomicUsize = AtomicUsize::new(0);
 
 fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
     let limits = Limits::default();
@@ -190,9 +196,35 @@ fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
         let d = doc(values);
         let want = interpreted(&c, &env, &d);
         let v = Val::from_json(&d);
-        if !read_doc_slots(&inputs, &v, &mut slots) {
-            FALLBACKS.fetch_add(1, Ordering::Relaxed);
-            continue; // the interpreter answers: the same by construction
+        match read_doc_slots(&inputs, &v, &mut slots) {
+            Read::Numbers => {}
+            Read::Other => {
+                FALLBACKS.fetch_add(1, Ordering::Relaxed);
+                continue; // the interpreter answers: the same by construction
+            }
+            Read::Undefined => {
+                // A missing input: undefined where only arithmetic lies between it and the
+                // result, else the interpreter answers.
+                match interp::eval_undefined(&p, &slots) {
+                    Some(None) => {
+                        UNDEFINED.fetch_add(1, Ordering::Relaxed);
+                        prop_assert_eq!(&want, &Out::Undefined, "{}: inputs {:?}", text, values);
+                    }
+                    Some(Some(x)) => {
+                        prop_assert_eq!(
+                            &compiled_out(p.ty, x.to_f64()),
+                            &want,
+                            "{}: inputs {:?}",
+                            text,
+                            values
+                        );
+                    }
+                    None => {
+                        FALLBACKS.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                continue;
+            }
         }
         let reference = interp::eval(&p, &slots).map(|x| x.to_f64());
         let jit = code.call(0, &slots);
@@ -276,6 +308,8 @@ fn the_differential_test_is_not_vacuous() {
             Some(json!(2.675)),
         ],
         vec![None, Some(json!(1)), Some(json!("x")), Some(json!(1))],
+        vec![None, Some(json!(2)), Some(json!(4)), Some(json!(0.5))],
+        vec![Some(json!(3)), None, Some(json!(1)), None],
     ];
     for text in [
         "a * b",
@@ -292,6 +326,7 @@ fn the_differential_test_is_not_vacuous() {
     }
     assert!(JIT_ANSWERS.load(Ordering::Relaxed) > 10);
     assert!(FALLBACKS.load(Ordering::Relaxed) > 5);
+    assert!(UNDEFINED.load(Ordering::Relaxed) > 5);
 }
 
 #[test]
@@ -304,10 +339,9 @@ fn the_traps_of_the_issue() {
         let inputs = slot_inputs(&p, &CellLayout::default());
         let v = Val::from_json(&d);
         let mut slots = Vec::new();
-        let jit = if read_doc_slots(&inputs, &v, &mut slots) {
-            code.call(0, &slots)
-        } else {
-            None
+        let jit = match read_doc_slots(&inputs, &v, &mut slots) {
+            Read::Numbers => code.call(0, &slots),
+            _ => None,
         };
         (jit, interpreted(&comp, &Env::default(), &d))
     };
@@ -328,16 +362,26 @@ fn the_traps_of_the_issue() {
     // Infinity as an operand is D1001 (null stored); the JIT declines.
     assert_eq!(c("x * 1e308 * 10 - 1", json!({"x": 10})).0, None);
     // $power to a non-finite value (D3061) and $sqrt of a negative (D3060): declined.
-    assert_eq!(
-        c("$power(x, 1000)", json!({"x": 10})),
-        (None, Out::Other(Val::Null))
-    );
-    assert_eq!(
-        c("$sqrt(x)", json!({"x": -1})),
-        (None, Out::Other(Val::Null))
-    );
-    // A missing input is undefined (null stored), not 0; a string is not a number.
-    assert_eq!(c("x + 1", json!({})), (None, Out::Other(Val::Null)));
+    assert_eq!(c("$power(x, 1000)", json!({"x": 10})), (None, Out::Error));
+    assert_eq!(c("$sqrt(x)", json!({"x": -1})), (None, Out::Error));
+    // A missing input is undefined (null stored), not 0, computed so without the
+    // interpreter; a string is not a number.
+    assert_eq!(c("x + 1", json!({})), (None, Out::Undefined));
+    let missing = |text: &str, d: Json| {
+        let p = ir::lower(Compiled::compile(text, &Limits::default()).unwrap().ast(), &|_| None)
+            .unwrap();
+        let mut slots = Vec::new();
+        let inputs = slot_inputs(&p, &CellLayout::default());
+        assert_eq!(
+            read_doc_slots(&inputs, &Val::from_json(&d), &mut slots),
+            Read::Undefined
+        );
+        interp::eval_undefined(&p, &slots)
+    };
+    assert_eq!(missing("-(x * y) / 0 + $round(z, 2)", json!({"y": 2, "z": 1})), Some(None));
+    // Infinity beside undefined is D1001 (the interpreter's), a comparison is not undefined.
+    assert_eq!(missing("y / 0 * x", json!({"y": 2})), None);
+    assert_eq!(missing("x > 1 ? 1 : 2", json!({})), None);
     assert_eq!(c("x + 1", json!({"x": "1"})).0, None);
     // -0 is stored as 0 either way; max(-0, +0) follows the interpreter's scan.
     let (j, i) = c("-x", json!({"x": 0}));

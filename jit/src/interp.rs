@@ -39,6 +39,65 @@ pub fn eval(p: &Program, slots: &[f64]) -> Option<Value> {
     }
 }
 
+/// `eval` where some inputs are *undefined* (a member that is not there): their slots hold
+/// NaN, which no JSON number is. JSONata's arithmetic on an undefined operand is undefined, so
+/// where only `+ - * / %`, unary minus, `$abs $floor $ceil $sqrt` and `$round` lie between an
+/// undefined input and the result, the result is undefined: `Some(None)`. An undefined value
+/// reaching anything else (a comparison, a condition, `$power`, `$min`/`$max`), and any
+/// non-finite value on the way, is left to the JSONata interpreter: `None`.
+pub fn eval_undefined(p: &Program, slots: &[f64]) -> Option<Option<Value>> {
+    match p.ty {
+        Ty::Num => und(&p.ir, slots).map(|x| x.map(Value::Num)),
+        Ty::Bool => boolean(&p.ir, slots).map(|b| Some(Value::Bool(b))),
+    }
+}
+
+/// A number, undefined (`Some(None)`), or a fallback (`None`).
+fn und(ir: &Ir, s: &[f64]) -> Option<Option<f64>> {
+    match ir {
+        Ir::Slot(i) => {
+            let x = s.get(*i as usize).copied()?;
+            if x.is_nan() {
+                Some(None)
+            } else {
+                finite(x).map(Some)
+            }
+        }
+        Ir::Neg(a) => Some(und(a, s)?.map(|x| -x)),
+        Ir::Arith(op, a, b) => {
+            // Both operands are evaluated (an error on either side is the interpreter's).
+            let (a, b) = (und(a, s)?, und(b, s)?);
+            let (Some(a), Some(b)) = (a, b) else {
+                return Some(None);
+            };
+            finite(match op {
+                Arith::Add => a + b,
+                Arith::Sub => a - b,
+                Arith::Mul => a * b,
+                Arith::Div => a / b,
+                Arith::Rem => helpers::rem(a, b),
+            })
+            .map(Some)
+        }
+        Ir::Math(f, a) => match und(a, s)? {
+            None => Some(None),
+            Some(a) => finite(match f {
+                Math::Abs => a.abs(),
+                Math::Floor => a.floor(),
+                Math::Ceil => a.ceil(),
+                Math::Sqrt => a.sqrt(),
+            })
+            .map(Some),
+        },
+        Ir::Round(a, p) => match und(a, s)? {
+            None => Some(None),
+            Some(a) => finite(helpers::round(a, *p)).map(Some),
+        },
+        // An undefined slot below any of these is NaN to `num`: a fallback.
+        other => num(other, s).map(Some),
+    }
+}
+
 fn finite(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
 }

@@ -94,6 +94,33 @@ impl Projection {
     }
 }
 
+/// A node's expression: its text, and the interpreter's compiled form. An arithmetic
+/// derivation lets the compiled form go once the spec is compiled (the JIT tier computes it from
+/// its lowering); an evaluation that needs the interpreter compiles the text again, and the most
+/// recent such forms are kept (`CompiledModel::interpreted`).
+#[derive(Debug)]
+pub struct NodeExpr {
+    pub text: Arc<str>,
+    compiled: RefCell<Option<Rc<Compiled>>>,
+}
+
+impl NodeExpr {
+    fn new(c: Rc<Compiled>) -> NodeExpr {
+        NodeExpr {
+            text: c.text.clone(),
+            compiled: RefCell::new(Some(c)),
+        }
+    }
+
+    /// The compiled form, if it is held.
+    pub fn held(&self) -> Option<Rc<Compiled>> {
+        self.compiled.borrow().clone()
+    }
+}
+
+/// Interpreter forms of arithmetic derivations compiled again for a fallback, kept at most.
+const FALLBACK_FORMS: usize = 1024;
+
 /// One node of the dependency graph.
 #[derive(Debug)]
 pub struct Node {
@@ -113,7 +140,7 @@ pub struct Node {
     pub cell: Option<u32>,
     /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
     pub targets: Vec<Address>,
-    pub expr: Rc<Compiled>,
+    pub expr: NodeExpr,
     pub input: Input,
     pub projection: Projection,
     pub whole_doc: bool,
@@ -224,6 +251,8 @@ pub struct CompiledModel {
     pub schema: Json,
     /// Compiled JSON Schema validators by effective-schema text (bounded).
     pub validators: RefCell<HashMap<String, Rc<jsonschema::Validator>>>,
+    /// Nodes holding an interpreter form compiled again for a fallback, oldest first.
+    fallback_forms: RefCell<VecDeque<NodeId>>,
     /// The cycles' per-node bookkeeping, reused (`cycle.rs`).
     pub(crate) scratch: RefCell<super::cycle::Scratch>,
 }
@@ -750,11 +779,6 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         let mut n = d.node;
         n.id = id as NodeId;
         n.level = level[id];
-        // A library export named like a built-in (`$abs`) shadows it: not arithmetic then.
-        let eligible = matches!(n.kind, NodeKind::Derivation { .. })
-            && n.aggregate.is_none()
-            && !n.expr.calls.iter().any(|c| env.binds(c));
-        n.jit = super::jit::JitCell::new(eligible, n.concrete.is_none());
         nodes.push(n);
     }
     let max_level = derivation_ids
@@ -781,6 +805,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
 
     let cells = assign_cells(&mut nodes, &levels, &producers);
+    lower_arithmetic(&mut nodes, &spec, &env, &cells);
     let merged_is_base = derivation_ids
         .iter()
         .all(|&i| nodes[i as usize].cell.is_some());
@@ -822,7 +847,40 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         limits: limits.clone(),
         validators: RefCell::new(HashMap::new()),
         scratch: RefCell::default(),
+        fallback_forms: RefCell::default(),
     })
+}
+
+/// Lower every arithmetic derivation for the JIT tier; with the tier on, its interpreter form
+/// is let go (it is compiled again only if an evaluation needs it).
+fn lower_arithmetic(
+    nodes: &mut [Node],
+    spec: &ModelSpec,
+    env: &Env,
+    cells: &super::merged::CellLayout,
+) {
+    let mut slots = HashMap::new();
+    let drop_interpreted = super::jit::enabled();
+    for n in nodes {
+        let Some(c) = n.expr.held() else {
+            continue;
+        };
+        // A library export named like a built-in (`$abs`) shadows it: not arithmetic then.
+        let eligible = matches!(n.kind, NodeKind::Derivation { .. })
+            && n.aggregate.is_none()
+            && !c.calls.iter().any(|c| env.binds(c));
+        let batch = n.concrete.is_none();
+        let lowered = eligible
+            .then(|| {
+                super::jit::NodeJit::lower(c.ast(), &spec.constants, cells, batch, &mut slots)
+            })
+            .flatten();
+        if lowered.is_some() && drop_interpreted {
+            n.expr.compiled.take();
+        }
+        drop(c);
+        n.jit = super::jit::JitCell::new(batch, lowered);
+    }
 }
 
 /// The readers of each concrete derivation target without array indices (a write there binds
@@ -852,6 +910,26 @@ fn target_readers(nodes: &[Node], readers: &Trie) -> (Vec<Option<(u32, u32)>>, V
 }
 
 impl CompiledModel {
+    /// The interpreter's form of `node`'s expression: compiled again when it was let go, and
+    /// then kept among the most recent [`FALLBACK_FORMS`].
+    pub fn interpreted(&self, node: &Node) -> Result<Rc<Compiled>, ExprError> {
+        if let Some(c) = node.expr.held() {
+            return Ok(c);
+        }
+        let c = Rc::new(Compiled::compile(&node.expr.text, &self.limits)?);
+        *node.expr.compiled.borrow_mut() = Some(c.clone());
+        let mut kept = self.fallback_forms.borrow_mut();
+        kept.push_back(node.id);
+        if kept.len() > FALLBACK_FORMS {
+            if let Some(old) = kept.pop_front() {
+                if let Some(n) = self.nodes.get(old as usize) {
+                    n.expr.compiled.borrow_mut().take();
+                }
+            }
+        }
+        Ok(c)
+    }
+
     /// The readers a write of `node`'s target dirties (whole), when known at compile time.
     #[inline]
     pub fn target_readers(&self, node: NodeId) -> Option<&[NodeId]> {
@@ -955,7 +1033,7 @@ fn draft_empty(
             cell: None,
             key,
             targets,
-            expr,
+            expr: NodeExpr::new(expr),
             input,
             projection: Projection::default(),
             whole_doc: false,

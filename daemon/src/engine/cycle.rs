@@ -22,6 +22,7 @@ use crate::expr::path::{render, render_into, Address, PathSeg};
 use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
 use crate::spec::Policy;
 use crate::value::{Seg, Val};
+use valem_jit::interp;
 use valem_jit::ir::Ty;
 
 use super::jit;
@@ -556,30 +557,39 @@ impl<'a> Cycle<'a> {
         }
     }
 
-    /// The JIT tier's answer, when the node's code is ready and every slot holds a number.
-    fn evaluate_jit(&mut self, node: &Node, inst: &[Seg]) -> Option<JValue> {
-        let (nj, code) = node
-            .jit
-            .code(node.expr.ast(), &self.cm.spec.constants, &self.cm.cells)?;
-        // Only derivations are compiled: their input is the document. `$parent` as `evaluate`
+    /// The arithmetic tier's answer (`Some(None)`: undefined): compiled code once it is
+    /// ready, the IR's interpreter until then or when an input is undefined; `None` when the
+    /// node is not arithmetic, an input is not a number or a value is not finite (the JSONata
+    /// interpreter answers).
+    fn evaluate_lowered(&mut self, node: &Node, inst: &[Seg]) -> Option<Option<JValue>> {
+        let (nj, code) = node.jit.get()?;
+        // Only derivations are lowered: their input is the document. `$parent` as `evaluate`
         // binds it: the target's JSON parent.
         let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
-        if !jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots) {
-            return None;
-        }
-        let x = code.set.call(code.index, &self.jit_slots)?;
-        Some(match code.ty {
-            Ty::Num => JValue::Number(x),
-            Ty::Bool => JValue::Bool(x != 0.0),
-        })
+        let v = match jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots)
+        {
+            jit::Read::Other => return None,
+            jit::Read::Undefined => interp::eval_undefined(nj.program(), &self.jit_slots)?,
+            jit::Read::Numbers => Some(match code {
+                Some(code) => {
+                    let x = code.set.call(code.index, &self.jit_slots)?;
+                    self.jit_hit = true;
+                    interp::Value::from_f64(code.ty, x)
+                }
+                None => interp::eval(nj.program(), &self.jit_slots)?,
+            }),
+        };
+        Some(v.map(|v| match v {
+            interp::Value::Num(x) => JValue::Number(x),
+            interp::Value::Bool(b) => JValue::Bool(b),
+        }))
     }
 
     fn evaluate(&mut self, node: &Node, inst: &[Seg]) -> Result<Option<JValue>, ExprError> {
         self.jit_hit = false;
-        if node.jit.eligible {
-            if let Some(v) = self.evaluate_jit(node, inst) {
-                self.jit_hit = true;
-                return Ok(Some(v));
+        if node.jit.lowered() {
+            if let Some(v) = self.evaluate_lowered(node, inst) {
+                return Ok(v);
             }
         }
         if let (Some(agg), Input::Doc) = (&node.aggregate, node.input) {
@@ -592,6 +602,7 @@ impl<'a> Cycle<'a> {
                 return Ok(v);
             }
         }
+        let expr = self.cm.interpreted(node)?;
         let input = self.input(node, inst);
         if node.uses_parent && !inst.is_empty() {
             // Derivations: the target's JSON parent. Meta and constraints: the `[*]` element.
@@ -601,9 +612,9 @@ impl<'a> Cycle<'a> {
             };
             let parent = self.st.merged().jvalue_at(at);
             let env = self.env.with("parent", parent);
-            node.expr.eval(&input, &env, &self.limits.expr)
+            expr.eval(&input, &env, &self.limits.expr)
         } else {
-            node.expr.eval(&input, &self.env, &self.limits.expr)
+            expr.eval(&input, &self.env, &self.limits.expr)
         }
     }
 
@@ -763,18 +774,18 @@ impl<'a> Cycle<'a> {
     /// `None` overall when the node has no batched code or too few instances for it to pay.
     fn evaluate_batch(&mut self, node: &Node, insts: &[Vec<Seg>]) -> Option<Vec<Option<Val>>> {
         const MIN_ROWS: usize = 16;
-        if insts.len() < MIN_ROWS || !node.jit.eligible || node.input != Input::Doc {
+        if insts.len() < MIN_ROWS || !node.jit.lowered() || node.input != Input::Doc {
             return None;
         }
-        let (nj, code) = node
-            .jit
-            .code(node.expr.ast(), &self.cm.spec.constants, &self.cm.cells)?;
+        let (nj, code) = node.jit.get()?;
+        let code = code?;
         let merged = self.st.merged();
         let mut cols: Vec<Vec<f64>> = vec![Vec::with_capacity(insts.len()); nj.inputs.len()];
         let mut guarded = vec![false; insts.len()];
         for (k, inst) in insts.iter().enumerate() {
             let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
-            guarded[k] = jit::read_slots(&nj.inputs, merged, parent, &mut self.jit_slots);
+            guarded[k] = jit::read_slots(&nj.inputs, merged, parent, &mut self.jit_slots)
+                == jit::Read::Numbers;
             for (s, col) in cols.iter_mut().enumerate() {
                 col.push(if guarded[k] { self.jit_slots[s] } else { 0.0 });
             }

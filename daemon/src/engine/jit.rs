@@ -3,10 +3,12 @@
 //! At model compile, every derivation whose expression lowers to the numeric IR
 //! ([`valem_jit::ir`]) gets a [`NodeJit`]: the input paths its slots read and a shared
 //! [`Slot`], one per distinct program (same IR, same slot layout: `a + b` and `x + y` share one).
-//! After a node has run [`tier_after`] times it asks for code; one compiler thread per process
-//! compiles what is queued into one [`CodeSet`] and publishes it in the slot, so the shard never
-//! waits for cranelift. Until then, and whenever an input is not a JSON number or a value is not
-//! finite, the interpreter answers: the JIT never changes an answer.
+//! Until its code is ready the reference interpreter of the IR ([`valem_jit::interp`]) computes
+//! the node; after it has run [`tier_after`] times it asks for code: one compiler thread per
+//! process compiles what is queued into one [`CodeSet`] and publishes it in the slot, so the
+//! shard never waits for cranelift. Whenever an input is not a JSON number or a value is not
+//! finite, the JSONata interpreter answers (the node's expression is compiled for it then): the
+//! JIT never changes an answer.
 //!
 //! Code is freed when the last node using it goes away: nodes hold their slot, slots hold their
 //! code set, and the registry holds slots weakly.
@@ -14,7 +16,7 @@
 //! `--jit off` / `VALEM_JIT=0` turn the tier off ([`set_enabled`]), checked per evaluation so a
 //! bench can compare both in one process.
 
-use std::cell::{Cell, OnceCell};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -71,20 +73,33 @@ pub struct NodeJit {
 
 impl NodeJit {
     /// Lower `ast`; `None` when it is not in the arithmetic subset. `batch`: the node has
-    /// `[*]` instances (a batched entry is compiled too).
-    fn lower(
+    /// `[*]` instances (a batched entry is compiled too). `slots` shares one [`Slot`] per
+    /// distinct program among the nodes of one compile.
+    pub fn lower(
         ast: &jsonata_core::ast::AstNode,
         constants: &serde_json::Map<String, serde_json::Value>,
         cells: &CellLayout,
         batch: bool,
+        slots: &mut HashMap<(String, bool), Arc<Slot>>,
     ) -> Option<NodeJit> {
         let program = ir::lower(ast, &|name| constants.get(name).and_then(|c| c.as_f64())).ok()?;
         let inputs = slot_inputs(&program, cells);
         let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
-        Some(NodeJit {
-            inputs,
-            slot: registry().slot(program, shapes),
-        })
+        let key = (program.key(), batch);
+        let slot = match slots.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                let s = registry().slot(program, shapes);
+                slots.insert(key, s.clone());
+                s
+            }
+        };
+        Some(NodeJit { inputs, slot })
+    }
+
+    /// The program (the same for every node of its shape).
+    pub fn program(&self) -> &Program {
+        &self.slot.program
     }
 }
 
@@ -107,93 +122,140 @@ pub fn slot_inputs(program: &Program, cells: &CellLayout) -> Vec<SlotInput> {
         .collect()
 }
 
-/// [`read_slots`] over a plain document (no cells, no parent): for tests and tools.
-pub fn read_doc_slots(inputs: &[SlotInput], doc: &Val, out: &mut Vec<f64>) -> bool {
-    let cells = super::merged::Cells::default();
-    read_slots(inputs, Merged { doc, cells: &cells }, None, out)
-}
 
-/// A node's tier state: counts runs, lowers the expression once it is hot (the node's first
-/// [`tier_after`] runs pay nothing but a counter) and asks for its code.
+/// A node's tier state: its lowering (made when the spec is compiled: an arithmetic
+/// derivation never keeps the interpreter's AST), and its runs, counted until it asks for
+/// compiled code.
 #[derive(Debug, Default)]
 pub struct JitCell {
-    /// Set at compile: an arithmetic-candidate derivation (no native aggregate, no library
-    /// function shadowing a built-in).
-    pub eligible: bool,
     /// The node has `[*]` instances.
     pub batch: bool,
     runs: Cell<u32>,
-    lowered: OnceCell<Option<NodeJit>>,
+    lowered: Option<NodeJit>,
 }
 
 impl JitCell {
-    pub fn new(eligible: bool, batch: bool) -> JitCell {
+    pub fn new(batch: bool, lowered: Option<NodeJit>) -> JitCell {
         JitCell {
-            eligible,
             batch,
-            ..JitCell::default()
+            runs: Cell::new(0),
+            lowered,
         }
     }
 
-    /// The node's lowering and code when the code is ready; otherwise count this run.
+    /// Whether the expression is in the arithmetic subset.
+    pub fn lowered(&self) -> bool {
+        self.lowered.is_some()
+    }
+
+    /// The node's lowering while the tier is on, with its compiled code once ready; counts
+    /// this run and asks for the code once the node is hot.
     #[inline]
-    pub fn code(
-        &self,
-        ast: &jsonata_core::ast::AstNode,
-        constants: &serde_json::Map<String, serde_json::Value>,
-        cells: &CellLayout,
-    ) -> Option<(&NodeJit, &Code)> {
-        if !self.eligible || !enabled() {
+    pub fn get(&self) -> Option<(&NodeJit, Option<&Code>)> {
+        let nj = self.lowered.as_ref()?;
+        if !enabled() {
             return None;
         }
-        if let Some(lowered) = self.lowered.get() {
-            let nj = lowered.as_ref()?;
-            return nj.slot.code().map(|c| (nj, c));
+        if let Some(code) = nj.slot.code() {
+            return Some((nj, Some(code)));
         }
         let runs = self.runs.get();
-        self.runs.set(runs.saturating_add(1));
-        if runs < tier_after() {
-            return None;
+        if runs < u32::MAX {
+            self.runs.set(runs + 1);
         }
-        let nj = self
-            .lowered
-            .get_or_init(|| NodeJit::lower(ast, constants, cells, self.batch))
-            .as_ref()?;
-        if !nj.slot.requested.swap(true, Ordering::AcqRel) {
+        if runs >= tier_after() && !nj.slot.requested.swap(true, Ordering::AcqRel) {
             registry().request(nj.slot.clone());
         }
-        nj.slot.code().map(|c| (nj, c))
+        Some((nj, nj.slot.code()))
     }
+}
 
-    /// Whether the expression lowered (after the node got hot).
-    pub fn lowered(&self) -> Option<bool> {
-        self.lowered.get().map(Option::is_some)
+/// What [`read_slots`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Read {
+    /// Every slot holds a JSON number.
+    Numbers,
+    /// Some paths end at a member that is not there (*undefined*; their slots hold NaN), the
+    /// others at numbers.
+    Undefined,
+    /// Something else: the interpreter answers.
+    Other,
+}
+
+/// A member path walked through objects only: the number at its end, NaN when a member on
+/// the way is not there, `None` for anything else.
+#[inline]
+fn walk(mut v: &Val, path: &[Seg]) -> Option<f64> {
+    for seg in path {
+        let (Seg::Field(k), Val::Obj(m)) = (seg, v) else {
+            return None;
+        };
+        match m.get(k) {
+            Some(x) => v = x,
+            None => return Some(f64::NAN),
+        }
+    }
+    match v {
+        Val::Num(n) => Some(*n),
+        _ => None,
     }
 }
 
 /// Read slot values from the merged document (`parent`: the address of the target's parent,
-/// for `$parent` reads): every path must reach a JSON number through objects, or the
-/// interpreter answers (`false`).
+/// for `$parent` reads).
 #[inline]
 pub fn read_slots(
     inputs: &[SlotInput],
     m: Merged<'_>,
     parent: Option<&[Seg]>,
     out: &mut Vec<f64>,
-) -> bool {
+) -> Read {
     out.clear();
+    let mut undefined = false;
     for input in inputs {
-        let v = match input {
-            SlotInput::Cell(c, k, rest) => m.cell_or_member(*c, k).and_then(|v| v.get_path(rest)),
-            SlotInput::Doc(path) => m.doc.get_path(path),
-            SlotInput::Parent(path) => parent.and_then(|p| m.get_at(p, path)),
+        let x = match input {
+            SlotInput::Cell(c, k, rest) => {
+                if !m.root_is_obj() {
+                    return Read::Other;
+                }
+                match m.cell_or_member(*c, k) {
+                    Some(v) => walk(v, rest),
+                    None => Some(f64::NAN),
+                }
+            }
+            SlotInput::Doc(path) if path.is_empty() => None,
+            SlotInput::Doc(path) => walk(m.doc, path),
+            SlotInput::Parent(path) => match (parent, path.split_first()) {
+                // A top-level target's parent is the root.
+                (Some([]), Some((Seg::Field(k), rest))) if m.root_is_obj() => {
+                    match m.root_get(k) {
+                        Some(v) => walk(v, rest),
+                        None => Some(f64::NAN),
+                    }
+                }
+                (Some(p), Some(_)) if !p.is_empty() => m.get_path(p).and_then(|v| walk(v, path)),
+                _ => None,
+            },
         };
-        match v {
-            Some(Val::Num(n)) => out.push(*n),
-            _ => return false,
+        match x {
+            Some(x) => {
+                undefined |= x.is_nan();
+                out.push(x);
+            }
+            None => return Read::Other,
         }
     }
-    true
+    if undefined {
+        Read::Undefined
+    } else {
+        Read::Numbers
+    }
+}
+
+/// [`read_slots`] over a plain document (no cells, no parent): for tests and tools.
+pub fn read_doc_slots(inputs: &[SlotInput], doc: &Val, out: &mut Vec<f64>) -> Read {
+    let cells = super::merged::Cells::default();
+    read_slots(inputs, Merged { doc, cells: &cells }, None, out)
 }
 
 // --- switches ---------------------------------------------------------------------------------
