@@ -368,8 +368,11 @@ fn the_traps_of_the_issue() {
     // interpreter; a string is not a number.
     assert_eq!(c("x + 1", json!({})), (None, Out::Undefined));
     let missing = |text: &str, d: Json| {
-        let p = ir::lower(Compiled::compile(text, &Limits::default()).unwrap().ast(), &|_| None)
-            .unwrap();
+        let p = ir::lower(
+            Compiled::compile(text, &Limits::default()).unwrap().ast(),
+            &|_| None,
+        )
+        .unwrap();
         let mut slots = Vec::new();
         let inputs = slot_inputs(&p, &CellLayout::default());
         assert_eq!(
@@ -378,7 +381,10 @@ fn the_traps_of_the_issue() {
         );
         interp::eval_undefined(&p, &slots)
     };
-    assert_eq!(missing("-(x * y) / 0 + $round(z, 2)", json!({"y": 2, "z": 1})), Some(None));
+    assert_eq!(
+        missing("-(x * y) / 0 + $round(z, 2)", json!({"y": 2, "z": 1})),
+        Some(None)
+    );
     // Infinity beside undefined is D1001 (the interpreter's), a comparison is not undefined.
     assert_eq!(missing("y / 0 * x", json!({"y": 2})), None);
     assert_eq!(missing("x > 1 ? 1 : 2", json!({})), None);

@@ -36,21 +36,72 @@ pub fn round(x: f64, precision: i32) -> f64 {
 }
 
 /// `+(m + 'e' + (e + by))` where `m`/`e` are the mantissa and exponent of `x.toString()`.
-/// Built in a stack buffer: this runs twice per `$round`.
+/// This runs twice per `$round`: the shortest digits come from ryu in a stack buffer, and the
+/// shifted decimal `digits × 10^k` is converted with one exact multiplication or division when
+/// the digits fit in 53 bits and |k| ≤ 22 (both factors exact, so the one rounding is the
+/// correctly rounded conversion `parse` would make); otherwise through `parse`.
 fn shift(x: f64, by: i32) -> f64 {
-    use std::io::Write as _;
     let mut buf = ryu_js::Buffer::new();
     let s = buf.format(x);
     let (m, e) = match s.split_once('e') {
         Some((m, e)) => match e.parse::<i64>() {
-            Ok(e) => (m, e + i64::from(by)),
+            Ok(e) => (m, e),
             Err(_) => return f64::NAN,
         },
-        None => (s, i64::from(by)),
+        None => (s, 0),
     };
+    let exp = e + i64::from(by);
+    if let Some(v) = fast_decimal(m, exp) {
+        return v;
+    }
+    slow_shift(m, exp)
+}
+
+/// `m × 10^exp` for a plain decimal `m` (`-12.345`), when it converts exactly-rounded in one
+/// floating-point operation.
+fn fast_decimal(m: &str, exp: i64) -> Option<f64> {
+    const POW10: [f64; 23] = [
+        1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+        1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+    ];
+    let (neg, digits) = match m.strip_prefix('-') {
+        Some(d) => (true, d),
+        None => (false, m),
+    };
+    let mut d: u64 = 0;
+    let mut frac = 0i64;
+    let mut seen_point = false;
+    let mut any = false;
+    for c in digits.bytes() {
+        match c {
+            b'0'..=b'9' => {
+                d = d.checked_mul(10)?.checked_add(u64::from(c - b'0'))?;
+                frac += i64::from(seen_point);
+                any = true;
+            }
+            b'.' if !seen_point => seen_point = true,
+            _ => return None,
+        }
+    }
+    if !any || d > (1u64 << 53) {
+        return None;
+    }
+    let k = exp - frac;
+    let v = d as f64;
+    let v = if k >= 0 {
+        v * *POW10.get(usize::try_from(k).ok()?)?
+    } else {
+        v / *POW10.get(usize::try_from(-k).ok()?)?
+    };
+    Some(if neg { -v } else { v })
+}
+
+/// The general case of [`shift`]: the text `m e exp` parsed.
+fn slow_shift(m: &str, exp: i64) -> f64 {
+    use std::io::Write as _;
     let mut text = [0u8; 64];
     let mut w = &mut text[..];
-    if write!(w, "{m}e{e}").is_err() {
+    if write!(w, "{m}e{exp}").is_err() {
         return f64::NAN;
     }
     let len = 64 - w.len();
@@ -132,6 +183,37 @@ mod tests {
         assert_eq!(round(2.5e-7, 7), 2e-7);
         assert!(round(f64::INFINITY, 2).is_nan());
         assert!(round(f64::NAN, 0).is_nan());
+    }
+
+    #[test]
+    fn the_fast_decimal_conversion_equals_parsing() {
+        let mut x: u64 = 0x9e3779b97f4a7c15;
+        for i in 0..200_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Mostly everyday magnitudes and precisions, now and then anything at all.
+            let v = if i % 10 == 0 {
+                f64::from_bits(x)
+            } else {
+                (x >> 11) as f64 / (1u64 << (x % 50)) as f64 * if x & 1 == 0 { 1.0 } else { -1.0 }
+            };
+            if !v.is_finite() {
+                continue;
+            }
+            let by = (x % 31) as i32 - 15;
+            let mut buf = ryu_js::Buffer::new();
+            let s = buf.format(v);
+            let (m, e) = match s.split_once('e') {
+                Some((m, e)) => (m, e.parse::<i64>().unwrap()),
+                None => (s, 0),
+            };
+            let exp = e + i64::from(by);
+            if let Some(fast) = fast_decimal(m, exp) {
+                let slow = slow_shift(m, exp);
+                assert_eq!(fast.to_bits(), slow.to_bits(), "{s} e{exp}");
+            }
+        }
     }
 
     #[test]

@@ -14,9 +14,11 @@ use serde_json::Value as Json;
 use super::trie::{TSeg, Trie};
 use crate::expr::deps::{self, ReadPath, Reads, Root};
 use crate::expr::path::{Address, PathSeg};
-use crate::expr::{json_to_jvalue, Compiled, Env, ExprError, Limits, Value as JValue};
+use crate::expr::{json_to_jvalue, Compiled, Env, ExprError, Limits, Parsed, Value as JValue};
 use crate::spec::{MetaProp, ModelSpec, Policy};
 use crate::value::Key;
+use std::collections::HashSet;
+use valem_jit::ir::{self, Program};
 
 pub type NodeId = u32;
 
@@ -112,6 +114,14 @@ impl NodeExpr {
         }
     }
 
+    /// The text alone (the interpreted form is compiled when needed).
+    fn text(text: Arc<str>) -> NodeExpr {
+        NodeExpr {
+            text,
+            compiled: RefCell::new(None),
+        }
+    }
+
     /// The compiled form, if it is held.
     pub fn held(&self) -> Option<Rc<Compiled>> {
         self.compiled.borrow().clone()
@@ -128,9 +138,7 @@ pub struct Node {
     pub id: NodeId,
     pub kind: NodeKind,
     /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
-    pub key: String,
-    /// The same key, shared by every trace of the node.
-    pub key_arc: Arc<str>,
+    pub key: Arc<str>,
     /// The concrete target of a derivation without `[*]`.
     pub concrete: Option<Vec<crate::value::Seg>>,
     /// `[*]`s in the first target.
@@ -147,11 +155,9 @@ pub struct Node {
     /// Reads relative to `$parent` (derivations) are served by binding `$parent`.
     pub uses_parent: bool,
     pub level: u32,
-    /// Reader paths, rendered, for traces (`inputPaths`).
-    pub input_paths: Arc<[String]>,
     pub aggregate: Option<Aggregate>,
     /// Where in the spec the node comes from (`derivations[3]`), for messages.
-    pub location: String,
+    pub location: Location,
     /// The JIT tier of a derivation (`engine/jit.rs`).
     pub jit: super::jit::JitCell,
 }
@@ -200,6 +206,43 @@ pub struct LibraryExport {
     pub layer: usize,
     pub signature: Option<String>,
     pub arity: Option<usize>,
+}
+
+/// Where in the spec a node comes from (`derivations[3]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub section: Section,
+    pub index: u32,
+}
+
+/// A section of the spec that holds nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Section {
+    Derivations,
+    MetaDerivations,
+    Constraints,
+    Effects,
+}
+
+impl Location {
+    fn new(section: Section, index: usize) -> Location {
+        Location {
+            section,
+            index: index as u32,
+        }
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self.section {
+            Section::Derivations => "derivations",
+            Section::MetaDerivations => "metaDerivations",
+            Section::Constraints => "constraints",
+            Section::Effects => "effects",
+        };
+        write!(f, "{name}[{}]", self.index)
+    }
 }
 
 /// A compile finding with its location in the spec.
@@ -341,6 +384,16 @@ struct Interner {
 }
 
 impl Interner {
+    /// The compiled form of an expression already parsed (shared with an identical text).
+    fn share(&mut self, text: &str, parsed: Parsed) -> Rc<Compiled> {
+        if let Some(c) = self.exprs.get(text) {
+            return c.clone();
+        }
+        let c = Rc::new(parsed.into_compiled(Arc::from(text)));
+        self.exprs.insert(text.to_string(), c.clone());
+        c
+    }
+
     fn get(&mut self, text: &str) -> Result<Rc<Compiled>, ExprError> {
         if let Some(c) = self.exprs.get(text) {
             return Ok(c.clone());
@@ -360,9 +413,9 @@ fn expr_error(location: &str, text: &str, e: &ExprError) -> CompileError {
     }
 }
 
-fn parse_address(location: &str, text: &str) -> Result<Address, CompileError> {
+fn parse_address(location: impl Fn() -> String, text: &str) -> Result<Address, CompileError> {
     Address::parse(text).map_err(|e| CompileError {
-        location: location.to_string(),
+        location: location(),
         message: e.message,
     })
 }
@@ -436,6 +489,94 @@ fn aggregate_of(ast: &AstNode) -> Option<Aggregate> {
 struct NodeDraft {
     node: Node,
     reads: Vec<Vec<TSeg>>,
+    /// Reader paths, rendered, for traces (`inputPaths`).
+    input_paths: Arc<[String]>,
+    /// An arithmetic derivation's lowering and its program key.
+    program: Option<(Program, String)>,
+}
+
+/// A derivation parsed and analysed (on any thread): its target, what it reads, its native
+/// aggregate, the IR it lowers to, and its parsed form unless the lowering stands in for it.
+struct Prepared {
+    target: Address,
+    parsed: Option<Parsed>,
+    reads: Reads,
+    aggregate: Option<Aggregate>,
+    program: Option<(Program, String)>,
+}
+
+/// Derivations fewer than this are prepared on the calling thread alone.
+const PARALLEL_FROM: usize = 4096;
+
+fn prepare(
+    i: usize,
+    d: &crate::spec::DerivationSpec,
+    limits: &Limits,
+    constants: &serde_json::Map<String, Json>,
+    bound: &HashSet<String>,
+    keep_parsed: bool,
+) -> Result<Prepared, CompileError> {
+    let target = parse_address(|| format!("derivations[{i}].path"), &d.path)?;
+    let parsed = Compiled::parse(&d.expr, limits)
+        .map_err(|e| expr_error(&format!("derivations[{i}].expr"), &d.expr, &e))?;
+    let reads = deps::reads(parsed.ast());
+    let aggregate = aggregate_of(parsed.ast());
+    // A library export named like a built-in (`$abs`) shadows it: not arithmetic then.
+    let eligible = aggregate.is_none() && !parsed.calls().iter().any(|c| bound.contains(c));
+    let program = eligible
+        .then(|| ir::lower(parsed.ast(), &|n| constants.get(n).and_then(Json::as_f64)).ok())
+        .flatten()
+        .map(|p| {
+            let key = p.key();
+            (p, key)
+        });
+    let parsed = (program.is_none() || keep_parsed).then_some(parsed);
+    Ok(Prepared {
+        target,
+        parsed,
+        reads,
+        aggregate,
+        program,
+    })
+}
+
+/// [`prepare`] every derivation of `spec`, in order; a large spec is split over the machine's
+/// cores (parsing dominates compile time, and expressions are independent).
+fn prepare_all(
+    spec: &ModelSpec,
+    limits: &Limits,
+    bound: &HashSet<String>,
+    keep_parsed: bool,
+) -> Vec<Result<Prepared, CompileError>> {
+    let ds = &spec.derivations;
+    let one = |i: usize, d| prepare(i, d, limits, &spec.constants, bound, keep_parsed);
+    let threads = if ds.len() < PARALLEL_FROM {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+    };
+    if threads <= 1 {
+        return ds.iter().enumerate().map(|(i, d)| one(i, d)).collect();
+    }
+    let chunk = ds.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = ds
+            .chunks(chunk)
+            .enumerate()
+            .map(|(c, part)| {
+                s.spawn(move || {
+                    part.iter()
+                        .enumerate()
+                        .map(|(j, d)| one(c * chunk + j, d))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
 }
 
 /// Compile a spec. All findings are collected, not just the first.
@@ -459,32 +600,35 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         }
     };
 
-    for (i, d) in spec.derivations.iter().enumerate() {
-        let loc = format!("derivations[{i}]");
-        let target = match parse_address(&format!("{loc}.path"), &d.path) {
-            Ok(a) => a,
+    let bound: HashSet<String> = env.vars.iter().map(|(n, _)| n.to_string()).collect();
+    // With the JIT tier off, arithmetic derivations keep their interpreted form too.
+    let keep_parsed = !super::jit::enabled();
+    let prepared = prepare_all(&spec, limits, &bound, keep_parsed);
+    for (i, (d, p)) in spec.derivations.iter().zip(prepared).enumerate() {
+        let p = match p {
+            Ok(p) => p,
             Err(e) => {
                 errors.push(e);
                 continue;
             }
         };
-        let expr = match interner.get(&d.expr) {
-            Ok(c) => c,
-            Err(e) => {
-                errors.push(expr_error(&format!("{loc}.expr"), &d.expr, &e));
-                continue;
-            }
+        let expr = match p.parsed {
+            Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
+            None => NodeExpr::text(Arc::from(d.expr.as_str())),
         };
-        let parent = target.parent();
-        drafts.push(draft(
+        let parent = p.target.parent();
+        let mut dr = draft_empty(
             NodeKind::Derivation { lazy: d.is_lazy() },
-            target.to_string(),
-            vec![target],
+            Arc::from(p.target.to_string()),
+            vec![p.target],
             expr,
             Input::Doc,
-            Some(&parent),
-            loc,
-        ));
+            Location::new(Section::Derivations, i),
+            p.aggregate,
+        );
+        add_reads(&mut dr, &p.reads, Some(&parent), None);
+        dr.program = p.program;
+        drafts.push(dr);
     }
 
     for (i, m) in spec.meta_derivations.iter().enumerate() {
@@ -500,7 +644,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             });
             continue;
         };
-        let target = match parse_address(&format!("{loc}.path"), &m.path) {
+        let target = match parse_address(|| format!("{loc}.path"), &m.path) {
             Ok(a) => a,
             Err(e) => {
                 errors.push(e);
@@ -523,7 +667,16 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             Input::Doc
         };
         let reads = deps::reads(expr.ast());
-        let mut d = draft_empty(NodeKind::Meta(prop), key, vec![target], expr, input, loc);
+        let aggregate = aggregate_of(expr.ast());
+        let mut d = draft_empty(
+            NodeKind::Meta(prop),
+            key.into(),
+            vec![target],
+            NodeExpr::new(expr),
+            input,
+            Location::new(Section::MetaDerivations, i),
+            aggregate,
+        );
         add_reads(&mut d, &reads, element.as_ref(), element.as_ref());
         if element.is_some() {
             d.node.projection = Projection {
@@ -554,7 +707,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         let mut bad = false;
         if let Some(p) = &c.path {
             for (j, t) in p.paths().into_iter().enumerate() {
-                match parse_address(&format!("{loc}.path[{j}]"), t) {
+                match parse_address(|| format!("{loc}.path[{j}]"), t) {
                     Ok(a) => targets.push(a),
                     Err(e) => {
                         errors.push(e);
@@ -569,7 +722,8 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         let kind = NodeKind::Constraint { index: i, policy };
         let key = format!("$constraint:{}", c.id);
         if targets.is_empty() {
-            drafts.push(draft(kind, key, targets, expr, Input::Doc, None, loc));
+            let at = Location::new(Section::Constraints, i);
+            drafts.push(draft(kind, key.into(), targets, expr, Input::Doc, None, at));
         } else {
             // Scoped: `$` is the field value (the element for `[*]`) and the node reads the
             // scope paths whole, which covers every reference relative to it; `$parent` is the
@@ -577,8 +731,10 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             let element = targets.iter().find_map(Address::element_pattern);
             let reads = deps::reads(expr.ast());
             let scope: Vec<Vec<TSeg>> = targets.iter().map(tsegs).collect();
-            let mut d = draft_empty(kind, key, targets, expr, Input::Field, loc);
-            d.node.input_paths = scope
+            let at = Location::new(Section::Constraints, i);
+            let expr = NodeExpr::new(expr);
+            let mut d = draft_empty(kind, key.into(), targets, expr, Input::Field, at, None);
+            d.input_paths = scope
                 .iter()
                 .map(|r| render_tsegs(r))
                 .collect::<Vec<_>>()
@@ -654,12 +810,12 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         }
         let mut d = draft(
             NodeKind::Effect { index: i },
-            format!("$effect:{}", e.id),
+            format!("$effect:{}", e.id).into(),
             Vec::new(),
             trigger,
             Input::Doc,
             None,
-            loc,
+            Location::new(Section::Effects, i),
         );
         add_reads(&mut d, &extra_reads, None, None);
         drafts.push(d);
@@ -669,7 +825,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let mut defaults = Vec::new();
     for (i, dv) in spec.default_values.iter().enumerate() {
         let loc = format!("defaultValues[{i}]");
-        let path = match parse_address(&format!("{loc}.path"), &dv.path) {
+        let path = match parse_address(|| format!("{loc}.path"), &dv.path) {
             Ok(a) => a,
             Err(e) => {
                 errors.push(e);
@@ -766,8 +922,8 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     if done < nodes_len {
         let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
         let cycle = find_cycle(&stuck, &deps_of, &indeg);
-        let names: Vec<&str> = cycle.iter().map(|&i| drafts[i].node.key.as_str()).collect();
-        let location = drafts[cycle[0]].node.location.clone();
+        let names: Vec<&str> = cycle.iter().map(|&i| &*drafts[i].node.key).collect();
+        let location = drafts[cycle[0]].node.location.to_string();
         return Err(vec![CompileError {
             location,
             message: format!("cyclic dependency: {}", names.join(" → ")),
@@ -775,10 +931,20 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     }
 
     let mut nodes: Vec<Node> = Vec::with_capacity(nodes_len);
+    let mut trace_table = super::TraceTable::default();
+    let mut programs = Vec::with_capacity(nodes_len);
     for (id, d) in drafts.into_iter().enumerate() {
+        programs.push(d.program);
         let mut n = d.node;
         n.id = id as NodeId;
         n.level = level[id];
+        trace_table.push(
+            n.key.clone(),
+            Arc::new(super::TraceSource {
+                expression: n.expr.text.clone(),
+                input_paths: d.input_paths,
+            }),
+        );
         nodes.push(n);
     }
     let max_level = derivation_ids
@@ -805,22 +971,12 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
 
     let cells = assign_cells(&mut nodes, &levels, &producers);
-    lower_arithmetic(&mut nodes, &spec, &env, &cells);
+    lower_arithmetic(&mut nodes, programs, &cells);
     let merged_is_base = derivation_ids
         .iter()
         .all(|&i| nodes[i as usize].cell.is_some());
     let has_delta_aggregates = nodes.iter().any(|n| n.delta_aggregate().is_some());
     let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
-    let mut trace_table = super::TraceTable::default();
-    for n in &nodes {
-        trace_table.push(
-            n.key_arc.clone(),
-            Arc::new(super::TraceSource {
-                expression: n.expr.text.clone(),
-                input_paths: n.input_paths.clone(),
-            }),
-        );
-    }
     Ok(CompiledModel {
         target_readers,
         target_reader_ids,
@@ -851,34 +1007,18 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     })
 }
 
-/// Lower every arithmetic derivation for the JIT tier; with the tier on, its interpreter form
-/// is let go (it is compiled again only if an evaluation needs it).
+/// Give every arithmetic derivation its JIT tier, from the lowering `prepare` made (one
+/// shared slot per distinct program).
 fn lower_arithmetic(
     nodes: &mut [Node],
-    spec: &ModelSpec,
-    env: &Env,
+    programs: Vec<Option<(Program, String)>>,
     cells: &super::merged::CellLayout,
 ) {
     let mut slots = HashMap::new();
-    let drop_interpreted = super::jit::enabled();
-    for n in nodes {
-        let Some(c) = n.expr.held() else {
-            continue;
-        };
-        // A library export named like a built-in (`$abs`) shadows it: not arithmetic then.
-        let eligible = matches!(n.kind, NodeKind::Derivation { .. })
-            && n.aggregate.is_none()
-            && !c.calls.iter().any(|c| env.binds(c));
+    for (n, program) in nodes.iter_mut().zip(programs) {
         let batch = n.concrete.is_none();
-        let lowered = eligible
-            .then(|| {
-                super::jit::NodeJit::lower(c.ast(), &spec.constants, cells, batch, &mut slots)
-            })
-            .flatten();
-        if lowered.is_some() && drop_interpreted {
-            n.expr.compiled.take();
-        }
-        drop(c);
+        let lowered =
+            program.map(|(p, key)| super::jit::NodeJit::new(p, key, cells, batch, &mut slots));
         n.jit = super::jit::JitCell::new(batch, lowered);
     }
 }
@@ -1012,13 +1152,13 @@ fn merge_reads(into: &mut Reads, r: &Reads) {
 
 fn draft_empty(
     kind: NodeKind,
-    key: String,
+    key: Arc<str>,
     targets: Vec<Address>,
-    expr: Rc<Compiled>,
+    expr: NodeExpr,
     input: Input,
-    location: String,
+    location: Location,
+    aggregate: Option<Aggregate>,
 ) -> NodeDraft {
-    let aggregate = aggregate_of(expr.ast());
     let concrete = match kind {
         NodeKind::Derivation { .. } => targets.first().and_then(Address::concrete),
         _ => None,
@@ -1027,38 +1167,48 @@ fn draft_empty(
         node: Node {
             id: 0,
             kind,
-            key_arc: Arc::from(key.as_str()),
+
             wild: targets.first().map_or(0, Address::wildcard_count) as u32,
             concrete,
             cell: None,
             key,
             targets,
-            expr: NodeExpr::new(expr),
+            expr,
             input,
             projection: Projection::default(),
             whole_doc: false,
             uses_parent: false,
             level: 0,
-            input_paths: Arc::from(Vec::new()),
             aggregate,
             location,
             jit: super::jit::JitCell::default(),
         },
         reads: Vec::new(),
+        input_paths: Arc::from(Vec::new()),
+        program: None,
     }
 }
 
 fn draft(
     kind: NodeKind,
-    key: String,
+    key: Arc<str>,
     targets: Vec<Address>,
     expr: Rc<Compiled>,
     input: Input,
     parent: Option<&Address>,
-    location: String,
+    location: Location,
 ) -> NodeDraft {
     let reads = deps::reads(expr.ast());
-    let mut d = draft_empty(kind, key, targets, expr, input, location);
+    let aggregate = aggregate_of(expr.ast());
+    let mut d = draft_empty(
+        kind,
+        key,
+        targets,
+        NodeExpr::new(expr),
+        input,
+        location,
+        aggregate,
+    );
     add_reads(&mut d, &reads, parent, None);
     d
 }
@@ -1072,7 +1222,7 @@ fn add_reads(
     parent: Option<&Address>,
     doc_base: Option<&Address>,
 ) {
-    let mut paths: Vec<String> = d.node.input_paths.to_vec();
+    let mut paths: Vec<String> = d.input_paths.to_vec();
     if reads.whole_doc {
         match doc_base {
             None => {
@@ -1109,7 +1259,7 @@ fn add_reads(
         paths.push(render_tsegs(&segs));
         d.reads.push(segs);
     }
-    d.node.input_paths = paths.into();
+    d.input_paths = paths.into();
     d.node.projection.shrink();
 }
 
@@ -1250,7 +1400,7 @@ mod tests {
             {"path":"$.sum","expr":"$sum(items.t)"}
         ]}))
         .unwrap();
-        let lvl = |k: &str| m.nodes.iter().find(|n| n.key == k).unwrap().level;
+        let lvl = |k: &str| m.nodes.iter().find(|n| &*n.key == k).unwrap().level;
         assert_eq!(lvl("$.b"), 0);
         assert_eq!(lvl("$.c"), 1);
         assert_eq!(lvl("$.items[*].t"), 0);
@@ -1258,7 +1408,7 @@ mod tests {
         assert!(m
             .nodes
             .iter()
-            .find(|n| n.key == "$.sum")
+            .find(|n| &*n.key == "$.sum")
             .unwrap()
             .aggregate
             .is_some());

@@ -566,8 +566,7 @@ impl<'a> Cycle<'a> {
         // Only derivations are lowered: their input is the document. `$parent` as `evaluate`
         // binds it: the target's JSON parent.
         let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
-        let v = match jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots)
-        {
+        let v = match jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots) {
             jit::Read::Other => return None,
             jit::Read::Undefined => interp::eval_undefined(nj.program(), &self.jit_slots)?,
             jit::Read::Numbers => Some(match code {

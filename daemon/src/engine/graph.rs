@@ -20,7 +20,7 @@ pub fn project(cm: &CompiledModel) -> Json {
         .nodes
         .iter()
         .filter(|n| matches!(n.kind, NodeKind::Derivation { .. }))
-        .map(|n| n.key.as_str())
+        .map(|n| &*n.key)
         .collect();
     // Predecessors of each computed node: derivations it depends on, then base paths it reads.
     let mut preds: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); cm.nodes.len()];
@@ -35,19 +35,19 @@ pub fn project(cm: &CompiledModel) -> Json {
     let mut base_seen: HashSet<&str> = HashSet::new();
     let mut edges: Vec<Json> = Vec::new();
     for n in &cm.nodes {
-        for ip in n.input_paths.iter() {
+        for ip in cm.trace_table.source(n.id).input_paths.iter() {
             if derived.contains(ip.as_str()) {
                 continue;
             }
             if base_seen.insert(ip) {
                 base.push(ip);
             }
-            edges.push(json!({"from": ip, "to": n.key}));
+            edges.push(json!({"from": ip, "to": &*n.key}));
         }
     }
     for (d, ps) in preds.iter().enumerate() {
         for &p in ps {
-            edges.push(json!({"from": cm.nodes[p].key, "to": cm.nodes[d].key}));
+            edges.push(json!({"from": &*cm.nodes[p].key, "to": &*cm.nodes[d].key}));
         }
     }
 
@@ -57,7 +57,9 @@ pub fn project(cm: &CompiledModel) -> Json {
     let mut depth: HashMap<usize, usize> = HashMap::new();
     for &i in &order {
         let from_nodes = preds[i].iter().filter_map(|p| depth.get(p)).max().copied();
-        let reads_base = cm.nodes[i]
+        let reads_base = cm
+            .trace_table
+            .source(i as u32)
             .input_paths
             .iter()
             .any(|ip| !derived.contains(ip.as_str()));
@@ -77,12 +79,12 @@ pub fn project(cm: &CompiledModel) -> Json {
     for (i, n) in cm.nodes.iter().enumerate() {
         let level = depth.get(&i).copied().unwrap_or(0);
         let mut node = json!({
-            "id": n.key,
+            "id": &*n.key,
             "kind": kind_name(&n.kind),
             "expression": &*n.expr.text,
-            "inputPaths": &*n.input_paths,
+            "inputPaths": &*cm.trace_table.source(n.id).input_paths,
             "level": level,
-            "location": n.location,
+            "location": n.location.to_string(),
         });
         match &n.kind {
             NodeKind::Derivation { lazy } => node["lazy"] = json!(lazy),

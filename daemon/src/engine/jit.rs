@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use valem_jit::codegen::{CodeSet, Shapes};
-use valem_jit::ir::{self, Base, Program, Ty};
+use valem_jit::ir::{Base, Program, Ty};
 
 use super::merged::{CellLayout, Merged};
 use crate::value::{intern, Key, Seg, Val};
@@ -72,20 +72,19 @@ pub struct NodeJit {
 }
 
 impl NodeJit {
-    /// Lower `ast`; `None` when it is not in the arithmetic subset. `batch`: the node has
-    /// `[*]` instances (a batched entry is compiled too). `slots` shares one [`Slot`] per
-    /// distinct program among the nodes of one compile.
-    pub fn lower(
-        ast: &jsonata_core::ast::AstNode,
-        constants: &serde_json::Map<String, serde_json::Value>,
+    /// A node's tier over `program` (whose key is `key`). `batch`: the node has `[*]`
+    /// instances (a batched entry is compiled too). `slots` shares one [`Slot`] per distinct
+    /// program among the nodes of one compile.
+    pub fn new(
+        program: Program,
+        key: String,
         cells: &CellLayout,
         batch: bool,
         slots: &mut HashMap<(String, bool), Arc<Slot>>,
-    ) -> Option<NodeJit> {
-        let program = ir::lower(ast, &|name| constants.get(name).and_then(|c| c.as_f64())).ok()?;
+    ) -> NodeJit {
         let inputs = slot_inputs(&program, cells);
         let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
-        let key = (program.key(), batch);
+        let key = (key, batch);
         let slot = match slots.get(&key) {
             Some(s) => s.clone(),
             None => {
@@ -94,7 +93,7 @@ impl NodeJit {
                 s
             }
         };
-        Some(NodeJit { inputs, slot })
+        NodeJit { inputs, slot }
     }
 
     /// The program (the same for every node of its shape).
@@ -121,7 +120,6 @@ pub fn slot_inputs(program: &Program, cells: &CellLayout) -> Vec<SlotInput> {
         })
         .collect()
 }
-
 
 /// A node's tier state: its lowering (made when the spec is compiled: an arithmetic
 /// derivation never keeps the interpreter's AST), and its runs, counted until it asks for
@@ -227,12 +225,10 @@ pub fn read_slots(
             SlotInput::Doc(path) => walk(m.doc, path),
             SlotInput::Parent(path) => match (parent, path.split_first()) {
                 // A top-level target's parent is the root.
-                (Some([]), Some((Seg::Field(k), rest))) if m.root_is_obj() => {
-                    match m.root_get(k) {
-                        Some(v) => walk(v, rest),
-                        None => Some(f64::NAN),
-                    }
-                }
+                (Some([]), Some((Seg::Field(k), rest))) if m.root_is_obj() => match m.root_get(k) {
+                    Some(v) => walk(v, rest),
+                    None => Some(f64::NAN),
+                },
                 (Some(p), Some(_)) if !p.is_empty() => m.get_path(p).and_then(|v| walk(v, path)),
                 _ => None,
             },

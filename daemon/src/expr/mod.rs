@@ -166,8 +166,43 @@ pub const RESERVED: [&str; 6] = ["const", "parent", "self", "response", "now", "
 /// Impure built-ins whose value the engine pins per cycle.
 const CLOCK_FNS: [&str; 2] = ["now", "millis"];
 
+/// A parsed expression not yet made a [`Compiled`]: `Send`, so a spec's expressions can be
+/// parsed on several threads.
+pub struct Parsed {
+    ast: AstNode,
+    vars: BTreeSet<String>,
+    calls: BTreeSet<String>,
+    js_round: bool,
+}
+
+impl Parsed {
+    pub fn ast(&self) -> &AstNode {
+        &self.ast
+    }
+
+    /// Function names it calls as `$name(...)`.
+    pub fn calls(&self) -> &BTreeSet<String> {
+        &self.calls
+    }
+
+    pub fn into_compiled(self, text: Arc<str>) -> Compiled {
+        Compiled {
+            text,
+            expression: jsonata_core::Expression::from_ast(self.ast),
+            vars: self.vars,
+            calls: self.calls,
+            js_round: self.js_round,
+        }
+    }
+}
+
 impl Compiled {
     pub fn compile(text: &str, limits: &Limits) -> Result<Compiled, ExprError> {
+        Ok(Compiled::parse(text, limits)?.into_compiled(Arc::from(text)))
+    }
+
+    /// Parse `text` (its length checked against the limit, `$round` calls renamed).
+    pub fn parse(text: &str, limits: &Limits) -> Result<Parsed, ExprError> {
         if text.len() > limits.max_expr_len {
             return Err(ExprError {
                 phase: Phase::Compile,
@@ -186,9 +221,8 @@ impl Compiled {
         if js_round {
             deps::rename_calls(&mut ast, "round", JS_ROUND);
         }
-        Ok(Compiled {
-            text: Arc::from(text),
-            expression: jsonata_core::Expression::from_ast(ast),
+        Ok(Parsed {
+            ast,
             vars,
             calls,
             js_round,
