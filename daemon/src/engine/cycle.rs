@@ -119,7 +119,7 @@ impl Scratch {
 /// The compiled model's scratch, or a private one when it is in use (a cycle within a cycle).
 enum ScratchRef<'a> {
     Shared(std::cell::RefMut<'a, Scratch>),
-    Own(Scratch),
+    Own(Box<Scratch>),
 }
 
 impl ScratchRef<'_> {
@@ -127,7 +127,7 @@ impl ScratchRef<'_> {
         let n = cm.nodes.len();
         let mut sc = match cm.scratch.try_borrow_mut() {
             Ok(sc) => ScratchRef::Shared(sc),
-            Err(_) => ScratchRef::Own(Scratch::default()),
+            Err(_) => ScratchRef::Own(Box::default()),
         };
         if sc.flags.len() < n {
             sc.flags.resize(n, 0);

@@ -457,7 +457,7 @@ mod tests {
                     break;
                 }
                 let i = (x >> 33) as usize % len;
-                let new = (x >> 20) % 4 != 0;
+                let new = !(x >> 20).is_multiple_of(4);
                 let val = new.then(|| Val::num(step as f64));
                 let old = v.set(i, val.clone());
                 assert_eq!(old.and_then(|o| o.as_f64()), reference[i]);
