@@ -137,6 +137,16 @@ fn main() {
                 std::mem::size_of::<valem::value::Seg>(),
                 std::mem::size_of::<serde_json::Value>()
             );
+            println!(
+                "Node {} B, NodeJit {} B, JitCell {} B, Projection {} B, Address {} B, NodeExpr {} B, Location {} B",
+                std::mem::size_of::<valem::engine::compile::Node>(),
+                std::mem::size_of::<valem::engine::jit::NodeJit>(),
+                std::mem::size_of::<valem::engine::jit::JitCell>(),
+                std::mem::size_of::<valem::engine::compile::Projection>(),
+                std::mem::size_of::<valem::expr::path::Address>(),
+                std::mem::size_of::<valem::engine::compile::NodeExpr>(),
+                std::mem::size_of::<valem::engine::compile::Location>(),
+            );
             rss("start");
             let spec = fanout_spec(n);
             rss("spec built");

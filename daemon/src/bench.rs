@@ -135,6 +135,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
     } else {
         Box::new(Engine::open(spec, &seed_data, limits)?)
     };
+    // The initial data is in the model now; what stays resident is the model's.
+    drop(seed_data);
     let (compile_ms, first_cycle_ms, nodes) = target.built();
     let mut times = Vec::with_capacity(opts.mutations.min(1 << 20));
     let (mut rejected, mut evaluated, mut updated, mut committed) =

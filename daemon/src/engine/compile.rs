@@ -140,7 +140,7 @@ pub struct Node {
     /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
     pub key: Arc<str>,
     /// The concrete target of a derivation without `[*]`.
-    pub concrete: Option<Vec<crate::value::Seg>>,
+    pub concrete: Option<Box<[crate::value::Seg]>>,
     /// `[*]`s in the first target.
     pub wild: u32,
     /// The cell holding a derivation's value when its target is one top-level member
@@ -155,7 +155,7 @@ pub struct Node {
     /// Reads relative to `$parent` (derivations) are served by binding `$parent`.
     pub uses_parent: bool,
     pub level: u32,
-    pub aggregate: Option<Aggregate>,
+    pub aggregate: Option<Box<Aggregate>>,
     /// Where in the spec the node comes from (`derivations[3]`), for messages.
     pub location: Location,
     /// The JIT tier of a derivation (`engine/jit.rs`).
@@ -1160,7 +1160,10 @@ fn draft_empty(
     aggregate: Option<Aggregate>,
 ) -> NodeDraft {
     let concrete = match kind {
-        NodeKind::Derivation { .. } => targets.first().and_then(Address::concrete),
+        NodeKind::Derivation { .. } => targets
+            .first()
+            .and_then(Address::concrete)
+            .map(Vec::into_boxed_slice),
         _ => None,
     };
     NodeDraft {
@@ -1179,7 +1182,7 @@ fn draft_empty(
             whole_doc: false,
             uses_parent: false,
             level: 0,
-            aggregate,
+            aggregate: aggregate.map(Box::new),
             location,
             jit: super::jit::JitCell::default(),
         },

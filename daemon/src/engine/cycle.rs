@@ -109,9 +109,10 @@ impl Scratch {
     }
 
     fn reset(&mut self) {
-        for id in self.touched.drain(..) {
+        for &id in &self.touched {
             self.flags[id as usize] = 0;
         }
+        recycle(&mut self.touched);
         self.prefixes.clear();
     }
 }
@@ -174,20 +175,42 @@ struct Journal {
     cells: Vec<(u32, Option<Val>)>,
 }
 
+/// Buffers up to this many entries are always kept for the next cycle.
+const KEEP_ENTRIES: usize = 4096;
+
+/// Empty `v` for reuse, but let a large buffer go when the cycle that just used it needed far
+/// less (a one-off bulk cycle — initial data — does not pin its peak for the model's life,
+/// while a model whose every cycle is large keeps reusing it).
+fn recycle<T>(v: &mut Vec<T>) {
+    if v.capacity() > KEEP_ENTRIES && v.capacity() > 4 * v.len() {
+        *v = Vec::new();
+    } else {
+        v.clear();
+    }
+}
+
+fn recycle_set<T>(s: &mut HashSet<T>) {
+    if s.capacity() > KEEP_ENTRIES && s.capacity() > 4 * s.len() {
+        *s = HashSet::default();
+    } else {
+        s.clear();
+    }
+}
+
 impl Journal {
-    /// Empty it, keeping its buffers.
+    /// Empty it, keeping its buffers (see [`recycle`]).
     fn clear(&mut self) {
-        self.base.clear();
-        self.merged.clear();
-        self.base_seen.clear();
-        self.merged_seen.clear();
+        recycle(&mut self.base);
+        recycle(&mut self.merged);
+        recycle_set(&mut self.base_seen);
+        recycle_set(&mut self.merged_seen);
         self.base_root = false;
         self.merged_root = false;
-        self.meta.clear();
-        self.stale.clear();
-        self.effect_keys.clear();
-        self.aggregates.clear();
-        self.cells.clear();
+        recycle(&mut self.meta);
+        recycle(&mut self.stale);
+        recycle(&mut self.effect_keys);
+        recycle(&mut self.aggregates);
+        recycle(&mut self.cells);
     }
 }
 

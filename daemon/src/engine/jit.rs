@@ -53,11 +53,16 @@ impl Slot {
     }
 }
 
-/// Where one slot reads its number.
+/// Where one slot reads its number. The common reads (one top-level member, a cell or not)
+/// are 24 bytes and allocate nothing beyond the shared interned key.
 #[derive(Debug)]
 pub enum SlotInput {
-    /// A top-level member that is a cell (`merged.rs`), then the rest of the path.
-    Cell(u32, Key, Box<[Seg]>),
+    /// A top-level member that is a cell (`merged.rs`).
+    Cell(u32, Key),
+    /// A top-level member of the document that is not a cell.
+    Member(Key),
+    /// A cell member, then the rest of the path.
+    CellPath(Box<(u32, Key, Box<[Seg]>)>),
     /// A path from the document root through the tree.
     Doc(Box<[Seg]>),
     /// A path from the target's parent (`$parent`).
@@ -67,7 +72,7 @@ pub enum SlotInput {
 /// A lowered derivation: its slots' inputs and its shared program.
 #[derive(Debug)]
 pub struct NodeJit {
-    pub inputs: Vec<SlotInput>,
+    pub inputs: Box<[SlotInput]>,
     pub slot: Arc<Slot>,
 }
 
@@ -82,7 +87,7 @@ impl NodeJit {
         batch: bool,
         slots: &mut HashMap<(String, bool), Arc<Slot>>,
     ) -> NodeJit {
-        let inputs = slot_inputs(&program, cells);
+        let inputs = slot_inputs(&program, cells).into_boxed_slice();
         let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
         let key = (key, batch);
         let slot = match slots.get(&key) {
@@ -109,11 +114,13 @@ pub fn slot_inputs(program: &Program, cells: &CellLayout) -> Vec<SlotInput> {
         .iter()
         .map(|r| {
             let path: Box<[Seg]> = r.fields.iter().map(|f| Seg::Field(intern(f))).collect();
-            match (&r.base, path.split_first()) {
+            match (&r.base, &*path) {
                 (Base::Parent, _) => SlotInput::Parent(path),
-                (Base::Input, Some((Seg::Field(k), rest))) => match cells.find(k) {
-                    Some(c) => SlotInput::Cell(c, k.clone(), rest.into()),
-                    None => SlotInput::Doc(path),
+                (Base::Input, [Seg::Field(k), rest @ ..]) => match (cells.find(k), rest) {
+                    (Some(c), []) => SlotInput::Cell(c, k.clone()),
+                    (Some(c), rest) => SlotInput::CellPath(Box::new((c, k.clone(), rest.into()))),
+                    (None, []) => SlotInput::Member(k.clone()),
+                    (None, _) => SlotInput::Doc(path),
                 },
                 (Base::Input, _) => SlotInput::Doc(path),
             }
@@ -212,12 +219,31 @@ pub fn read_slots(
     let mut undefined = false;
     for input in inputs {
         let x = match input {
-            SlotInput::Cell(c, k, rest) => {
+            SlotInput::Cell(c, k) => {
+                if !m.root_is_obj() {
+                    return Read::Other;
+                }
+                match m.cell_or_member(*c, k) {
+                    Some(v) => walk(v, &[]),
+                    None => Some(f64::NAN),
+                }
+            }
+            SlotInput::CellPath(b) => {
+                let (c, k, rest) = &**b;
                 if !m.root_is_obj() {
                     return Read::Other;
                 }
                 match m.cell_or_member(*c, k) {
                     Some(v) => walk(v, rest),
+                    None => Some(f64::NAN),
+                }
+            }
+            SlotInput::Member(k) => {
+                let Val::Obj(o) = m.doc else {
+                    return Read::Other;
+                };
+                match o.get(k) {
+                    Some(v) => walk(v, &[]),
                     None => Some(f64::NAN),
                 }
             }

@@ -320,6 +320,8 @@ fn strict(t: &str) -> Result<Address, String> {
             c => return Err(format!("unexpected `{c}` at position {i}")),
         }
     }
+    // Addresses are kept (targets of compiled nodes): no spare capacity.
+    segs.shrink_to_fit();
     Ok(Address { segs })
 }
 
