@@ -185,10 +185,11 @@ impl PartialEq for ObjMap {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Wide objects: a persistent hash array mapped trie, 16 slots per branch, keyed by a 64-bit
-// FxHash of the key. A write copies only the branches on one hash path (≤ 16 slots of 16 bytes
-// each, a few levels deep) and the one entry, so snapshots stay cheap at any width. Insertion
-// order is kept by a sequence number per entry.
+// Wide objects: a persistent hash array mapped trie, up to 16 slots per branch, keyed by a
+// 64-bit FxHash of the key. A branch stores only its occupied slots (a bitmap says which), so
+// the sparse bottom branches of a wide object cost tens of bytes, not 16 slots. A write copies
+// only the branches on one hash path (a few levels deep) and the one entry, so snapshots stay
+// cheap at any width. Insertion order is kept by a sequence number per entry.
 
 const FANOUT_BITS: u32 = 4;
 const FANOUT: usize = 1 << FANOUT_BITS;
@@ -201,19 +202,79 @@ struct Entry {
     val: Val,
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 enum Slot {
-    #[default]
-    Empty,
     One(Arc<Entry>),
     /// Keys whose full 64-bit hashes collide.
     Many(Arc<Vec<Entry>>),
     Branch(Arc<Branch>),
 }
 
+/// A branch: which of its `FANOUT` slots are occupied (bit `i` for slot `i`), and those
+/// slots in order.
 #[derive(Clone, Debug, Default)]
 struct Branch {
-    slots: [Slot; FANOUT],
+    bitmap: u16,
+    slots: Box<[Slot]>,
+}
+
+const _: () = assert!(FANOUT <= u16::BITS as usize);
+
+impl Branch {
+    /// Where slot `i` is (or would be) stored, and whether it is occupied.
+    #[inline]
+    fn pos(&self, i: usize) -> (usize, bool) {
+        let bit = 1u16 << i;
+        (
+            (self.bitmap & (bit - 1)).count_ones() as usize,
+            self.bitmap & bit != 0,
+        )
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> Option<&Slot> {
+        match self.pos(i) {
+            (p, true) => Some(&self.slots[p]),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn get_mut(&mut self, i: usize) -> Option<&mut Slot> {
+        match self.pos(i) {
+            (p, true) => Some(&mut self.slots[p]),
+            _ => None,
+        }
+    }
+
+    /// Occupy the empty slot `i`.
+    fn put(&mut self, i: usize, slot: Slot) {
+        let (p, _) = self.pos(i);
+        let mut v = Vec::with_capacity(self.slots.len() + 1);
+        v.extend_from_slice(&self.slots[..p]);
+        v.push(slot);
+        v.extend_from_slice(&self.slots[p..]);
+        self.slots = v.into_boxed_slice();
+        self.bitmap |= 1 << i;
+    }
+
+    /// Empty the occupied slot `i`.
+    fn take(&mut self, i: usize) -> Option<Slot> {
+        let (p, true) = self.pos(i) else { return None };
+        let mut v = std::mem::take(&mut self.slots).into_vec();
+        let out = v.remove(p);
+        self.slots = v.into_boxed_slice();
+        self.bitmap &= !(1 << i);
+        Some(out)
+    }
+
+    /// A branch holding one slot.
+    fn single(i: usize, slot: Slot) -> Branch {
+        Branch {
+            bitmap: 1 << i,
+            slots: Box::new([slot]),
+        }
+    }
 }
 
 /// The wide-object map (see above).
@@ -238,8 +299,7 @@ impl WideMap {
         let mut branch = &self.root;
         let mut shift = 0;
         loop {
-            match &branch.slots[slot_index(hash, shift)] {
-                Slot::Empty => return None,
+            match branch.get(slot_index(hash, shift))? {
                 Slot::One(e) => return (e.hash == hash && key_eq(&e.key, key)).then_some(&**e),
                 Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
                 Slot::Branch(b) => {
@@ -255,8 +315,7 @@ impl WideMap {
         let mut branch = &mut self.root;
         let mut shift = 0;
         loop {
-            match &mut branch.slots[slot_index(hash, shift)] {
-                Slot::Empty => return None,
+            match branch.get_mut(slot_index(hash, shift))? {
                 Slot::One(e) => {
                     if e.hash != hash || &*e.key != key {
                         return None;
@@ -306,6 +365,15 @@ impl WideMap {
     }
 }
 
+/// The hash a slot's entries share (a branch has none).
+fn slot_hash(slot: &Slot) -> Option<u64> {
+    match slot {
+        Slot::One(e) => Some(e.hash),
+        Slot::Many(es) => Some(es[0].hash),
+        Slot::Branch(_) => None,
+    }
+}
+
 /// Insert into `branch`; the replaced value, or `None` when the key is new.
 fn insert_at(
     branch: &mut Branch,
@@ -315,80 +383,62 @@ fn insert_at(
     val: Val,
     seq: u64,
 ) -> Option<Val> {
-    let slot = &mut branch.slots[slot_index(hash, shift)];
+    let i = slot_index(hash, shift);
+    let Some(slot) = branch.get_mut(i) else {
+        let e = Entry {
+            hash,
+            seq,
+            key,
+            val,
+        };
+        branch.put(i, Slot::One(Arc::new(e)));
+        return None;
+    };
+    let new = || Entry {
+        hash,
+        seq,
+        key: key.clone(),
+        val: val.clone(),
+    };
     match slot {
-        Slot::Empty => {
-            *slot = Slot::One(Arc::new(Entry {
-                hash,
-                seq,
-                key,
-                val,
-            }));
-            None
-        }
         Slot::One(e) if e.hash == hash => {
             if e.key == key {
-                Some(std::mem::replace(&mut Arc::make_mut(e).val, val))
-            } else {
-                let old = (**e).clone();
-                *slot = Slot::Many(Arc::new(vec![
-                    old,
-                    Entry {
-                        hash,
-                        seq,
-                        key,
-                        val,
-                    },
-                ]));
-                None
+                return Some(std::mem::replace(&mut Arc::make_mut(e).val, val));
             }
+            let old = (**e).clone();
+            *slot = Slot::Many(Arc::new(vec![old, new()]));
+            None
         }
-        Slot::One(e) => {
-            // Two different hashes share this slot: push both one level down.
-            let old = e.clone();
-            let mut child = Branch::default();
-            let at = slot_index(old.hash, shift + FANOUT_BITS);
-            child.slots[at] = Slot::One(old);
+        Slot::Many(es) if es[0].hash == hash => {
+            let es = Arc::make_mut(es);
+            if let Some(e) = es.iter_mut().find(|e| e.key == key) {
+                return Some(std::mem::replace(&mut e.val, val));
+            }
+            es.push(new());
+            None
+        }
+        Slot::Branch(b) => insert_at(Arc::make_mut(b), hash, shift + FANOUT_BITS, key, val, seq),
+        Slot::One(_) | Slot::Many(_) => {
+            // Two different hashes share this slot: push the old one level down.
+            let old_hash = slot_hash(slot).unwrap_or(0);
+            let at = slot_index(old_hash, shift + FANOUT_BITS);
+            let mut child = Branch::single(at, slot.clone());
             insert_at(&mut child, hash, shift + FANOUT_BITS, key, val, seq);
             *slot = Slot::Branch(Arc::new(child));
             None
         }
-        Slot::Many(es) => {
-            if es[0].hash == hash {
-                let es = Arc::make_mut(es);
-                if let Some(e) = es.iter_mut().find(|e| e.key == key) {
-                    return Some(std::mem::replace(&mut e.val, val));
-                }
-                es.push(Entry {
-                    hash,
-                    seq,
-                    key,
-                    val,
-                });
-                None
-            } else {
-                let old = es.clone();
-                let mut child = Branch::default();
-                let at = slot_index(old[0].hash, shift + FANOUT_BITS);
-                child.slots[at] = Slot::Many(old);
-                insert_at(&mut child, hash, shift + FANOUT_BITS, key, val, seq);
-                *slot = Slot::Branch(Arc::new(child));
-                None
-            }
-        }
-        Slot::Branch(b) => insert_at(Arc::make_mut(b), hash, shift + FANOUT_BITS, key, val, seq),
     }
 }
 
 fn remove_at(branch: &mut Branch, hash: u64, shift: u32, key: &str) -> Option<Val> {
-    let slot = &mut branch.slots[slot_index(hash, shift)];
+    let i = slot_index(hash, shift);
+    let slot = branch.get_mut(i)?;
     match slot {
-        Slot::Empty => None,
         Slot::One(e) => {
             if e.hash != hash || &*e.key != key {
                 return None;
             }
-            let Slot::One(e) = std::mem::take(slot) else {
+            let Some(Slot::One(e)) = branch.take(i) else {
                 unreachable!("matched above")
             };
             Some(Arc::try_unwrap(e).map_or_else(|e| e.val.clone(), |e| e.val))
@@ -404,15 +454,15 @@ fn remove_at(branch: &mut Branch, hash: u64, shift: u32, key: &str) -> Option<Va
             Some(removed.val)
         }
         Slot::Branch(b) => {
-            let out = remove_at(Arc::make_mut(b), hash, shift + FANOUT_BITS, key);
+            let b = Arc::make_mut(b);
+            let out = remove_at(b, hash, shift + FANOUT_BITS, key);
             // Collapse a branch left with a single entry so lookups stay short.
-            let mut live = b.slots.iter().filter(|s| !matches!(s, Slot::Empty));
-            if let (Some(only @ (Slot::One(_) | Slot::Many(_))), None) = (live.next(), live.next())
-            {
-                let only = only.clone();
-                *slot = only;
-            } else if b.slots.iter().all(|s| matches!(s, Slot::Empty)) {
-                *slot = Slot::Empty;
+            match &*b.slots {
+                [] => {
+                    branch.take(i);
+                }
+                [only @ (Slot::One(_) | Slot::Many(_))] => *slot = only.clone(),
+                _ => {}
             }
             out
         }
@@ -422,7 +472,6 @@ fn remove_at(branch: &mut Branch, hash: u64, shift: u32, key: &str) -> Option<Va
 fn collect_entries<'a>(branch: &'a Branch, out: &mut Vec<&'a Entry>) {
     for s in &branch.slots {
         match s {
-            Slot::Empty => {}
             Slot::One(e) => out.push(e),
             Slot::Many(es) => out.extend(es.iter()),
             Slot::Branch(b) => collect_entries(b, out),
@@ -724,6 +773,74 @@ mod tests {
         assert_eq!(keys[999], "k999");
         assert!(v.remove_path(&[f("k5")]));
         assert_eq!(v.as_obj().unwrap().len(), 999);
+    }
+
+    /// Hashes chosen to share long prefixes and whole values: deep branches, collision lists,
+    /// and branches collapsing again as entries go.
+    #[test]
+    fn wide_map_branches_split_and_collapse_on_chosen_hashes() {
+        fn find<'a>(mut b: &'a Branch, hash: u64, key: &str) -> Option<&'a Val> {
+            let mut shift = 0;
+            loop {
+                match b.get(slot_index(hash, shift))? {
+                    Slot::One(e) => return (e.hash == hash && &*e.key == key).then_some(&e.val),
+                    Slot::Many(es) => return es.iter().find(|e| &*e.key == key).map(|e| &e.val),
+                    Slot::Branch(c) => {
+                        b = c;
+                        shift += FANOUT_BITS;
+                    }
+                }
+            }
+        }
+        // Same low 40 bits, then differing; and pairs with equal full hashes.
+        let hashes: Vec<u64> = (0..40u64)
+            .map(|i| 0x00AB_CDEF_1234 | ((i / 2) << 44))
+            .collect();
+        let mut root = Branch::default();
+        let mut live: Vec<(u64, String, f64)> = Vec::new();
+        for (i, &h) in hashes.iter().enumerate() {
+            let k = format!("k{i}");
+            assert_eq!(
+                insert_at(
+                    &mut root,
+                    h,
+                    0,
+                    Arc::from(k.as_str()),
+                    Val::num(i as f64),
+                    i as u64
+                ),
+                None
+            );
+            live.push((h, k, i as f64));
+        }
+        let snapshot = root.clone();
+        // Overwrite one of each colliding pair.
+        for (h, k, v) in live.iter_mut().step_by(2) {
+            *v += 100.0;
+            let old = insert_at(&mut root, *h, 0, Arc::from(k.as_str()), Val::num(*v), 0);
+            assert_eq!(old, Some(Val::num(*v - 100.0)));
+        }
+        for (h, k, v) in &live {
+            assert_eq!(find(&root, *h, k), Some(&Val::num(*v)), "{k}");
+        }
+        // Remove all but one, checking the rest each time.
+        while live.len() > 1 {
+            let (h, k, v) = live.remove(live.len() / 2);
+            assert_eq!(remove_at(&mut root, h, 0, &k), Some(Val::num(v)));
+            assert_eq!(remove_at(&mut root, h, 0, &k), None);
+            for (h, k, v) in &live {
+                assert_eq!(find(&root, *h, k), Some(&Val::num(*v)), "{k}");
+            }
+        }
+        // Left with one entry, the path collapsed back to a slot of the root.
+        assert!(matches!(&*root.slots, [Slot::One(_)]));
+        // The snapshot taken before saw none of it.
+        for (i, &h) in hashes.iter().enumerate() {
+            assert_eq!(
+                find(&snapshot, h, &format!("k{i}")),
+                Some(&Val::num(i as f64))
+            );
+        }
     }
 
     #[test]

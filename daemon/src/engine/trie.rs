@@ -4,18 +4,21 @@
 //! `$.items.total` matches a write of `$.items[3].total`.
 
 use rustc_hash::{FxBuildHasher, FxHashMap as HashMap};
+use std::hash::BuildHasher;
 
 use crate::value::{Key, Seg};
 
-/// A `(node, member name)` lookup key borrowing the name: it hashes exactly as the stored
-/// `(u32, Key)` does (`Arc<str>` hashes as its text), so a lookup clones nothing.
-#[derive(Hash)]
-struct FieldRef<'a>(u32, &'a str);
+/// A field edge of the trie: from `parent` through member `key` to `child` (24 bytes; the
+/// table hashes `(parent, key)` itself, so a lookup borrows the name and clones nothing).
+#[derive(Debug)]
+struct FieldEdge {
+    key: Key,
+    parent: u32,
+    child: u32,
+}
 
-impl hashbrown::Equivalent<(u32, Key)> for FieldRef<'_> {
-    fn equivalent(&self, k: &(u32, Key)) -> bool {
-        self.0 == k.0 && *self.1 == *k.1
-    }
+fn edge_hash(parent: u32, key: &str) -> u64 {
+    FxBuildHasher.hash_one((parent, key))
 }
 
 /// One segment of an indexed pattern.
@@ -29,30 +32,53 @@ pub enum TSeg {
 
 const NONE: u32 = u32::MAX;
 
+/// A short list of ids that costs one word while empty (most trie nodes have no extra entries
+/// and no children).
+// The box is the point: an empty list is one null word instead of a 24-byte `Vec`.
+#[allow(clippy::box_collection)]
+#[derive(Debug, Default)]
+struct Ids(Option<Box<Vec<u32>>>);
+
+impl Ids {
+    fn as_slice(&self) -> &[u32] {
+        self.0.as_deref().map_or(&[], Vec::as_slice)
+    }
+
+    fn push(&mut self, id: u32) {
+        self.0.get_or_insert_default().push(id);
+    }
+
+    fn shrink(&mut self) {
+        if let Some(v) = &mut self.0 {
+            v.shrink_to_fit();
+        }
+    }
+}
+
 /// A trie node: its entries and children. Child lookup goes through the trie-wide maps, so a
-/// node costs 56 bytes and a leaf allocates nothing but its second and later entries.
+/// node costs 32 bytes and a leaf allocates nothing but its second and later entries.
 #[derive(Debug)]
 struct TNode {
     first: u32,
-    rest: Vec<u32>,
     wild: u32,
+    rest: Ids,
+    /// Field and index children, for subtree walks.
+    children: Ids,
     /// Reached through an index segment (rather than a field).
     index_child: bool,
     /// Has children reached through index segments (rare: concrete indices in patterns).
     has_index_children: bool,
-    /// Field and index children, for subtree walks.
-    children: Vec<u32>,
 }
 
 impl Default for TNode {
     fn default() -> Self {
         TNode {
             first: NONE,
-            rest: Vec::new(),
+            rest: Ids::default(),
             wild: NONE,
             index_child: false,
             has_index_children: false,
-            children: Vec::new(),
+            children: Ids::default(),
         }
     }
 }
@@ -62,13 +88,13 @@ impl TNode {
         (self.first != NONE)
             .then_some(self.first)
             .into_iter()
-            .chain(self.rest.iter().copied())
+            .chain(self.rest.as_slice().iter().copied())
     }
 
     fn add(&mut self, e: u32) {
         if self.first == NONE {
             self.first = e;
-        } else if self.first != e && !self.rest.contains(&e) {
+        } else if self.first != e && !self.rest.as_slice().contains(&e) {
             self.rest.push(e);
         }
     }
@@ -78,7 +104,7 @@ impl TNode {
 #[derive(Debug)]
 pub struct Trie {
     nodes: Vec<TNode>,
-    fields: hashbrown::HashMap<(u32, Key), u32, FxBuildHasher>,
+    fields: hashbrown::HashTable<FieldEdge>,
     indices: HashMap<(u32, usize), u32>,
 }
 
@@ -86,7 +112,7 @@ impl Default for Trie {
     fn default() -> Self {
         Trie {
             nodes: vec![TNode::default()],
-            fields: hashbrown::HashMap::default(),
+            fields: hashbrown::HashTable::new(),
             indices: HashMap::default(),
         }
     }
@@ -98,7 +124,10 @@ pub type Hit = (u32, Vec<usize>);
 
 impl Trie {
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
-        self.fields.get(&FieldRef(t as u32, k)).map(|&c| c as usize)
+        let t = t as u32;
+        self.fields
+            .find(edge_hash(t, k), |e| e.parent == t && *e.key == **k)
+            .map(|e| e.child as usize)
     }
 
     fn index(&self, t: usize, i: usize) -> Option<usize> {
@@ -125,7 +154,15 @@ impl Trie {
                     self.nodes.push(TNode::default());
                     match seg {
                         TSeg::Field(k) => {
-                            self.fields.insert((t as u32, k.clone()), n);
+                            let edge = FieldEdge {
+                                key: k.clone(),
+                                parent: t as u32,
+                                child: n,
+                            };
+                            self.fields
+                                .insert_unique(edge_hash(t as u32, k), edge, |e| {
+                                    edge_hash(e.parent, &e.key)
+                                });
                             self.nodes[t].children.push(n);
                         }
                         TSeg::Index(i) => {
@@ -147,10 +184,10 @@ impl Trie {
     pub fn shrink(&mut self) {
         self.nodes.shrink_to_fit();
         for n in &mut self.nodes {
-            n.children.shrink_to_fit();
-            n.rest.shrink_to_fit();
+            n.children.shrink();
+            n.rest.shrink();
         }
-        self.fields.shrink_to_fit();
+        self.fields.shrink_to_fit(|e| edge_hash(e.parent, &e.key));
         self.indices.shrink_to_fit();
     }
 
@@ -193,7 +230,7 @@ impl Trie {
     /// were already visited with their binding and are left out.
     fn subtree(&self, t: usize, bind: &[usize], skip_arrays: bool, out: &mut Vec<Hit>) {
         let node = &self.nodes[t];
-        for &c in &node.children {
+        for &c in node.children.as_slice() {
             if skip_arrays && node.has_index_children && self.nodes[c as usize].index_child {
                 continue;
             }
@@ -221,7 +258,7 @@ impl Trie {
 
     fn index_children(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
         let scan: &[u32] = if self.nodes[t].has_index_children {
-            &self.nodes[t].children
+            self.nodes[t].children.as_slice()
         } else {
             &[]
         };
