@@ -11,30 +11,54 @@ use serde_json::Value as Json;
 /// Object keys are shared strings: the same key text is stored once per object entry.
 pub type Key = Arc<str>;
 
-/// Longest key text worth interning, and how many distinct keys a thread's table holds.
+/// Longest key text worth interning.
 const INTERN_MAX_LEN: usize = 64;
-const INTERN_MAX_KEYS: usize = 1 << 16;
+/// A thread's table starts this large and sweeps (drops the keys only it still holds) when
+/// full; it doubles when a sweep leaves it more than half full, up to `INTERN_MAX_KEYS`.
+const INTERN_FIRST_CAP: usize = 1 << 16;
+const INTERN_MAX_KEYS: usize = 1 << 22;
+
+#[derive(Default)]
+struct Interner {
+    set: rustc_hash::FxHashSet<Key>,
+    cap: usize,
+}
 
 thread_local! {
-    static INTERNED: std::cell::RefCell<rustc_hash::FxHashSet<Key>> =
-        std::cell::RefCell::new(rustc_hash::FxHashSet::default());
+    static INTERNED: std::cell::RefCell<Interner> = std::cell::RefCell::new(Interner::default());
 }
 
 /// The shared `Key` for a member name. Documents repeat the same few names (every element of
 /// an array has the same fields), so sharing one allocation per name saves memory and makes
-/// lookups compare pointers before bytes. Bounded: past the table's size, keys are allocated.
+/// lookups compare pointers before bytes. The table holds the keys in use (a model of 300k
+/// distinct members shares each name among its state, index and nodes); names nothing uses
+/// any more are swept out when it fills, and past `INTERN_MAX_KEYS` live names keys are simply
+/// allocated.
 pub fn intern(s: &str) -> Key {
     if s.len() > INTERN_MAX_LEN {
         return Arc::from(s);
     }
     INTERNED.with(|t| {
         let mut t = t.borrow_mut();
-        if let Some(k) = t.get(s) {
+        if let Some(k) = t.set.get(s) {
             return k.clone();
         }
         let k: Key = Arc::from(s);
-        if t.len() < INTERN_MAX_KEYS {
-            t.insert(k.clone());
+        if t.cap == 0 {
+            t.cap = INTERN_FIRST_CAP;
+        }
+        if t.set.len() >= t.cap {
+            t.set.retain(|k| Arc::strong_count(k) > 1);
+            if t.set.len() >= t.cap / 2 {
+                t.cap = (t.cap * 2).min(INTERN_MAX_KEYS);
+            }
+            if t.set.len() < t.set.capacity() / 4 {
+                let keep = t.set.len() * 2;
+                t.set.shrink_to(keep);
+            }
+        }
+        if t.set.len() < t.cap {
+            t.set.insert(k.clone());
         }
         k
     })
@@ -42,7 +66,7 @@ pub fn intern(s: &str) -> Key {
 
 /// Key equality with a pointer fast path for interned keys.
 #[inline]
-fn key_eq(a: &str, b: &str) -> bool {
+pub(crate) fn key_eq(a: &str, b: &str) -> bool {
     (a.as_ptr() == b.as_ptr() && a.len() == b.len()) || a == b
 }
 
@@ -773,6 +797,35 @@ mod tests {
         assert_eq!(keys[999], "k999");
         assert!(v.remove_path(&[f("k5")]));
         assert_eq!(v.as_obj().unwrap().len(), 999);
+    }
+
+    /// Past the first table size, names in use stay shared (one allocation, pointer-equal);
+    /// names nothing holds any more are swept out instead of pinning the table.
+    #[test]
+    fn interning_shares_names_in_use_and_sweeps_the_rest() {
+        // A fresh thread: its own table.
+        std::thread::spawn(|| {
+            let n = INTERN_FIRST_CAP * 3 / 2;
+            let held: Vec<Key> = (0..n).map(|i| intern(&format!("held_{i}"))).collect();
+            for i in [0, INTERN_FIRST_CAP - 1, INTERN_FIRST_CAP, n - 1] {
+                assert!(
+                    Arc::ptr_eq(&held[i], &intern(&format!("held_{i}"))),
+                    "key {i}"
+                );
+            }
+            drop(held);
+            // Unheld names churn through without the table growing past what is live.
+            for i in 0..4 * INTERN_FIRST_CAP {
+                intern(&format!("gone_{i}"));
+            }
+            INTERNED.with(|t| {
+                let t = t.borrow();
+                assert!(t.set.len() <= t.cap, "{} > {}", t.set.len(), t.cap);
+                assert!(t.cap <= 4 * INTERN_FIRST_CAP, "cap grew to {}", t.cap);
+            });
+        })
+        .join()
+        .unwrap();
     }
 
     /// Hashes chosen to share long prefixes and whole values: deep branches, collision lists,

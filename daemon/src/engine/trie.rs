@@ -126,7 +126,9 @@ impl Trie {
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
         let t = t as u32;
         self.fields
-            .find(edge_hash(t, k), |e| e.parent == t && *e.key == **k)
+            .find(edge_hash(t, k), |e| {
+                e.parent == t && crate::value::key_eq(&e.key, k)
+            })
             .map(|e| e.child as usize)
     }
 
