@@ -15,6 +15,43 @@ pub const ROUND_FN: &str = "__valem_round";
 /// `$round(2.675, 2)` is `2.68`, `$round(0.125, 2)` is `0.12`, `$round(-0.5)` is `0`.
 /// A non-finite input gives a non-finite (or NaN) result, which callers treat as an error.
 pub fn round(x: f64, precision: i32) -> f64 {
+    if let Some(r) = round_far_from_tie(x, precision) {
+        return r;
+    }
+    round_decimal(x, precision)
+}
+
+/// [`round`] without decimal strings, when that cannot change the answer: for a precision of
+/// 1 to 22 (`10^p` exact), `y = x × 10^p` is within a few units in the last place of the
+/// decimal shift `round_decimal` makes; when `y`'s fraction is clearly not ½ both lie on the
+/// same side of the rounding boundary, and there is no tie to settle. Shifting the integer
+/// back is one exact-operand division, which is the correctly rounded conversion of
+/// `r + 'e-' + p` that `round_decimal` makes. `None`: near a tie, or too large or not finite.
+#[inline]
+fn round_far_from_tie(x: f64, precision: i32) -> Option<f64> {
+    const POW10: [f64; 23] = [
+        1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+        1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+    ];
+    let scale = *POW10.get(usize::try_from(precision).ok().filter(|&p| p >= 1)?)?;
+    let y = x * scale;
+    // |y| < 2^52: its floor and fraction are exact, the integer below stays exact.
+    if y.is_nan() || y.abs() >= 4_503_599_627_370_496.0 {
+        return None;
+    }
+    let floor = y.floor();
+    let frac = y - floor;
+    // Far more than the few ulps between y and the decimal shift.
+    if (frac - 0.5).abs() <= y.abs() * 1e-13 + 1e-300 {
+        return None;
+    }
+    let r = if frac < 0.5 { floor } else { floor + 1.0 };
+    let r = r / scale;
+    Some(if r == 0.0 { 0.0 } else { r })
+}
+
+/// [`round`] as jsonata-js computes it, through the decimal representation.
+fn round_decimal(x: f64, precision: i32) -> f64 {
     let shifted = if precision != 0 {
         shift(x, precision)
     } else {
@@ -214,6 +251,41 @@ mod tests {
                 assert_eq!(fast.to_bits(), slow.to_bits(), "{s} e{exp}");
             }
         }
+    }
+
+    /// The float fast path of `round` gives the decimal algorithm's answer bit for bit:
+    /// everyday values, values a hair either side of a tie at the rounding digit, and anything.
+    #[test]
+    fn rounding_without_strings_equals_the_decimal_algorithm() {
+        let mut x: u64 = 0x2545f4914f6cdd1d;
+        let mut fast = 0;
+        for i in 0..300_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let p = (x % 8) as i32 + 1;
+            let scale = 10f64.powi(p);
+            let sign = if x & 1 == 0 { 1.0 } else { -1.0 };
+            let v = match i % 4 {
+                0 => (x >> 11) as f64 / (1u64 << (x % 40)) as f64 * sign,
+                // k.5 / 10^p, then nudged by a few ulps.
+                1 => {
+                    let t = (((x >> 20) % 1_000_000) as f64 + 0.5) / scale * sign;
+                    f64::from_bits(t.to_bits().wrapping_add((x >> 60) % 5).wrapping_sub(2))
+                }
+                2 => ((x >> 30) % 100_000) as f64 / 1000.0 * sign,
+                _ => f64::from_bits(x),
+            };
+            let want = round_decimal(v, p);
+            let got = round(v, p);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "round({v:e}, {p}): {got:e} vs {want:e}"
+            );
+            fast += usize::from(round_far_from_tie(v, p).is_some());
+        }
+        // The fast path runs for most everyday values (half the cases are near ties or huge).
+        assert!(fast > 100_000, "fast path taken {fast} times");
     }
 
     #[test]
