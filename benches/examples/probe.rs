@@ -121,6 +121,33 @@ fn main() {
             }
             lap("mutate", &mut t, iters);
         }
+        "items-rate" => {
+            // A 100k-row `[*]` recompute per write (the JIT bench's `jit_items`); VALEM_JIT
+            // picks the tier.
+            let spec = valem::spec::parse_spec(&json!({
+                "id": "items-rate",
+                "schema": {"type": "object"},
+                "derivations": [
+                    {"path": "$.items[*].line", "expr": "$parent.price * $parent.qty * rate"}
+                ]
+            }))
+            .unwrap();
+            let (mut m, _) = Model::create(&spec, NOW_MS, limits()).unwrap();
+            seed(&mut m, items_data(n));
+            seed(&mut m, vec![(segs("$.rate"), json!(1))]);
+            valem::engine::jit::set_tier_after(0);
+            seed(&mut m, vec![(segs("$.rate"), json!(2))]);
+            valem::engine::jit::flush(std::time::Duration::from_secs(60));
+            lap("setup", &mut t, 1);
+            let s = segs("$.rate");
+            for j in 0..iters {
+                let r = m
+                    .mutate_parsed(&[(s.clone(), json!(j + 3))], NOW_MS)
+                    .unwrap();
+                std::hint::black_box(r);
+            }
+            lap("recompute", &mut t, iters);
+        }
         "sizes" => sizes_probe(n),
         "mem" => {
             // Resident memory by construction step of the fan-out model.

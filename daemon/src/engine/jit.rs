@@ -217,6 +217,7 @@ pub fn read_slots(
 ) -> Read {
     out.clear();
     let mut undefined = false;
+    let mut parent_val: Option<Option<&Val>> = None;
     for input in inputs {
         let x = match input {
             SlotInput::Cell(c, k) => {
@@ -255,7 +256,11 @@ pub fn read_slots(
                     Some(v) => walk(v, rest),
                     None => Some(f64::NAN),
                 },
-                (Some(p), Some(_)) if !p.is_empty() => m.get_path(p).and_then(|v| walk(v, path)),
+                (Some(p), Some(_)) if !p.is_empty() => {
+                    // Found once per call: the slots of `$parent.a * $parent.b` share it.
+                    let v = *parent_val.get_or_insert_with(|| m.get_path(p));
+                    v.and_then(|v| walk(v, path))
+                }
                 _ => None,
             },
         };
