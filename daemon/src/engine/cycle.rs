@@ -161,8 +161,8 @@ impl std::ops::DerefMut for ScratchRef<'_> {
 /// merged documents is saved once, before its first change (an O(1) persistent clone).
 #[derive(Debug, Default)]
 struct Journal {
-    base: Vec<(Option<crate::value::Key>, Option<Val>)>,
-    merged: Vec<(Option<crate::value::Key>, Option<Val>)>,
+    base: Vec<TreeUndo>,
+    merged: Vec<TreeUndo>,
     base_seen: HashSet<crate::value::Key>,
     merged_seen: HashSet<crate::value::Key>,
     base_root: bool,
@@ -218,42 +218,82 @@ impl Journal {
 fn save(
     doc: &Val,
     path: &[Seg],
-    log: &mut Vec<(Option<crate::value::Key>, Option<Val>)>,
+    log: &mut Vec<TreeUndo>,
     seen: &mut HashSet<crate::value::Key>,
     root_saved: &mut bool,
 ) {
     match (path.first(), doc) {
         (Some(Seg::Field(k)), Val::Obj(m)) => {
             if seen.insert(k.clone()) {
-                log.push((Some(k.clone()), m.get(k).cloned()));
+                log.push(TreeUndo::Member(Some(k.clone()), m.get(k).cloned()));
             }
         }
         _ => {
             if !*root_saved {
                 *root_saved = true;
-                log.push((None, Some(doc.clone())));
+                log.push(TreeUndo::Member(None, Some(doc.clone())));
             }
         }
     }
 }
 
-fn undo(doc: &mut Val, log: Vec<(Option<crate::value::Key>, Option<Val>)>) {
-    for (key, old) in log.into_iter().rev() {
-        match (key, old) {
-            (None, Some(v)) => *doc = v,
-            (None, None) => {}
-            (Some(k), Some(v)) => {
+/// One entry of a document's undo log.
+#[derive(Debug)]
+enum TreeUndo {
+    /// A top-level member (`None`: the whole root) and what it held before.
+    Member(Option<crate::value::Key>, Option<Val>),
+    /// A nested address and what it held (`None`: nothing; the address is the shallowest one
+    /// the write created). Written derived values are journaled this way, so the document is
+    /// changed in place instead of its top-level member being kept whole for undo (which would
+    /// make every written element a copy).
+    Path(Box<[Seg]>, Option<Val>),
+}
+
+/// Undo a document's changes, newest first.
+fn undo(doc: &mut Val, log: Vec<TreeUndo>) {
+    for entry in log.into_iter().rev() {
+        match entry {
+            TreeUndo::Member(None, Some(v)) => *doc = v,
+            TreeUndo::Member(None, None) => {}
+            TreeUndo::Member(Some(k), Some(v)) => {
                 if let Val::Obj(m) = doc {
                     m.insert(k, v);
                 }
             }
-            (Some(k), None) => {
+            TreeUndo::Member(Some(k), None) => {
                 if let Val::Obj(m) = doc {
                     m.remove(&k);
                 }
             }
+            TreeUndo::Path(path, Some(v)) => {
+                doc.splice_existing(&path, v);
+            }
+            TreeUndo::Path(path, None) => {
+                doc.remove_path(&path);
+            }
         }
     }
+}
+
+/// The undo entry for writing at the nested address `path` of `doc`: its current value, or
+/// the shallowest address on it that does not exist yet (what the write creates).
+fn path_undo(doc: &Val, path: &[Seg]) -> TreeUndo {
+    if let Some(v) = doc.get_path(path) {
+        return TreeUndo::Path(path.into(), Some(v.clone()));
+    }
+    let mut cur = doc;
+    for (i, seg) in path.iter().enumerate() {
+        let next = match (seg, cur) {
+            (Seg::Field(k), Val::Obj(m)) => m.get(k),
+            (Seg::Index(j), Val::Arr(a)) => a.get(*j),
+            _ => None,
+        };
+        match next {
+            Some(v) => cur = v,
+            None => return TreeUndo::Path(path[..=i].into(), None),
+        }
+    }
+    TreeUndo::Path(path.into(), None)
 }
 
 /// Put back the previous values of a keyed map, newest change first.
@@ -504,10 +544,10 @@ impl<'a> Cycle<'a> {
                 // tree. (Journaling the same member twice is harmless: undo replays newest
                 // first.)
                 let old_base = b.insert(k.clone(), value.clone());
-                j.base.push((Some(k.clone()), old_base));
+                j.base.push(TreeUndo::Member(Some(k.clone()), old_base));
                 if let Some(Val::Obj(m)) = tree {
                     let old_merged = m.insert(k.clone(), value);
-                    j.merged.push((Some(k.clone()), old_merged));
+                    j.merged.push(TreeUndo::Member(Some(k.clone()), old_merged));
                 }
             }
             _ => {
@@ -889,7 +929,9 @@ impl<'a> Cycle<'a> {
                 if noting {
                     self.agg_change = Some((old.clone(), value.clone()));
                 }
-                self.journal.merged.push((Some(k.clone()), old));
+                self.journal
+                    .merged
+                    .push(TreeUndo::Member(Some(k.clone()), old));
             }
             written
         } else {
@@ -901,13 +943,22 @@ impl<'a> Cycle<'a> {
             match &mut self.st.tree {
                 Some(tree) if changed => {
                     let j = &mut self.journal;
-                    save(
-                        tree,
-                        inst,
-                        &mut j.merged,
-                        &mut j.merged_seen,
-                        &mut j.merged_root,
-                    );
+                    match inst.first() {
+                        // A nested address under a member not saved whole: journal the one
+                        // address, and the write changes the document in place.
+                        Some(Seg::Field(k))
+                            if inst.len() > 1 && !j.merged_root && !j.merged_seen.contains(k) =>
+                        {
+                            j.merged.push(path_undo(tree, inst));
+                        }
+                        _ => save(
+                            tree,
+                            inst,
+                            &mut j.merged,
+                            &mut j.merged_seen,
+                            &mut j.merged_root,
+                        ),
+                    }
                     tree.splice_existing(inst, value.clone())
                 }
                 // Without a tree every derivation writes a cell.
