@@ -53,6 +53,19 @@ pub(crate) struct Scratch {
     journal: Journal,
     /// Traces the last cycle recorded (a large cycle reserves room for as many).
     last_traces: usize,
+    /// The batched JIT entry's columns and results, reused (`Cycle::evaluate_batch`).
+    batch: BatchBuffers,
+}
+
+/// Buffers of one batched JIT call: slot columns, which rows' slots were all numbers, the
+/// outputs and their finite flags, and the converted values handed back.
+#[derive(Debug, Default)]
+struct BatchBuffers {
+    cols: Vec<Vec<f64>>,
+    guarded: Vec<bool>,
+    out: Vec<f64>,
+    ok: Vec<u8>,
+    vals: Vec<Option<Val>>,
 }
 
 impl Scratch {
@@ -114,6 +127,14 @@ impl Scratch {
         }
         recycle(&mut self.touched);
         self.prefixes.clear();
+        let b = &mut self.batch;
+        for c in &mut b.cols {
+            recycle(c);
+        }
+        recycle(&mut b.guarded);
+        recycle(&mut b.out);
+        recycle(&mut b.ok);
+        recycle(&mut b.vals);
     }
 }
 
@@ -173,6 +194,8 @@ struct Journal {
     aggregates: Vec<(NodeId, Option<AggMemo>)>,
     /// Cells written: each one's previous value.
     cells: Vec<(u32, Option<Val>)>,
+    /// The addresses of `TreeUndo::Path` entries, one after another.
+    path_segs: Vec<Seg>,
 }
 
 /// Buffers up to this many entries are always kept for the next cycle.
@@ -211,6 +234,7 @@ impl Journal {
         recycle(&mut self.effect_keys);
         recycle(&mut self.aggregates);
         recycle(&mut self.cells);
+        recycle(&mut self.path_segs);
     }
 }
 
@@ -242,15 +266,15 @@ fn save(
 enum TreeUndo {
     /// A top-level member (`None`: the whole root) and what it held before.
     Member(Option<crate::value::Key>, Option<Val>),
-    /// A nested address and what it held (`None`: nothing; the address is the shallowest one
-    /// the write created). Written derived values are journaled this way, so the document is
-    /// changed in place instead of its top-level member being kept whole for undo (which would
-    /// make every written element a copy).
-    Path(Box<[Seg]>, Option<Val>),
+    /// A nested address (`Journal::path_segs[start..end]`) and what it held (`None`:
+    /// nothing; the address is the shallowest one the write created). Written derived values
+    /// are journaled this way, so the document is changed in place instead of its top-level
+    /// member being kept whole for undo (which would make every written element a copy).
+    Path(u32, u32, Option<Val>),
 }
 
 /// Undo a document's changes, newest first.
-fn undo(doc: &mut Val, log: Vec<TreeUndo>) {
+fn undo(doc: &mut Val, log: Vec<TreeUndo>, segs: &[Seg]) {
     for entry in log.into_iter().rev() {
         match entry {
             TreeUndo::Member(None, Some(v)) => *doc = v,
@@ -265,35 +289,50 @@ fn undo(doc: &mut Val, log: Vec<TreeUndo>) {
                     m.remove(&k);
                 }
             }
-            TreeUndo::Path(path, Some(v)) => {
-                doc.splice_existing(&path, v);
-            }
-            TreeUndo::Path(path, None) => {
-                doc.remove_path(&path);
+            TreeUndo::Path(start, end, old) => {
+                let path = &segs[start as usize..end as usize];
+                match old {
+                    Some(v) => {
+                        doc.splice_existing(path, v);
+                    }
+                    None => {
+                        doc.remove_path(path);
+                    }
+                }
             }
         }
     }
 }
 
 /// The undo entry for writing at the nested address `path` of `doc`: its current value, or
-/// the shallowest address on it that does not exist yet (what the write creates).
-fn path_undo(doc: &Val, path: &[Seg]) -> TreeUndo {
-    if let Some(v) = doc.get_path(path) {
-        return TreeUndo::Path(path.into(), Some(v.clone()));
-    }
-    let mut cur = doc;
-    for (i, seg) in path.iter().enumerate() {
-        let next = match (seg, cur) {
-            (Seg::Field(k), Val::Obj(m)) => m.get(k),
-            (Seg::Index(j), Val::Arr(a)) => a.get(*j),
-            _ => None,
-        };
-        match next {
-            Some(v) => cur = v,
-            None => return TreeUndo::Path(path[..=i].into(), None),
+/// the shallowest address on it that does not exist yet (what the write creates). The address
+/// goes to `segs`.
+fn path_undo(doc: &Val, path: &[Seg], segs: &mut Vec<Seg>) -> TreeUndo {
+    let start = segs.len() as u32;
+    let (len, old) = match doc.get_path(path) {
+        Some(v) => (path.len(), Some(v.clone())),
+        None => {
+            let mut cur = doc;
+            let mut len = path.len();
+            for (i, seg) in path.iter().enumerate() {
+                let next = match (seg, cur) {
+                    (Seg::Field(k), Val::Obj(m)) => m.get(k),
+                    (Seg::Index(j), Val::Arr(a)) => a.get(*j),
+                    _ => None,
+                };
+                match next {
+                    Some(v) => cur = v,
+                    None => {
+                        len = i + 1;
+                        break;
+                    }
+                }
+            }
+            (len, None)
         }
-    }
-    TreeUndo::Path(path.into(), None)
+    };
+    segs.extend_from_slice(&path[..len]);
+    TreeUndo::Path(start, segs.len() as u32, old)
 }
 
 /// Put back the previous values of a keyed map, newest change first.
@@ -307,6 +346,59 @@ fn restore<V: Clone>(map: &mut imbl::OrdMap<Arc<str>, V>, log: Vec<(Arc<str>, Op
                 map.remove(&k);
             }
         }
+    }
+}
+
+/// Concrete instances of a pattern, their segments one after another (one allocation for
+/// all of them, not one per instance).
+#[derive(Debug, Default)]
+struct Insts {
+    segs: Vec<Seg>,
+    ends: Vec<u32>,
+}
+
+impl Insts {
+    fn one(inst: Vec<Seg>) -> Insts {
+        Insts {
+            ends: vec![inst.len() as u32],
+            segs: inst,
+        }
+    }
+
+    fn push(&mut self, inst: &[Seg]) {
+        self.segs.extend_from_slice(inst);
+        self.ends.push(self.segs.len() as u32);
+    }
+
+    fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &[Seg]> + '_ {
+        let mut start = 0usize;
+        self.ends.iter().map(move |&end| {
+            let s = &self.segs[start..end as usize];
+            start = end as usize;
+            s
+        })
+    }
+
+    fn extend(&mut self, other: &Insts) {
+        for inst in other.iter() {
+            self.push(inst);
+        }
+    }
+
+    /// Sorted, without duplicates.
+    fn sort_dedup(self) -> Insts {
+        let mut all: Vec<&[Seg]> = self.iter().collect();
+        all.sort_unstable();
+        all.dedup();
+        let mut out = Insts::default();
+        for inst in all {
+            out.push(inst);
+        }
+        out
     }
 }
 
@@ -739,13 +831,13 @@ impl<'a> Cycle<'a> {
             .push(node.id, target, result, passed, jit, error);
     }
 
-    fn instances(&self, id: NodeId, pattern: &Address) -> Vec<Vec<Seg>> {
+    fn instances(&self, id: NodeId, pattern: &Address) -> Insts {
         if let Some(c) = pattern.concrete() {
-            return vec![c];
+            return Insts::one(c);
         }
         // One expansion yields distinct instances in ascending order already; several bound
         // prefixes may overlap, so their union is sorted and de-duplicated.
-        let mut out = Vec::new();
+        let mut out = Insts::default();
         match self.sc.bound(id) {
             None => expand_root(&pattern.segs, self.st.merged(), None, &mut out),
             Some(prefixes) => {
@@ -753,8 +845,7 @@ impl<'a> Cycle<'a> {
                     expand_root(&pattern.segs, self.st.merged(), Some(p), &mut out);
                 }
                 if prefixes.len() > 1 {
-                    out.sort_unstable();
-                    out.dedup();
+                    out = out.sort_dedup();
                 }
             }
         }
@@ -806,15 +897,18 @@ impl<'a> Cycle<'a> {
                 None => {
                     let insts = self.instances(id, &node.targets[0]);
                     self.sc.clean(id);
-                    let batch = self.evaluate_batch(node, &insts);
+                    let mut batch = self.evaluate_batch(node, &insts);
                     for (k, inst) in insts.iter().enumerate() {
-                        match batch.as_ref().and_then(|b| b[k].clone()) {
+                        match batch.as_mut().and_then(|b| b[k].take()) {
                             Some(v) => {
                                 self.jit_hit = true;
                                 self.write_value(node, inst, false, again, v, None);
                             }
                             None => self.derive_instance(node, inst, false, again),
                         }
+                    }
+                    if let Some(vals) = batch {
+                        self.return_batch(vals);
                     }
                 }
             }
@@ -834,38 +928,60 @@ impl<'a> Cycle<'a> {
     /// The JIT's answers for many instances of a `[*]` derivation at once (the batched entry
     /// over columns): per instance, the value, or `None` where the interpreter must answer.
     /// `None` overall when the node has no batched code or too few instances for it to pay.
-    fn evaluate_batch(&mut self, node: &Node, insts: &[Vec<Seg>]) -> Option<Vec<Option<Val>>> {
+    fn evaluate_batch(&mut self, node: &Node, insts: &Insts) -> Option<Vec<Option<Val>>> {
         const MIN_ROWS: usize = 16;
         if insts.len() < MIN_ROWS || !node.jit.lowered() || node.input != Input::Doc {
             return None;
         }
         let (nj, code) = node.jit.get()?;
         let code = code?;
+        // The buffers of the last batch: no fresh (zeroed) pages per call.
+        let mut b = std::mem::take(&mut self.sc.batch);
+        let rows = insts.len();
+        b.cols.resize_with(nj.inputs.len(), Vec::new);
+        b.cols.truncate(nj.inputs.len());
+        for c in &mut b.cols {
+            c.clear();
+            c.reserve(rows);
+        }
+        b.guarded.clear();
         let merged = self.st.merged();
-        let mut cols: Vec<Vec<f64>> = vec![Vec::with_capacity(insts.len()); nj.inputs.len()];
-        let mut guarded = vec![false; insts.len()];
-        for (k, inst) in insts.iter().enumerate() {
+        for inst in insts.iter() {
             let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
-            guarded[k] = jit::read_slots(&nj.inputs, merged, parent, &mut self.jit_slots)
+            let guarded = jit::read_slots(&nj.inputs, merged, parent, &mut self.jit_slots)
                 == jit::Read::Numbers;
-            for (s, col) in cols.iter_mut().enumerate() {
-                col.push(if guarded[k] { self.jit_slots[s] } else { 0.0 });
+            b.guarded.push(guarded);
+            for (s, col) in b.cols.iter_mut().enumerate() {
+                col.push(if guarded { self.jit_slots[s] } else { 0.0 });
             }
         }
-        let views: Vec<&[f64]> = cols.iter().map(Vec::as_slice).collect();
-        let mut out = vec![0.0; insts.len()];
-        let mut ok = vec![0u8; insts.len()];
-        code.set.call_batch(code.index, &views, &mut out, &mut ok)?;
-        Some(
-            (0..insts.len())
-                .map(|k| {
-                    (guarded[k] && ok[k] == 1).then(|| match code.ty {
-                        Ty::Num => Val::num(out[k]),
-                        Ty::Bool => Val::Bool(out[k] != 0.0),
-                    })
+        b.out.clear();
+        b.out.resize(rows, 0.0);
+        b.ok.clear();
+        b.ok.resize(rows, 0);
+        let views: Vec<&[f64]> = b.cols.iter().map(Vec::as_slice).collect();
+        let called = code
+            .set
+            .call_batch(code.index, &views, &mut b.out, &mut b.ok);
+        drop(views);
+        let mut vals = std::mem::take(&mut b.vals);
+        vals.clear();
+        if called.is_some() {
+            vals.extend((0..rows).map(|k| {
+                (b.guarded[k] && b.ok[k] == 1).then(|| match code.ty {
+                    Ty::Num => Val::num(b.out[k]),
+                    Ty::Bool => Val::Bool(b.out[k] != 0.0),
                 })
-                .collect(),
-        )
+            }));
+        }
+        self.sc.batch = b;
+        called.map(|_| vals)
+    }
+
+    /// Hand a batch's values back for the next batch to fill (emptied then; its length until
+    /// then tells the end of the cycle how much of it was used).
+    fn return_batch(&mut self, vals: Vec<Option<Val>>) {
+        self.sc.batch.vals = vals;
     }
 
     /// Write one derived value; propagate it when it changed.
@@ -949,7 +1065,7 @@ impl<'a> Cycle<'a> {
                         Some(Seg::Field(k))
                             if inst.len() > 1 && !j.merged_root && !j.merged_seen.contains(k) =>
                         {
-                            j.merged.push(path_undo(tree, inst));
+                            j.merged.push(path_undo(tree, inst, &mut j.path_segs));
                         }
                         _ => save(
                             tree,
@@ -996,12 +1112,12 @@ impl<'a> Cycle<'a> {
             let insts = self.instances(id, pattern);
             self.sc.clean(id);
             let mut keys = HashSet::default();
-            for inst in insts {
-                let value = match self.evaluate(node, &inst) {
+            for inst in insts.iter() {
+                let value = match self.evaluate(node, inst) {
                     Ok(Some(v)) => from_jvalue(&v),
                     _ => Val::Null,
                 };
-                let key: Arc<str> = Arc::from(format!("{}#{}", render(&inst), prop.key_name()));
+                let key: Arc<str> = Arc::from(format!("{}#{}", render(inst), prop.key_name()));
                 keys.insert(key.clone());
                 let entry = MetaEntry { node: id, value };
                 if self.st.meta.get(&key) != Some(&entry) {
@@ -1045,18 +1161,18 @@ impl<'a> Cycle<'a> {
                 continue;
             };
             let spec = &cm.spec.constraints[index];
-            let mut insts: Vec<Vec<Seg>> = Vec::new();
+            let mut insts = Insts::default();
             if node.targets.is_empty() {
-                insts.push(Vec::new());
+                insts.push(&[]);
             } else {
                 for t in &node.targets {
-                    insts.extend(self.instances(id, t));
+                    insts.extend(&self.instances(id, t));
                 }
             }
             self.sc.clean(id);
             let mut failed = false;
-            for inst in insts {
-                let (passed, error) = match self.evaluate(node, &inst) {
+            for inst in insts.iter() {
+                let (passed, error) = match self.evaluate(node, inst) {
                     Ok(v) => (truthy(v.as_ref()), None),
                     Err(e) => (false, Some(e.message)),
                 };
@@ -1156,9 +1272,9 @@ impl<'a> Cycle<'a> {
     /// Undo everything this cycle changed in the state.
     fn rollback(&mut self) {
         let j = std::mem::take(&mut self.journal);
-        undo(&mut self.st.base, j.base);
+        undo(&mut self.st.base, j.base, &[]);
         if let Some(tree) = &mut self.st.tree {
-            undo(tree, j.merged);
+            undo(tree, j.merged, &j.path_segs);
         }
         for (c, old) in j.cells.into_iter().rev() {
             self.st.cells.set(c, old);
@@ -1290,9 +1406,9 @@ fn element_prefix<'s>(pattern: &Address, inst: &'s [Seg]) -> &'s [Seg] {
 
 /// Concrete instances of a pattern in the merged document, optionally restricted to bound
 /// leading wildcards.
-fn expand_root(segs: &[PathSeg], m: Merged<'_>, bind: Option<&[usize]>, out: &mut Vec<Vec<Seg>>) {
+fn expand_root(segs: &[PathSeg], m: Merged<'_>, bind: Option<&[usize]>, out: &mut Insts) {
     match segs.split_first() {
-        None => out.push(Vec::new()),
+        None => out.push(&[]),
         Some((PathSeg::Field(k), rest)) if m.root_is_obj() => {
             let next = m.root_get(k);
             if next.is_none() && rest.iter().any(|s| matches!(s, PathSeg::Wild)) {
@@ -1312,10 +1428,10 @@ fn expand(
     bind: Option<&[usize]>,
     wi: usize,
     cur: &mut Vec<Seg>,
-    out: &mut Vec<Vec<Seg>>,
+    out: &mut Insts,
 ) {
     let Some((first, rest)) = segs.split_first() else {
-        out.push(cur.clone());
+        out.push(cur);
         return;
     };
     match first {
