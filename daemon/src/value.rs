@@ -64,6 +64,12 @@ pub fn intern(s: &str) -> Key {
     })
 }
 
+/// The same key text by pointer (interned keys): a `false` proves nothing.
+#[inline]
+fn same_key(a: &str, b: &str) -> bool {
+    a.as_ptr() == b.as_ptr() && a.len() == b.len()
+}
+
 /// Key equality with a pointer fast path for interned keys.
 #[inline]
 pub(crate) fn key_eq(a: &str, b: &str) -> bool {
@@ -119,7 +125,13 @@ impl ObjMap {
 
     pub fn get(&self, key: &str) -> Option<&Val> {
         match self {
-            ObjMap::Small(v) => v.iter().find(|(k, _)| key_eq(k, key)).map(|(_, v)| v),
+            // Interned keys first by pointer alone: a miss costs no byte comparisons of
+            // same-length names (`price` against `total`).
+            ObjMap::Small(v) => v
+                .iter()
+                .find(|(k, _)| same_key(k, key))
+                .or_else(|| v.iter().find(|(k, _)| **k == *key))
+                .map(|(_, v)| v),
             ObjMap::Large(m) => m.get(key).map(|e| &e.val),
         }
     }
