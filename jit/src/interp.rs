@@ -70,24 +70,11 @@ fn und(ir: &Ir, s: &[f64]) -> Option<Option<f64>> {
             let (Some(a), Some(b)) = (a, b) else {
                 return Some(None);
             };
-            finite(match op {
-                Arith::Add => a + b,
-                Arith::Sub => a - b,
-                Arith::Mul => a * b,
-                Arith::Div => a / b,
-                Arith::Rem => helpers::rem(a, b),
-            })
-            .map(Some)
+            finite(arith(*op, a, b)).map(Some)
         }
         Ir::Math(f, a) => match und(a, s)? {
             None => Some(None),
-            Some(a) => finite(match f {
-                Math::Abs => a.abs(),
-                Math::Floor => a.floor(),
-                Math::Ceil => a.ceil(),
-                Math::Sqrt => a.sqrt(),
-            })
-            .map(Some),
+            Some(a) => finite(math(*f, a)).map(Some),
         },
         Ir::Round(a, p) => match und(a, s)? {
             None => Some(None),
@@ -102,6 +89,25 @@ fn finite(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
 }
 
+fn arith(op: Arith, a: f64, b: f64) -> f64 {
+    match op {
+        Arith::Add => a + b,
+        Arith::Sub => a - b,
+        Arith::Mul => a * b,
+        Arith::Div => a / b,
+        Arith::Rem => helpers::rem(a, b),
+    }
+}
+
+fn math(f: Math, a: f64) -> f64 {
+    match f {
+        Math::Abs => a.abs(),
+        Math::Floor => a.floor(),
+        Math::Ceil => a.ceil(),
+        Math::Sqrt => a.sqrt(),
+    }
+}
+
 fn num(ir: &Ir, s: &[f64]) -> Option<f64> {
     match ir {
         Ir::Const(c) => Some(*c),
@@ -109,13 +115,7 @@ fn num(ir: &Ir, s: &[f64]) -> Option<f64> {
         Ir::Neg(a) => Some(-num(a, s)?),
         Ir::Arith(op, a, b) => {
             let (a, b) = (num(a, s)?, num(b, s)?);
-            finite(match op {
-                Arith::Add => a + b,
-                Arith::Sub => a - b,
-                Arith::Mul => a * b,
-                Arith::Div => a / b,
-                Arith::Rem => helpers::rem(a, b),
-            })
+            finite(arith(*op, a, b))
         }
         Ir::Cond(c, t, e) => {
             if boolean(c, s)? {
@@ -124,15 +124,7 @@ fn num(ir: &Ir, s: &[f64]) -> Option<f64> {
                 num(e, s)
             }
         }
-        Ir::Math(f, a) => {
-            let a = num(a, s)?;
-            finite(match f {
-                Math::Abs => a.abs(),
-                Math::Floor => a.floor(),
-                Math::Ceil => a.ceil(),
-                Math::Sqrt => a.sqrt(),
-            })
-        }
+        Ir::Math(f, a) => finite(math(*f, num(a, s)?)),
         Ir::Pow(b, e) => finite(helpers::power(num(b, s)?, num(e, s)?)),
         Ir::Round(a, p) => finite(helpers::round(num(a, s)?, *p)),
         // jsonata-core's scan: start from ∓∞, take a value only when strictly better.
