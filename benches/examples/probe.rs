@@ -92,13 +92,7 @@ fn main() {
             lap("create", &mut t, 1);
             seed(&mut m, chain_data());
             lap("initial data", &mut t, 1);
-            let s = segs("$.seed");
-            for j in 0..iters {
-                let r = m
-                    .mutate_parsed(&[(s.clone(), json!(j + 1))], NOW_MS)
-                    .unwrap();
-                std::hint::black_box(r);
-            }
+            write_counts(&mut m, "$.seed", 1, iters);
             lap("mutate", &mut t, iters);
         }
         "items" => {
@@ -139,13 +133,7 @@ fn main() {
             seed(&mut m, vec![(segs("$.rate"), json!(2))]);
             valem::engine::jit::flush(std::time::Duration::from_secs(60));
             lap("setup", &mut t, 1);
-            let s = segs("$.rate");
-            for j in 0..iters {
-                let r = m
-                    .mutate_parsed(&[(s.clone(), json!(j + 3))], NOW_MS)
-                    .unwrap();
-                std::hint::black_box(r);
-            }
+            write_counts(&mut m, "$.rate", 3, iters);
             lap("recompute", &mut t, iters);
         }
         "sizes" => sizes_probe(n),
@@ -204,7 +192,17 @@ fn main() {
     }
 }
 
-#[allow(dead_code)]
+/// Write `from`, `from + 1`, … at `addr`, one cycle each.
+fn write_counts(m: &mut Model, addr: &str, from: usize, count: usize) {
+    let s = segs(addr);
+    for j in 0..count {
+        let r = m
+            .mutate_parsed(&[(s.clone(), json!(from + j))], NOW_MS)
+            .unwrap();
+        std::hint::black_box(r);
+    }
+}
+
 fn sizes_probe(n: usize) {
     use valem::expr::{Compiled, Limits};
     let before = live_mb();

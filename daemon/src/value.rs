@@ -73,7 +73,7 @@ fn same_key(a: &str, b: &str) -> bool {
 /// Key equality with a pointer fast path for interned keys.
 #[inline]
 pub(crate) fn key_eq(a: &str, b: &str) -> bool {
-    (a.as_ptr() == b.as_ptr() && a.len() == b.len()) || a == b
+    same_key(a, b) || a == b
 }
 
 /// Objects up to this many entries are a copy-on-write vector (cheap to build and scan); wider

@@ -21,6 +21,15 @@ pub fn round(x: f64, precision: i32) -> f64 {
     round_decimal(x, precision)
 }
 
+/// `10^k` for the `k` where it is exact in an f64 (0 to 22).
+fn pow10(k: usize) -> Option<f64> {
+    const POW10: [f64; 23] = [
+        1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+        1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+    ];
+    POW10.get(k).copied()
+}
+
 /// [`round`] without decimal strings, when that cannot change the answer: for a precision of
 /// 1 to 22 (`10^p` exact), `y = x × 10^p` is within a few units in the last place of the
 /// decimal shift `round_decimal` makes; when `y`'s fraction is clearly not ½ both lie on the
@@ -29,11 +38,7 @@ pub fn round(x: f64, precision: i32) -> f64 {
 /// `r + 'e-' + p` that `round_decimal` makes. `None`: near a tie, or too large or not finite.
 #[inline]
 fn round_far_from_tie(x: f64, precision: i32) -> Option<f64> {
-    const POW10: [f64; 23] = [
-        1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
-        1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
-    ];
-    let scale = *POW10.get(usize::try_from(precision).ok().filter(|&p| p >= 1)?)?;
+    let scale = pow10(usize::try_from(precision).ok().filter(|&p| p >= 1)?)?;
     let y = x * scale;
     // |y| < 2^52: its floor and fraction are exact, the integer below stays exact.
     if y.is_nan() || y.abs() >= 4_503_599_627_370_496.0 {
@@ -97,10 +102,6 @@ fn shift(x: f64, by: i32) -> f64 {
 /// `m × 10^exp` for a plain decimal `m` (`-12.345`), when it converts exactly-rounded in one
 /// floating-point operation.
 fn fast_decimal(m: &str, exp: i64) -> Option<f64> {
-    const POW10: [f64; 23] = [
-        1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
-        1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
-    ];
     let (neg, digits) = match m.strip_prefix('-') {
         Some(d) => (true, d),
         None => (false, m),
@@ -126,9 +127,9 @@ fn fast_decimal(m: &str, exp: i64) -> Option<f64> {
     let k = exp - frac;
     let v = d as f64;
     let v = if k >= 0 {
-        v * *POW10.get(usize::try_from(k).ok()?)?
+        v * pow10(usize::try_from(k).ok()?)?
     } else {
-        v / *POW10.get(usize::try_from(-k).ok()?)?
+        v / pow10(usize::try_from(-k).ok()?)?
     };
     Some(if neg { -v } else { v })
 }

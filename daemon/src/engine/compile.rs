@@ -398,9 +398,8 @@ impl Interner {
         if let Some(c) = self.exprs.get(text) {
             return Ok(c.clone());
         }
-        let c = Rc::new(Compiled::compile(text, &self.limits)?);
-        self.exprs.insert(text.to_string(), c.clone());
-        Ok(c)
+        let parsed = Compiled::parse(text, &self.limits)?;
+        Ok(self.share(text, parsed))
     }
 }
 
@@ -1170,7 +1169,6 @@ fn draft_empty(
         node: Node {
             id: 0,
             kind,
-
             wild: targets.first().map_or(0, Address::wildcard_count) as u32,
             concrete,
             cell: None,

@@ -178,8 +178,9 @@ impl std::ops::DerefMut for ScratchRef<'_> {
 }
 
 /// What a cycle changed, to undo it exactly if the cycle fails. The cycle mutates the committed
-/// state in place (no copy when nobody else holds it); each top-level member of the base and
-/// merged documents is saved once, before its first change (an O(1) persistent clone).
+/// state in place (no copy when nobody else holds it); a top-level member of the base and
+/// merged documents is saved once, before its first change (an O(1) persistent clone), except
+/// that a derived value written deeper is journaled by its address alone (`TreeUndo::Path`).
 #[derive(Debug, Default)]
 struct Journal {
     base: Vec<TreeUndo>,
@@ -205,7 +206,7 @@ const KEEP_ENTRIES: usize = 4096;
 /// less (a one-off bulk cycle — initial data — does not pin its peak for the model's life,
 /// while a model whose every cycle is large keeps reusing it).
 fn recycle<T>(v: &mut Vec<T>) {
-    if v.capacity() > KEEP_ENTRIES && v.capacity() > 4 * v.len() {
+    if oversized(v.capacity(), v.len()) {
         *v = Vec::new();
     } else {
         v.clear();
@@ -213,11 +214,16 @@ fn recycle<T>(v: &mut Vec<T>) {
 }
 
 fn recycle_set<T>(s: &mut HashSet<T>) {
-    if s.capacity() > KEEP_ENTRIES && s.capacity() > 4 * s.len() {
+    if oversized(s.capacity(), s.len()) {
         *s = HashSet::default();
     } else {
         s.clear();
     }
+}
+
+/// A buffer worth letting go (see [`recycle`]).
+fn oversized(capacity: usize, used: usize) -> bool {
+    capacity > KEEP_ENTRIES && capacity > 4 * used
 }
 
 impl Journal {
@@ -309,30 +315,18 @@ fn undo(doc: &mut Val, log: Vec<TreeUndo>, segs: &[Seg]) {
 /// goes to `segs`.
 fn path_undo(doc: &Val, path: &[Seg], segs: &mut Vec<Seg>) -> TreeUndo {
     let start = segs.len() as u32;
-    let (len, old) = match doc.get_path(path) {
-        Some(v) => (path.len(), Some(v.clone())),
-        None => {
-            let mut cur = doc;
-            let mut len = path.len();
-            for (i, seg) in path.iter().enumerate() {
-                let next = match (seg, cur) {
-                    (Seg::Field(k), Val::Obj(m)) => m.get(k),
-                    (Seg::Index(j), Val::Arr(a)) => a.get(*j),
-                    _ => None,
-                };
-                match next {
-                    Some(v) => cur = v,
-                    None => {
-                        len = i + 1;
-                        break;
-                    }
-                }
-            }
-            (len, None)
-        }
-    };
+    let mut cur = Some(doc);
+    let mut len = 0;
+    while let (Some(v), Some(seg)) = (cur, path.get(len)) {
+        len += 1;
+        cur = match (seg, v) {
+            (Seg::Field(k), Val::Obj(m)) => m.get(k),
+            (Seg::Index(j), Val::Arr(a)) => a.get(*j),
+            _ => None,
+        };
+    }
     segs.extend_from_slice(&path[..len]);
-    TreeUndo::Path(start, segs.len() as u32, old)
+    TreeUndo::Path(start, segs.len() as u32, cur.cloned())
 }
 
 /// Put back the previous values of a keyed map, newest change first.
@@ -939,7 +933,6 @@ impl<'a> Cycle<'a> {
         let mut b = std::mem::take(&mut self.sc.batch);
         let rows = insts.len();
         b.cols.resize_with(nj.inputs.len(), Vec::new);
-        b.cols.truncate(nj.inputs.len());
         for c in &mut b.cols {
             c.clear();
             c.reserve(rows);

@@ -165,9 +165,7 @@ impl JitCell {
             return Some((nj, Some(code)));
         }
         let runs = self.runs.get();
-        if runs < u32::MAX {
-            self.runs.set(runs + 1);
-        }
+        self.runs.set(runs.saturating_add(1));
         if runs >= tier_after() && !nj.slot.requested.swap(true, Ordering::AcqRel) {
             registry().request(nj.slot.clone());
         }
@@ -219,43 +217,30 @@ pub fn read_slots(
     let mut undefined = false;
     let mut parent_val: Option<Option<&Val>> = None;
     for input in inputs {
+        // A top-level member (when it is there), then the rest of the path.
+        let below = |v: Option<&Val>, rest: &[Seg]| match v {
+            Some(v) => walk(v, rest),
+            None => Some(f64::NAN),
+        };
         let x = match input {
-            SlotInput::Cell(c, k) => {
-                if !m.root_is_obj() {
-                    return Read::Other;
-                }
-                match m.cell_or_member(*c, k) {
-                    Some(v) => walk(v, &[]),
-                    None => Some(f64::NAN),
-                }
+            SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Member(_)
+                if !m.root_is_obj() =>
+            {
+                return Read::Other
             }
+            SlotInput::Cell(c, k) => below(m.cell_or_member(*c, k), &[]),
             SlotInput::CellPath(b) => {
                 let (c, k, rest) = &**b;
-                if !m.root_is_obj() {
-                    return Read::Other;
-                }
-                match m.cell_or_member(*c, k) {
-                    Some(v) => walk(v, rest),
-                    None => Some(f64::NAN),
-                }
+                below(m.cell_or_member(*c, k), rest)
             }
-            SlotInput::Member(k) => {
-                let Val::Obj(o) = m.doc else {
-                    return Read::Other;
-                };
-                match o.get(k) {
-                    Some(v) => walk(v, &[]),
-                    None => Some(f64::NAN),
-                }
-            }
+            SlotInput::Member(k) => below(m.doc.as_obj().and_then(|o| o.get(k)), &[]),
             SlotInput::Doc(path) if path.is_empty() => None,
             SlotInput::Doc(path) => walk(m.doc, path),
             SlotInput::Parent(path) => match (parent, path.split_first()) {
                 // A top-level target's parent is the root.
-                (Some([]), Some((Seg::Field(k), rest))) if m.root_is_obj() => match m.root_get(k) {
-                    Some(v) => walk(v, rest),
-                    None => Some(f64::NAN),
-                },
+                (Some([]), Some((Seg::Field(k), rest))) if m.root_is_obj() => {
+                    below(m.root_get(k), rest)
+                }
                 (Some(p), Some(_)) if !p.is_empty() => {
                     // Found once per call: the slots of `$parent.a * $parent.b` share it.
                     let v = *parent_val.get_or_insert_with(|| m.get_path(p));
