@@ -593,3 +593,56 @@ fn idle_and_slowloris_connections_are_cut_and_the_daemon_keeps_serving() {
     );
     assert_eq!(status, 200);
 }
+
+/// A request refused before its body arrived leaves unread bytes on the wire, so the daemon
+/// closes that connection after answering: the answer must say so (`Connection: close`), or a
+/// client pooling the connection sends its next request into a closing socket. A refusal after
+/// the body was read (the SDK's `server/discover` probe at a version we do not speak) keeps the
+/// connection, and the handshake that follows goes down the same one.
+#[test]
+fn refusals_say_when_the_connection_closes_and_keep_it_when_the_body_was_read() {
+    use std::io::{Read, Write};
+    let d = Daemon::start(&[]);
+
+    // Headers only: the body (20 bytes, declared) is never sent. REST refuses the media type.
+    let mut s = std::net::TcpStream::connect(&d.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    s.write_all(
+        b"POST /models HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n\
+          Content-Length: 20\r\n\r\n",
+    )
+    .expect("write");
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out); // the daemon closes: read_to_end ends
+    let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
+    assert!(text.starts_with("http/1.1 415"), "{text}");
+    assert!(text.contains("\r\nconnection: close\r\n"), "{text}");
+
+    // The probe, body and all, at a protocol version this server does not speak.
+    let mut c = valem_tests::load::Conn::open(&d.addr).expect("connect");
+    let mcp = [
+        ("Content-Type", "application/json"),
+        ("Accept", "application/json, text/event-stream"),
+    ];
+    let mut probe = mcp.to_vec();
+    probe.push(("MCP-Protocol-Version", "2099-01-01"));
+    let r = c
+        .request(
+            "POST",
+            "/mcp",
+            &probe,
+            br#"{"jsonrpc":"2.0","id":1,"method":"server/discover","params":{}}"#,
+        )
+        .expect("probe answered");
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("connection"), None);
+    let init = json!({"jsonrpc": "2.0", "id": 2, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}});
+    let r = c
+        .request("POST", "/mcp", &mcp, init.to_string().as_bytes())
+        .expect("the same connection answers the handshake");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.header("mcp-session-id").is_some());
+}

@@ -232,6 +232,19 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
     if super::rest::extract::declares_over(&headers, limit) {
         return too_large();
     }
+    // The body is read before the headers are judged, so that a refusal on them (a client
+    // probing with a protocol version we do not speak, say) leaves the connection reusable.
+    let body = match Bytes::from_request(req, &st).await {
+        Ok(b) => b,
+        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large(),
+        Err(r) => {
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::PARSE_ERROR,
+                format!("Unreadable request body: {}", r.body_text()),
+            )
+        }
+    };
     if let Err(r) = check_version(&headers) {
         return r;
     }
@@ -251,17 +264,6 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             "Unsupported Media Type: the body must be application/json",
         );
     }
-    let body = match Bytes::from_request(req, &st).await {
-        Ok(b) => b,
-        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large(),
-        Err(r) => {
-            return rpc_error(
-                StatusCode::BAD_REQUEST,
-                code::PARSE_ERROR,
-                format!("Unreadable request body: {}", r.body_text()),
-            )
-        }
-    };
     let mut msg: Json = match serde_json::from_slice(&body) {
         Ok(m) => m,
         Err(e) => {

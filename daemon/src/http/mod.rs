@@ -20,6 +20,7 @@ pub mod sandbox;
 pub mod ws;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,7 +100,7 @@ pub struct AppState {
     pub metrics: Arc<metrics::Metrics>,
     pub sessions: Arc<mcp::Sessions>,
     /// Open WebSocket subscriptions.
-    pub subscriptions: Arc<std::sync::atomic::AtomicUsize>,
+    pub subscriptions: Arc<AtomicUsize>,
     /// Sandbox pairings and the browser sessions they opened.
     pub pairings: Arc<sandbox::Pairings>,
     /// Flips to true when the daemon starts shutting down: long-lived streams end.
@@ -227,20 +228,78 @@ async fn not_found(req: Request) -> Response {
 
 /// Request timeout (slow bodies) and counting; streams outlive this (their body is polled
 /// after the handler returned).
+///
+/// A response to a request whose body was not read to its end (refused on its headers, timed
+/// out, over the limit) says `Connection: close`: hyper closes such a connection after
+/// answering, since the rest of the body is still on the wire, and a client that was not told
+/// would send its next request down a socket about to close ("server disconnected without
+/// sending a response"; under load the close lands after the client has reused it).
 async fn request_limits(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let start = std::time::Instant::now();
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    let res = match tokio::time::timeout(st.config.request_timeout, next.run(req)).await {
+    let (req, read) = TrackedBody::wrap(req);
+    let mut res = match tokio::time::timeout(st.config.request_timeout, next.run(req)).await {
         Ok(r) => r,
         Err(_) => error_response(
             StatusCode::REQUEST_TIMEOUT,
             json!({"error": "Request timeout", "message": format!("the request was not completed within {} s", st.config.request_timeout.as_secs_f64())}),
         ),
     };
+    if read.is_some_and(|r| !r.load(Ordering::Acquire)) {
+        res.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
     st.metrics.request(res.status().as_u16());
     tracing::debug!(%method, %path, status = res.status().as_u16(), micros = start.elapsed().as_micros() as u64, "request");
     res
+}
+
+/// A request body that records when it has been read to its end.
+struct TrackedBody {
+    inner: axum::body::Body,
+    read: Arc<AtomicBool>,
+}
+
+impl TrackedBody {
+    /// The request with its body tracked, and the flag; `None` for a request without a body.
+    fn wrap(req: Request) -> (Request, Option<Arc<AtomicBool>>) {
+        use hyper::body::Body as _;
+        if req.body().is_end_stream() {
+            return (req, None);
+        }
+        let read = Arc::new(AtomicBool::new(false));
+        let (parts, inner) = req.into_parts();
+        let body = axum::body::Body::new(TrackedBody {
+            inner,
+            read: read.clone(),
+        });
+        (Request::from_parts(parts, body), Some(read))
+    }
+}
+
+impl hyper::body::Body for TrackedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, std::task::Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.read.store(true, Ordering::Release);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Run the daemon until SIGINT/SIGTERM. `ready` receives the bound address (the port may have
@@ -262,18 +321,14 @@ pub fn serve(
 /// answer: only while every connection can have a reactor thread to itself. With more, a
 /// polling worker would be starving connections that have requests ready.
 struct ConnGauge {
-    open: Arc<std::sync::atomic::AtomicUsize>,
+    open: Arc<AtomicUsize>,
     service: Arc<ModelService>,
     workers: usize,
 }
 
 impl ConnGauge {
-    fn open(
-        open: &Arc<std::sync::atomic::AtomicUsize>,
-        service: &Arc<ModelService>,
-        workers: usize,
-    ) -> ConnGauge {
-        let n = open.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    fn open(open: &Arc<AtomicUsize>, service: &Arc<ModelService>, workers: usize) -> ConnGauge {
+        let n = open.fetch_add(1, Ordering::Relaxed) + 1;
         service.set_async_polling(n <= workers);
         ConnGauge {
             open: open.clone(),
@@ -285,7 +340,7 @@ impl ConnGauge {
 
 impl Drop for ConnGauge {
     fn drop(&mut self) {
-        let n = self.open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) - 1;
+        let n = self.open.fetch_sub(1, Ordering::Relaxed) - 1;
         self.service.set_async_polling(n <= self.workers);
     }
 }
@@ -316,7 +371,7 @@ async fn run(
         .max_buf_size(64 << 10);
     let builder = builder.http1_only();
     let slots = Arc::new(tokio::sync::Semaphore::new(config.max_connections.max(1)));
-    let open_conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let open_conns = Arc::new(AtomicUsize::new(0));
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let mut signal = std::pin::pin!(shutdown_signal());
     loop {
