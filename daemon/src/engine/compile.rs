@@ -11,6 +11,7 @@ use std::sync::Arc;
 use jsonata_core::ast::AstNode;
 use serde_json::Value as Json;
 
+use super::shapes::{skeleton, Shape, Shapes};
 use super::trie::{TSeg, Trie};
 use crate::expr::deps::{self, ReadPath, Reads, Root};
 use crate::expr::path::{Address, PathSeg};
@@ -514,8 +515,26 @@ fn prepare(
     constants: &serde_json::Map<String, Json>,
     bound: &HashSet<String>,
     keep_parsed: bool,
+    shapes: &mut Shapes,
 ) -> Result<Prepared, CompileError> {
     let target = parse_address(|| format!("derivations[{i}].path"), &d.path)?;
+    // A text shaped like one analysed before is analysed from that one (`shapes.rs`); with
+    // the JIT tier off every text keeps its parsed form, so each is parsed.
+    let sk = (!keep_parsed && d.expr.len() <= limits.max_expr_len)
+        .then(|| skeleton(&d.expr))
+        .flatten();
+    if let Some(sk) = &sk {
+        if let Some(Some(shape)) = shapes.get(sk) {
+            let (program, key, reads) = shape.instance(&sk.names);
+            return Ok(Prepared {
+                target,
+                parsed: None,
+                reads,
+                aggregate: None,
+                program: Some((program, key)),
+            });
+        }
+    }
     let parsed = Compiled::parse(&d.expr, limits)
         .map_err(|e| expr_error(&format!("derivations[{i}].expr"), &d.expr, &e))?;
     let reads = deps::reads(parsed.ast());
@@ -529,6 +548,15 @@ fn prepare(
             let key = p.key();
             (p, key)
         });
+    if let Some(sk) = sk {
+        if shapes.get(&sk).is_none() {
+            let shape = match (&program, &aggregate) {
+                (Some((p, key)), None) => Shape::of(&sk, p, key, &reads),
+                _ => None,
+            };
+            shapes.put(sk, shape);
+        }
+    }
     let parsed = (program.is_none() || keep_parsed).then_some(parsed);
     Ok(Prepared {
         target,
@@ -548,14 +576,21 @@ fn prepare_all(
     keep_parsed: bool,
 ) -> Vec<Result<Prepared, CompileError>> {
     let ds = &spec.derivations;
-    let one = |i: usize, d| prepare(i, d, limits, &spec.constants, bound, keep_parsed);
+    let one = |i: usize, d, shapes: &mut Shapes| {
+        prepare(i, d, limits, &spec.constants, bound, keep_parsed, shapes)
+    };
     let threads = if ds.len() < PARALLEL_FROM {
         1
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
     };
     if threads <= 1 {
-        return ds.iter().enumerate().map(|(i, d)| one(i, d)).collect();
+        let mut shapes = Shapes::default();
+        return ds
+            .iter()
+            .enumerate()
+            .map(|(i, d)| one(i, d, &mut shapes))
+            .collect();
     }
     let chunk = ds.len().div_ceil(threads);
     std::thread::scope(|s| {
@@ -564,9 +599,10 @@ fn prepare_all(
             .enumerate()
             .map(|(c, part)| {
                 s.spawn(move || {
+                    let mut shapes = Shapes::default();
                     part.iter()
                         .enumerate()
-                        .map(|(j, d)| one(c * chunk + j, d))
+                        .map(|(j, d)| one(c * chunk + j, d, &mut shapes))
                         .collect::<Vec<_>>()
                 })
             })
@@ -1390,6 +1426,90 @@ mod tests {
 
     fn c(j: Json) -> Result<CompiledModel, Vec<CompileError>> {
         compile(Arc::new(parse_spec(&j).unwrap()), &Limits::default())
+    }
+
+    /// A text analysed from the shape of one seen before gives what its own full analysis
+    /// gives: the same lowering (code key and inputs), reads and aggregate, for formulas in
+    /// and out of the arithmetic subset and names that collide with keywords, constants and
+    /// each other.
+    #[test]
+    fn shaped_analysis_equals_full_analysis() {
+        let families = [
+            "A * B",
+            "A * B + A - (A / 4)",
+            "(A - B) / (A + 1) % 3",
+            "$round(A * B * (1 + $const.rate), 2)",
+            "A > B ? A : (B <= 1 ? -A : 2.5e-3)",
+            "A.x * B.y + A.B",
+            "$abs(A) + $sqrt(B) * $const.rate",
+            "$power(A, 2) + $floor(B) - $ceil(C)",
+            "A = 1 and B != 2 ? C : 0",
+            "$parent.price * A",
+            "$sum(A.B)",
+            "$count(A)",
+            "A & B",
+            "A[0] * 2",
+            "$max([A, B])",
+            "A in [1, 2] ? B : C",
+            "true ? A : B",
+            "A * * B",
+            "$undefinedfn(A)",
+        ];
+        let names = [
+            ["price_1", "qty_1", "z"],
+            ["price_2", "qty_2", "w"],
+            ["rate", "x", "y"],
+            ["and_x", "or_y", "in_z"],
+            ["x", "x", "y"],
+            ["price", "qty", "c"],
+            ["a", "b", "c"],
+        ];
+        let limits = Limits::default();
+        let mut constants = serde_json::Map::new();
+        constants.insert("rate".into(), json!(0.5));
+        let bound = HashSet::new();
+        let mut shaped = 0;
+        for f in families {
+            let mut shapes = Shapes::default();
+            for ns in names {
+                let text = f
+                    .replace('A', ns[0])
+                    .replace('B', ns[1])
+                    .replace('C', ns[2]);
+                let d = crate::spec::DerivationSpec {
+                    path: "$.t".into(),
+                    expr: text.clone(),
+                    evaluation: None,
+                    description: None,
+                };
+                let seen =
+                    skeleton(&text).is_some_and(|sk| matches!(shapes.get(&sk), Some(Some(_))));
+                let fast = prepare(0, &d, &limits, &constants, &bound, false, &mut shapes);
+                let full = prepare(
+                    0,
+                    &d,
+                    &limits,
+                    &constants,
+                    &bound,
+                    false,
+                    &mut Shapes::default(),
+                );
+                match (fast, full) {
+                    (Ok(a), Ok(b)) => {
+                        shaped += usize::from(seen);
+                        assert_eq!(a.program, b.program, "{text}");
+                        assert_eq!(a.reads, b.reads, "{text}");
+                        assert_eq!(a.aggregate, b.aggregate, "{text}");
+                        assert_eq!(a.target, b.target, "{text}");
+                        assert_eq!(a.parsed.is_some(), b.parsed.is_some(), "{text}");
+                    }
+                    (Err(a), Err(b)) => assert_eq!(a.message, b.message, "{text}"),
+                    (a, b) => panic!("{text}: {:?} vs {:?}", a.is_ok(), b.is_ok()),
+                }
+            }
+        }
+        // The arithmetic families were analysed from their shapes after their first text.
+        assert!(shaped >= 30, "only {shaped} texts were shaped");
     }
 
     #[test]

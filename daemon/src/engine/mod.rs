@@ -9,6 +9,7 @@ pub mod graph;
 pub mod jit;
 pub mod merged;
 pub mod schema;
+mod shapes;
 pub mod testrun;
 pub mod trace;
 pub mod trie;
