@@ -497,26 +497,45 @@ struct NodeDraft {
 
 /// A derivation parsed and analysed (on any thread): its target, what it reads, its native
 /// aggregate, the IR it lowers to, and its parsed form unless the lowering stands in for it.
-struct Prepared {
+struct Prepared<'a> {
     target: Address,
     parsed: Option<Parsed>,
     reads: Reads,
     aggregate: Option<Aggregate>,
     program: Option<(Program, String)>,
+    /// A text analysed from its shape: the shape and the text's names, put in on the
+    /// compiling thread by [`Prepared::settle`] (the reads and program above are empty).
+    shaped: Option<(Arc<Shape>, Vec<&'a str>)>,
+    /// A shaped text's reads once settled, in [`Reads`] order (`reads` stays empty).
+    listed: Vec<ReadPath>,
+}
+
+impl Prepared<'_> {
+    /// Finish on the compiling thread: a shaped text's reads and lowering are made here, so
+    /// the names the reader index and the JIT slots hold are the ones the state and every
+    /// mutation's path are interned to (one copy each, compared by pointer), not a worker
+    /// thread's copies.
+    fn settle(&mut self) {
+        if let Some((shape, names)) = self.shaped.take() {
+            let (program, key, reads) = shape.instance(&names);
+            self.program = Some((program, key));
+            self.listed = reads;
+        }
+    }
 }
 
 /// Derivations fewer than this are prepared on the calling thread alone.
 const PARALLEL_FROM: usize = 4096;
 
-fn prepare(
+fn prepare<'a>(
     i: usize,
-    d: &crate::spec::DerivationSpec,
+    d: &'a crate::spec::DerivationSpec,
     limits: &Limits,
     constants: &serde_json::Map<String, Json>,
     bound: &HashSet<String>,
     keep_parsed: bool,
     shapes: &mut Shapes,
-) -> Result<Prepared, CompileError> {
+) -> Result<Prepared<'a>, CompileError> {
     let target = parse_address(|| format!("derivations[{i}].path"), &d.path)?;
     // A text shaped like one analysed before is analysed from that one (`shapes.rs`); with
     // the JIT tier off every text keeps its parsed form, so each is parsed.
@@ -525,13 +544,14 @@ fn prepare(
         .flatten();
     if let Some(sk) = &sk {
         if let Some(Some(shape)) = shapes.get(sk) {
-            let (program, key, reads) = shape.instance(&sk.names);
             return Ok(Prepared {
                 target,
                 parsed: None,
-                reads,
+                reads: Reads::default(),
                 aggregate: None,
-                program: Some((program, key)),
+                program: None,
+                shaped: Some((shape, sk.names.clone())),
+                listed: Vec::new(),
             });
         }
     }
@@ -564,17 +584,19 @@ fn prepare(
         reads,
         aggregate,
         program,
+        shaped: None,
+        listed: Vec::new(),
     })
 }
 
 /// [`prepare`] every derivation of `spec`, in order; a large spec is split over the machine's
 /// cores (parsing dominates compile time, and expressions are independent).
-fn prepare_all(
-    spec: &ModelSpec,
+fn prepare_all<'a>(
+    spec: &'a ModelSpec,
     limits: &Limits,
     bound: &HashSet<String>,
     keep_parsed: bool,
-) -> Vec<Result<Prepared, CompileError>> {
+) -> Vec<Result<Prepared<'a>, CompileError>> {
     let ds = &spec.derivations;
     let one = |i: usize, d, shapes: &mut Shapes| {
         prepare(i, d, limits, &spec.constants, bound, keep_parsed, shapes)
@@ -640,13 +662,14 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let keep_parsed = !super::jit::enabled();
     let prepared = prepare_all(&spec, limits, &bound, keep_parsed);
     for (i, (d, p)) in spec.derivations.iter().zip(prepared).enumerate() {
-        let p = match p {
+        let mut p = match p {
             Ok(p) => p,
             Err(e) => {
                 errors.push(e);
                 continue;
             }
         };
+        p.settle();
         let expr = match p.parsed {
             Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
             None => NodeExpr::text(Arc::from(d.expr.as_str())),
@@ -661,7 +684,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             Location::new(Section::Derivations, i),
             p.aggregate,
         );
-        add_reads(&mut dr, &p.reads, Some(&parent), None);
+        add_read_paths(
+            &mut dr,
+            p.reads.whole_doc,
+            p.reads.paths.iter().chain(&p.listed),
+            Some(&parent),
+            None,
+        );
         dr.program = p.program;
         drafts.push(dr);
     }
@@ -1259,8 +1288,19 @@ fn add_reads(
     parent: Option<&Address>,
     doc_base: Option<&Address>,
 ) {
+    add_read_paths(d, reads.whole_doc, reads.paths.iter(), parent, doc_base);
+}
+
+/// [`add_reads`] for reads given one by one (in the order a [`Reads`] set iterates them).
+fn add_read_paths<'r>(
+    d: &mut NodeDraft,
+    whole_doc: bool,
+    reads: impl Iterator<Item = &'r ReadPath>,
+    parent: Option<&Address>,
+    doc_base: Option<&Address>,
+) {
     let mut paths: Vec<String> = d.input_paths.to_vec();
-    if reads.whole_doc {
+    if whole_doc {
         match doc_base {
             None => {
                 d.node.whole_doc = true;
@@ -1277,7 +1317,7 @@ fn add_reads(
             }
         }
     }
-    for ReadPath { root, fields } in &reads.paths {
+    for ReadPath { root, fields } in reads {
         let segs = match (root, doc_base) {
             (Root::Doc, None) => {
                 d.node.projection.add(fields);
@@ -1495,10 +1535,17 @@ mod tests {
                     &mut Shapes::default(),
                 );
                 match (fast, full) {
-                    (Ok(a), Ok(b)) => {
+                    (Ok(mut a), Ok(mut b)) => {
+                        a.settle();
+                        b.settle();
                         shaped += usize::from(seen);
                         assert_eq!(a.program, b.program, "{text}");
-                        assert_eq!(a.reads, b.reads, "{text}");
+                        let reads = |p: &Prepared<'_>| {
+                            let all: Vec<ReadPath> =
+                                p.reads.paths.iter().chain(&p.listed).cloned().collect();
+                            (all, p.reads.whole_doc, p.reads.dynamic)
+                        };
+                        assert_eq!(reads(&a), reads(&b), "{text}");
                         assert_eq!(a.aggregate, b.aggregate, "{text}");
                         assert_eq!(a.target, b.target, "{text}");
                         assert_eq!(a.parsed.is_some(), b.parsed.is_some(), "{text}");

@@ -15,7 +15,7 @@
 //! comments, backquoted names, non-ASCII text. Only texts whose full analysis is an arithmetic
 //! lowering with plain reads are reused; the differential test compares the two paths.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -218,7 +218,9 @@ impl Shape {
 
     /// The lowering, its key and the reads of a text of this shape whose plain names are
     /// `names`.
-    pub(crate) fn instance(&self, names: &[&str]) -> (Program, String, Reads) {
+    /// The reads come sorted as a [`Reads`] set would give them (no set is built: a set of
+    /// two is an allocation of hundreds of bytes, for every derivation).
+    pub(crate) fn instance(&self, names: &[&str]) -> (Program, String, Vec<ReadPath>) {
         let keys: Vec<Key> = names.iter().map(|n| intern(n)).collect();
         let key = |n: &Name| match n {
             Name::Nth(i) => keys[*i].clone(),
@@ -236,18 +238,16 @@ impl Shape {
                 })
                 .collect(),
         };
-        let reads = Reads {
-            paths: self
-                .reads
-                .iter()
-                .map(|(root, fields)| ReadPath {
-                    root: root.clone(),
-                    fields: fields.iter().map(key).collect(),
-                })
-                .collect::<BTreeSet<_>>(),
-            whole_doc: false,
-            dynamic: false,
-        };
+        let mut reads: Vec<ReadPath> = self
+            .reads
+            .iter()
+            .map(|(root, fields)| ReadPath {
+                root: root.clone(),
+                fields: fields.iter().map(key).collect(),
+            })
+            .collect();
+        reads.sort_unstable();
+        reads.dedup();
         (program, self.key.clone(), reads)
     }
 }
@@ -260,8 +260,8 @@ pub(crate) struct Shapes {
 }
 
 impl Shapes {
-    pub(crate) fn get(&self, sk: &Skeleton<'_>) -> Option<Option<&Shape>> {
-        self.by_skeleton.get(&sk.text).map(|s| s.as_deref())
+    pub(crate) fn get(&self, sk: &Skeleton<'_>) -> Option<Option<Arc<Shape>>> {
+        self.by_skeleton.get(&sk.text).cloned()
     }
 
     pub(crate) fn put(&mut self, sk: Skeleton<'_>, shape: Option<Shape>) {
