@@ -151,7 +151,11 @@ pub struct Node {
     pub targets: Vec<Address>,
     pub expr: NodeExpr,
     pub input: Input,
+    /// What of the document an interpreted evaluation is given. An arithmetic derivation's
+    /// is made only when it first falls back to the interpreter
+    /// ([`CompiledModel::fallback_projection`]): its code reads its slots, not this.
     pub projection: Projection,
+    pub projection_deferred: bool,
     pub whole_doc: bool,
     /// Reads relative to `$parent` (derivations) are served by binding `$parent`.
     pub uses_parent: bool,
@@ -297,6 +301,8 @@ pub struct CompiledModel {
     pub validators: RefCell<HashMap<String, Rc<jsonschema::Validator>>>,
     /// Nodes holding an interpreter form compiled again for a fallback, oldest first.
     fallback_forms: RefCell<VecDeque<NodeId>>,
+    /// The projections of those nodes whose projection was deferred.
+    fallback_projections: RefCell<HashMap<NodeId, Rc<Projection>>>,
     /// The cycles' per-node bookkeeping, reused (`cycle.rs`).
     pub(crate) scratch: RefCell<super::cycle::Scratch>,
 }
@@ -684,6 +690,8 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             Location::new(Section::Derivations, i),
             p.aggregate,
         );
+        // An arithmetic derivation's projection waits for a fallback that may never come.
+        dr.node.projection_deferred = p.program.is_some() && !p.reads.whole_doc;
         add_read_paths(
             &mut dr,
             p.reads.whole_doc,
@@ -1068,6 +1076,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         validators: RefCell::new(HashMap::new()),
         scratch: RefCell::default(),
         fallback_forms: RefCell::default(),
+        fallback_projections: RefCell::default(),
     })
 }
 
@@ -1129,9 +1138,38 @@ impl CompiledModel {
                 if let Some(n) = self.nodes.get(old as usize) {
                     n.expr.compiled.borrow_mut().take();
                 }
+                self.fallback_projections.borrow_mut().remove(&old);
             }
         }
         Ok(c)
+    }
+
+    /// The projection of a node whose projection was deferred, made from its interpreter form
+    /// (which [`CompiledModel::interpreted`] compiles first) and kept while that form is.
+    pub fn fallback_projection(&self, node: &Node) -> Rc<Projection> {
+        if let Some(p) = self.fallback_projections.borrow().get(&node.id) {
+            return p.clone();
+        }
+        let mut p = Projection::default();
+        match self.interpreted(node) {
+            Ok(c) => {
+                let reads = deps::reads(c.ast());
+                if reads.whole_doc {
+                    p.whole = true;
+                }
+                for r in reads.paths.iter().filter(|r| r.root == Root::Doc) {
+                    p.add(&r.fields);
+                }
+            }
+            // Not reached (the text compiled before); the whole document is always right.
+            Err(_) => p.whole = true,
+        }
+        p.shrink();
+        let p = Rc::new(p);
+        self.fallback_projections
+            .borrow_mut()
+            .insert(node.id, p.clone());
+        p
     }
 
     /// The readers a write of `node`'s target dirties (whole), when known at compile time.
@@ -1242,6 +1280,7 @@ fn draft_empty(
             expr,
             input,
             projection: Projection::default(),
+            projection_deferred: false,
             whole_doc: false,
             uses_parent: false,
             level: 0,
@@ -1320,7 +1359,9 @@ fn add_read_paths<'r>(
     for ReadPath { root, fields } in reads {
         let segs = match (root, doc_base) {
             (Root::Doc, None) => {
-                d.node.projection.add(fields);
+                if !d.node.projection_deferred {
+                    d.node.projection.add(fields);
+                }
                 fields.iter().map(|k| TSeg::Field(k.clone())).collect()
             }
             (Root::Doc, Some(b)) => join(b, fields),

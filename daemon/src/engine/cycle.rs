@@ -697,6 +697,10 @@ impl<'a> Cycle<'a> {
     fn input(&mut self, node: &Node, inst: &[Seg]) -> JValue {
         match node.input {
             Input::Doc if node.whole_doc => self.whole_doc(),
+            Input::Doc if node.projection_deferred => {
+                let p = self.cm.fallback_projection(node);
+                project_root(self.st.merged(), &p)
+            }
             Input::Doc => project_root(self.st.merged(), &node.projection),
             Input::Element => {
                 let el = element_prefix(&node.targets[0], inst);
