@@ -444,7 +444,9 @@ fn join(base: &Address, fields: &[Key]) -> Vec<TSeg> {
     v
 }
 
-fn render_tsegs(segs: &[TSeg]) -> String {
+/// A trie path rendered as an address, appended to `out`.
+fn render_tsegs_into(segs: &[TSeg], out: &mut String) {
+    use std::fmt::Write as _;
     let a = Address {
         segs: segs
             .iter()
@@ -455,7 +457,8 @@ fn render_tsegs(segs: &[TSeg]) -> String {
             })
             .collect(),
     };
-    a.to_string()
+    // Writing to a String cannot fail.
+    let _ = write!(out, "{a}");
 }
 
 /// Recognise `$agg(a.b.c)` over a plain field path.
@@ -496,7 +499,7 @@ struct NodeDraft {
     node: Node,
     reads: Vec<Vec<TSeg>>,
     /// Reader paths, rendered, for traces (`inputPaths`).
-    input_paths: Arc<[String]>,
+    input_paths: super::trace::InputPathsBuilder,
     /// An arithmetic derivation's lowering and its program key.
     program: Option<(Program, String)>,
 }
@@ -806,11 +809,9 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             let at = Location::new(Section::Constraints, i);
             let expr = NodeExpr::new(expr);
             let mut d = draft_empty(kind, key.into(), targets, expr, Input::Field, at, None);
-            d.input_paths = scope
-                .iter()
-                .map(|r| render_tsegs(r))
-                .collect::<Vec<_>>()
-                .into();
+            for r in &scope {
+                d.input_paths.push_with(|t| render_tsegs_into(r, t));
+            }
             d.reads = scope;
             let parent_only = Reads {
                 paths: reads
@@ -1014,7 +1015,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             n.key.clone(),
             Arc::new(super::TraceSource {
                 expression: n.expr.text.clone(),
-                input_paths: d.input_paths,
+                input_paths: d.input_paths.build(),
             }),
         );
         nodes.push(n);
@@ -1289,7 +1290,7 @@ fn draft_empty(
             jit: super::jit::JitCell::default(),
         },
         reads: Vec::new(),
-        input_paths: Arc::from(Vec::new()),
+        input_paths: Default::default(),
         program: None,
     }
 }
@@ -1338,7 +1339,6 @@ fn add_read_paths<'r>(
     parent: Option<&Address>,
     doc_base: Option<&Address>,
 ) {
-    let mut paths: Vec<String> = d.input_paths.to_vec();
     if whole_doc {
         match doc_base {
             None => {
@@ -1347,11 +1347,11 @@ fn add_read_paths<'r>(
                     whole: true,
                     children: Vec::new(),
                 };
-                paths.push("$".into());
+                d.input_paths.push("$");
             }
             Some(b) => {
                 let segs = tsegs(b);
-                paths.push(render_tsegs(&segs));
+                d.input_paths.push_with(|t| render_tsegs_into(&segs, t));
                 d.reads.push(segs);
             }
         }
@@ -1374,10 +1374,9 @@ fn add_read_paths<'r>(
                 }
             }
         };
-        paths.push(render_tsegs(&segs));
+        d.input_paths.push_with(|t| render_tsegs_into(&segs, t));
         d.reads.push(segs);
     }
-    d.input_paths = paths.into();
     d.node.projection.shrink();
 }
 

@@ -36,7 +36,7 @@ pub fn project(cm: &CompiledModel) -> Json {
     let mut edges: Vec<Json> = Vec::new();
     for n in &cm.nodes {
         for ip in cm.trace_table.source(n.id).input_paths.iter() {
-            if derived.contains(ip.as_str()) {
+            if derived.contains(ip) {
                 continue;
             }
             if base_seen.insert(ip) {
@@ -62,7 +62,7 @@ pub fn project(cm: &CompiledModel) -> Json {
             .source(i as u32)
             .input_paths
             .iter()
-            .any(|ip| !derived.contains(ip.as_str()));
+            .any(|ip| !derived.contains(ip));
         let d = match (from_nodes, reads_base) {
             (Some(m), _) => m + 1,
             (None, true) => 1,
@@ -82,7 +82,7 @@ pub fn project(cm: &CompiledModel) -> Json {
             "id": &*n.key,
             "kind": kind_name(&n.kind),
             "expression": &*n.expr.text,
-            "inputPaths": &*cm.trace_table.source(n.id).input_paths,
+            "inputPaths": &cm.trace_table.source(n.id).input_paths,
             "level": level,
             "location": n.location.to_string(),
         });

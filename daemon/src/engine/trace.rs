@@ -39,7 +39,98 @@ pub struct Trace {
 pub struct TraceSource {
     pub expression: Arc<str>,
     /// The addresses the expression read.
-    pub input_paths: Arc<[String]>,
+    pub input_paths: InputPaths,
+}
+
+/// A node's input addresses, packed: their text end to end and where each ends (two
+/// allocations, where a list of strings takes one per address and one for the list). Every
+/// node of a compiled model has one; it is read when traces are.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct InputPaths {
+    text: Box<str>,
+    ends: Box<[u32]>,
+}
+
+impl InputPaths {
+    /// Built by appending addresses one by one.
+    pub fn builder() -> InputPathsBuilder {
+        InputPathsBuilder::default()
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> + '_ {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts
+            .zip(self.ends.iter().copied())
+            .map(|(a, b)| self.text.get(a as usize..b as usize).unwrap_or(""))
+    }
+}
+
+/// An [`InputPaths`] being built.
+#[derive(Clone, Debug, Default)]
+pub struct InputPathsBuilder {
+    text: String,
+    ends: Vec<u32>,
+}
+
+impl InputPathsBuilder {
+    /// Append the address `write` writes (into the shared text, without a string of its own).
+    pub fn push_with(&mut self, write: impl FnOnce(&mut String)) {
+        write(&mut self.text);
+        self.ends
+            .push(u32::try_from(self.text.len()).unwrap_or(u32::MAX));
+    }
+
+    pub fn push(&mut self, path: &str) {
+        self.push_with(|t| t.push_str(path));
+    }
+
+    pub fn build(self) -> InputPaths {
+        InputPaths {
+            text: self.text.into_boxed_str(),
+            ends: self.ends.into_boxed_slice(),
+        }
+    }
+}
+
+impl From<&InputPaths> for InputPathsBuilder {
+    fn from(p: &InputPaths) -> Self {
+        InputPathsBuilder {
+            text: p.text.to_string(),
+            ends: p.ends.to_vec(),
+        }
+    }
+}
+
+impl Serialize for InputPaths {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.len()))?;
+        for p in self.iter() {
+            seq.serialize_element(p)?;
+        }
+        seq.end()
+    }
+}
+
+impl JsonSchema for InputPaths {
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "InputPaths".into()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        <Vec<String>>::json_schema(g)
+    }
 }
 
 fn serialize_val<S: Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {
@@ -167,7 +258,7 @@ impl Traces {
                 target.unwrap_or_else(|| Arc::from("")),
                 Arc::new(TraceSource {
                     expression: Arc::from(""),
-                    input_paths: Arc::from(Vec::new()),
+                    input_paths: InputPaths::default(),
                 }),
             )
         } else {
@@ -294,5 +385,41 @@ impl Serialize for Paths {
             seq.serialize_element(p)?;
         }
         seq.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Packed addresses read back one by one, serialize as a JSON array of strings, and
+    /// describe themselves as one in the schema (as the list of strings they replace did).
+    #[test]
+    fn input_paths_pack_and_read_back() {
+        let paths = ["$.price", "$", "$['a b'][2]", "", "$.items[*].qty"];
+        let mut b = InputPaths::builder();
+        for p in paths {
+            b.push(p);
+        }
+        let packed = b.build();
+        assert_eq!(packed.len(), paths.len());
+        assert_eq!(packed.iter().collect::<Vec<_>>(), paths);
+        assert_eq!(
+            serde_json::to_value(&packed).unwrap(),
+            serde_json::json!(paths)
+        );
+        let mut more = InputPathsBuilder::from(&packed);
+        more.push_with(|t| t.push_str("$.x"));
+        assert_eq!(more.build().iter().last(), Some("$.x"));
+        assert!(InputPaths::default().iter().next().is_none());
+        let schema = serde_json::to_value(schemars::schema_for!(TraceSource)).unwrap();
+        assert_eq!(
+            schema["properties"]["inputPaths"],
+            serde_json::json!({
+                "description": "The addresses the expression read.",
+                "type": "array",
+                "items": {"type": "string"}
+            })
+        );
     }
 }
