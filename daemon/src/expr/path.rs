@@ -112,6 +112,18 @@ impl Address {
             .collect()
     }
 
+    /// [`Address::concrete`], taking the address apart (its names are moved, not shared).
+    pub fn into_concrete(self) -> Option<Vec<Seg>> {
+        self.segs
+            .into_iter()
+            .map(|s| match s {
+                PathSeg::Field(k) => Some(Seg::Field(k)),
+                PathSeg::Index(i) => Some(Seg::Index(i)),
+                PathSeg::Wild => None,
+            })
+            .collect()
+    }
+
     pub fn from_concrete(segs: &[Seg]) -> Address {
         Address {
             segs: segs
@@ -387,6 +399,18 @@ mod tests {
             assert_eq!(a.to_string(), t);
         }
         assert_eq!(Address::parse("$[\"x\"]").unwrap().to_string(), "$.x");
+    }
+
+    #[test]
+    fn concrete_segments_with_and_without_taking_the_address_apart() {
+        let a = Address::parse("$.items[3]['a b']").unwrap();
+        let segs = a.concrete().unwrap();
+        assert_eq!(render(&segs), "$.items[3]['a b']");
+        assert_eq!(a.clone().into_concrete(), Some(segs));
+        assert_eq!(
+            Address::parse("$.items[*].q").unwrap().into_concrete(),
+            None
+        );
     }
 
     #[test]

@@ -773,15 +773,16 @@ impl Shard {
             ))));
         }
         let mut parsed = Vec::with_capacity(mutations.len());
-        for (k, v) in &mutations {
-            let addr = Address::parse(k)
+        // The values are moved, not copied: an initial load can be one large array.
+        for (k, v) in mutations {
+            let addr = Address::parse(&k)
                 .map_err(|e| ServiceError::Mutation(MutationError::Invalid(e.message)))?;
-            let Some(segs) = addr.concrete() else {
+            let Some(segs) = addr.into_concrete() else {
                 return Err(ServiceError::Mutation(MutationError::Invalid(format!(
                     "mutation address `{k}` contains `[*]`; write concrete element addresses"
                 ))));
             };
-            parsed.push((segs, v.clone()));
+            parsed.push((segs, v));
         }
         Ok(parsed)
     }
