@@ -266,10 +266,12 @@ pub fn read_slots(
 
 /// [`read_slots`] over a plain document (no cells, no parent): for tests and tools.
 pub fn read_doc_slots(inputs: &[SlotInput], doc: &Val, out: &mut Vec<f64>) -> Read {
-    // No cells: one empty set, made once (a fresh one per call would allocate its layout).
-    static EMPTY: std::sync::LazyLock<super::merged::Cells> =
-        std::sync::LazyLock::new(super::merged::Cells::default);
-    read_slots(inputs, Merged { doc, cells: &EMPTY }, None, out)
+    // No cells: one empty set per thread, made once (a fresh one per call would allocate its
+    // layout).
+    thread_local! {
+        static EMPTY: super::merged::Cells = super::merged::Cells::default();
+    }
+    EMPTY.with(|cells| read_slots(inputs, Merged { doc, cells }, None, out))
 }
 
 // --- switches ---------------------------------------------------------------------------------
