@@ -181,31 +181,21 @@ impl Shape {
                 None
             }
         };
+        let fields = |fs: &mut dyn Iterator<Item = &str>| fs.map(place).collect::<Option<Vec<_>>>();
         let inputs = program
             .inputs
             .iter()
             .map(|r| {
                 Some((
                     r.base.clone(),
-                    r.fields
-                        .iter()
-                        .map(|f| place(f))
-                        .collect::<Option<Vec<_>>>()?,
+                    fields(&mut r.fields.iter().map(|f| f.as_str()))?,
                 ))
             })
             .collect::<Option<Vec<_>>>()?;
         let reads = reads
             .paths
             .iter()
-            .map(|r| {
-                Some((
-                    r.root.clone(),
-                    r.fields
-                        .iter()
-                        .map(|f| place(f))
-                        .collect::<Option<Vec<_>>>()?,
-                ))
-            })
+            .map(|r| Some((r.root.clone(), fields(&mut r.fields.iter().map(|f| &**f))?)))
             .collect::<Option<Vec<_>>>()?;
         Some(Shape {
             ir: program.ir.clone(),

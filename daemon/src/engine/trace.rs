@@ -111,11 +111,7 @@ impl From<&InputPaths> for InputPathsBuilder {
 
 impl Serialize for InputPaths {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.len()))?;
-        for p in self.iter() {
-            seq.serialize_element(p)?;
-        }
-        seq.end()
+        s.collect_seq(self.iter())
     }
 }
 
@@ -380,11 +376,7 @@ impl From<Vec<Arc<str>>> for Paths {
 
 impl Serialize for Paths {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.len()))?;
-        for p in self.iter() {
-            seq.serialize_element(p)?;
-        }
-        seq.end()
+        s.collect_seq(self.iter())
     }
 }
 
