@@ -468,3 +468,45 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
     assert!(r.traces.iter().all(|t| !t.jit));
     assert_eq!(m.merged_json(0)["total"], json!(51.6));
 }
+
+/// An arithmetic derivation whose input is not a number goes to the interpreter, which must
+/// see the inputs the expression reads (its projection is made only then): `"abc" * 2` is
+/// JSONata's T2001, where an input it did not see would be undefined and no error at all. The
+/// same holds after the code is ready, and for a shaped twin of the derivation.
+#[test]
+fn a_fallback_sees_what_the_expression_reads() {
+    use valem::engine::{EngineLimits, Model};
+    let spec = valem::spec::parse_spec(&json!({
+        "id": "fallback-input",
+        "schema": {"type": "object"},
+        "derivations": [
+            {"path": "$.total", "expr": "price * qty"},
+            {"path": "$.total_b", "expr": "price_b * qty_b"},
+        ]
+    }))
+    .expect("spec");
+    let (mut m, _) = Model::create(&spec, 0, EngineLimits::default()).expect("creates");
+    for round in 0..3 {
+        let r = m
+            .mutate(
+                &[
+                    ("$.price".to_string(), json!("abc")),
+                    ("$.qty".to_string(), json!(2 + round)),
+                    ("$.price_b".to_string(), json!("abc")),
+                    ("$.qty_b".to_string(), json!(2 + round)),
+                ],
+                0,
+            )
+            .expect("mutates");
+        for target in ["$.total", "$.total_b"] {
+            let t = r
+                .traces
+                .iter()
+                .find(|t| &*t.target_path == target)
+                .unwrap_or_else(|| panic!("no trace of {target}"));
+            let err = t.error_message.as_deref().unwrap_or("");
+            assert!(err.contains("T2001"), "round {round} {target}: {t:?}");
+        }
+        valem::engine::jit::flush(std::time::Duration::from_secs(10));
+    }
+}
