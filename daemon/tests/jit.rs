@@ -400,14 +400,21 @@ fn the_traps_of_the_issue() {
     assert_eq!(j.map(|x| Out::Bits(x.to_bits())), Some(i));
 }
 
+/// A model of `spec`, created at time 0 with the default limits.
+fn model(spec: Json) -> valem::engine::Model {
+    let spec = valem::spec::parse_spec(&spec).expect("spec");
+    let (m, _) = valem::engine::Model::create(&spec, 0, valem::engine::EngineLimits::default())
+        .expect("creates");
+    m
+}
+
 /// The tier in the engine: after the first run the code is requested, and once it is ready
 /// the traces say the values came from it: scalar derivations, and `[*]` derivations through
 /// the batched entry; a non-number input goes back to the interpreter for that instance only.
 #[test]
 fn the_engine_answers_from_compiled_code_once_it_is_hot() {
-    use valem::engine::{EngineLimits, Model};
     valem::engine::jit::set_tier_after(0);
-    let spec = valem::spec::parse_spec(&json!({
+    let mut m = model(json!({
         "id": "jit-engine",
         "schema": {"type": "object"},
         "derivations": [
@@ -415,9 +422,7 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
             {"path": "$.big", "expr": "total > 30"},
             {"path": "$.items[*].line", "expr": "$parent.price * $parent.qty"},
         ]
-    }))
-    .expect("spec");
-    let (mut m, _) = Model::create(&spec, 0, EngineLimits::default()).expect("creates");
+    }));
     let items: Vec<Json> = (0..40).map(|i| json!({"price": i, "qty": 2})).collect();
     m.mutate(
         &[
@@ -475,17 +480,14 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
 /// same holds after the code is ready, and for a shaped twin of the derivation.
 #[test]
 fn a_fallback_sees_what_the_expression_reads() {
-    use valem::engine::{EngineLimits, Model};
-    let spec = valem::spec::parse_spec(&json!({
+    let mut m = model(json!({
         "id": "fallback-input",
         "schema": {"type": "object"},
         "derivations": [
             {"path": "$.total", "expr": "price * qty"},
             {"path": "$.total_b", "expr": "price_b * qty_b"},
         ]
-    }))
-    .expect("spec");
-    let (mut m, _) = Model::create(&spec, 0, EngineLimits::default()).expect("creates");
+    }));
     for round in 0..3 {
         let r = m
             .mutate(

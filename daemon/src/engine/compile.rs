@@ -509,14 +509,14 @@ struct NodeDraft {
 struct Prepared<'a> {
     target: Address,
     parsed: Option<Parsed>,
-    reads: Reads,
+    /// What it reads, in [`Reads`] order, and whether that is the whole document.
+    reads: Vec<ReadPath>,
+    whole_doc: bool,
     aggregate: Option<Aggregate>,
     program: Option<(Program, String)>,
     /// A text analysed from its shape: the shape and the text's names, put in on the
     /// compiling thread by [`Prepared::settle`] (the reads and program above are empty).
     shaped: Option<(Arc<Shape>, Vec<&'a str>)>,
-    /// A shaped text's reads once settled, in [`Reads`] order (`reads` stays empty).
-    listed: Vec<ReadPath>,
 }
 
 impl Prepared<'_> {
@@ -528,7 +528,7 @@ impl Prepared<'_> {
         if let Some((shape, names)) = self.shaped.take() {
             let (program, key, reads) = shape.instance(&names);
             self.program = Some((program, key));
-            self.listed = reads;
+            self.reads = reads;
         }
     }
 }
@@ -556,11 +556,11 @@ fn prepare<'a>(
             return Ok(Prepared {
                 target,
                 parsed: None,
-                reads: Reads::default(),
+                reads: Vec::new(),
+                whole_doc: false,
                 aggregate: None,
                 program: None,
                 shaped: Some((shape, sk.names.clone())),
-                listed: Vec::new(),
             });
         }
     }
@@ -590,11 +590,11 @@ fn prepare<'a>(
     Ok(Prepared {
         target,
         parsed,
-        reads,
+        reads: reads.paths.into_iter().collect(),
+        whole_doc: reads.whole_doc,
         aggregate,
         program,
         shaped: None,
-        listed: Vec::new(),
     })
 }
 
@@ -694,14 +694,8 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             p.aggregate,
         );
         // An arithmetic derivation's projection waits for a fallback that may never come.
-        dr.node.projection_deferred = p.program.is_some() && !p.reads.whole_doc;
-        add_read_paths(
-            &mut dr,
-            p.reads.whole_doc,
-            p.reads.paths.iter().chain(&p.listed),
-            Some(&parent),
-            None,
-        );
+        dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
+        add_read_paths(&mut dr, p.whole_doc, p.reads.iter(), Some(&parent), None);
         dr.program = p.program;
         drafts.push(dr);
     }
@@ -1580,12 +1574,8 @@ mod tests {
                         b.settle();
                         shaped += usize::from(seen);
                         assert_eq!(a.program, b.program, "{text}");
-                        let reads = |p: &Prepared<'_>| {
-                            let all: Vec<ReadPath> =
-                                p.reads.paths.iter().chain(&p.listed).cloned().collect();
-                            (all, p.reads.whole_doc, p.reads.dynamic)
-                        };
-                        assert_eq!(reads(&a), reads(&b), "{text}");
+                        assert_eq!(a.reads, b.reads, "{text}");
+                        assert_eq!(a.whole_doc, b.whole_doc, "{text}");
                         assert_eq!(a.aggregate, b.aggregate, "{text}");
                         assert_eq!(a.target, b.target, "{text}");
                         assert_eq!(a.parsed.is_some(), b.parsed.is_some(), "{text}");

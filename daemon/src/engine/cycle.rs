@@ -369,12 +369,7 @@ impl Insts {
     }
 
     fn iter(&self) -> impl Iterator<Item = &[Seg]> + '_ {
-        let mut start = 0usize;
-        self.ends.iter().map(move |&end| {
-            let s = &self.segs[start..end as usize];
-            start = end as usize;
-            s
-        })
+        super::trace::spans(&self.ends).map(|r| &self.segs[r])
     }
 
     fn extend(&mut self, other: &Insts) {

@@ -207,9 +207,8 @@ impl Shape {
     }
 
     /// The lowering, its key and the reads of a text of this shape whose plain names are
-    /// `names`.
-    /// The reads come sorted as a [`Reads`] set would give them (no set is built: a set of
-    /// two is an allocation of hundreds of bytes, for every derivation).
+    /// `names`. The reads come sorted as a [`Reads`] set would give them (no set is built: a
+    /// set of two is an allocation of hundreds of bytes, for every derivation).
     pub(crate) fn instance(&self, names: &[&str]) -> (Program, String, Vec<ReadPath>) {
         let keys: Vec<Key> = names.iter().map(|n| intern(n)).collect();
         let key = |n: &Name| match n {
