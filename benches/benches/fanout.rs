@@ -1,5 +1,7 @@
 //! Fan-out: N independent derivations `$.total_i = price_i * qty_i`; one mutation of
 //! `$.price_k` must recompute exactly `$.total_k`. Target ≤ 5 µs per mutation at N = 100k.
+//! `mutate_string_history50` also keeps the last 50 committed states, as the daemon's history
+//! ring does: each commit then copies the paths it writes instead of writing in place.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -7,7 +9,14 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use valem_benches::*;
 
+// The daemon's allocator, so the engine costs what it costs in the daemon.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const POOL: usize = 4096;
+
+/// States the daemon's history ring holds by default (`history_entries`).
+const HISTORY: usize = 50;
 
 fn fanout(c: &mut Criterion) {
     let mut g = c.benchmark_group("fanout");
@@ -43,6 +52,18 @@ fn fanout(c: &mut Criterion) {
         );
         g.bench_function(BenchmarkId::new("mutate_string", n), |b| {
             b.iter(|| black_box(model.mutate(strings.next_batch(), NOW_MS).unwrap()))
+        });
+
+        let mut history = std::collections::VecDeque::with_capacity(HISTORY + 1);
+        g.bench_function(BenchmarkId::new("mutate_string_history50", n), |b| {
+            b.iter(|| {
+                let r = model.mutate(strings.next_batch(), NOW_MS).unwrap();
+                history.push_back(model.state().clone());
+                if history.len() > HISTORY {
+                    history.pop_front();
+                }
+                black_box(r)
+            })
         });
     }
     g.finish();
