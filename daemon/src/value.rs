@@ -35,15 +35,26 @@ thread_local! {
 /// any more are swept out when it fills, and past `INTERN_MAX_KEYS` live names keys are simply
 /// allocated.
 pub fn intern(s: &str) -> Key {
+    intern_with(s, || Arc::from(s))
+}
+
+/// The shared key for `key`'s text: `key` itself when the name is not interned yet. For keys
+/// made without the table (a mutation's address, [`crate::expr::path::Address::parse_transient`])
+/// at the point they are stored in a document.
+pub fn share(key: Key) -> Key {
+    intern_with(&key.clone(), || key)
+}
+
+fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
     if s.len() > INTERN_MAX_LEN {
-        return Arc::from(s);
+        return make();
     }
     INTERNED.with(|t| {
         let mut t = t.borrow_mut();
         if let Some(k) = t.set.get(s) {
             return k.clone();
         }
-        let k: Key = Arc::from(s);
+        let k: Key = make();
         if t.cap == 0 {
             t.cap = INTERN_FIRST_CAP;
         }
@@ -147,8 +158,20 @@ impl ObjMap {
         }
     }
 
-    /// Insert or replace; a replaced key keeps its position. Returns the replaced value.
+    /// Insert or replace; a replaced key keeps its position. Returns the replaced value. A new
+    /// key is stored as the shared one for its text ([`share`]): `key` may come from a
+    /// mutation's address, which is not interned.
     pub fn insert(&mut self, key: Key, val: Val) -> Option<Val> {
+        self.insert_as(key, val, share)
+    }
+
+    /// [`ObjMap::insert`] of a key known to be interned already.
+    fn insert_interned(&mut self, key: Key, val: Val) -> Option<Val> {
+        self.insert_as(key, val, |k| k)
+    }
+
+    /// Insert; `store` makes the key a new entry keeps.
+    fn insert_as(&mut self, key: Key, val: Val, store: fn(Key) -> Key) -> Option<Val> {
         match self {
             ObjMap::Small(v) => {
                 let vec = Arc::make_mut(v);
@@ -156,18 +179,18 @@ impl ObjMap {
                     return Some(std::mem::replace(&mut slot.1, val));
                 }
                 if vec.len() < SMALL_OBJECT {
-                    vec.push((key, val));
+                    vec.push((store(key), val));
                     return None;
                 }
                 let mut wide = WideMap::default();
                 for (k, v) in vec.drain(..) {
-                    wide.insert(k, v);
+                    wide.insert(k, v, |k| k);
                 }
-                wide.insert(key, val);
+                wide.insert(key, val, store);
                 *self = ObjMap::Large(Arc::new(wide));
                 None
             }
-            ObjMap::Large(m) => Arc::make_mut(m).insert(key, val),
+            ObjMap::Large(m) => Arc::make_mut(m).insert(key, val, store),
         }
     }
 
@@ -245,85 +268,129 @@ enum Slot {
     One(Arc<Entry>),
     /// Keys whose full 64-bit hashes collide.
     Many(Arc<Vec<Entry>>),
-    Branch(Arc<Branch>),
-}
-
-/// A branch: which of its `FANOUT` slots are occupied (bit `i` for slot `i`), and those
-/// slots in order.
-#[derive(Clone, Debug, Default)]
-struct Branch {
-    bitmap: Bitmap,
-    slots: Box<[Slot]>,
+    /// A branch: which of its `FANOUT` slots are occupied (bit `i` for slot `i`), and those
+    /// slots in order. The bitmap sits here, in the parent, and the slots in one shared
+    /// allocation, so a step down the trie is one cache miss (not a branch record and then
+    /// its array) and a slot is 24 bytes.
+    Branch {
+        bitmap: Bitmap,
+        slots: Arc<[Slot]>,
+    },
+    /// Only while a branch's slots are moved into a new array: never in a finished map.
+    Vacant,
 }
 
 /// One bit per slot of a branch.
 type Bitmap = u32;
 
 const _: () = assert!(FANOUT <= Bitmap::BITS as usize);
+const _: () = assert!(std::mem::size_of::<Slot>() == 24);
 
-impl Branch {
-    /// Where slot `i` is (or would be) stored, and whether it is occupied.
-    #[inline]
-    fn pos(&self, i: usize) -> (usize, bool) {
-        let bit: Bitmap = 1 << i;
-        (
-            (self.bitmap & (bit - 1)).count_ones() as usize,
-            self.bitmap & bit != 0,
-        )
+/// Where slot `i` of a branch is (or would be) stored, and whether it is occupied.
+#[inline]
+fn pos(bitmap: Bitmap, i: usize) -> (usize, bool) {
+    let bit: Bitmap = 1 << i;
+    (
+        (bitmap & (bit - 1)).count_ones() as usize,
+        bitmap & bit != 0,
+    )
+}
+
+#[inline]
+fn slot_get(bitmap: Bitmap, slots: &[Slot], i: usize) -> Option<&Slot> {
+    match pos(bitmap, i) {
+        (p, true) => slots.get(p),
+        _ => None,
     }
+}
 
-    #[inline]
-    fn get(&self, i: usize) -> Option<&Slot> {
-        match self.pos(i) {
-            (p, true) => Some(&self.slots[p]),
+/// A branch being changed: its bitmap and its slots, wherever they are kept (the map's root,
+/// or a parent's slot).
+struct BranchMut<'a> {
+    bitmap: &'a mut Bitmap,
+    slots: &'a mut Arc<[Slot]>,
+}
+
+impl<'a> BranchMut<'a> {
+    /// The branch in `slot`, if it is one.
+    fn of(slot: &'a mut Slot) -> Option<Self> {
+        match slot {
+            Slot::Branch { bitmap, slots } => Some(BranchMut { bitmap, slots }),
             _ => None,
         }
     }
 
+    fn reborrow(&mut self) -> BranchMut<'_> {
+        BranchMut {
+            bitmap: self.bitmap,
+            slots: self.slots,
+        }
+    }
+
+    /// Copy-on-write access to occupied slot `i` (the array is copied when shared).
     #[inline]
-    fn get_mut(&mut self, i: usize) -> Option<&mut Slot> {
-        match self.pos(i) {
-            (p, true) => Some(&mut self.slots[p]),
+    fn into_slot(self, i: usize) -> Option<&'a mut Slot> {
+        match pos(*self.bitmap, i) {
+            (p, true) => Arc::make_mut(self.slots).get_mut(p),
             _ => None,
+        }
+    }
+
+    /// The slots, moved out when this branch holds the only reference, cloned otherwise.
+    fn drain(&mut self) -> Vec<Slot> {
+        match Arc::get_mut(self.slots) {
+            Some(slots) => slots
+                .iter_mut()
+                .map(|s| std::mem::replace(s, Slot::Vacant))
+                .collect(),
+            None => self.slots.to_vec(),
         }
     }
 
     /// Occupy the empty slot `i`.
     fn put(&mut self, i: usize, slot: Slot) {
-        let (p, _) = self.pos(i);
-        let mut v = Vec::with_capacity(self.slots.len() + 1);
-        v.extend_from_slice(&self.slots[..p]);
-        v.push(slot);
-        v.extend_from_slice(&self.slots[p..]);
-        self.slots = v.into_boxed_slice();
-        self.bitmap |= 1 << i;
+        let (p, _) = pos(*self.bitmap, i);
+        let mut v = self.drain();
+        v.insert(p, slot);
+        *self.slots = Arc::from(v);
+        *self.bitmap |= 1 << i;
     }
 
     /// Empty the occupied slot `i`.
     fn take(&mut self, i: usize) -> Option<Slot> {
-        let (p, true) = self.pos(i) else { return None };
-        let mut v = std::mem::take(&mut self.slots).into_vec();
+        let (p, true) = pos(*self.bitmap, i) else {
+            return None;
+        };
+        let mut v = self.drain();
         let out = v.remove(p);
-        self.slots = v.into_boxed_slice();
-        self.bitmap &= !(1 << i);
+        *self.slots = Arc::from(v);
+        *self.bitmap &= !(1 << i);
         Some(out)
-    }
-
-    /// A branch holding one slot.
-    fn single(i: usize, slot: Slot) -> Branch {
-        Branch {
-            bitmap: 1 << i,
-            slots: Box::new([slot]),
-        }
     }
 }
 
+fn no_slots() -> Arc<[Slot]> {
+    Arc::from(Vec::new())
+}
+
 /// The wide-object map (see above).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct WideMap {
-    root: Branch,
+    bitmap: Bitmap,
+    slots: Arc<[Slot]>,
     len: usize,
     next: u64,
+}
+
+impl Default for WideMap {
+    fn default() -> Self {
+        WideMap {
+            bitmap: 0,
+            slots: no_slots(),
+            len: 0,
+            next: 0,
+        }
+    }
 }
 
 fn hash_key(key: &str) -> u64 {
@@ -334,29 +401,50 @@ fn slot_index(hash: u64, shift: u32) -> usize {
     ((hash >> shift) & (FANOUT as u64 - 1)) as usize
 }
 
-impl WideMap {
-    fn get(&self, key: &str) -> Option<&Entry> {
-        let hash = hash_key(key);
-        let mut branch = &self.root;
-        let mut shift = 0;
-        loop {
-            match branch.get(slot_index(hash, shift))? {
-                Slot::One(e) => return (e.hash == hash && key_eq(&e.key, key)).then_some(&**e),
-                Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
-                Slot::Branch(b) => {
-                    branch = b;
-                    shift += FANOUT_BITS;
-                }
+/// The entry for `key` (of hash `hash`) below a branch.
+fn find_entry<'a>(
+    mut bitmap: Bitmap,
+    mut slots: &'a [Slot],
+    hash: u64,
+    key: &str,
+) -> Option<&'a Entry> {
+    let mut shift = 0;
+    loop {
+        match slot_get(bitmap, slots, slot_index(hash, shift))? {
+            Slot::One(e) => return (e.hash == hash && key_eq(&e.key, key)).then_some(&**e),
+            Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
+            Slot::Branch {
+                bitmap: b,
+                slots: s,
+            } => {
+                bitmap = *b;
+                slots = s;
+                shift += FANOUT_BITS;
             }
+            Slot::Vacant => return None,
         }
+    }
+}
+
+impl WideMap {
+    fn root(&mut self) -> BranchMut<'_> {
+        BranchMut {
+            bitmap: &mut self.bitmap,
+            slots: &mut self.slots,
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<&Entry> {
+        find_entry(self.bitmap, &self.slots, hash_key(key), key)
     }
 
     fn get_mut(&mut self, key: &str) -> Option<&mut Val> {
         let hash = hash_key(key);
-        let mut branch = &mut self.root;
+        let mut branch = self.root();
         let mut shift = 0;
         loop {
-            match branch.get_mut(slot_index(hash, shift))? {
+            let slot = branch.into_slot(slot_index(hash, shift))?;
+            match slot {
                 Slot::One(e) => {
                     if e.hash != hash || &*e.key != key {
                         return None;
@@ -369,18 +457,19 @@ impl WideMap {
                         .find(|e| &*e.key == key)
                         .map(|e| &mut e.val)
                 }
-                Slot::Branch(b) => {
-                    branch = Arc::make_mut(b);
+                Slot::Branch { .. } => {
+                    branch = BranchMut::of(slot)?;
                     shift += FANOUT_BITS;
                 }
+                Slot::Vacant => return None,
             }
         }
     }
 
-    fn insert(&mut self, key: Key, val: Val) -> Option<Val> {
+    fn insert(&mut self, key: Key, val: Val, store: fn(Key) -> Key) -> Option<Val> {
         let hash = hash_key(&key);
         let seq = self.next;
-        let old = insert_at(&mut self.root, hash, 0, key, val, seq);
+        let old = insert_at(self.root(), hash, 0, key, val, seq, store);
         if old.is_none() {
             self.len += 1;
             self.next += 1;
@@ -390,7 +479,7 @@ impl WideMap {
 
     fn remove(&mut self, key: &str) -> Option<Val> {
         let hash = hash_key(key);
-        let out = remove_at(&mut self.root, hash, 0, key);
+        let out = remove_at(self.root(), hash, 0, key);
         if out.is_some() {
             self.len -= 1;
         }
@@ -400,7 +489,7 @@ impl WideMap {
     /// Entries in insertion order.
     fn ordered(&self) -> Vec<&Entry> {
         let mut out = Vec::with_capacity(self.len);
-        collect_entries(&self.root, &mut out);
+        collect_entries(&self.slots, &mut out);
         out.sort_unstable_by_key(|e| e.seq);
         out
     }
@@ -411,35 +500,30 @@ fn slot_hash(slot: &Slot) -> Option<u64> {
     match slot {
         Slot::One(e) => Some(e.hash),
         Slot::Many(es) => Some(es[0].hash),
-        Slot::Branch(_) => None,
+        Slot::Branch { .. } | Slot::Vacant => None,
     }
 }
 
-/// Insert into `branch`; the replaced value, or `None` when the key is new.
+/// Insert below `branch`; the replaced value, or `None` when the key is new.
 fn insert_at(
-    branch: &mut Branch,
+    mut branch: BranchMut<'_>,
     hash: u64,
     shift: u32,
     key: Key,
     val: Val,
     seq: u64,
+    store: fn(Key) -> Key,
 ) -> Option<Val> {
     let i = slot_index(hash, shift);
-    let Some(slot) = branch.get_mut(i) else {
-        let e = Entry {
-            hash,
-            seq,
-            key,
-            val,
-        };
-        branch.put(i, Slot::One(Arc::new(e)));
-        return None;
-    };
-    let new = || Entry {
+    let new = |key: Key, val: Val| Entry {
         hash,
         seq,
-        key: key.clone(),
-        val: val.clone(),
+        key: store(key),
+        val,
+    };
+    let Some(slot) = branch.reborrow().into_slot(i) else {
+        branch.put(i, Slot::One(Arc::new(new(key, val))));
+        return None;
     };
     match slot {
         Slot::One(e) if e.hash == hash => {
@@ -447,7 +531,7 @@ fn insert_at(
                 return Some(std::mem::replace(&mut Arc::make_mut(e).val, val));
             }
             let old = (**e).clone();
-            *slot = Slot::Many(Arc::new(vec![old, new()]));
+            *slot = Slot::Many(Arc::new(vec![old, new(key, val)]));
             None
         }
         Slot::Many(es) if es[0].hash == hash => {
@@ -455,25 +539,38 @@ fn insert_at(
             if let Some(e) = es.iter_mut().find(|e| e.key == key) {
                 return Some(std::mem::replace(&mut e.val, val));
             }
-            es.push(new());
+            es.push(new(key, val));
             None
         }
-        Slot::Branch(b) => insert_at(Arc::make_mut(b), hash, shift + FANOUT_BITS, key, val, seq),
+        Slot::Branch { bitmap, slots } => {
+            let branch = BranchMut { bitmap, slots };
+            insert_at(branch, hash, shift + FANOUT_BITS, key, val, seq, store)
+        }
+        Slot::Vacant => {
+            *slot = Slot::One(Arc::new(new(key, val)));
+            None
+        }
         Slot::One(_) | Slot::Many(_) => {
             // Two different hashes share this slot: push the old one level down.
             let old_hash = slot_hash(slot).unwrap_or(0);
             let at = slot_index(old_hash, shift + FANOUT_BITS);
-            let mut child = Branch::single(at, slot.clone());
-            insert_at(&mut child, hash, shift + FANOUT_BITS, key, val, seq);
-            *slot = Slot::Branch(Arc::new(child));
+            let old = std::mem::replace(slot, Slot::Vacant);
+            let mut bitmap: Bitmap = 1 << at;
+            let mut slots: Arc<[Slot]> = Arc::from(vec![old]);
+            let child = BranchMut {
+                bitmap: &mut bitmap,
+                slots: &mut slots,
+            };
+            insert_at(child, hash, shift + FANOUT_BITS, key, val, seq, store);
+            *slot = Slot::Branch { bitmap, slots };
             None
         }
     }
 }
 
-fn remove_at(branch: &mut Branch, hash: u64, shift: u32, key: &str) -> Option<Val> {
+fn remove_at(mut branch: BranchMut<'_>, hash: u64, shift: u32, key: &str) -> Option<Val> {
     let i = slot_index(hash, shift);
-    let slot = branch.get_mut(i)?;
+    let slot = branch.reborrow().into_slot(i)?;
     match slot {
         Slot::One(e) => {
             if e.hash != hash || &*e.key != key {
@@ -494,11 +591,11 @@ fn remove_at(branch: &mut Branch, hash: u64, shift: u32, key: &str) -> Option<Va
             }
             Some(removed.val)
         }
-        Slot::Branch(b) => {
-            let b = Arc::make_mut(b);
-            let out = remove_at(b, hash, shift + FANOUT_BITS, key);
+        Slot::Vacant => None,
+        Slot::Branch { bitmap, slots } => {
+            let out = remove_at(BranchMut { bitmap, slots }, hash, shift + FANOUT_BITS, key);
             // Collapse a branch left with a single entry so lookups stay short.
-            match &*b.slots {
+            match &**slots {
                 [] => {
                     branch.take(i);
                 }
@@ -510,12 +607,13 @@ fn remove_at(branch: &mut Branch, hash: u64, shift: u32, key: &str) -> Option<Va
     }
 }
 
-fn collect_entries<'a>(branch: &'a Branch, out: &mut Vec<&'a Entry>) {
-    for s in &branch.slots {
+fn collect_entries<'a>(slots: &'a [Slot], out: &mut Vec<&'a Entry>) {
+    for s in slots {
         match s {
             Slot::One(e) => out.push(e),
             Slot::Many(es) => out.extend(es.iter()),
-            Slot::Branch(b) => collect_entries(b, out),
+            Slot::Branch { slots, .. } => collect_entries(slots, out),
+            Slot::Vacant => {}
         }
     }
 }
@@ -736,7 +834,7 @@ impl Val {
             Json::Object(o) => {
                 let mut m = ObjMap::new();
                 for (k, v) in o {
-                    m.insert(intern(k), Val::from_json(v));
+                    m.insert_interned(intern(k), Val::from_json(v));
                 }
                 Val::Obj(m)
             }
@@ -791,6 +889,33 @@ mod tests {
             serde_json::to_string(&v.to_json()).unwrap(),
             serde_json::to_string(&j).unwrap()
         );
+    }
+
+    /// A key made outside the name table (a mutation's address) is stored as the shared one
+    /// when it is a new member, small object or wide; replacing a member keeps its key.
+    #[test]
+    fn new_members_store_the_shared_key() {
+        for members in [2, 100] {
+            let mut m = ObjMap::new();
+            for i in 0..members {
+                m.insert(
+                    Arc::from(format!("fresh_member_{i}").as_str()),
+                    Val::num(1.0),
+                );
+            }
+            let stored = |m: &ObjMap, i: usize| {
+                let name = format!("fresh_member_{i}");
+                m.iter()
+                    .find(|(k, _)| ***k == *name)
+                    .map(|(k, _)| k.clone())
+            };
+            let first = stored(&m, 0).unwrap();
+            assert!(Arc::ptr_eq(&first, &intern("fresh_member_0")), "{members}");
+            m.insert(Arc::from("fresh_member_0"), Val::num(2.0));
+            assert!(Arc::ptr_eq(&stored(&m, 0).unwrap(), &first));
+            assert_eq!(m.get("fresh_member_0"), Some(&Val::num(2.0)));
+            assert_eq!(m.len(), members);
+        }
     }
 
     #[test]
@@ -849,35 +974,32 @@ mod tests {
     /// and branches collapsing again as entries go.
     #[test]
     fn wide_map_branches_split_and_collapse_on_chosen_hashes() {
-        fn find<'a>(mut b: &'a Branch, hash: u64, key: &str) -> Option<&'a Val> {
-            let mut shift = 0;
-            loop {
-                match b.get(slot_index(hash, shift))? {
-                    Slot::One(e) => return (e.hash == hash && &*e.key == key).then_some(&e.val),
-                    Slot::Many(es) => return es.iter().find(|e| &*e.key == key).map(|e| &e.val),
-                    Slot::Branch(c) => {
-                        b = c;
-                        shift += FANOUT_BITS;
-                    }
-                }
+        fn find<'a>(root: &'a (Bitmap, Arc<[Slot]>), hash: u64, key: &str) -> Option<&'a Val> {
+            find_entry(root.0, &root.1, hash, key).map(|e| &e.val)
+        }
+        fn at(root: &mut (Bitmap, Arc<[Slot]>)) -> BranchMut<'_> {
+            BranchMut {
+                bitmap: &mut root.0,
+                slots: &mut root.1,
             }
         }
         // Same low 40 bits, then differing; and pairs with equal full hashes.
         let hashes: Vec<u64> = (0..40u64)
             .map(|i| 0x00AB_CDEF_1234 | ((i / 2) << 44))
             .collect();
-        let mut root = Branch::default();
+        let mut root: (Bitmap, Arc<[Slot]>) = (0, no_slots());
         let mut live: Vec<(u64, String, f64)> = Vec::new();
         for (i, &h) in hashes.iter().enumerate() {
             let k = format!("k{i}");
             assert_eq!(
                 insert_at(
-                    &mut root,
+                    at(&mut root),
                     h,
                     0,
                     Arc::from(k.as_str()),
                     Val::num(i as f64),
-                    i as u64
+                    i as u64,
+                    share
                 ),
                 None
             );
@@ -887,7 +1009,8 @@ mod tests {
         // Overwrite one of each colliding pair.
         for (h, k, v) in live.iter_mut().step_by(2) {
             *v += 100.0;
-            let old = insert_at(&mut root, *h, 0, Arc::from(k.as_str()), Val::num(*v), 0);
+            let key = Arc::from(k.as_str());
+            let old = insert_at(at(&mut root), *h, 0, key, Val::num(*v), 0, share);
             assert_eq!(old, Some(Val::num(*v - 100.0)));
         }
         for (h, k, v) in &live {
@@ -896,14 +1019,14 @@ mod tests {
         // Remove all but one, checking the rest each time.
         while live.len() > 1 {
             let (h, k, v) = live.remove(live.len() / 2);
-            assert_eq!(remove_at(&mut root, h, 0, &k), Some(Val::num(v)));
-            assert_eq!(remove_at(&mut root, h, 0, &k), None);
+            assert_eq!(remove_at(at(&mut root), h, 0, &k), Some(Val::num(v)));
+            assert_eq!(remove_at(at(&mut root), h, 0, &k), None);
             for (h, k, v) in &live {
                 assert_eq!(find(&root, *h, k), Some(&Val::num(*v)), "{k}");
             }
         }
         // Left with one entry, the path collapsed back to a slot of the root.
-        assert!(matches!(&*root.slots, [Slot::One(_)]));
+        assert!(matches!(&*root.1, [Slot::One(_)]));
         // The snapshot taken before saw none of it.
         for (i, &h) in hashes.iter().enumerate() {
             assert_eq!(

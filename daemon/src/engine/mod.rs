@@ -388,7 +388,8 @@ impl Model {
         }
         let mut parsed = Vec::with_capacity(mutations.len());
         for (k, v) in mutations {
-            let addr = Address::parse(k).map_err(|e| MutationError::Invalid(e.message))?;
+            let addr =
+                Address::parse_transient(k).map_err(|e| MutationError::Invalid(e.message))?;
             let Some(segs) = addr.into_concrete() else {
                 return Err(MutationError::Invalid(format!(
                     "mutation address `{k}` contains `[*]`; write concrete element addresses"

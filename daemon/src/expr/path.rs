@@ -42,6 +42,18 @@ impl Address {
     }
 
     pub fn parse(text: &str) -> Result<Address, AddressError> {
+        Address::parse_as(text, crate::value::intern)
+    }
+
+    /// [`Address::parse`] for an address used once, a mutation's: its member names are not
+    /// interned (a probe of the thread's name table costs more than the allocation). A name
+    /// becomes the shared key only if the write stores it as a new member
+    /// ([`crate::value::ObjMap::insert`]); lookups compare the bytes of unshared keys.
+    pub fn parse_transient(text: &str) -> Result<Address, AddressError> {
+        Address::parse_as(text, |s| Arc::from(s))
+    }
+
+    fn parse_as(text: &str, key: fn(&str) -> Key) -> Result<Address, AddressError> {
         if text.len() > MAX_ADDRESS_LEN {
             return Err(AddressError {
                 message: format!("address is longer than {MAX_ADDRESS_LEN} characters"),
@@ -65,7 +77,10 @@ impl Address {
                 rewrite,
             });
         }
-        match strict(t) {
+        if let Some(segs) = plain(t, key) {
+            return Ok(Address { segs });
+        }
+        match strict(t, key) {
             Ok(a) => Ok(a),
             Err(e) => {
                 let rewrite = lenient(t).map(|a| a.to_string()).filter(|r| r != t);
@@ -243,8 +258,50 @@ impl fmt::Display for Address {
     }
 }
 
+/// The common case of the strict grammar read straight from the bytes: `$` then `.name`
+/// members (identifiers) and `[n]` indices only. `None` for anything else (quoted names,
+/// `[*]`, non-ASCII text, errors): [`strict`] reads those and words the errors.
+fn plain(t: &str, key: fn(&str) -> Key) -> Option<Vec<PathSeg>> {
+    let b = t.as_bytes();
+    let count = b.iter().filter(|&&c| c == b'.' || c == b'[').count();
+    if count > MAX_SEGMENTS || b.first() != Some(&b'$') {
+        return None;
+    }
+    let mut segs = Vec::with_capacity(count);
+    let mut i = 1;
+    while i < b.len() {
+        let start = i + 1;
+        let mut end = start;
+        match b[i] {
+            b'.' => {
+                while end < b.len() && b[end] != b'.' && b[end] != b'[' {
+                    end += 1;
+                }
+                let name = t.get(start..end)?;
+                if !is_identifier(name) {
+                    return None;
+                }
+                segs.push(PathSeg::Field(key(name)));
+                i = end;
+            }
+            b'[' => {
+                while end < b.len() && b[end].is_ascii_digit() {
+                    end += 1;
+                }
+                if end == start || b.get(end) != Some(&b']') {
+                    return None;
+                }
+                segs.push(PathSeg::Index(t.get(start..end)?.parse().ok()?));
+                i = end + 1;
+            }
+            _ => return None,
+        }
+    }
+    Some(segs)
+}
+
 /// The strict grammar: `$` then `.name`, `[n]`, `[*]`, `['name']` / `["name"]`.
-fn strict(t: &str) -> Result<Address, String> {
+fn strict(t: &str, key: fn(&str) -> Key) -> Result<Address, String> {
     let chars: Vec<char> = t.chars().collect();
     let mut i = 1; // after '$'
     let mut segs = Vec::new();
@@ -272,7 +329,7 @@ fn strict(t: &str) -> Result<Address, String> {
                 if !is_identifier(&name) {
                     return Err(format!("member `{name}` needs the bracket form"));
                 }
-                segs.push(PathSeg::Field(crate::value::intern(&name)));
+                segs.push(PathSeg::Field(key(&name)));
             }
             '[' => {
                 i += 1;
@@ -304,7 +361,7 @@ fn strict(t: &str) -> Result<Address, String> {
                         return Err(format!("expected `]` at position {i}"));
                     }
                     i += 1;
-                    segs.push(PathSeg::Field(crate::value::intern(&name)));
+                    segs.push(PathSeg::Field(key(&name)));
                 } else {
                     let start = i;
                     while i < chars.len() && chars[i] != ']' {
@@ -399,6 +456,61 @@ mod tests {
             assert_eq!(a.to_string(), t);
         }
         assert_eq!(Address::parse("$[\"x\"]").unwrap().to_string(), "$.x");
+    }
+
+    /// The byte-level reader of plain addresses agrees with the general one wherever it
+    /// answers, and leaves every other text (and every error) to it.
+    #[test]
+    fn the_plain_reader_agrees_with_the_strict_grammar() {
+        let deep = format!("${}", ".a".repeat(MAX_SEGMENTS + 1));
+        let many = format!("${}", "[1]".repeat(MAX_SEGMENTS));
+        let texts = [
+            "$",
+            "$.a",
+            "$.price_7.qty-2[0][12].b",
+            "$.items[007].x",
+            "$.",
+            "$..a",
+            "$.a.",
+            "$[",
+            "$[]",
+            "$[1",
+            "$[1]x",
+            "$.7",
+            "$.7a",
+            "$.a b",
+            "$.*",
+            "$[*]",
+            "$['q'].a",
+            "$.é",
+            "$.a[99999999999999999999999]",
+            "$x",
+            deep.as_str(),
+            many.as_str(),
+        ];
+        let mut answered = 0;
+        for t in texts {
+            let general = strict(t, crate::value::intern).map(|a| a.segs);
+            match plain(t, crate::value::intern) {
+                Some(segs) => {
+                    answered += 1;
+                    assert_eq!(Ok(segs), general, "{t}");
+                }
+                None => assert!(
+                    general.is_err() || t.contains(['*', '\'', 'é']),
+                    "{t} is plain but was left to the general reader"
+                ),
+            }
+        }
+        assert_eq!(answered, 5);
+        // Transient parses give the same address, with keys that are not the shared ones.
+        let shared = Address::parse("$.price_7[1].qty").unwrap();
+        let own = Address::parse_transient("$.price_7[1].qty").unwrap();
+        assert_eq!(own, shared);
+        let (PathSeg::Field(a), PathSeg::Field(b)) = (&own.segs[0], &shared.segs[0]) else {
+            panic!("a member first")
+        };
+        assert!(!Arc::ptr_eq(a, b));
     }
 
     #[test]

@@ -775,7 +775,7 @@ impl Shard {
         let mut parsed = Vec::with_capacity(mutations.len());
         // The values are moved, not copied: an initial load can be one large array.
         for (k, v) in mutations {
-            let addr = Address::parse(&k)
+            let addr = Address::parse_transient(&k)
                 .map_err(|e| ServiceError::Mutation(MutationError::Invalid(e.message)))?;
             let Some(segs) = addr.into_concrete() else {
                 return Err(ServiceError::Mutation(MutationError::Invalid(format!(
