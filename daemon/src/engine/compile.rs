@@ -134,37 +134,40 @@ const FALLBACK_FORMS: usize = 1024;
 
 /// One node of the dependency graph.
 #[derive(Debug)]
+// The fields a mutation's mark and evaluation read come first and the node starts a cache line:
+// they span two lines (the spec's texts, messages and interpreted forms come after).
+#[repr(C, align(64))]
 pub struct Node {
+    pub kind: NodeKind,
     /// Its number (its index in `CompiledModel::nodes`).
     pub id: NodeId,
-    pub kind: NodeKind,
-    /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
-    pub key: Arc<str>,
-    /// The concrete target of a derivation without `[*]`.
-    pub concrete: Option<Box<[crate::value::Seg]>>,
+    pub level: u32,
     /// `[*]`s in the first target.
     pub wild: u32,
-    /// The cell holding a derivation's value when its target is one top-level member
-    /// (`engine/merged.rs`).
-    pub cell: Option<u32>,
-    /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
-    pub targets: Vec<Address>,
-    pub expr: NodeExpr,
     pub input: Input,
-    /// What of the document an interpreted evaluation is given. An arithmetic derivation's
-    /// is made only when it first falls back to the interpreter
-    /// ([`CompiledModel::fallback_projection`]): its code reads its slots, not this.
-    pub projection: Projection,
     pub projection_deferred: bool,
     pub whole_doc: bool,
     /// Reads relative to `$parent` (derivations) are served by binding `$parent`.
     pub uses_parent: bool,
-    pub level: u32,
+    /// The cell holding a derivation's value when its target is one top-level member
+    /// (`engine/merged.rs`).
+    pub cell: Option<u32>,
+    /// The concrete target of a derivation without `[*]`.
+    pub concrete: Option<Box<[crate::value::Seg]>>,
+    /// The JIT tier of a derivation (`engine/jit.rs`).
+    pub jit: super::jit::JitCell,
+    /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
+    pub key: Arc<str>,
+    /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
+    pub targets: Vec<Address>,
+    pub expr: NodeExpr,
+    /// What of the document an interpreted evaluation is given. An arithmetic derivation's
+    /// is made only when it first falls back to the interpreter
+    /// ([`CompiledModel::fallback_projection`]): its code reads its slots, not this.
+    pub projection: Projection,
     pub aggregate: Option<Box<Aggregate>>,
     /// Where in the spec the node comes from (`derivations[3]`), for messages.
     pub location: Location,
-    /// The JIT tier of a derivation (`engine/jit.rs`).
-    pub jit: super::jit::JitCell,
 }
 
 impl Node {

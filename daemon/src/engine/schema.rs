@@ -196,10 +196,9 @@ pub fn validate_write(
     path: &[Seg],
     value: &Json,
 ) -> Vec<SchemaViolation> {
-    let rendered = render(path);
     if let Some(p) = cm.producers.above(path) {
         return vec![SchemaViolation {
-            path: rendered,
+            path: render(path),
             keyword: "readOnly".into(),
             message: format!(
                 "{} is computed by the derivation of {} and cannot be written",
@@ -213,6 +212,11 @@ pub fn validate_write(
         Lookup::Free => None,
         Lookup::Node(n) => Some(n),
     };
+    if node.is_none() && meta.is_empty() {
+        // No schema node and no live meta: nothing constrains this write.
+        return Vec::new();
+    }
+    let rendered = render(path);
     let mut out = Vec::new();
     // A container made read-only by live meta protects everything inside it.
     if !meta.is_empty() {
