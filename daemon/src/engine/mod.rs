@@ -317,6 +317,32 @@ pub fn compile_cached(
     Ok(cm)
 }
 
+/// A cycle's writes with their addresses parsed (transient keys, see
+/// [`Address::parse_transient`]): at most `max` of them, each at a concrete address.
+pub fn parse_writes<K: AsRef<str>, V>(
+    writes: impl ExactSizeIterator<Item = (K, V)>,
+    max: usize,
+) -> Result<Vec<(Vec<Seg>, V)>, MutationError> {
+    if writes.len() > max {
+        return Err(MutationError::Invalid(format!(
+            "{} mutations in one cycle; the limit is {max}",
+            writes.len()
+        )));
+    }
+    let mut parsed = Vec::with_capacity(writes.len());
+    for (k, v) in writes {
+        let k = k.as_ref();
+        let addr = Address::parse_transient(k).map_err(|e| MutationError::Invalid(e.message))?;
+        let Some(segs) = addr.into_concrete() else {
+            return Err(MutationError::Invalid(format!(
+                "mutation address `{k}` contains `[*]`; write concrete element addresses"
+            )));
+        };
+        parsed.push((segs, v));
+    }
+    Ok(parsed)
+}
+
 /// A live model: its compiled spec and its committed state.
 pub struct Model {
     pub compiled: Rc<CompiledModel>,
@@ -379,24 +405,8 @@ impl Model {
         mutations: &[(String, Json)],
         now_ms: i64,
     ) -> Result<MutationResult, MutationError> {
-        if mutations.len() > self.limits.max_mutations {
-            return Err(MutationError::Invalid(format!(
-                "{} mutations in one cycle; the limit is {}",
-                mutations.len(),
-                self.limits.max_mutations
-            )));
-        }
-        let mut parsed = Vec::with_capacity(mutations.len());
-        for (k, v) in mutations {
-            let addr =
-                Address::parse_transient(k).map_err(|e| MutationError::Invalid(e.message))?;
-            let Some(segs) = addr.into_concrete() else {
-                return Err(MutationError::Invalid(format!(
-                    "mutation address `{k}` contains `[*]`; write concrete element addresses"
-                )));
-            };
-            parsed.push((segs, v.clone()));
-        }
+        let writes = mutations.iter().map(|(k, v)| (k, v.clone()));
+        let parsed = parse_writes(writes, self.limits.max_mutations)?;
         self.mutate_parsed(&parsed, now_ms)
     }
 

@@ -765,26 +765,9 @@ impl Shard {
     }
 
     fn parse_mutations(&self, mutations: Vec<(String, Json)>) -> Result<Writes, ServiceError> {
-        let max = self.limits.engine.max_mutations;
-        if mutations.len() > max {
-            return Err(ServiceError::Mutation(MutationError::Invalid(format!(
-                "{} mutations in one cycle; the limit is {max}",
-                mutations.len()
-            ))));
-        }
-        let mut parsed = Vec::with_capacity(mutations.len());
         // The values are moved, not copied: an initial load can be one large array.
-        for (k, v) in mutations {
-            let addr = Address::parse_transient(&k)
-                .map_err(|e| ServiceError::Mutation(MutationError::Invalid(e.message)))?;
-            let Some(segs) = addr.into_concrete() else {
-                return Err(ServiceError::Mutation(MutationError::Invalid(format!(
-                    "mutation address `{k}` contains `[*]`; write concrete element addresses"
-                ))));
-            };
-            parsed.push((segs, v));
-        }
-        Ok(parsed)
+        crate::engine::parse_writes(mutations.into_iter(), self.limits.engine.max_mutations)
+            .map_err(ServiceError::Mutation)
     }
 
     /// Run one cycle and answer it: at once in memory, or once its audit record is durable.
