@@ -1,7 +1,8 @@
 //! Fan-out: N independent derivations `$.total_i = price_i * qty_i`; one mutation of
 //! `$.price_k` must recompute exactly `$.total_k`. Target ≤ 5 µs per mutation at N = 100k.
-//! `mutate_string_history50` also keeps the last 50 committed states, as the daemon's history
-//! ring does: each commit then copies the paths it writes instead of writing in place.
+//! `mutate_string_history50` also keeps what each of the last 50 commits changed, as the
+//! daemon's history ring does; `mutate_string_snapshots50` keeps the 50 states themselves, as
+//! the ring did before: each commit then copies the paths it writes instead of writing in place.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -54,13 +55,30 @@ fn fanout(c: &mut Criterion) {
             b.iter(|| black_box(model.mutate(strings.next_batch(), NOW_MS).unwrap()))
         });
 
+        // The daemon's ring: what each of the last 50 commits changed (the model's undo log).
+        model.record_undo(true);
         let mut history = std::collections::VecDeque::with_capacity(HISTORY + 1);
         g.bench_function(BenchmarkId::new("mutate_string_history50", n), |b| {
             b.iter(|| {
                 let r = model.mutate(strings.next_batch(), NOW_MS).unwrap();
-                history.push_back(model.state().clone());
+                history.push_back(model.take_undo());
                 if history.len() > HISTORY {
                     history.pop_front();
+                }
+                black_box(r)
+            })
+        });
+        model.record_undo(false);
+        drop(history);
+
+        // The ring as it was: a state per commit, shared with the live one.
+        let mut snapshots = std::collections::VecDeque::with_capacity(HISTORY + 1);
+        g.bench_function(BenchmarkId::new("mutate_string_snapshots50", n), |b| {
+            b.iter(|| {
+                let r = model.mutate(strings.next_batch(), NOW_MS).unwrap();
+                snapshots.push_back(model.state().clone());
+                if snapshots.len() > HISTORY {
+                    snapshots.pop_front();
                 }
                 black_box(r)
             })

@@ -308,6 +308,64 @@ fn mutations_state_and_reads() {
     assert_error(&h.get("/models/demo/explain/$?limit=x"), 400, "Bad request");
 }
 
+/// `?at=` answers each commit's state from the ring, which keeps what later commits and reads
+/// changed rather than the states: a lazy value read between commits is at each commit as that
+/// commit left it (stale until read), and the live state moves on.
+#[test]
+fn time_travel_gives_each_commit_its_state_across_reads_of_lazy_values() {
+    let (_d, h) = start(&[]);
+    let spec = json!({
+        "id": "lz",
+        "schema": {"type": "object"},
+        "derivations": [
+            {"path": "$.total", "expr": "price * qty"},
+            {"path": "$.lz", "expr": "total * 10", "evaluation": "lazy"}
+        ]
+    });
+    assert_eq!(create(&h, &spec).status, 201);
+    let commit = |m: Value| assert_eq!(mutate(&h, "lz", m).status, 200);
+    commit(json!({"$.price": 1, "$.qty": 2}));
+    assert_eq!(
+        h.get("/models/lz/state").json(),
+        json!({"price": 1, "qty": 2, "total": 2, "lz": 20})
+    );
+    commit(json!({"$.qty": 3}));
+    assert_eq!(
+        h.get("/models/lz/state").json(),
+        json!({"price": 1, "qty": 3, "total": 3, "lz": 30})
+    );
+    commit(json!({"$.price": 5}));
+    let history = h.get("/models/lz/history").json();
+    let times: Vec<&str> = history
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(times.len(), 4, "creation and three commits: {history}");
+    let at = |t: &str| h.get(&format!("/models/lz/state?at={}", seg(t))).json();
+    assert_eq!(at(times[0]), json!({"total": null}));
+    assert_eq!(at(times[1]), json!({"price": 1, "qty": 2, "total": 2}));
+    assert_eq!(
+        at(times[2]),
+        json!({"price": 1, "qty": 3, "total": 3, "lz": 20})
+    );
+    assert_eq!(
+        at(times[3]),
+        json!({"price": 5, "qty": 3, "total": 15, "lz": 30})
+    );
+    // Asked twice, and after the live state was read again: the same answers.
+    assert_eq!(
+        h.get("/models/lz/state").json(),
+        json!({"price": 5, "qty": 3, "total": 15, "lz": 150})
+    );
+    assert_eq!(at(times[1]), json!({"price": 1, "qty": 2, "total": 2}));
+    assert_eq!(
+        at(times[3]),
+        json!({"price": 5, "qty": 3, "total": 15, "lz": 30})
+    );
+}
+
 #[test]
 fn json_patch_mutations() {
     let (_d, h) = start(&[]);

@@ -181,7 +181,7 @@ impl std::ops::DerefMut for ScratchRef<'_> {
 /// state in place (no copy when nobody else holds it); a top-level member of the base and
 /// merged documents is saved once, before its first change (an O(1) persistent clone), except
 /// that a derived value written deeper is journaled by its address alone (`TreeUndo::Path`).
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Journal {
     base: Vec<TreeUndo>,
     merged: Vec<TreeUndo>,
@@ -197,6 +197,47 @@ struct Journal {
     cells: Vec<(u32, Option<Val>)>,
     /// The addresses of `TreeUndo::Path` entries, one after another.
     path_segs: Vec<Seg>,
+}
+
+/// What one committed cycle (or one materialisation of lazy derivations) changed: undone on a
+/// copy of a later state, it gives the state from before it ([`super::Model::record_undo`]).
+/// This is how the daemon keeps its recent history without holding a snapshot per commit
+/// (holding one makes the next commit copy every branch on the paths it writes).
+#[derive(Debug)]
+pub struct Undo(Journal);
+
+impl Undo {
+    /// Put `st` back to how it was before this change (`st` is that change's result or a
+    /// state reached from it by undoing later changes).
+    pub(super) fn apply(&self, st: &mut State) {
+        undo_journal(st, self.0.clone());
+    }
+}
+
+/// Undo everything `j` records in `st`, newest change first.
+fn undo_journal(st: &mut State, j: Journal) {
+    undo(&mut st.base, j.base, &[]);
+    if let Some(tree) = &mut st.tree {
+        undo(tree, j.merged, &j.path_segs);
+    }
+    for (c, old) in j.cells.into_iter().rev() {
+        st.cells.set(c, old);
+    }
+    restore(&mut st.meta, j.meta);
+    for (id, was) in j.stale.into_iter().rev() {
+        if was {
+            st.lazy_stale.insert(id);
+        } else {
+            st.lazy_stale.remove(&id);
+        }
+    }
+    restore(&mut st.effect_keys, j.effect_keys);
+    for (id, old) in j.aggregates.into_iter().rev() {
+        match old {
+            Some(m) => st.aggregates.insert(id, m),
+            None => st.aggregates.remove(&id),
+        };
+    }
 }
 
 /// Buffers up to this many entries are always kept for the next cycle.
@@ -268,7 +309,7 @@ fn save(
 }
 
 /// One entry of a document's undo log.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum TreeUndo {
     /// A top-level member (`None`: the whole root) and what it held before.
     Member(Option<crate::value::Key>, Option<Val>),
@@ -1263,32 +1304,23 @@ impl<'a> Cycle<'a> {
 
     /// Undo everything this cycle changed in the state.
     fn rollback(&mut self) {
-        let j = std::mem::take(&mut self.journal);
-        undo(&mut self.st.base, j.base, &[]);
-        if let Some(tree) = &mut self.st.tree {
-            undo(tree, j.merged, &j.path_segs);
-        }
-        for (c, old) in j.cells.into_iter().rev() {
-            self.st.cells.set(c, old);
-        }
-        restore(&mut self.st.meta, j.meta);
-        for (id, was) in j.stale.into_iter().rev() {
-            if was {
-                self.st.lazy_stale.insert(id);
-            } else {
-                self.st.lazy_stale.remove(&id);
-            }
-        }
-        restore(&mut self.st.effect_keys, j.effect_keys);
-        for (id, old) in j.aggregates.into_iter().rev() {
-            match old {
-                Some(m) => self.st.aggregates.insert(id, m),
-                None => self.st.aggregates.remove(&id),
-            };
-        }
+        undo_journal(self.st, std::mem::take(&mut self.journal));
+    }
+
+    /// The journal of a cycle that succeeded, for the model's undo log; its lookup sets (which
+    /// only stop a member being saved twice) stay with the buffers for the next cycle.
+    fn take_undo(&mut self) -> Undo {
+        let mut j = std::mem::take(&mut self.journal);
+        self.journal.base_seen = std::mem::take(&mut j.base_seen);
+        self.journal.merged_seen = std::mem::take(&mut j.merged_seen);
+        Undo(j)
     }
 
     fn finish(mut self) -> Result<MutationResult, MutationError> {
+        self.finish_in_place()
+    }
+
+    fn finish_in_place(&mut self) -> Result<MutationResult, MutationError> {
         self.derive();
         self.meta();
         let rollback = self.constraints();
@@ -1652,12 +1684,15 @@ fn truthy(v: Option<&JValue>) -> bool {
 
 /// Run a mutation cycle on the committed state `st`, in place. On error every change is undone,
 /// so `st` is exactly as before.
+/// Run one mutation cycle; its journal goes to `undo` when the cycle commits and `undo` is
+/// given.
 pub(super) fn run(
     cm: &CompiledModel,
     limits: &EngineLimits,
     st: &mut State,
     mutations: &[(Vec<Seg>, serde_json::Value)],
     now_ms: i64,
+    undo: Option<&mut Vec<Undo>>,
 ) -> Result<MutationResult, MutationError> {
     let mut c = Cycle::new(cm, limits, st, now_ms);
     let containers = if cm.defaults.is_empty() {
@@ -1679,7 +1714,11 @@ pub(super) fn run(
         c.rollback();
         return Err(e);
     }
-    c.finish()
+    let result = c.finish_in_place()?;
+    if let Some(log) = undo {
+        log.push(c.take_undo());
+    }
+    Ok(result)
 }
 
 /// Seed and compute a new model's state.
@@ -1748,12 +1787,13 @@ fn apply_schema_defaults(
     Ok(())
 }
 
-/// Evaluate stale lazy derivations (on read).
+/// Evaluate stale lazy derivations (on read); what that changed goes to `undo` when given.
 pub(super) fn materialize_lazy(
     cm: &CompiledModel,
     limits: &EngineLimits,
     st: &mut State,
     now_ms: i64,
+    undo: Option<&mut Vec<Undo>>,
 ) {
     let stale: Vec<NodeId> = st.lazy_stale.iter().copied().collect();
     let mut c = Cycle::new(cm, limits, st, now_ms);
@@ -1762,6 +1802,9 @@ pub(super) fn materialize_lazy(
         c.mark_all(id);
     }
     c.derive();
+    if let Some(log) = undo {
+        log.push(c.take_undo());
+    }
 }
 
 /// Recompute every derivation and meta-derivation of `st.base` from scratch (after a spec

@@ -5,6 +5,7 @@
 
 pub mod compile;
 mod cycle;
+pub use cycle::Undo;
 pub mod graph;
 pub mod jit;
 pub mod merged;
@@ -348,6 +349,9 @@ pub struct Model {
     pub compiled: Rc<CompiledModel>,
     state: State,
     pub limits: EngineLimits,
+    /// When recording ([`Model::record_undo`]): what each commit and materialisation changed
+    /// since the log was last taken, oldest first.
+    undo: Option<Vec<Undo>>,
 }
 
 impl Model {
@@ -371,6 +375,7 @@ impl Model {
             state: State::empty(&compiled),
             compiled,
             limits,
+            undo: None,
         };
         let result = cycle::initialize(&model.compiled, &model.limits, &mut model.state, now_ms)
             .map_err(CreateError::Initial)?;
@@ -394,6 +399,7 @@ impl Model {
             },
             compiled,
             limits,
+            undo: None,
         };
         cycle::recompute(&model.compiled, &model.limits, &mut model.state, now_ms);
         model
@@ -434,7 +440,30 @@ impl Model {
             &mut self.state,
             mutations,
             now_ms,
+            self.undo.as_mut(),
         )
+    }
+
+    /// Start (or stop) logging what every later commit and materialisation changes, so that
+    /// earlier states can be rebuilt from the current one ([`Model::state_before`]) instead of
+    /// being kept: a kept state makes the next commit copy what it writes.
+    pub fn record_undo(&mut self, on: bool) {
+        self.undo = on.then(Vec::new);
+    }
+
+    /// The changes logged since the last call, oldest first (empty when not recording).
+    pub fn take_undo(&mut self) -> Vec<Undo> {
+        self.undo.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The current state with `changes` undone, given newest first: the state from before the
+    /// oldest of them when they are every change since then.
+    pub fn state_before<'u>(&self, changes: impl IntoIterator<Item = &'u Undo>) -> State {
+        let mut st = self.state.clone();
+        for u in changes {
+            u.apply(&mut st);
+        }
+        st
     }
 
     /// The committed state (lazy derivations may be stale: see [`Model::materialize`]).
@@ -447,7 +476,13 @@ impl Model {
         if self.state.lazy_stale.is_empty() {
             return;
         }
-        cycle::materialize_lazy(&self.compiled, &self.limits, &mut self.state, now_ms);
+        cycle::materialize_lazy(
+            &self.compiled,
+            &self.limits,
+            &mut self.state,
+            now_ms,
+            self.undo.as_mut(),
+        );
     }
 
     /// The merged document as JSON, lazy derivations evaluated.
@@ -469,12 +504,21 @@ impl Model {
     /// Replace the state wholesale (restore of a snapshot taken from this model).
     pub fn restore(&mut self, state: State) {
         self.state = state;
+        self.forget_undo();
+    }
+
+    /// A change not logged (restore, reset): the logged changes no longer lead back from here.
+    fn forget_undo(&mut self) {
+        if let Some(log) = &mut self.undo {
+            log.clear();
+        }
     }
 
     /// Replace the base document and recompute everything derived from it.
     pub fn reset_base(&mut self, base: Val, now_ms: i64) {
         self.state.base = base;
         cycle::recompute(&self.compiled, &self.limits, &mut self.state, now_ms);
+        self.forget_undo();
     }
 
     /// Derived values: every address whose merged value is not (or not wholly) the base value,

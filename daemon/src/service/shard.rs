@@ -15,7 +15,7 @@ use super::{
 use crate::engine::schema::{effective_schema, SchemaViolation};
 use crate::engine::view::ViewError;
 use crate::engine::{
-    compile_cached, CreateError, Model, MutationError, MutationResult, State, Trace,
+    compile_cached, CreateError, Model, MutationError, MutationResult, Trace, Undo,
 };
 use crate::expr::path::{render, Address};
 use crate::spec::evolve;
@@ -28,8 +28,9 @@ use crate::value::{Seg, Val};
 pub(super) struct Entry {
     pub spec: Arc<ModelSpec>,
     pub model: Model,
-    /// (commit time µs, state after the commit), oldest first.
-    history: VecDeque<(i64, State)>,
+    /// The newest commits, oldest first: the state after each is rebuilt from the current one
+    /// by undoing what came after it (see [`Commit`]).
+    history: VecDeque<Commit>,
     /// Most recent traces, oldest first.
     traces: VecDeque<Trace>,
     audit: AuditTrail,
@@ -48,7 +49,57 @@ pub(super) struct Entry {
     evolved_us: i64,
 }
 
+/// One commit of the history ring: its time, and what changed after it up to and including the
+/// next commit (the model's undo log: materialised lazy values, then that commit's cycle).
+/// The ring keeps these journals rather than a state per commit: a kept state is shared with
+/// the live one, so the next commit would copy every branch on the paths it writes (criterion,
+/// 100k fan-out: 7.4 µs a commit that way, 1.9 µs this way).
+struct Commit {
+    at_us: i64,
+    after: Vec<Undo>,
+}
+
 impl Entry {
+    /// Record a commit at `t` (µs) in the ring, keeping the newest `max`.
+    fn remember(&mut self, t: i64, max: usize) {
+        self.settle_history();
+        self.history.push_back(Commit {
+            at_us: t,
+            after: Vec::new(),
+        });
+        while self.history.len() > max.max(1) {
+            self.history.pop_front();
+        }
+    }
+
+    /// Start the ring again at `t` (creation, evolution, restore): nothing before is carried;
+    /// the model logs its changes from here.
+    fn restart_history(&mut self, t: i64) {
+        self.model.record_undo(true);
+        self.history.clear();
+        self.remember(t, 1);
+    }
+
+    /// Move what the model logged since the newest commit into that commit's entry.
+    fn settle_history(&mut self) {
+        let logged = self.model.take_undo();
+        if let Some(last) = self.history.back_mut() {
+            last.after.extend(logged);
+        }
+    }
+
+    /// The merged document as it was right after the newest commit at or before `at` (µs), if
+    /// the ring still holds it.
+    fn state_at(&mut self, at: i64) -> Option<Json> {
+        self.settle_history();
+        let k = self.history.iter().rposition(|c| c.at_us <= at)?;
+        let later = self.history.range(k..).rev();
+        let st = self
+            .model
+            .state_before(later.flat_map(|c| c.after.iter().rev()));
+        Some(st.merged_json())
+    }
+
     fn tick(&mut self) -> i64 {
         let t = now_us().max(self.last_us + 1);
         self.last_us = t;
@@ -157,10 +208,7 @@ fn replay(
 ) -> Result<(), String> {
     let result = apply_record(&mut e.model, &rec)?;
     push_traces(&mut e.traces, result.traces.iter(), explain_max);
-    e.history.push_back((rec.at_us, e.model.state().clone()));
-    while e.history.len() > history_max.max(1) {
-        e.history.pop_front();
-    }
+    e.remember(rec.at_us, history_max);
     e.last_us = e.last_us.max(rec.at_us);
     e.audit.push_stored(rec.sequence, rec.at_us, rec.record);
     Ok(())
@@ -309,15 +357,13 @@ impl Shard {
         model: Model,
         t: i64,
     ) -> Result<&mut Entry, ServiceError> {
-        let mut history = VecDeque::new();
-        history.push_back((t, model.state().clone()));
         let id = spec.id.clone();
         self.models.insert(
             id.clone(),
             Entry {
                 spec: Arc::new(spec),
                 model,
-                history,
+                history: VecDeque::new(),
                 traces: VecDeque::new(),
                 audit: AuditTrail::new(self.limits.audit_entries),
                 last_us: t,
@@ -328,7 +374,9 @@ impl Shard {
                 evolved_us: t,
             },
         );
-        self.entry_raw(&id)
+        let e = self.entry_raw(&id)?;
+        e.restart_history(t);
+        Ok(e)
     }
 
     fn entry_raw(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
@@ -542,8 +590,8 @@ impl Shard {
             }
             Some(at) => {
                 // The ring holds the newest commits without a gap: a hit in it is the answer.
-                if let Some((_, st)) = e.history.iter().rev().find(|(t, _)| *t <= at) {
-                    return Ok(st.merged_json());
+                if let Some(doc) = e.state_at(at) {
+                    return Ok(doc);
                 }
                 let (spec, created_us, evolved_us) = (e.spec.clone(), e.created_us, e.evolved_us);
                 if at < evolved_us {
@@ -636,7 +684,7 @@ impl Shard {
         let store = self.store.clone();
         let e = self.entry(id)?;
         let Some(store) = store else {
-            return Ok(e.history.iter().map(|(t, _)| iso(*t)).collect());
+            return Ok(e.history.iter().map(|c| iso(c.at_us)).collect());
         };
         // The commit times the store holds (the ring restarts with the process): the creation
         // or last evolve, then one per record since, the newest `max` of them.
@@ -847,10 +895,7 @@ impl Shard {
             }
         };
         push_traces(&mut e.traces, result.traces.iter(), explain_max);
-        e.history.push_back((t, e.model.state().clone()));
-        while e.history.len() > history_max.max(1) {
-            e.history.pop_front();
-        }
+        e.remember(t, history_max);
         let mutations: Map<String, Json> = parsed
             .into_iter()
             .map(|(segs, v)| (render(&segs), v))
@@ -989,8 +1034,7 @@ impl Shard {
         let t = e.tick();
         e.model.reset_base(Val::from_json(base), t / 1000);
         e.traces.clear();
-        e.history.clear();
-        e.history.push_back((t, e.model.state().clone()));
+        e.restart_history(t);
         let version = e.spec.version_or_default().to_string();
         Ok(json!({"restored": true, "id": id, "version": version, "restoredAt": iso(t)}))
     }
@@ -1084,8 +1128,7 @@ impl Shard {
         e.verification = None;
         e.model = model;
         e.traces.clear();
-        e.history.clear();
-        e.history.push_back((t, e.model.state().clone()));
+        e.restart_history(t);
         Ok(info)
     }
 }
