@@ -1,4 +1,5 @@
-//! `valem bench`: measure a model in-process, through the engine alone (no transport, no store).
+//! `valem bench`: measure a model in-process (no transport): through the engine alone, or the
+//! model service in memory (`--service`) or over a durable store (`--durable`).
 //!
 //! A run builds one model — a synthetic shape (`fanout`, `chain`, `items`, `mixed`) of size `n`,
 //! or a user's spec seeded from its first test's `given` — times its compilation and its first
@@ -46,6 +47,9 @@ pub struct Options {
     pub max_time: Duration,
     pub jit: bool,
     pub seed: u64,
+    /// Through the model service in memory (its shard, history ring, traces and audit trail),
+    /// instead of the engine alone.
+    pub service: bool,
     /// Through the model service over a durable store in a temporary directory (strict: every
     /// mutation acknowledged after its fsync), instead of the engine alone.
     pub durable: bool,
@@ -75,10 +79,12 @@ pub struct Report {
     /// Graph nodes: derivations, meta-derivations, constraints, effects.
     pub nodes: usize,
     pub jit: bool,
+    /// Through the model service (in memory, or over the store when `durable`).
+    pub service: bool,
     /// Through the service and a strict durable store (each mutation fsynced before it counts).
     pub durable: bool,
-    /// Compiling the spec into its graph, in ms (durable runs: creating the model through the
-    /// service, its first stored record included).
+    /// Compiling the spec into its graph, in ms (service runs: creating the model through the
+    /// service, its first stored record included when durable).
     pub compile_ms: f64,
     /// The first cycle: creating the model and applying the initial data in one mutation.
     pub first_cycle_ms: f64,
@@ -130,8 +136,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
         }
     };
     let mut gen = Mutations::new(&opts.workload, &seed_data, opts.seed)?;
-    let mut target: Box<dyn Target> = if opts.durable {
-        Box::new(Durable::open(spec, &seed_data, limits)?)
+    let mut target: Box<dyn Target> = if opts.service || opts.durable {
+        Box::new(Service::open(spec, &seed_data, limits, opts.durable)?)
     } else {
         Box::new(Engine::open(spec, &seed_data, limits)?)
     };
@@ -187,6 +193,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
         n,
         nodes,
         jit: opts.jit,
+        service: opts.service || opts.durable,
         durable: opts.durable,
         compile_ms,
         first_cycle_ms,
@@ -205,7 +212,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
     })
 }
 
-/// What a run drives: the engine alone, or the service over a store.
+/// What a run drives: the engine alone, or the service (in memory or over a store).
 trait Target {
     /// Compile ms, first-cycle ms, graph nodes.
     fn built(&self) -> (f64, f64, usize);
@@ -264,32 +271,40 @@ impl Target for Engine {
     }
 }
 
-/// The service with one shard over a strict store in a temporary directory (removed after).
-struct Durable {
+/// The service with one shard, in memory or over a strict store in a temporary directory
+/// (removed after).
+struct Service {
     service: Arc<crate::service::ModelService>,
     id: String,
     built: (f64, f64, usize),
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
-impl Durable {
+impl Service {
     fn open(
         spec: ModelSpec,
         seed_data: &[(String, Json)],
         engine: EngineLimits,
-    ) -> Result<Durable, String> {
-        let dir = tempfile::Builder::new()
-            .prefix("valem-bench-")
-            .tempdir()
-            .map_err(|e| format!("cannot create a temporary data directory: {e}"))?;
-        let store = crate::store::Store::open(dir.path(), crate::store::StoreOptions::default())
-            .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
+        durable: bool,
+    ) -> Result<Service, String> {
         let limits = crate::service::ServiceLimits {
             engine,
             ..Default::default()
         };
-        let service = crate::service::ModelService::open(1, limits, Arc::new(store))
-            .map_err(|e| format!("the service does not start: {e}"))?;
+        let (service, dir) = if durable {
+            let dir = tempfile::Builder::new()
+                .prefix("valem-bench-")
+                .tempdir()
+                .map_err(|e| format!("cannot create a temporary data directory: {e}"))?;
+            let store =
+                crate::store::Store::open(dir.path(), crate::store::StoreOptions::default())
+                    .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
+            let service = crate::service::ModelService::open(1, limits, Arc::new(store))
+                .map_err(|e| format!("the service does not start: {e}"))?;
+            (service, Some(dir))
+        } else {
+            (crate::service::ModelService::new(1, limits), None)
+        };
         let id = spec.id.clone();
         let t = Instant::now();
         let info = service
@@ -308,7 +323,7 @@ impl Durable {
                 .map_err(|e| format!("the initial data does not apply: {e}"))?;
         }
         let first_cycle_ms = ms(t.elapsed());
-        Ok(Durable {
+        Ok(Service {
             service,
             id,
             built: (compile_ms, first_cycle_ms, nodes),
@@ -317,7 +332,7 @@ impl Durable {
     }
 }
 
-impl Target for Durable {
+impl Target for Service {
     fn built(&self) -> (f64, f64, usize) {
         self.built
     }
@@ -328,7 +343,7 @@ impl Target for Durable {
     }
 }
 
-impl Drop for Durable {
+impl Drop for Service {
     fn drop(&mut self) {
         self.service.drain();
     }
@@ -761,9 +776,14 @@ pub fn table(r: &Report) -> String {
         (
             "model",
             format!(
-                "{what} ({} nodes), jit {}",
+                "{what} ({} nodes), jit {}, through {}",
                 r.nodes,
-                if r.jit { "on" } else { "off" }
+                if r.jit { "on" } else { "off" },
+                match (r.service, r.durable) {
+                    (_, true) => "the service and a durable store",
+                    (true, false) => "the service, in memory",
+                    (false, false) => "the engine",
+                }
             ),
         ),
         ("compile", format!("{:.1} ms", r.compile_ms)),

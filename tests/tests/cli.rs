@@ -427,7 +427,7 @@ fn bench_durable_goes_through_a_store_and_removes_it() {
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     let r: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    assert_eq!(r["durable"], true);
+    assert_eq!((&r["service"], &r["durable"]), (&json!(true), &json!(true)));
     assert_eq!(
         (r["mutations"].as_u64(), r["rejected"].as_u64()),
         (Some(20), Some(0))
@@ -437,5 +437,56 @@ fn bench_durable_goes_through_a_store_and_removes_it() {
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "left behind: {left:?}");
     let r = bench_json(&["--shape", "chain", "--n", "20", "--count", "3"]);
-    assert_eq!(r["durable"], false);
+    assert_eq!(
+        (&r["service"], &r["durable"]),
+        (&json!(false), &json!(false))
+    );
+}
+
+/// `--service` commits through the model service in memory, as the daemon does: same
+/// recomputation as the engine alone, and nothing written to disk.
+#[test]
+fn bench_service_goes_through_the_service_in_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(valem_bin())
+        .args([
+            "bench",
+            "--service",
+            "--shape",
+            "fanout",
+            "--n",
+            "200",
+            "--count",
+            "50",
+        ])
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("through the service, in memory"),
+        "{}",
+        stdout(&o)
+    );
+    let r = bench_json(&[
+        "--service",
+        "--shape",
+        "fanout",
+        "--n",
+        "200",
+        "--count",
+        "50",
+    ]);
+    assert_eq!(
+        (&r["service"], &r["durable"]),
+        (&json!(true), &json!(false))
+    );
+    assert_eq!(
+        (r["mutations"].as_u64(), r["rejected"].as_u64()),
+        (Some(50), Some(0))
+    );
+    assert_eq!(r["recomputed_per_mutation"], 1.0, "{r}");
+    assert_eq!(r["derived_updated_per_mutation"], 1.0, "{r}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "written to disk: {left:?}");
 }

@@ -203,9 +203,9 @@ pub enum Command {
         #[command(subcommand)]
         action: PluginsAction,
     },
-    /// Measure a model in-process (the engine alone, or with --durable the service over a
-    /// durable store; no transport): compile time, the
-    /// first cycle, per-mutation latency percentiles, mutations/s, evaluations per mutation and
+    /// Measure a model in-process (the engine alone; with --service the model service in
+    /// memory, with --durable over a durable store; no transport): compile time, the first
+    /// cycle, per-mutation latency percentiles, mutations/s, evaluations per mutation and
     /// resident memory.
     ///
     /// A synthetic shape (`--shape fanout|chain|items|mixed --n N`), or your own spec (`--spec
@@ -239,6 +239,10 @@ pub enum Command {
         /// Seed of the mutation generator.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Go through the model service in memory (one shard: its history ring, traces and
+        /// audit trail; no transport), as the daemon commits.
+        #[arg(long)]
+        service: bool,
         /// Go through the model service and a durable store (strict: each mutation counts
         /// once fsynced) in a temporary directory, removed after the run.
         #[arg(long)]
@@ -444,6 +448,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_seconds,
             jit,
             seed,
+            service,
             durable,
             json,
         } => {
@@ -473,6 +478,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 max_time: std::time::Duration::from_secs_f64(max_seconds),
                 jit,
                 seed,
+                service,
                 durable,
             };
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
