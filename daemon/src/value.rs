@@ -219,7 +219,7 @@ impl ObjMap {
     pub fn rank(&self, key: &str) -> Option<u64> {
         match self {
             ObjMap::Small(v) => v.iter().position(|(k, _)| &**k == key).map(|p| p as u64),
-            ObjMap::Large(m) => m.get(key).map(|e| e.seq),
+            ObjMap::Large(m) => m.get(key).map(|e| u64::from(e.seq)),
         }
     }
 
@@ -255,12 +255,28 @@ impl PartialEq for ObjMap {
 const FANOUT_BITS: u32 = 5;
 const FANOUT: usize = 1 << FANOUT_BITS;
 
+/// A member: 48 bytes, so with its reference counts one 64-byte allocation (a 300k-member
+/// object has 300k of them). It keeps the low half of its key's hash, which is what the first
+/// six levels index by and rejects almost every other key without reading its text; the
+/// whole hash is computed again from the key when a collision needs it.
 #[derive(Clone, Debug)]
 struct Entry {
-    hash: u64,
-    seq: u64,
+    hash: u32,
+    /// Its insertion rank in the map (see [`WideMap::insert`] for when ranks run out).
+    seq: u32,
     key: Key,
     val: Val,
+}
+
+/// The part of a key's hash an entry keeps.
+#[inline]
+fn low(hash: u64) -> u32 {
+    hash as u32
+}
+
+/// Whether `e`'s key has the whole hash `hash`.
+fn same_hash(e: &Entry, hash: u64) -> bool {
+    e.hash == low(hash) && hash_key(&e.key) == hash
 }
 
 #[derive(Clone, Debug)]
@@ -379,7 +395,7 @@ pub struct WideMap {
     bitmap: Bitmap,
     slots: Arc<[Slot]>,
     len: usize,
-    next: u64,
+    next: u32,
 }
 
 impl Default for WideMap {
@@ -393,8 +409,17 @@ impl Default for WideMap {
     }
 }
 
+#[cfg(not(test))]
 fn hash_key(key: &str) -> u64 {
     rustc_hash::FxBuildHasher.hash_one(key)
+}
+
+/// Tests choose the hashes of some keys, to build deep branches and collisions on purpose.
+#[cfg(test)]
+fn hash_key(key: &str) -> u64 {
+    tests::CHOSEN
+        .with(|c| c.borrow().get(key).copied())
+        .unwrap_or_else(|| rustc_hash::FxBuildHasher.hash_one(key))
 }
 
 fn slot_index(hash: u64, shift: u32) -> usize {
@@ -411,7 +436,7 @@ fn find_entry<'a>(
     let mut shift = 0;
     loop {
         match slot_get(bitmap, slots, slot_index(hash, shift))? {
-            Slot::One(e) => return (e.hash == hash && key_eq(&e.key, key)).then_some(&**e),
+            Slot::One(e) => return (e.hash == low(hash) && key_eq(&e.key, key)).then_some(&**e),
             Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
             Slot::Branch {
                 bitmap: b,
@@ -446,7 +471,7 @@ impl WideMap {
             let slot = branch.into_slot(slot_index(hash, shift))?;
             match slot {
                 Slot::One(e) => {
-                    if e.hash != hash || &*e.key != key {
+                    if e.hash != low(hash) || &*e.key != key {
                         return None;
                     }
                     return Some(&mut Arc::make_mut(e).val);
@@ -467,6 +492,9 @@ impl WideMap {
     }
 
     fn insert(&mut self, key: Key, val: Val, store: fn(Key) -> Key) -> Option<Val> {
+        if self.next == u32::MAX {
+            self.renumber();
+        }
         let hash = hash_key(&key);
         let seq = self.next;
         let old = insert_at(self.root(), hash, 0, key, val, seq, store);
@@ -486,6 +514,20 @@ impl WideMap {
         out
     }
 
+    /// Number the entries again from 0 in their order, when 2^32 insertions of new keys
+    /// (removed ones included) have used up the ranks.
+    fn renumber(&mut self) {
+        let entries: Vec<(Key, Val)> = self
+            .ordered()
+            .into_iter()
+            .map(|e| (e.key.clone(), e.val.clone()))
+            .collect();
+        *self = WideMap::default();
+        for (k, v) in entries {
+            self.insert(k, v, |k| k);
+        }
+    }
+
     /// Entries in insertion order.
     fn ordered(&self) -> Vec<&Entry> {
         let mut out = Vec::with_capacity(self.len);
@@ -498,8 +540,8 @@ impl WideMap {
 /// The hash a slot's entries share (a branch has none).
 fn slot_hash(slot: &Slot) -> Option<u64> {
     match slot {
-        Slot::One(e) => Some(e.hash),
-        Slot::Many(es) => Some(es[0].hash),
+        Slot::One(e) => Some(hash_key(&e.key)),
+        Slot::Many(es) => Some(hash_key(&es[0].key)),
         Slot::Branch { .. } | Slot::Vacant => None,
     }
 }
@@ -511,12 +553,12 @@ fn insert_at(
     shift: u32,
     key: Key,
     val: Val,
-    seq: u64,
+    seq: u32,
     store: fn(Key) -> Key,
 ) -> Option<Val> {
     let i = slot_index(hash, shift);
     let new = |key: Key, val: Val| Entry {
-        hash,
+        hash: low(hash),
         seq,
         key: store(key),
         val,
@@ -526,7 +568,7 @@ fn insert_at(
         return None;
     };
     match slot {
-        Slot::One(e) if e.hash == hash => {
+        Slot::One(e) if e.hash == low(hash) && (e.key == key || same_hash(e, hash)) => {
             if e.key == key {
                 return Some(std::mem::replace(&mut Arc::make_mut(e).val, val));
             }
@@ -534,7 +576,7 @@ fn insert_at(
             *slot = Slot::Many(Arc::new(vec![old, new(key, val)]));
             None
         }
-        Slot::Many(es) if es[0].hash == hash => {
+        Slot::Many(es) if same_hash(&es[0], hash) => {
             let es = Arc::make_mut(es);
             if let Some(e) = es.iter_mut().find(|e| e.key == key) {
                 return Some(std::mem::replace(&mut e.val, val));
@@ -573,7 +615,7 @@ fn remove_at(mut branch: BranchMut<'_>, hash: u64, shift: u32, key: &str) -> Opt
     let slot = branch.reborrow().into_slot(i)?;
     match slot {
         Slot::One(e) => {
-            if e.hash != hash || &*e.key != key {
+            if e.hash != low(hash) || &*e.key != key {
                 return None;
             }
             let Some(Slot::One(e)) = branch.take(i) else {
@@ -874,6 +916,44 @@ pub fn num_to_json(n: f64) -> Json {
 
 #[cfg(test)]
 mod tests {
+    thread_local! {
+        /// Keys whose hash a test chose (see `hash_key`).
+        pub(super) static CHOSEN: std::cell::RefCell<std::collections::HashMap<String, u64>> =
+            std::cell::RefCell::default();
+    }
+
+    /// Ranks run out after 2^32 new keys: the map numbers its entries again, in order.
+    #[test]
+    fn a_wide_map_renumbers_its_ranks_when_they_run_out() {
+        let mut m = WideMap::default();
+        for i in 0..100 {
+            m.insert(
+                Arc::from(format!("a{i}").as_str()),
+                Val::num(i as f64),
+                share,
+            );
+        }
+        m.remove("a50");
+        m.next = u32::MAX - 1;
+        for i in 0..3 {
+            m.insert(
+                Arc::from(format!("b{i}").as_str()),
+                Val::num(i as f64),
+                share,
+            );
+        }
+        let keys: Vec<String> = m.ordered().iter().map(|e| e.key.to_string()).collect();
+        let mut want: Vec<String> = (0..100)
+            .filter(|&i| i != 50)
+            .map(|i| format!("a{i}"))
+            .collect();
+        want.extend((0..3).map(|i| format!("b{i}")));
+        assert_eq!(keys, want);
+        let ranks: Vec<u32> = m.ordered().iter().map(|e| e.seq).collect();
+        assert_eq!(ranks, (0..102).collect::<Vec<u32>>());
+        assert_eq!(m.len, 102);
+        assert_eq!(m.get("a7").map(|e| e.val.clone()), Some(Val::num(7.0)));
+    }
     use super::*;
     use serde_json::json;
 
@@ -991,6 +1071,8 @@ mod tests {
         let mut live: Vec<(u64, String, f64)> = Vec::new();
         for (i, &h) in hashes.iter().enumerate() {
             let k = format!("k{i}");
+            CHOSEN.with(|c| c.borrow_mut().insert(k.clone(), h));
+            assert_eq!(hash_key(&k), h);
             assert_eq!(
                 insert_at(
                     at(&mut root),
@@ -998,7 +1080,7 @@ mod tests {
                     0,
                     Arc::from(k.as_str()),
                     Val::num(i as f64),
-                    i as u64,
+                    i as u32,
                     share
                 ),
                 None

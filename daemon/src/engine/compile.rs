@@ -132,6 +132,56 @@ impl NodeExpr {
 /// Interpreter forms of arithmetic derivations compiled again for a fallback, kept at most.
 const FALLBACK_FORMS: usize = 1024;
 
+/// Per node, the nodes that read what it writes, packed end to end (one allocation for the
+/// graph instead of one list per node: a 100k-node model's lists are mostly empty).
+#[derive(Debug, Default)]
+pub struct Dependents {
+    /// Where each node's list starts in `ids` (one more than there are nodes).
+    starts: Vec<u32>,
+    ids: Vec<NodeId>,
+}
+
+impl Dependents {
+    /// The reverse of `deps_of` (per node, what it depends on).
+    fn new(deps_of: &[BTreeSet<NodeId>]) -> Dependents {
+        let mut starts = vec![0u32; deps_of.len() + 1];
+        for ds in deps_of {
+            for &p in ds {
+                starts[p as usize + 1] += 1;
+            }
+        }
+        for i in 1..starts.len() {
+            starts[i] += starts[i - 1];
+        }
+        let mut fill: Vec<u32> = starts[..deps_of.len()].to_vec();
+        let mut ids = vec![0; starts[deps_of.len()] as usize];
+        for (id, ds) in deps_of.iter().enumerate() {
+            for &p in ds {
+                let at = &mut fill[p as usize];
+                ids[*at as usize] = id as NodeId;
+                *at += 1;
+            }
+        }
+        Dependents { starts, ids }
+    }
+
+    /// The nodes that read what `id` writes, in increasing order.
+    pub fn of(&self, id: NodeId) -> &[NodeId] {
+        let i = id as usize;
+        match (self.starts.get(i), self.starts.get(i + 1)) {
+            (Some(&a), Some(&b)) => &self.ids[a as usize..b as usize],
+            _ => &[],
+        }
+    }
+
+    /// Each node's dependents, by node.
+    pub fn iter(&self) -> impl Iterator<Item = &[NodeId]> + '_ {
+        self.starts
+            .windows(2)
+            .map(|w| &self.ids[w[0] as usize..w[1] as usize])
+    }
+}
+
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first and the node starts a cache line:
@@ -271,7 +321,7 @@ pub struct CompiledModel {
     /// Derivation nodes grouped by topological level.
     pub levels: Vec<Vec<NodeId>>,
     /// Per node, the nodes that read what it writes (derivations only write).
-    pub dependents: Vec<Vec<NodeId>>,
+    pub dependents: Dependents,
     pub readers: Trie,
     /// What a write of a concrete derivation's target dirties (its readers in the index, all
     /// of every instance: the target has no array index), as ranges of `target_reader_ids`;
@@ -500,11 +550,39 @@ fn aggregate_of(ast: &AstNode) -> Option<Aggregate> {
 
 struct NodeDraft {
     node: Node,
+    extra: DraftExtra,
+}
+
+/// What a node's draft holds besides the node, until the graph is built.
+struct DraftExtra {
     reads: Vec<Vec<TSeg>>,
     /// Reader paths, rendered, for traces (`inputPaths`).
     input_paths: super::trace::InputPathsBuilder,
     /// An arithmetic derivation's lowering and its program key.
     program: Option<(Program, String)>,
+}
+
+/// The drafts so far: the nodes as they will be kept, and beside them what the graph is built
+/// from. Two vectors rather than one of drafts, so the nodes (100k of them in a large model)
+/// are written once where they stay instead of being copied out of a growing vector of
+/// drafts at the end (which held both at once, and twice the drafts while growing).
+struct Drafts {
+    nodes: Vec<Node>,
+    extra: Vec<DraftExtra>,
+}
+
+impl Drafts {
+    fn with_capacity(n: usize) -> Drafts {
+        Drafts {
+            nodes: Vec::with_capacity(n),
+            extra: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, d: NodeDraft) {
+        self.nodes.push(d.node);
+        self.extra.push(d.extra);
+    }
 }
 
 /// A derivation parsed and analysed (on any thread): its target, what it reads, its native
@@ -655,7 +733,12 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         exprs: HashMap::new(),
         limits: limits.clone(),
     };
-    let mut drafts: Vec<NodeDraft> = Vec::new();
+    let mut drafts = Drafts::with_capacity(
+        spec.derivations.len()
+            + spec.meta_derivations.len()
+            + spec.constraints.len()
+            + spec.effects.len(),
+    );
 
     // Constants and library first: every expression may bind them.
     let constants = json_to_jvalue(&Json::Object(spec.constants.clone()));
@@ -699,7 +782,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         // An arithmetic derivation's projection waits for a fallback that may never come.
         dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
         add_read_paths(&mut dr, p.whole_doc, p.reads.iter(), Some(&parent), None);
-        dr.program = p.program;
+        dr.extra.program = p.program;
         drafts.push(dr);
     }
 
@@ -807,9 +890,9 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             let expr = NodeExpr::new(expr);
             let mut d = draft_empty(kind, key.into(), targets, expr, Input::Field, at, None);
             for r in &scope {
-                d.input_paths.push_with(|t| render_tsegs_into(r, t));
+                d.extra.input_paths.push_with(|t| render_tsegs_into(r, t));
             }
-            d.reads = scope;
+            d.extra.reads = scope;
             let parent_only = Reads {
                 paths: reads
                     .paths
@@ -912,19 +995,20 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         return Err(errors);
     }
 
-    let nodes_len = drafts.len();
+    let Drafts { mut nodes, extra } = drafts;
+    let nodes_len = nodes.len();
     let mut readers = Trie::default();
     let mut producers = Trie::default();
     let mut instances = Trie::default();
-    for (id, d) in drafts.iter().enumerate() {
-        for r in &d.reads {
+    for (id, (n, x)) in nodes.iter().zip(&extra).enumerate() {
+        for r in &x.reads {
             readers.insert(r, id as u32);
         }
-        if matches!(d.node.kind, NodeKind::Derivation { .. }) {
-            producers.insert(&tsegs(&d.node.targets[0]), id as u32);
+        if matches!(n.kind, NodeKind::Derivation { .. }) {
+            producers.insert(&tsegs(&n.targets[0]), id as u32);
         }
-        if !matches!(d.node.kind, NodeKind::Derivation { .. }) {
-            for t in &d.node.targets {
+        if !matches!(n.kind, NodeKind::Derivation { .. }) {
+            for t in &n.targets {
                 instances.insert(&tsegs(t), id as u32);
             }
         }
@@ -936,42 +1020,37 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
 
     // Edges producer → reader.
     let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
-        .filter(|&i| matches!(drafts[i as usize].node.kind, NodeKind::Derivation { .. }))
+        .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
         .collect();
     let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
-        .filter(|&i| drafts[i as usize].node.whole_doc)
+        .filter(|&i| nodes[i as usize].whole_doc)
         .collect();
     let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
     let mut buf = Vec::new();
-    for (id, d) in drafts.iter().enumerate() {
-        if d.node.whole_doc {
+    for (id, (n, x)) in nodes.iter().zip(&extra).enumerate() {
+        if n.whole_doc {
             for &p in &derivation_ids {
-                if !drafts[p as usize].node.whole_doc && p as usize != id {
+                if !nodes[p as usize].whole_doc && p as usize != id {
                     deps_of[id].insert(p);
                 }
             }
             continue;
         }
-        for r in &d.reads {
+        for r in &x.reads {
             buf.clear();
             producers.overlapping(r, &mut buf);
             for &p in &buf {
                 // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
                 // own previous output; that is not a dependency (the reference has no such
                 // edge). A read at or below its own target still is: a real cycle.
-                if p as usize == id && reads_strict_ancestor(r, &d.node.targets[0]) {
+                if p as usize == id && reads_strict_ancestor(r, &n.targets[0]) {
                     continue;
                 }
                 deps_of[id].insert(p);
             }
         }
     }
-    let mut dependents: Vec<Vec<NodeId>> = vec![Vec::new(); nodes_len];
-    for (id, ds) in deps_of.iter().enumerate() {
-        for &p in ds {
-            dependents[p as usize].push(id as NodeId);
-        }
-    }
+    let dependents = Dependents::new(&deps_of);
 
     // Kahn's algorithm; levels = longest path from a source.
     let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
@@ -980,7 +1059,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let mut done = 0;
     while let Some(n) = queue.pop_front() {
         done += 1;
-        for &m in &dependents[n] {
+        for &m in dependents.of(n as NodeId) {
             let m = m as usize;
             level[m] = level[m].max(level[n] + 1);
             indeg[m] -= 1;
@@ -992,30 +1071,27 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     if done < nodes_len {
         let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
         let cycle = find_cycle(&stuck, &deps_of, &indeg);
-        let names: Vec<&str> = cycle.iter().map(|&i| &*drafts[i].node.key).collect();
-        let location = drafts[cycle[0]].node.location.to_string();
+        let names: Vec<&str> = cycle.iter().map(|&i| &*nodes[i].key).collect();
+        let location = nodes[cycle[0]].location.to_string();
         return Err(vec![CompileError {
             location,
             message: format!("cyclic dependency: {}", names.join(" → ")),
         }]);
     }
 
-    let mut nodes: Vec<Node> = Vec::with_capacity(nodes_len);
     let mut trace_table = super::TraceTable::default();
     let mut programs = Vec::with_capacity(nodes_len);
-    for (id, d) in drafts.into_iter().enumerate() {
-        programs.push(d.program);
-        let mut n = d.node;
+    for (id, (n, x)) in nodes.iter_mut().zip(extra).enumerate() {
+        programs.push(x.program);
         n.id = id as NodeId;
         n.level = level[id];
         trace_table.push(
             n.key.clone(),
             Arc::new(super::TraceSource {
                 expression: n.expr.text.clone(),
-                input_paths: d.input_paths.build(),
+                input_paths: x.input_paths.build(),
             }),
         );
-        nodes.push(n);
     }
     let max_level = derivation_ids
         .iter()
@@ -1286,9 +1362,11 @@ fn draft_empty(
             location,
             jit: super::jit::JitCell::default(),
         },
-        reads: Vec::new(),
-        input_paths: Default::default(),
-        program: None,
+        extra: DraftExtra {
+            reads: Vec::new(),
+            input_paths: Default::default(),
+            program: None,
+        },
     }
 }
 
@@ -1344,12 +1422,14 @@ fn add_read_paths<'r>(
                     whole: true,
                     children: Vec::new(),
                 };
-                d.input_paths.push("$");
+                d.extra.input_paths.push("$");
             }
             Some(b) => {
                 let segs = tsegs(b);
-                d.input_paths.push_with(|t| render_tsegs_into(&segs, t));
-                d.reads.push(segs);
+                d.extra
+                    .input_paths
+                    .push_with(|t| render_tsegs_into(&segs, t));
+                d.extra.reads.push(segs);
             }
         }
     }
@@ -1371,8 +1451,10 @@ fn add_read_paths<'r>(
                 }
             }
         };
-        d.input_paths.push_with(|t| render_tsegs_into(&segs, t));
-        d.reads.push(segs);
+        d.extra
+            .input_paths
+            .push_with(|t| render_tsegs_into(&segs, t));
+        d.extra.reads.push(segs);
     }
     d.node.projection.shrink();
 }

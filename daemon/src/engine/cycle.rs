@@ -889,7 +889,7 @@ impl<'a> Cycle<'a> {
     // --- phases -----------------------------------------------------------------------------
 
     fn has_non_lazy_dependent(&self, id: NodeId) -> bool {
-        self.cm.dependents[id as usize].iter().any(|&d| {
+        self.cm.dependents.of(id).iter().any(|&d| {
             !matches!(
                 self.cm.nodes[d as usize].kind,
                 NodeKind::Derivation { lazy: true }
@@ -1740,7 +1740,7 @@ pub(super) fn initialize(
             .collect();
     while let Some(n) = stack.pop() {
         if allowed.insert(n) {
-            stack.extend(cm.dependents[n as usize].iter().copied());
+            stack.extend(cm.dependents.of(n).iter().copied());
         }
     }
     c.allowed = Some(allowed);

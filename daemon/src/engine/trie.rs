@@ -32,38 +32,15 @@ pub enum TSeg {
 
 const NONE: u32 = u32::MAX;
 
-/// A short list of ids that costs one word while empty (most trie nodes have no extra entries
-/// and no children).
-// The box is the point: an empty list is one null word instead of a 24-byte `Vec`.
-#[allow(clippy::box_collection)]
-#[derive(Debug, Default)]
-struct Ids(Option<Box<Vec<u32>>>);
-
-impl Ids {
-    fn as_slice(&self) -> &[u32] {
-        self.0.as_deref().map_or(&[], Vec::as_slice)
-    }
-
-    fn push(&mut self, id: u32) {
-        self.0.get_or_insert_default().push(id);
-    }
-
-    fn shrink(&mut self) {
-        if let Some(v) = &mut self.0 {
-            v.shrink_to_fit();
-        }
-    }
-}
-
-/// A trie node: its entries and children. Child lookup goes through the trie-wide maps, so a
-/// node costs 32 bytes and a leaf allocates nothing but its second and later entries.
+/// A trie node: its first entries. Child lookup goes through the trie-wide maps, and a node's
+/// later entries and its child list (for subtree walks) sit in a side table that most nodes
+/// never use (a leaf holds one entry), so a node costs 16 bytes.
 #[derive(Debug)]
 struct TNode {
     first: u32,
     wild: u32,
-    rest: Ids,
-    /// Field and index children, for subtree walks.
-    children: Ids,
+    /// Its [`More`] in `Trie::more`, or `NONE`.
+    more: u32,
     /// Reached through an index segment (rather than a field).
     index_child: bool,
     /// Has children reached through index segments (rare: concrete indices in patterns).
@@ -74,36 +51,26 @@ impl Default for TNode {
     fn default() -> Self {
         TNode {
             first: NONE,
-            rest: Ids::default(),
             wild: NONE,
+            more: NONE,
             index_child: false,
             has_index_children: false,
-            children: Ids::default(),
         }
     }
 }
 
-impl TNode {
-    fn entries(&self) -> impl Iterator<Item = u32> + '_ {
-        (self.first != NONE)
-            .then_some(self.first)
-            .into_iter()
-            .chain(self.rest.as_slice().iter().copied())
-    }
-
-    fn add(&mut self, e: u32) {
-        if self.first == NONE {
-            self.first = e;
-        } else if self.first != e && !self.rest.as_slice().contains(&e) {
-            self.rest.push(e);
-        }
-    }
+/// A node's second and later entries, and its field and index children.
+#[derive(Debug, Default)]
+struct More {
+    rest: Vec<u32>,
+    children: Vec<u32>,
 }
 
 /// A trie whose entries are node ids.
 #[derive(Debug)]
 pub struct Trie {
     nodes: Vec<TNode>,
+    more: Vec<More>,
     fields: hashbrown::HashTable<FieldEdge>,
     indices: HashMap<(u32, usize), u32>,
 }
@@ -112,6 +79,7 @@ impl Default for Trie {
     fn default() -> Self {
         Trie {
             nodes: vec![TNode::default()],
+            more: Vec::new(),
             fields: hashbrown::HashTable::new(),
             indices: HashMap::default(),
         }
@@ -123,6 +91,40 @@ impl Default for Trie {
 pub type Hit = (u32, Vec<usize>);
 
 impl Trie {
+    fn more(&self, t: usize) -> Option<&More> {
+        self.more.get(self.nodes[t].more as usize)
+    }
+
+    fn more_mut(&mut self, t: usize) -> &mut More {
+        if self.nodes[t].more == NONE {
+            self.nodes[t].more = self.more.len() as u32;
+            self.more.push(More::default());
+        }
+        let i = self.nodes[t].more as usize;
+        &mut self.more[i]
+    }
+
+    fn entries(&self, t: usize) -> impl Iterator<Item = u32> + '_ {
+        let first = self.nodes[t].first;
+        (first != NONE)
+            .then_some(first)
+            .into_iter()
+            .chain(self.more(t).map_or(&[][..], |m| &m.rest).iter().copied())
+    }
+
+    fn children(&self, t: usize) -> &[u32] {
+        self.more(t).map_or(&[], |m| &m.children)
+    }
+
+    fn add(&mut self, t: usize, e: u32) {
+        let first = self.nodes[t].first;
+        if first == NONE {
+            self.nodes[t].first = e;
+        } else if first != e && !self.more(t).is_some_and(|m| m.rest.contains(&e)) {
+            self.more_mut(t).rest.push(e);
+        }
+    }
+
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
         let t = t as u32;
         self.fields
@@ -165,11 +167,11 @@ impl Trie {
                                 .insert_unique(edge_hash(t as u32, k), edge, |e| {
                                     edge_hash(e.parent, &e.key)
                                 });
-                            self.nodes[t].children.push(n);
+                            self.more_mut(t).children.push(n);
                         }
                         TSeg::Index(i) => {
                             self.indices.insert((t as u32, *i), n);
-                            self.nodes[t].children.push(n);
+                            self.more_mut(t).children.push(n);
                             self.nodes[n as usize].index_child = true;
                             self.nodes[t].has_index_children = true;
                         }
@@ -179,15 +181,16 @@ impl Trie {
                 }
             };
         }
-        self.nodes[t].add(entry);
+        self.add(t, entry);
     }
 
     /// Release spare capacity once the trie is complete.
     pub fn shrink(&mut self) {
         self.nodes.shrink_to_fit();
-        for n in &mut self.nodes {
-            n.children.shrink();
-            n.rest.shrink();
+        self.more.shrink_to_fit();
+        for m in &mut self.more {
+            m.children.shrink_to_fit();
+            m.rest.shrink_to_fit();
         }
         self.fields.shrink_to_fit(|e| edge_hash(e.parent, &e.key));
         self.indices.shrink_to_fit();
@@ -202,7 +205,7 @@ impl Trie {
 
     fn walk(&self, t: usize, w: &[Seg], bind: &mut Vec<usize>, skipped: bool, out: &mut Vec<Hit>) {
         if !skipped {
-            for e in self.nodes[t].entries() {
+            for e in self.entries(t) {
                 out.push((e, bind.clone()));
             }
         }
@@ -232,7 +235,7 @@ impl Trie {
     /// were already visited with their binding and are left out.
     fn subtree(&self, t: usize, bind: &[usize], skip_arrays: bool, out: &mut Vec<Hit>) {
         let node = &self.nodes[t];
-        for &c in node.children.as_slice() {
+        for &c in self.children(t) {
             if skip_arrays && node.has_index_children && self.nodes[c as usize].index_child {
                 continue;
             }
@@ -246,7 +249,7 @@ impl Trie {
     }
 
     fn all(&self, t: usize, bind: &[usize], out: &mut Vec<Hit>) {
-        for e in self.nodes[t].entries() {
+        for e in self.entries(t) {
             out.push((e, bind.to_vec()));
         }
         self.subtree(t, bind, false, out);
@@ -260,7 +263,7 @@ impl Trie {
 
     fn index_children(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
         let scan: &[u32] = if self.nodes[t].has_index_children {
-            self.nodes[t].children.as_slice()
+            self.children(t)
         } else {
             &[]
         };
@@ -273,7 +276,7 @@ impl Trie {
         if depth > 512 {
             return;
         }
-        out.extend(self.nodes[t].entries());
+        out.extend(self.entries(t));
         match r.split_first() {
             None => {
                 let mut hits = Vec::new();
@@ -317,7 +320,7 @@ impl Trie {
     }
 
     fn above_walk(&self, t: usize, w: &[Seg]) -> Option<u32> {
-        if let Some(e) = self.nodes[t].entries().next() {
+        if let Some(e) = self.entries(t).next() {
             return Some(e);
         }
         match w.split_first()? {
@@ -339,7 +342,7 @@ impl Trie {
                 Seg::Index(i) => self.index(t, *i)?,
             };
         }
-        Some(self.nodes[t].entries())
+        Some(self.entries(t))
     }
 
     /// Entries strictly below the concrete path `w`, with the indices `w` binds.
