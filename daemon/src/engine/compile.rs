@@ -3,7 +3,7 @@
 //! cycle is an error naming it), the library bound, projections and native aggregates planned.
 //! Pure: no I/O, no clock.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -28,8 +28,8 @@ pub type NodeId = u32;
 pub enum NodeKind {
     Derivation { lazy: bool },
     Meta(MetaProp),
-    Constraint { index: usize, policy: Policy },
-    Effect { index: usize },
+    Constraint { index: u32, policy: Policy },
+    Effect { index: u32 },
 }
 
 /// What an expression sees as its input (`$`).
@@ -101,17 +101,26 @@ impl Projection {
 /// derivation lets the compiled form go once the spec is compiled (the JIT tier computes it from
 /// its lowering); an evaluation that needs the interpreter compiles the text again, and the most
 /// recent such forms are kept (`CompiledModel::interpreted`).
-#[derive(Debug)]
 pub struct NodeExpr {
     pub text: Arc<str>,
-    compiled: RefCell<Option<Rc<Compiled>>>,
+    /// A `Cell` (taken and put back to read): 8 bytes where a `RefCell` takes 16.
+    compiled: Cell<Option<Rc<Compiled>>>,
+}
+
+impl std::fmt::Debug for NodeExpr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeExpr")
+            .field("text", &self.text)
+            .field("held", &self.held().is_some())
+            .finish()
+    }
 }
 
 impl NodeExpr {
     fn new(c: Rc<Compiled>) -> NodeExpr {
         NodeExpr {
             text: c.text.clone(),
-            compiled: RefCell::new(Some(c)),
+            compiled: Cell::new(Some(c)),
         }
     }
 
@@ -119,13 +128,15 @@ impl NodeExpr {
     fn text(text: Arc<str>) -> NodeExpr {
         NodeExpr {
             text,
-            compiled: RefCell::new(None),
+            compiled: Cell::new(None),
         }
     }
 
     /// The compiled form, if it is held.
     pub fn held(&self) -> Option<Rc<Compiled>> {
-        self.compiled.borrow().clone()
+        let c = self.compiled.take();
+        self.compiled.set(c.clone());
+        c
     }
 }
 
@@ -185,7 +196,9 @@ impl Dependents {
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first and the node starts a cache line:
-// they span two lines (the spec's texts, messages and interpreted forms come after).
+// they span two lines (the spec's texts, messages and interpreted forms come after). Three lines
+// in all: a 100k-derivation model holds 100k nodes, so what is rare (aggregates, projections of
+// interpreted nodes) is kept beside the node or boxed.
 #[repr(C, align(64))]
 pub struct Node {
     pub kind: NodeKind,
@@ -209,16 +222,18 @@ pub struct Node {
     /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
     pub key: Arc<str>,
     /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
-    pub targets: Vec<Address>,
+    pub targets: Box<[Address]>,
     pub expr: NodeExpr,
     /// What of the document an interpreted evaluation is given. An arithmetic derivation's
     /// is made only when it first falls back to the interpreter
     /// ([`CompiledModel::fallback_projection`]): its code reads its slots, not this.
-    pub projection: Projection,
-    pub aggregate: Option<Box<Aggregate>>,
+    pub projection: Option<Box<Projection>>,
     /// Where in the spec the node comes from (`derivations[3]`), for messages.
     pub location: Location,
 }
+
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Node>() == 192);
 
 impl Node {
     /// The `[*]`s of its (first) target.
@@ -227,16 +242,23 @@ impl Node {
         self.wild as usize
     }
 
-    /// The aggregate of a concrete derivation that the cycle keeps up to date by delta instead
-    /// of rescanning: `$sum`, `$count` or `$average` of `array.field`.
-    pub fn delta_aggregate(&self) -> Option<&Aggregate> {
-        let agg = self.aggregate.as_ref()?;
-        (matches!(self.kind, NodeKind::Derivation { lazy: false })
+    /// What of the document an interpreted evaluation is given.
+    pub fn projection(&self) -> &Projection {
+        static NOTHING: Projection = Projection {
+            whole: false,
+            children: Vec::new(),
+        };
+        self.projection.as_deref().unwrap_or(&NOTHING)
+    }
+
+    /// Whether the cycle keeps `agg`, this node's aggregate, up to date by delta instead of
+    /// rescanning: `$sum`, `$count` or `$average` of `array.field` in a concrete derivation.
+    pub fn keeps_by_delta(&self, agg: &Aggregate) -> bool {
+        matches!(self.kind, NodeKind::Derivation { lazy: false })
             && self.concrete.is_some()
             && self.input == Input::Doc
             && agg.path.len() == 2
-            && matches!(agg.func, AggFunc::Sum | AggFunc::Count | AggFunc::Average))
-        .then_some(agg)
+            && matches!(agg.func, AggFunc::Sum | AggFunc::Count | AggFunc::Average)
     }
 }
 
@@ -318,6 +340,9 @@ pub struct CompiledModel {
     /// Some derivation is an aggregate kept by delta (`Node::delta_aggregate`): writes note
     /// their old and new values for it.
     pub has_delta_aggregates: bool,
+    /// The nodes evaluated as a native aggregate, and how (few nodes are: kept beside the
+    /// nodes rather than a field of each).
+    aggregates: HashMap<NodeId, Aggregate>,
     /// Derivation nodes grouped by topological level.
     pub levels: Vec<Vec<NodeId>>,
     /// Per node, the nodes that read what it writes (derivations only write).
@@ -560,6 +585,7 @@ struct DraftExtra {
     input_paths: super::trace::InputPathsBuilder,
     /// An arithmetic derivation's lowering and its program key.
     program: Option<(Program, String)>,
+    aggregate: Option<Aggregate>,
 }
 
 /// The drafts so far: the nodes as they will be kept, and beside them what the graph is built
@@ -834,10 +860,10 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         );
         add_reads(&mut d, &reads, element.as_ref(), element.as_ref());
         if element.is_some() {
-            d.node.projection = Projection {
+            d.node.projection = Some(Box::new(Projection {
                 whole: true,
                 children: Vec::new(),
-            };
+            }));
         }
         drafts.push(d);
     }
@@ -874,7 +900,10 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         if bad {
             continue;
         }
-        let kind = NodeKind::Constraint { index: i, policy };
+        let kind = NodeKind::Constraint {
+            index: i as u32,
+            policy,
+        };
         let key = format!("$constraint:{}", c.id);
         if targets.is_empty() {
             let at = Location::new(Section::Constraints, i);
@@ -903,11 +932,11 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
                 ..Reads::default()
             };
             add_reads(&mut d, &parent_only, element.as_ref(), None);
-            d.node.projection = Projection {
+            d.node.projection = Some(Box::new(Projection {
                 whole: true,
                 children: Vec::new(),
-            };
-            d.node.aggregate = None;
+            }));
+            d.extra.aggregate = None;
             drafts.push(d);
         }
     }
@@ -962,7 +991,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             }
         }
         let mut d = draft(
-            NodeKind::Effect { index: i },
+            NodeKind::Effect { index: i as u32 },
             format!("$effect:{}", e.id).into(),
             Vec::new(),
             trigger,
@@ -1081,8 +1110,12 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
 
     let mut trace_table = super::TraceTable::default();
     let mut programs = Vec::with_capacity(nodes_len);
+    let mut aggregates = HashMap::new();
     for (id, (n, x)) in nodes.iter_mut().zip(extra).enumerate() {
         programs.push(x.program);
+        if let Some(a) = x.aggregate {
+            aggregates.insert(id as NodeId, a);
+        }
         n.id = id as NodeId;
         n.level = level[id];
         trace_table.push(
@@ -1121,7 +1154,9 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let merged_is_base = derivation_ids
         .iter()
         .all(|&i| nodes[i as usize].cell.is_some());
-    let has_delta_aggregates = nodes.iter().any(|n| n.delta_aggregate().is_some());
+    let has_delta_aggregates = aggregates
+        .iter()
+        .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
     let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
     Ok(CompiledModel {
         target_readers,
@@ -1132,6 +1167,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         schema: spec.schema.clone(),
         spec,
         has_delta_aggregates,
+        aggregates,
         nodes,
         levels,
         dependents,
@@ -1204,13 +1240,13 @@ impl CompiledModel {
             return Ok(c);
         }
         let c = Rc::new(Compiled::compile(&node.expr.text, &self.limits)?);
-        *node.expr.compiled.borrow_mut() = Some(c.clone());
+        node.expr.compiled.set(Some(c.clone()));
         let mut kept = self.fallback_forms.borrow_mut();
         kept.push_back(node.id);
         if kept.len() > FALLBACK_FORMS {
             if let Some(old) = kept.pop_front() {
                 if let Some(n) = self.nodes.get(old as usize) {
-                    n.expr.compiled.borrow_mut().take();
+                    n.expr.compiled.take();
                 }
                 self.fallback_projections.borrow_mut().remove(&old);
             }
@@ -1244,6 +1280,22 @@ impl CompiledModel {
             .borrow_mut()
             .insert(node.id, p.clone());
         p
+    }
+
+    /// The native aggregate `node` is evaluated as, if any.
+    #[inline]
+    pub fn aggregate(&self, node: &Node) -> Option<&Aggregate> {
+        if self.aggregates.is_empty() {
+            return None;
+        }
+        self.aggregates.get(&node.id)
+    }
+
+    /// The aggregate of `node` when the cycle keeps it up to date by delta instead of
+    /// rescanning (see [`Node::keeps_by_delta`]).
+    #[inline]
+    pub fn delta_aggregate(&self, node: &Node) -> Option<&Aggregate> {
+        self.aggregate(node).filter(|a| node.keeps_by_delta(a))
     }
 
     /// The readers a write of `node`'s target dirties (whole), when known at compile time.
@@ -1350,15 +1402,14 @@ fn draft_empty(
             concrete,
             cell: None,
             key,
-            targets,
+            targets: targets.into_boxed_slice(),
             expr,
             input,
-            projection: Projection::default(),
+            projection: None,
             projection_deferred: false,
             whole_doc: false,
             uses_parent: false,
             level: 0,
-            aggregate: aggregate.map(Box::new),
             location,
             jit: super::jit::JitCell::default(),
         },
@@ -1366,6 +1417,7 @@ fn draft_empty(
             reads: Vec::new(),
             input_paths: Default::default(),
             program: None,
+            aggregate,
         },
     }
 }
@@ -1418,10 +1470,10 @@ fn add_read_paths<'r>(
         match doc_base {
             None => {
                 d.node.whole_doc = true;
-                d.node.projection = Projection {
+                d.node.projection = Some(Box::new(Projection {
                     whole: true,
                     children: Vec::new(),
-                };
+                }));
                 d.extra.input_paths.push("$");
             }
             Some(b) => {
@@ -1437,7 +1489,7 @@ fn add_read_paths<'r>(
         let segs = match (root, doc_base) {
             (Root::Doc, None) => {
                 if !d.node.projection_deferred {
-                    d.node.projection.add(fields);
+                    d.node.projection.get_or_insert_default().add(fields);
                 }
                 fields.iter().map(|k| TSeg::Field(k.clone())).collect()
             }
@@ -1456,7 +1508,9 @@ fn add_read_paths<'r>(
             .push_with(|t| render_tsegs_into(&segs, t));
         d.extra.reads.push(segs);
     }
-    d.node.projection.shrink();
+    if let Some(p) = &mut d.node.projection {
+        p.shrink();
+    }
 }
 
 /// Evaluate the library layers in order and bind their exports into `env`.
@@ -1688,13 +1742,10 @@ mod tests {
         assert_eq!(lvl("$.c"), 1);
         assert_eq!(lvl("$.items[*].t"), 0);
         assert_eq!(lvl("$.sum"), 1);
-        assert!(m
-            .nodes
-            .iter()
-            .find(|n| &*n.key == "$.sum")
-            .unwrap()
-            .aggregate
-            .is_some());
+        let sum = m.nodes.iter().find(|n| &*n.key == "$.sum").unwrap();
+        assert!(m.delta_aggregate(sum).is_some());
+        let b = m.nodes.iter().find(|n| &*n.key == "$.b").unwrap();
+        assert!(m.aggregate(b).is_none());
     }
 
     #[test]

@@ -533,7 +533,7 @@ impl<'a> Cycle<'a> {
         let node = &self.cm.nodes[id as usize];
         if self.cm.has_delta_aggregates
             && self.agg_noted.take() != Some(id)
-            && node.delta_aggregate().is_some()
+            && self.cm.delta_aggregate(node).is_some()
         {
             // Reached by something other than a noted leaf write: rescan.
             self.agg_delta.insert(id, None);
@@ -603,7 +603,8 @@ impl<'a> Cycle<'a> {
     /// leaves (`array[k].field`) with number-or-absent old and new values, note the change;
     /// anything else makes it rescan.
     fn note_aggregate(&mut self, id: NodeId, w: &[Seg]) {
-        let Some(agg) = self.cm.nodes[id as usize].delta_aggregate() else {
+        let cm = self.cm;
+        let Some(agg) = cm.delta_aggregate(&cm.nodes[id as usize]) else {
             return;
         };
         let leaf = matches!(w, [Seg::Field(a), Seg::Index(_), Seg::Field(f)]
@@ -737,7 +738,7 @@ impl<'a> Cycle<'a> {
                 let p = self.cm.fallback_projection(node);
                 project_root(self.st.merged(), &p)
             }
-            Input::Doc => project_root(self.st.merged(), &node.projection),
+            Input::Doc => project_root(self.st.merged(), node.projection()),
             Input::Element => {
                 let el = element_prefix(&node.targets[0], inst);
                 self.st.merged().jvalue_at(el)
@@ -780,8 +781,8 @@ impl<'a> Cycle<'a> {
                 return Ok(v);
             }
         }
-        if let (Some(agg), Input::Doc) = (&node.aggregate, node.input) {
-            if node.delta_aggregate().is_some() {
+        if let (Some(agg), Input::Doc) = (self.cm.aggregate(node), node.input) {
+            if node.keeps_by_delta(agg) {
                 if let Some(v) = self.delta_aggregate(agg) {
                     return Ok(v);
                 }
@@ -1193,7 +1194,7 @@ impl<'a> Cycle<'a> {
             let NodeKind::Constraint { index, policy } = node.kind else {
                 continue;
             };
-            let spec = &cm.spec.constraints[index];
+            let spec = &cm.spec.constraints[index as usize];
             let mut insts = Insts::default();
             if node.targets.is_empty() {
                 insts.push(&[]);
@@ -1238,8 +1239,8 @@ impl<'a> Cycle<'a> {
             let NodeKind::Effect { index } = node.kind else {
                 continue;
             };
-            let spec = &cm.spec.effects[index];
-            let plan = &cm.effect_plans[index];
+            let spec = &cm.spec.effects[index as usize];
+            let plan = &cm.effect_plans[index as usize];
             let fire = matches!(self.evaluate(node, &[]), Ok(v) if truthy(v.as_ref()));
             if !fire {
                 continue;
