@@ -588,26 +588,70 @@ struct DraftExtra {
     aggregate: Option<Aggregate>,
 }
 
-/// The drafts so far: the nodes as they will be kept, and beside them what the graph is built
-/// from. Two vectors rather than one of drafts, so the nodes (100k of them in a large model)
-/// are written once where they stay instead of being copied out of a growing vector of
-/// drafts at the end (which held both at once, and twice the drafts while growing).
+/// The nodes drafted so far, numbered in order, and what the graph is built from. A draft is
+/// taken apart as it comes in: the node is written once where it stays, its lowering, its
+/// trace entry and its aggregate go where they are kept, and its reads are packed end to
+/// end. Nothing per node is held back to the end of the compile, so what a draft allocates
+/// for a while is freed before the next one (a 100k-node compile otherwise leaves the
+/// long-lived allocations of its nodes scattered among the holes of the short-lived ones,
+/// resident for the model's life).
 struct Drafts {
     nodes: Vec<Node>,
-    extra: Vec<DraftExtra>,
+    /// Every node's read patterns, their segments end to end.
+    segs: Vec<TSeg>,
+    /// Where each read pattern ends in `segs`.
+    read_ends: Vec<u32>,
+    /// Per node, where its reads end in `read_ends`.
+    node_reads: Vec<u32>,
+    aggregates: HashMap<NodeId, Aggregate>,
+    trace_table: super::TraceTable,
+    /// One JIT slot per distinct program (and batch shape) among the nodes.
+    jit_slots: HashMap<(String, bool), Arc<super::jit::Slot>>,
 }
 
 impl Drafts {
     fn with_capacity(n: usize) -> Drafts {
         Drafts {
             nodes: Vec::with_capacity(n),
-            extra: Vec::with_capacity(n),
+            segs: Vec::new(),
+            read_ends: Vec::new(),
+            node_reads: Vec::with_capacity(n),
+            aggregates: HashMap::new(),
+            trace_table: super::TraceTable::default(),
+            jit_slots: HashMap::new(),
         }
     }
 
     fn push(&mut self, d: NodeDraft) {
-        self.nodes.push(d.node);
-        self.extra.push(d.extra);
+        let NodeDraft { mut node, extra } = d;
+        let id = self.nodes.len() as NodeId;
+        node.id = id;
+        for r in extra.reads {
+            self.segs.extend(r);
+            self.read_ends.push(self.segs.len() as u32);
+        }
+        self.node_reads.push(self.read_ends.len() as u32);
+        if let Some(a) = extra.aggregate {
+            self.aggregates.insert(id, a);
+        }
+        if let Some((program, key)) = extra.program {
+            let batch = node.concrete.is_none();
+            let nj = super::jit::NodeJit::new(program, key, batch, &mut self.jit_slots);
+            node.jit = super::jit::JitCell::new(batch, Some(nj));
+        }
+        self.trace_table
+            .push(node.key.clone(), node.expr.text.clone(), &extra.input_paths);
+        self.nodes.push(node);
+    }
+
+    /// The read patterns of node `id`.
+    fn reads(&self, id: usize) -> impl Iterator<Item = &[TSeg]> + '_ {
+        let to = self.node_reads[id] as usize;
+        let from = id.checked_sub(1).map_or(0, |p| self.node_reads[p] as usize);
+        (from..to).map(move |i| {
+            let start = i.checked_sub(1).map_or(0, |p| self.read_ends[p] as usize);
+            &self.segs[start..self.read_ends[i] as usize]
+        })
     }
 }
 
@@ -1024,13 +1068,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         return Err(errors);
     }
 
-    let Drafts { mut nodes, extra } = drafts;
+    let mut nodes = std::mem::take(&mut drafts.nodes);
     let nodes_len = nodes.len();
     let mut readers = Trie::default();
     let mut producers = Trie::default();
     let mut instances = Trie::default();
-    for (id, (n, x)) in nodes.iter().zip(&extra).enumerate() {
-        for r in &x.reads {
+    for (id, n) in nodes.iter().enumerate() {
+        for r in drafts.reads(id) {
             readers.insert(r, id as u32);
         }
         if matches!(n.kind, NodeKind::Derivation { .. }) {
@@ -1056,7 +1100,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         .collect();
     let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
     let mut buf = Vec::new();
-    for (id, (n, x)) in nodes.iter().zip(&extra).enumerate() {
+    for (id, n) in nodes.iter().enumerate() {
         if n.whole_doc {
             for &p in &derivation_ids {
                 if !nodes[p as usize].whole_doc && p as usize != id {
@@ -1065,7 +1109,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             }
             continue;
         }
-        for r in &x.reads {
+        for r in drafts.reads(id) {
             buf.clear();
             producers.overlapping(r, &mut buf);
             for &p in &buf {
@@ -1108,23 +1152,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         }]);
     }
 
-    let mut trace_table = super::TraceTable::default();
-    let mut programs = Vec::with_capacity(nodes_len);
-    let mut aggregates = HashMap::new();
-    for (id, (n, x)) in nodes.iter_mut().zip(extra).enumerate() {
-        programs.push(x.program);
-        if let Some(a) = x.aggregate {
-            aggregates.insert(id as NodeId, a);
-        }
-        n.id = id as NodeId;
-        n.level = level[id];
-        trace_table.push(
-            n.key.clone(),
-            Arc::new(super::TraceSource {
-                expression: n.expr.text.clone(),
-                input_paths: x.input_paths.build(),
-            }),
-        );
+    let Drafts {
+        aggregates,
+        mut trace_table,
+        ..
+    } = drafts;
+    for (n, &l) in nodes.iter_mut().zip(&level) {
+        n.level = l;
     }
     let max_level = derivation_ids
         .iter()
@@ -1150,10 +1184,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
 
     let cells = assign_cells(&mut nodes, &levels, &producers);
-    lower_arithmetic(&mut nodes, programs, &cells);
+    for n in &mut nodes {
+        n.jit.resolve_cells(&cells);
+    }
     let merged_is_base = derivation_ids
         .iter()
         .all(|&i| nodes[i as usize].cell.is_some());
+    trace_table.shrink();
     let has_delta_aggregates = aggregates
         .iter()
         .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
@@ -1192,20 +1229,6 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
 
 /// Give every arithmetic derivation its JIT tier, from the lowering `prepare` made (one
 /// shared slot per distinct program).
-fn lower_arithmetic(
-    nodes: &mut [Node],
-    programs: Vec<Option<(Program, String)>>,
-    cells: &super::merged::CellLayout,
-) {
-    let mut slots = HashMap::new();
-    for (n, program) in nodes.iter_mut().zip(programs) {
-        let batch = n.concrete.is_none();
-        let lowered =
-            program.map(|(p, key)| super::jit::NodeJit::new(p, key, cells, batch, &mut slots));
-        n.jit = super::jit::JitCell::new(batch, lowered);
-    }
-}
-
 /// The readers of each concrete derivation target without array indices (a write there binds
 /// no `[*]`, so each reader is dirtied whole), looked up in the index once.
 #[allow(clippy::type_complexity)]
@@ -1394,6 +1417,7 @@ fn draft_empty(
             .map(Vec::into_boxed_slice),
         _ => None,
     };
+    let concrete_none = concrete.is_none();
     NodeDraft {
         node: Node {
             id: 0,
@@ -1411,7 +1435,7 @@ fn draft_empty(
             uses_parent: false,
             level: 0,
             location,
-            jit: super::jit::JitCell::default(),
+            jit: super::jit::JitCell::new(concrete_none, None),
         },
         extra: DraftExtra {
             reads: Vec::new(),

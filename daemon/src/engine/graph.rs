@@ -35,7 +35,7 @@ pub fn project(cm: &CompiledModel) -> Json {
     let mut base_seen: HashSet<&str> = HashSet::new();
     let mut edges: Vec<Json> = Vec::new();
     for n in &cm.nodes {
-        for ip in cm.trace_table.source(n.id).input_paths.iter() {
+        for ip in cm.trace_table.input_paths(n.id) {
             if derived.contains(ip) {
                 continue;
             }
@@ -59,9 +59,7 @@ pub fn project(cm: &CompiledModel) -> Json {
         let from_nodes = preds[i].iter().filter_map(|p| depth.get(p)).max().copied();
         let reads_base = cm
             .trace_table
-            .source(i as u32)
-            .input_paths
-            .iter()
+            .input_paths(i as u32)
             .any(|ip| !derived.contains(ip));
         let d = match (from_nodes, reads_base) {
             (Some(m), _) => m + 1,
@@ -82,7 +80,7 @@ pub fn project(cm: &CompiledModel) -> Json {
             "id": &*n.key,
             "kind": kind_name(&n.kind),
             "expression": &*n.expr.text,
-            "inputPaths": &cm.trace_table.source(n.id).input_paths,
+            "inputPaths": cm.trace_table.input_paths(n.id).collect::<Vec<_>>(),
             "level": level,
             "location": n.location.to_string(),
         });

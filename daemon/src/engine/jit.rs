@@ -83,14 +83,17 @@ impl NodeJit {
     /// A node's tier over `program` (whose key is `key`). `batch`: the node has `[*]`
     /// instances (a batched entry is compiled too). `slots` shares one [`Slot`] per distinct
     /// program among the nodes of one compile.
+    /// Its slots read top-level members by name until [`NodeJit::resolve_cells`] points
+    /// those that are cells at their cells (the cells are laid out once every node is known).
     pub fn new(
         program: Program,
         key: String,
-        cells: &CellLayout,
         batch: bool,
         slots: &mut HashMap<(String, bool), Arc<Slot>>,
     ) -> NodeJit {
-        let inputs: SmallVec<_> = slot_inputs(&program, cells).into_iter().collect();
+        let inputs: SmallVec<_> = slot_inputs(&program, &CellLayout::default())
+            .into_iter()
+            .collect();
         let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
         let key = (key, batch);
         let slot = match slots.get(&key) {
@@ -102,6 +105,28 @@ impl NodeJit {
             }
         };
         NodeJit { inputs, slot }
+    }
+
+    /// Read the top-level members that are cells from their cells (as [`slot_inputs`] would
+    /// have given them with `cells`).
+    pub fn resolve_cells(&mut self, cells: &CellLayout) {
+        for input in &mut self.inputs {
+            match input {
+                SlotInput::Member(k) => {
+                    if let Some(c) = cells.find(k) {
+                        *input = SlotInput::Cell(c, k.clone());
+                    }
+                }
+                SlotInput::Doc(path) => {
+                    if let [Seg::Field(k), rest @ ..] = &**path {
+                        if let (Some(c), false) = (cells.find(k), rest.is_empty()) {
+                            *input = SlotInput::CellPath(Box::new((c, k.clone(), rest.into())));
+                        }
+                    }
+                }
+                SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Parent(_) => {}
+            }
+        }
     }
 
     /// The program (the same for every node of its shape).
@@ -148,6 +173,13 @@ impl JitCell {
             batch,
             runs: Cell::new(0),
             lowered,
+        }
+    }
+
+    /// See [`NodeJit::resolve_cells`].
+    pub fn resolve_cells(&mut self, cells: &CellLayout) {
+        if let Some(nj) = &mut self.lowered {
+            nj.resolve_cells(cells);
         }
     }
 

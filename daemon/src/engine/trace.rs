@@ -17,9 +17,9 @@ use crate::value::Val;
 pub struct Trace {
     /// What was computed: a field address, a meta key (`$.path#prop`) or a constraint/effect id.
     pub target_path: Arc<str>,
-    /// The expression and what it reads: one per node, shared by all its traces.
+    /// The expression and what it reads (the node's, read from the model's trace table).
     #[serde(flatten)]
-    pub source: Arc<TraceSource>,
+    pub source: TraceSource,
     /// The value computed (any JSON).
     #[serde(serialize_with = "serialize_val")]
     #[schemars(schema_with = "crate::spec::schema::any_token")]
@@ -42,18 +42,27 @@ pub struct TraceSource {
     pub input_paths: InputPaths,
 }
 
-/// A node's input addresses, packed: their text end to end and where each ends (two
-/// allocations, where a list of strings takes one per address and one for the list). Every
-/// node of a compiled model has one; it is read when traces are.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// A node's input addresses: read from the model's [`TraceTable`], where every node's are
+/// packed end to end (no allocation per node; a trace refers to them by node number).
+#[derive(Clone, Debug, Default)]
 pub struct InputPaths {
-    text: Box<str>,
-    ends: Box<[u32]>,
+    /// The table and the node; none for a trace that belongs to no node.
+    of: Option<(Arc<TraceTable>, u32)>,
 }
 
 impl InputPaths {
     pub fn iter(&self) -> impl Iterator<Item = &str> + '_ {
-        spans(&self.ends).map(|r| self.text.get(r).unwrap_or(""))
+        self.of
+            .as_ref()
+            .map(|(t, n)| t.input_paths(*n))
+            .into_iter()
+            .flatten()
+    }
+}
+
+impl PartialEq for InputPaths {
+    fn eq(&self, other: &Self) -> bool {
+        self.iter().eq(other.iter())
     }
 }
 
@@ -83,13 +92,6 @@ impl InputPathsBuilder {
     pub fn push(&mut self, path: &str) {
         self.push_with(|t| t.push_str(path));
     }
-
-    pub fn build(self) -> InputPaths {
-        InputPaths {
-            text: self.text.into_boxed_str(),
-            ends: self.ends.into_boxed_slice(),
-        }
-    }
 }
 
 impl Serialize for InputPaths {
@@ -116,26 +118,74 @@ fn serialize_val<S: Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {
     v.to_json().serialize(s)
 }
 
-/// Per graph node of a compiled model: its key and what its traces share. Shared by every
-/// result the model's cycles produce.
+/// Per graph node of a compiled model: its key and what its traces share (its expression
+/// and input addresses). Shared by every result the model's cycles produce. The input
+/// addresses of all nodes are packed in one text, so a node costs a few words here and no
+/// allocation of its own (a 100k-derivation model has 100k of them).
 #[derive(Debug, Default)]
 pub struct TraceTable {
     keys: Vec<Arc<str>>,
-    sources: Vec<Arc<TraceSource>>,
+    expressions: Vec<Arc<str>>,
+    /// Every node's input addresses, end to end.
+    text: String,
+    /// Where each address ends in `text`.
+    ends: Vec<u32>,
+    /// Per node, where its addresses end in `ends`.
+    node_ends: Vec<u32>,
 }
 
 impl TraceTable {
-    pub fn push(&mut self, key: Arc<str>, source: Arc<TraceSource>) {
+    /// Add the next node: its key, its expression and the addresses it reads.
+    pub fn push(&mut self, key: Arc<str>, expression: Arc<str>, paths: &InputPathsBuilder) {
+        let base = self.text.len();
+        self.text.push_str(&paths.text);
+        self.ends.extend(
+            paths
+                .ends
+                .iter()
+                .map(|&e| u32::try_from(base + e as usize).unwrap_or(u32::MAX)),
+        );
+        self.node_ends
+            .push(u32::try_from(self.ends.len()).unwrap_or(u32::MAX));
         self.keys.push(key);
-        self.sources.push(source);
+        self.expressions.push(expression);
+    }
+
+    /// Release spare capacity once every node is in.
+    pub fn shrink(&mut self) {
+        self.keys.shrink_to_fit();
+        self.expressions.shrink_to_fit();
+        self.text.shrink_to_fit();
+        self.ends.shrink_to_fit();
+        self.node_ends.shrink_to_fit();
     }
 
     pub fn key(&self, node: u32) -> &Arc<str> {
         &self.keys[node as usize]
     }
 
-    pub fn source(&self, node: u32) -> &Arc<TraceSource> {
-        &self.sources[node as usize]
+    /// The addresses `node` reads.
+    pub fn input_paths(&self, node: u32) -> impl Iterator<Item = &str> + '_ {
+        let n = node as usize;
+        let to = self.node_ends.get(n).map_or(0, |&e| e as usize);
+        let from = match n.checked_sub(1) {
+            Some(p) => self.node_ends.get(p).map_or(to, |&e| e as usize),
+            None => 0,
+        };
+        (from..to).map(move |i| {
+            let start = i.checked_sub(1).map_or(0, |p| self.ends[p] as usize);
+            self.text.get(start..self.ends[i] as usize).unwrap_or("")
+        })
+    }
+
+    /// What every trace of `node` shares, read from `table`.
+    pub fn source(table: &Arc<TraceTable>, node: u32) -> TraceSource {
+        TraceSource {
+            expression: table.expressions[node as usize].clone(),
+            input_paths: InputPaths {
+                of: Some((table.clone(), node)),
+            },
+        }
     }
 }
 
@@ -235,15 +285,15 @@ impl Traces {
         let (target, source) = if r.node == NO_NODE {
             (
                 target.unwrap_or_else(|| Arc::from("")),
-                Arc::new(TraceSource {
+                TraceSource {
                     expression: Arc::from(""),
                     input_paths: InputPaths::default(),
-                }),
+                },
             )
         } else {
             (
                 target.unwrap_or_else(|| self.table.key(r.node).clone()),
-                self.table.source(r.node).clone(),
+                TraceTable::source(&self.table, r.node),
             )
         };
         Trace {
@@ -377,10 +427,26 @@ mod tests {
             b.push(p);
         }
         b.push_with(|t| t.push_str("$.x"));
-        let packed = b.build();
         let mut want = paths.to_vec();
         want.push("$.x");
+        // Between two other nodes' (one reading nothing) in one table.
+        let mut table = TraceTable::default();
+        let mut first = InputPathsBuilder::default();
+        first.push("$.a");
+        table.push(Arc::from("$.p"), Arc::from("a"), &first);
+        table.push(Arc::from("$.q"), Arc::from("price"), &b);
+        table.push(
+            Arc::from("$.r"),
+            Arc::from("1"),
+            &InputPathsBuilder::default(),
+        );
+        table.shrink();
+        let table = Arc::new(table);
+        let packed = TraceTable::source(&table, 1).input_paths;
         assert_eq!(packed.iter().collect::<Vec<_>>(), want);
+        assert_eq!(table.input_paths(0).collect::<Vec<_>>(), ["$.a"]);
+        assert_eq!(table.input_paths(2).count(), 0);
+        assert_eq!(&*TraceTable::source(&table, 1).expression, "price");
         assert_eq!(
             serde_json::to_value(&packed).unwrap(),
             serde_json::json!(want)
