@@ -90,7 +90,7 @@ fn base() -> ModelSpec {
 fn paths(s: &ModelSpec) -> Vec<(&str, &str)> {
     s.derivations
         .iter()
-        .map(|d| (d.path.as_str(), d.expr.as_str()))
+        .map(|d| (d.path.as_str(), &*d.expr))
         .collect()
 }
 

@@ -837,7 +837,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         p.settle();
         let expr = match p.parsed {
             Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
-            None => NodeExpr::text(Arc::from(d.expr.as_str())),
+            None => NodeExpr::text(d.expr.clone()),
         };
         let parent = p.target.parent();
         let mut dr = draft_empty(
@@ -1715,7 +1715,7 @@ mod tests {
                     .replace('C', ns[2]);
                 let d = crate::spec::DerivationSpec {
                     path: "$.t".into(),
-                    expr: text.clone(),
+                    expr: text.as_str().into(),
                     evaluation: None,
                     description: None,
                 };

@@ -191,8 +191,9 @@ pub struct DerivationSpec {
     /// The computed field, in canonical JSON Path (`$.total`, `$.items[*].lineTotal` for one
     /// value per element, with `$parent` bound to the element).
     pub path: String,
-    /// JSONata over the merged document (no `$.` prefix: `price * qty`).
-    pub expr: String,
+    /// JSONata over the merged document (no `$.` prefix: `price * qty`). Shared with the
+    /// compiled node (a large spec's texts are held once).
+    pub expr: std::sync::Arc<str>,
     /// `"eager"` (default: computed in every mutation) or `"lazy"` (computed when read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("enum" = ["eager", "lazy", null]))]
@@ -716,7 +717,7 @@ mod tests {
             "derivations":[{"path":"$.total","expr":"price * qty"}],
             "constraints":[],"metaDerivations":[],"tests":[]}))
         .unwrap();
-        assert_eq!(s.derivations[0].expr, "price * qty");
+        assert_eq!(&*s.derivations[0].expr, "price * qty");
         assert_eq!(s.version_or_default(), "1");
     }
 

@@ -208,7 +208,7 @@ mod tests {
         let d: Vec<(&str, &str)> = m
             .derivations
             .iter()
-            .map(|d| (d.path.as_str(), d.expr.as_str()))
+            .map(|d| (d.path.as_str(), &*d.expr))
             .collect();
         assert_eq!(d, vec![("$.b", "a * 3"), ("$.c", "$f(a)")]);
         let layers = m.library_layers();
