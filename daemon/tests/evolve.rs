@@ -88,10 +88,7 @@ fn base() -> ModelSpec {
 }
 
 fn paths(s: &ModelSpec) -> Vec<(&str, &str)> {
-    s.derivations
-        .iter()
-        .map(|d| (d.path.as_str(), &*d.expr))
-        .collect()
+    s.derivations.iter().map(|d| (&*d.path, &*d.expr)).collect()
 }
 
 fn ids(components: &Value) -> Vec<String> {

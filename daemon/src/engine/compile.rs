@@ -826,6 +826,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     // With the JIT tier off, arithmetic derivations keep their interpreted form too.
     let keep_parsed = !super::jit::enabled();
     let prepared = prepare_all(&spec, limits, &bound, keep_parsed);
+    let mut key_buf = String::new();
     for (i, (d, p)) in spec.derivations.iter().zip(prepared).enumerate() {
         let mut p = match p {
             Ok(p) => p,
@@ -840,9 +841,17 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             None => NodeExpr::text(d.expr.clone()),
         };
         let parent = p.target.parent();
+        // The key is the canonical address: the spec's own text when written that way.
+        key_buf.clear();
+        let _ = std::fmt::Write::write_fmt(&mut key_buf, format_args!("{}", p.target));
+        let key = if *key_buf == *d.path {
+            d.path.clone()
+        } else {
+            Arc::from(key_buf.as_str())
+        };
         let mut dr = draft_empty(
             NodeKind::Derivation { lazy: d.is_lazy() },
-            Arc::from(p.target.to_string()),
+            key,
             vec![p.target],
             expr,
             Input::Doc,

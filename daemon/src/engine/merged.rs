@@ -8,34 +8,42 @@
 //! base values are stored once. [`Merged`] reads the two as one document: a cell that holds a
 //! value shadows the tree's member of the same name.
 
+use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use indexmap::IndexMap;
-use rustc_hash::FxHashMap;
 use serde_json::{Map, Value as Json};
 
 use crate::expr::path::render;
 use crate::expr::{to_jvalue, Value as JValue};
+
 use crate::value::{Key, Seg, Val};
 
 /// Which top-level members are cells, fixed when a spec is compiled.
 #[derive(Debug, Default)]
 pub struct CellLayout {
-    by_name: FxHashMap<Key, u32>,
+    /// The cells by name: each entry is a cell number, hashed by its key (4 bytes an entry,
+    /// where a map from key to number takes 24: a 100k-derivation model has 100k cells).
+    by_name: hashbrown::HashTable<u32>,
     /// Numbered in the order their values are first computed (topological level, then spec
     /// order): the order derived members follow the base members in output.
     keys: Vec<Key>,
 }
 
+fn name_hash(name: &str) -> u64 {
+    rustc_hash::FxBuildHasher.hash_one(name)
+}
+
 impl CellLayout {
     /// `cells` in evaluation order: each cell's member name (the cell's number is its position).
     pub fn new(cells: Vec<Key>) -> CellLayout {
-        let by_name = cells
-            .iter()
-            .enumerate()
-            .map(|(i, k)| (k.clone(), i as u32))
-            .collect();
+        let mut by_name = hashbrown::HashTable::with_capacity(cells.len());
+        for (i, k) in cells.iter().enumerate() {
+            by_name.insert_unique(name_hash(k), i as u32, |&c: &u32| {
+                name_hash(&cells[c as usize])
+            });
+        }
         CellLayout {
             by_name,
             keys: cells,
@@ -56,7 +64,11 @@ impl CellLayout {
         if self.keys.is_empty() {
             return None;
         }
-        self.by_name.get(name).copied()
+        self.by_name
+            .find(name_hash(name), |&c| {
+                crate::value::key_eq(&self.keys[c as usize], name)
+            })
+            .copied()
     }
 
     pub fn key(&self, cell: u32) -> &Key {

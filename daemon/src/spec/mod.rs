@@ -189,8 +189,9 @@ pub struct DefaultValueSpec {
 #[serde(rename_all = "camelCase")]
 pub struct DerivationSpec {
     /// The computed field, in canonical JSON Path (`$.total`, `$.items[*].lineTotal` for one
-    /// value per element, with `$parent` bound to the element).
-    pub path: String,
+    /// value per element, with `$parent` bound to the element). Shared with the compiled
+    /// node as its key when it is written canonically.
+    pub path: std::sync::Arc<str>,
     /// JSONata over the merged document (no `$.` prefix: `price * qty`). Shared with the
     /// compiled node (a large spec's texts are held once).
     pub expr: std::sync::Arc<str>,

@@ -205,11 +205,7 @@ mod tests {
         assert_eq!(m.schema["required"], json!(["a", "z"]));
         assert_eq!(m.constants["rate"], 5);
         assert_eq!(m.constants["fee"], 2);
-        let d: Vec<(&str, &str)> = m
-            .derivations
-            .iter()
-            .map(|d| (d.path.as_str(), &*d.expr))
-            .collect();
+        let d: Vec<(&str, &str)> = m.derivations.iter().map(|d| (&*d.path, &*d.expr)).collect();
         assert_eq!(d, vec![("$.b", "a * 3"), ("$.c", "$f(a)")]);
         let layers = m.library_layers();
         assert_eq!(layers.len(), 2);
