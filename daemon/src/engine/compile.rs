@@ -583,9 +583,29 @@ struct DraftExtra {
     reads: Vec<Vec<TSeg>>,
     /// Reader paths, rendered, for traces (`inputPaths`).
     input_paths: super::trace::InputPathsBuilder,
-    /// An arithmetic derivation's lowering and its program key.
-    program: Option<(Program, String)>,
+    /// An arithmetic derivation's lowering.
+    program: Option<Lowering>,
     aggregate: Option<Aggregate>,
+}
+
+/// How an arithmetic derivation lowers: to a program of its own (and its key), or as an
+/// instance of a shape met before (its names), whose program is made only if this compile
+/// has not made it yet.
+#[derive(Debug)]
+enum Lowering {
+    Program(Program, String),
+    Shaped(Arc<Shape>, Vec<crate::value::Key>),
+}
+
+impl Lowering {
+    /// The program and its key (made, for an instance of a shape).
+    #[cfg(test)]
+    fn program(&self) -> (Program, String) {
+        match self {
+            Lowering::Program(p, k) => (p.clone(), k.clone()),
+            Lowering::Shaped(s, keys) => (s.program(keys), s.key().to_string()),
+        }
+    }
 }
 
 /// The nodes drafted so far, numbered in order, and what the graph is built from. A draft is
@@ -606,7 +626,7 @@ struct Drafts {
     aggregates: HashMap<NodeId, Aggregate>,
     trace_table: super::TraceTable,
     /// One JIT slot per distinct program (and batch shape) among the nodes.
-    jit_slots: HashMap<(String, bool), Arc<super::jit::Slot>>,
+    jit_slots: super::jit::Slots,
 }
 
 impl Drafts {
@@ -634,9 +654,20 @@ impl Drafts {
         if let Some(a) = extra.aggregate {
             self.aggregates.insert(id, a);
         }
-        if let Some((program, key)) = extra.program {
+        if let Some(lowering) = extra.program {
             let batch = node.concrete.is_none();
-            let nj = super::jit::NodeJit::new(program, key, batch, &mut self.jit_slots);
+            let nj = match lowering {
+                Lowering::Program(program, key) => {
+                    super::jit::NodeJit::new(program, key, batch, &mut self.jit_slots)
+                }
+                Lowering::Shaped(shape, keys) => super::jit::NodeJit::shared(
+                    shape.key(),
+                    batch,
+                    shape.slot_inputs(&keys),
+                    &mut self.jit_slots,
+                    || shape.program(&keys),
+                ),
+            };
             node.jit = super::jit::JitCell::new(batch, Some(nj));
         }
         self.trace_table
@@ -664,7 +695,7 @@ struct Prepared<'a> {
     reads: Vec<ReadPath>,
     whole_doc: bool,
     aggregate: Option<Aggregate>,
-    program: Option<(Program, String)>,
+    program: Option<Lowering>,
     /// A text analysed from its shape: the shape and the text's names, put in on the
     /// compiling thread by [`Prepared::settle`] (the reads and program above are empty).
     shaped: Option<(Arc<Shape>, Vec<&'a str>)>,
@@ -677,9 +708,9 @@ impl Prepared<'_> {
     /// thread's copies.
     fn settle(&mut self) {
         if let Some((shape, names)) = self.shaped.take() {
-            let (program, key, reads) = shape.instance(&names);
-            self.program = Some((program, key));
-            self.reads = reads;
+            let keys = Shape::keys(&names);
+            self.reads = shape.reads(&keys);
+            self.program = Some(Lowering::Shaped(shape, keys));
         }
     }
 }
@@ -744,19 +775,21 @@ fn prepare<'a>(
         reads: reads.paths.into_iter().collect(),
         whole_doc: reads.whole_doc,
         aggregate,
-        program,
+        program: program.map(|(p, key)| Lowering::Program(p, key)),
         shaped: None,
     })
 }
 
-/// [`prepare`] every derivation of `spec`, in order; a large spec is split over the machine's
-/// cores (parsing dominates compile time, and expressions are independent).
+/// [`prepare`] every derivation of `spec`, in order, in consecutive parts; a large spec is
+/// split over the machine's cores (parsing dominates compile time, and expressions are
+/// independent). The parts are handed back as the threads made them, not gathered into one
+/// vector (of 100k entries, copied as it grows).
 fn prepare_all<'a>(
     spec: &'a ModelSpec,
     limits: &Limits,
     bound: &HashSet<String>,
     keep_parsed: bool,
-) -> Vec<Result<Prepared<'a>, CompileError>> {
+) -> Vec<Vec<Result<Prepared<'a>, CompileError>>> {
     let ds = &spec.derivations;
     let one = |i: usize, d, shapes: &mut Shapes| {
         prepare(i, d, limits, &spec.constants, bound, keep_parsed, shapes)
@@ -768,11 +801,11 @@ fn prepare_all<'a>(
     };
     if threads <= 1 {
         let mut shapes = Shapes::default();
-        return ds
+        return vec![ds
             .iter()
             .enumerate()
             .map(|(i, d)| one(i, d, &mut shapes))
-            .collect();
+            .collect()];
     }
     let chunk = ds.len().div_ceil(threads);
     std::thread::scope(|s| {
@@ -791,7 +824,7 @@ fn prepare_all<'a>(
             .collect();
         parts
             .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     })
 }
@@ -827,7 +860,12 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let keep_parsed = !super::jit::enabled();
     let prepared = prepare_all(&spec, limits, &bound, keep_parsed);
     let mut key_buf = String::new();
-    for (i, (d, p)) in spec.derivations.iter().zip(prepared).enumerate() {
+    for (i, (d, p)) in spec
+        .derivations
+        .iter()
+        .zip(prepared.into_iter().flatten())
+        .enumerate()
+    {
         let mut p = match p {
             Ok(p) => p,
             Err(e) => {
@@ -1745,7 +1783,33 @@ mod tests {
                         a.settle();
                         b.settle();
                         shaped += usize::from(seen);
-                        assert_eq!(a.program, b.program, "{text}");
+                        let program = |p: &Prepared| p.program.as_ref().map(Lowering::program);
+                        assert_eq!(program(&a), program(&b), "{text}");
+                        // The slots an instance reads are those its program's slots read.
+                        let inputs = |p: &Prepared| {
+                            let mut slots = crate::engine::jit::Slots::new();
+                            p.program.as_ref().map(|l| {
+                                let nj = match l {
+                                    Lowering::Program(p, k) => crate::engine::jit::NodeJit::new(
+                                        p.clone(),
+                                        k.clone(),
+                                        false,
+                                        &mut slots,
+                                    ),
+                                    Lowering::Shaped(s, keys) => {
+                                        crate::engine::jit::NodeJit::shared(
+                                            s.key(),
+                                            false,
+                                            s.slot_inputs(keys),
+                                            &mut slots,
+                                            || s.program(keys),
+                                        )
+                                    }
+                                };
+                                format!("{:?}", nj.inputs)
+                            })
+                        };
+                        assert_eq!(inputs(&a), inputs(&b), "{text}");
                         assert_eq!(a.reads, b.reads, "{text}");
                         assert_eq!(a.whole_doc, b.whole_doc, "{text}");
                         assert_eq!(a.aggregate, b.aggregate, "{text}");

@@ -79,30 +79,36 @@ pub struct NodeJit {
     pub slot: Arc<Slot>,
 }
 
+/// The slots of one compile: per program key, the slot without and with a batched entry.
+pub type Slots = HashMap<String, [Option<Arc<Slot>>; 2]>;
+
 impl NodeJit {
     /// A node's tier over `program` (whose key is `key`). `batch`: the node has `[*]`
     /// instances (a batched entry is compiled too). `slots` shares one [`Slot`] per distinct
     /// program among the nodes of one compile.
     /// Its slots read top-level members by name until [`NodeJit::resolve_cells`] points
     /// those that are cells at their cells (the cells are laid out once every node is known).
-    pub fn new(
-        program: Program,
-        key: String,
-        batch: bool,
-        slots: &mut HashMap<(String, bool), Arc<Slot>>,
-    ) -> NodeJit {
+    pub fn new(program: Program, key: String, batch: bool, slots: &mut Slots) -> NodeJit {
         let inputs: SmallVec<_> = slot_inputs(&program, &CellLayout::default())
             .into_iter()
             .collect();
-        let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
-        let key = (key, batch);
-        let slot = match slots.get(&key) {
-            Some(s) => s.clone(),
-            None => {
-                let s = registry().slot(program, shapes);
-                slots.insert(key, s.clone());
-                s
-            }
+        let slot = slot_for(program, key, batch, slots);
+        NodeJit { inputs, slot }
+    }
+
+    /// A node reading `inputs` (as [`NodeJit::new`] gives them) whose program, of key `key`,
+    /// `make` gives: it is made only when no node of this compile had that program yet (a
+    /// spec of 100k formulas of one shape makes it once).
+    pub fn shared(
+        key: &str,
+        batch: bool,
+        inputs: SmallVec<[SlotInput; 2]>,
+        slots: &mut Slots,
+        make: impl FnOnce() -> Program,
+    ) -> NodeJit {
+        let slot = match slots.get(key).and_then(|s| s[usize::from(batch)].clone()) {
+            Some(s) => s,
+            None => slot_for(make(), key.to_string(), batch, slots),
         };
         NodeJit { inputs, slot }
     }
@@ -135,6 +141,33 @@ impl NodeJit {
     }
 }
 
+fn slot_for(program: Program, key: String, batch: bool, slots: &mut Slots) -> Arc<Slot> {
+    let at = slots.entry(key).or_default();
+    match &at[usize::from(batch)] {
+        Some(s) => s.clone(),
+        None => {
+            let shapes = if batch { Shapes::BOTH } else { Shapes::SCALAR };
+            let s = registry().slot(program, shapes);
+            at[usize::from(batch)] = Some(s.clone());
+            s
+        }
+    }
+}
+
+/// Where a slot reading `path` from `base` reads, a top-level member resolved to its cell.
+pub fn slot_input(base: &Base, path: Box<[Seg]>, cells: &CellLayout) -> SlotInput {
+    match (base, &*path) {
+        (Base::Parent, _) => SlotInput::Parent(path),
+        (Base::Input, [Seg::Field(k), rest @ ..]) => match (cells.find(k), rest) {
+            (Some(c), []) => SlotInput::Cell(c, k.clone()),
+            (Some(c), rest) => SlotInput::CellPath(Box::new((c, k.clone(), rest.into()))),
+            (None, []) => SlotInput::Member(k.clone()),
+            (None, _) => SlotInput::Doc(path),
+        },
+        (Base::Input, _) => SlotInput::Doc(path),
+    }
+}
+
 /// Where each slot of `program` reads, top-level members resolved to their cells.
 pub fn slot_inputs(program: &Program, cells: &CellLayout) -> Vec<SlotInput> {
     program
@@ -142,16 +175,7 @@ pub fn slot_inputs(program: &Program, cells: &CellLayout) -> Vec<SlotInput> {
         .iter()
         .map(|r| {
             let path: Box<[Seg]> = r.fields.iter().map(|f| Seg::Field(intern(f))).collect();
-            match (&r.base, &*path) {
-                (Base::Parent, _) => SlotInput::Parent(path),
-                (Base::Input, [Seg::Field(k), rest @ ..]) => match (cells.find(k), rest) {
-                    (Some(c), []) => SlotInput::Cell(c, k.clone()),
-                    (Some(c), rest) => SlotInput::CellPath(Box::new((c, k.clone(), rest.into()))),
-                    (None, []) => SlotInput::Member(k.clone()),
-                    (None, _) => SlotInput::Doc(path),
-                },
-                (Base::Input, _) => SlotInput::Doc(path),
-            }
+            slot_input(&r.base, path, cells)
         })
         .collect()
 }

@@ -22,6 +22,8 @@ use std::sync::Arc;
 use valem_jit::ir::{Base, InputRef, Ir, Program, Ty};
 
 use crate::expr::deps::{ReadPath, Reads, Root};
+use smallvec::SmallVec;
+
 use crate::value::{intern, Key};
 
 /// Keywords and literals that look like names: kept literal in a skeleton.
@@ -206,16 +208,43 @@ impl Shape {
         })
     }
 
-    /// The lowering, its key and the reads of a text of this shape whose plain names are
-    /// `names`. The reads come sorted as a [`Reads`] set would give them (no set is built: a
-    /// set of two is an allocation of hundreds of bytes, for every derivation).
-    pub(crate) fn instance(&self, names: &[&str]) -> (Program, String, Vec<ReadPath>) {
-        let keys: Vec<Key> = names.iter().map(|n| intern(n)).collect();
-        let key = |n: &Name| match n {
+    /// The names of a text of this shape whose plain names are `names`, interned: what an
+    /// instance is made from.
+    pub(crate) fn keys(names: &[&str]) -> Vec<Key> {
+        names.iter().map(|n| intern(n)).collect()
+    }
+
+    fn name(keys: &[Key], n: &Name) -> Key {
+        match n {
             Name::Nth(i) => keys[*i].clone(),
             Name::Lit(k) => k.clone(),
-        };
-        let program = Program {
+        }
+    }
+
+    /// The key of the shape's lowering (the same for every instance).
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The reads of the instance of `keys`, sorted as a [`Reads`] set would give them (no set
+    /// is built: a set of two is an allocation of hundreds of bytes, for every derivation).
+    pub(crate) fn reads(&self, keys: &[Key]) -> Vec<ReadPath> {
+        let mut reads: Vec<ReadPath> = self
+            .reads
+            .iter()
+            .map(|(root, fields)| ReadPath {
+                root: root.clone(),
+                fields: fields.iter().map(|f| Shape::name(keys, f)).collect(),
+            })
+            .collect();
+        reads.sort_unstable();
+        reads.dedup();
+        reads
+    }
+
+    /// The lowering of the instance of `keys`.
+    pub(crate) fn program(&self, keys: &[Key]) -> Program {
+        Program {
             ir: self.ir.clone(),
             ty: self.ty,
             inputs: self
@@ -223,21 +252,29 @@ impl Shape {
                 .iter()
                 .map(|(base, fields)| InputRef {
                     base: base.clone(),
-                    fields: fields.iter().map(|f| key(f).to_string()).collect(),
+                    fields: fields
+                        .iter()
+                        .map(|f| Shape::name(keys, f).to_string())
+                        .collect(),
                 })
                 .collect(),
-        };
-        let mut reads: Vec<ReadPath> = self
-            .reads
+        }
+    }
+
+    /// Where the slots of the instance of `keys` read: what [`super::jit::NodeJit::new`]
+    /// gives for its program, without making the program.
+    pub(crate) fn slot_inputs(&self, keys: &[Key]) -> SmallVec<[super::jit::SlotInput; 2]> {
+        let cells = super::merged::CellLayout::default();
+        self.inputs
             .iter()
-            .map(|(root, fields)| ReadPath {
-                root: root.clone(),
-                fields: fields.iter().map(key).collect(),
+            .map(|(base, fields)| {
+                let path = fields
+                    .iter()
+                    .map(|f| crate::value::Seg::Field(Shape::name(keys, f)))
+                    .collect();
+                super::jit::slot_input(base, path, &cells)
             })
-            .collect();
-        reads.sort_unstable();
-        reads.dedup();
-        (program, self.key.clone(), reads)
+            .collect()
     }
 }
 
