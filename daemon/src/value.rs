@@ -165,6 +165,12 @@ impl ObjMap {
         self.insert_as(key, val, share)
     }
 
+    /// [`ObjMap::insert`] of a key that is already the shared one for its name (the key of
+    /// an index that shares it): no lookup in the intern table.
+    pub fn insert_shared(&mut self, key: Key, val: Val) -> Option<Val> {
+        self.insert_as(key, val, |k| k)
+    }
+
     /// [`ObjMap::insert`] of a key known to be interned already.
     fn insert_interned(&mut self, key: Key, val: Val) -> Option<Val> {
         self.insert_as(key, val, |k| k)

@@ -60,7 +60,7 @@ fn defaults_fill_new_elements_and_seed_the_root() {
         json!({"name": "bolt", "qty": 5, "status": "pending", "lineNo": 1, "label": "bolt!"})
     );
     assert!(
-        r.mutated_paths.contains(&"$.items[0].status".to_string()),
+        r.mutated_paths.contains("$.items[0].status"),
         "{:?}",
         r.mutated_paths
     );

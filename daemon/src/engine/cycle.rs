@@ -570,9 +570,21 @@ impl<'a> Cycle<'a> {
 
     /// Dirty every reader of a written path (and whole-document readers).
     fn propagate(&mut self, w: &[Seg]) {
+        let readers = &self.cm.readers;
+        self.propagate_hits(w, |out| readers.hits(w, out));
+    }
+
+    /// `propagate` for a write of the top-level member `w`, given its node in the reader index.
+    fn propagate_member(&mut self, w: &[Seg], member: Option<u32>) {
+        let readers = &self.cm.readers;
+        self.propagate_hits(w, |out| readers.member_hits(member, out));
+    }
+
+    /// Mark the readers `find` lists for the write at `w`.
+    fn propagate_hits(&mut self, w: &[Seg], find: impl FnOnce(&mut Vec<super::trie::Hit>)) {
         let mut hits = std::mem::take(&mut self.hits);
         hits.clear();
-        self.cm.readers.hits(w, &mut hits);
+        find(&mut hits);
         for (id, b) in hits.drain(..) {
             if self.cm.has_delta_aggregates {
                 self.note_aggregate(id, w);
@@ -661,16 +673,29 @@ impl<'a> Cycle<'a> {
             self.clear_cells();
         }
         let j = &mut self.journal;
+        // A top-level member's node in the reader index, looked up once for both the write
+        // and its propagation.
+        let mut member = None;
         match (segs, &mut self.st.base, &mut self.st.tree) {
             ([Seg::Field(k)], Val::Obj(b), tree @ (None | Some(Val::Obj(_)))) => {
                 // A top-level member: replace it and journal what it replaced, one lookup per
                 // tree. (Journaling the same member twice is harmless: undo replays newest
-                // first.)
-                let old_base = b.insert(k.clone(), value.clone());
-                j.base.push(TreeUndo::Member(Some(k.clone()), old_base));
+                // first.) A member something reads is stored under the index's key, which is
+                // the shared one: no lookup in the intern table for a new member.
+                let found = self.cm.readers.member(k);
+                member = Some(found.map(|(_, t)| t));
+                let (old_base, key) = match found {
+                    Some((shared, _)) => (b.insert_shared(shared.clone(), value.clone()), shared),
+                    None => (b.insert(k.clone(), value.clone()), k),
+                };
+                j.base.push(TreeUndo::Member(Some(key.clone()), old_base));
                 if let Some(Val::Obj(m)) = tree {
-                    let old_merged = m.insert(k.clone(), value);
-                    j.merged.push(TreeUndo::Member(Some(k.clone()), old_merged));
+                    let old_merged = match found {
+                        Some(_) => m.insert_shared(key.clone(), value),
+                        None => m.insert(key.clone(), value),
+                    };
+                    j.merged
+                        .push(TreeUndo::Member(Some(key.clone()), old_merged));
                 }
             }
             _ => {
@@ -699,8 +724,13 @@ impl<'a> Cycle<'a> {
             }
         }
         self.version += 1;
-        self.result.mutated_paths.push(render(segs));
-        self.propagate(segs);
+        self.result
+            .mutated_paths
+            .push_with(|s| crate::expr::path::render_append(segs, s));
+        match member {
+            Some(m) => self.propagate_member(segs, m),
+            None => self.propagate(segs),
+        }
         self.agg_change = None;
         match created {
             Some(k) => self.shadow(&segs[..k]),
@@ -1696,6 +1726,13 @@ pub(super) fn run(
     undo: Option<&mut Vec<Undo>>,
 ) -> Result<MutationResult, MutationError> {
     let mut c = Cycle::new(cm, limits, st, now_ms);
+    // Each write journals one entry per tree and lists its address: room for all at once (a
+    // 200k-write load would otherwise copy these as they grow).
+    c.journal.base.reserve(mutations.len());
+    if c.st.tree.is_some() {
+        c.journal.merged.reserve(mutations.len());
+    }
+    c.result.mutated_paths.reserve(mutations.len());
     let containers = if cm.defaults.is_empty() {
         Vec::new()
     } else {

@@ -184,7 +184,8 @@ pub struct EffectRequest {
 pub struct MutationResult {
     pub success: bool,
     /// The base addresses the mutation wrote.
-    pub mutated_paths: Vec<String>,
+    #[schemars(with = "Vec<String>")]
+    pub mutated_paths: trace::PathList,
     /// The derived addresses whose values changed.
     #[schemars(with = "Vec<String>")]
     pub derived_updated: Paths,

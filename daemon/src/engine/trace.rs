@@ -74,14 +74,41 @@ pub(crate) fn spans(ends: &[u32]) -> impl Iterator<Item = std::ops::Range<usize>
         .map(|(a, b)| a as usize..b as usize)
 }
 
-/// An [`InputPaths`] being built, one address after another.
+/// A node's input addresses as a draft collects them (see [`PathList`]).
+pub type InputPathsBuilder = PathList;
+
+/// A list of addresses packed end to end: one text and where each ends, so a long list is
+/// two allocations rather than one per address (a mutation of 200k writes lists 200k
+/// addresses). Serializes as a JSON array of strings.
 #[derive(Clone, Debug, Default)]
-pub struct InputPathsBuilder {
+pub struct PathList {
     text: String,
     ends: Vec<u32>,
 }
 
-impl InputPathsBuilder {
+impl PathList {
+    pub fn iter(&self) -> impl Iterator<Item = &str> + '_ {
+        spans(&self.ends).map(|r| self.text.get(r).unwrap_or(""))
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    pub fn contains(&self, path: &str) -> bool {
+        self.iter().any(|p| p == path)
+    }
+
+    /// Room for `n` more addresses (of a dozen bytes each).
+    pub fn reserve(&mut self, n: usize) {
+        self.ends.reserve(n);
+        self.text.reserve(n.saturating_mul(12));
+    }
+
     /// Append the address `write` writes (into the shared text, without a string of its own).
     pub fn push_with(&mut self, write: impl FnOnce(&mut String)) {
         write(&mut self.text);
@@ -91,6 +118,28 @@ impl InputPathsBuilder {
 
     pub fn push(&mut self, path: &str) {
         self.push_with(|t| t.push_str(path));
+    }
+}
+
+impl PartialEq for PathList {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+
+impl Serialize for PathList {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
+}
+
+impl<'a> FromIterator<&'a str> for PathList {
+    fn from_iter<I: IntoIterator<Item = &'a str>>(it: I) -> PathList {
+        let mut l = PathList::default();
+        for p in it {
+            l.push(p);
+        }
+        l
     }
 }
 

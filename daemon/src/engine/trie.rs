@@ -196,6 +196,27 @@ impl Trie {
         self.indices.shrink_to_fit();
     }
 
+    /// The key and trie node of top-level member `k`, when an entry is at or below it: the
+    /// key is the one the index shares (a write can store it without interning `k`).
+    pub fn member(&self, k: &str) -> Option<(&Key, u32)> {
+        self.fields
+            .find(edge_hash(0, k), |e| {
+                e.parent == 0 && crate::value::key_eq(&e.key, k)
+            })
+            .map(|e| (&e.key, e.child))
+    }
+
+    /// [`Trie::hits`] for a write of a top-level member, given what [`Trie::member`] found
+    /// for it (`None`: nothing at or below it, only readers of the whole document).
+    pub fn member_hits(&self, member: Option<u32>, out: &mut Vec<Hit>) {
+        for e in self.entries(0) {
+            out.push((e, Vec::new()));
+        }
+        if let Some(c) = member {
+            self.walk(c as usize, &[], &mut Vec::new(), false, out);
+        }
+    }
+
     /// Readers affected by a write at the concrete path `w`: those reading `w`, an ancestor of
     /// it, or something below it.
     pub fn hits(&self, w: &[Seg], out: &mut Vec<Hit>) {

@@ -199,8 +199,13 @@ pub fn render(segs: &[Seg]) -> String {
 
 /// `render` into `s` (cleared first), allocating only when `s` must grow.
 pub fn render_into(segs: &[Seg], s: &mut String) {
-    use std::fmt::Write as _;
     s.clear();
+    render_append(segs, s);
+}
+
+/// `render` at the end of `s`.
+pub fn render_append(segs: &[Seg], s: &mut String) {
+    use std::fmt::Write as _;
     s.push('$');
     for seg in segs {
         match seg {

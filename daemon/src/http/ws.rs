@@ -198,7 +198,6 @@ fn within(path: &str, prefix: &str) -> bool {
 fn touches(r: &MutationResult, prefixes: &[String]) -> bool {
     r.mutated_paths
         .iter()
-        .map(String::as_str)
         .chain(r.derived_updated.iter())
         .any(|p| prefixes.iter().any(|x| within(p, x) || within(x, p)))
 }
@@ -316,7 +315,7 @@ mod tests {
         assert!(within("$.a", "$"));
         assert!(!within("$.ab", "$.a"));
         let r = MutationResult {
-            mutated_paths: vec!["$.order".into()],
+            mutated_paths: ["$.order"].into_iter().collect(),
             derived_updated: vec![Arc::from("$.total")].into(),
             ..Default::default()
         };
