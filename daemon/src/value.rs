@@ -147,6 +147,17 @@ impl ObjMap {
         }
     }
 
+    /// [`ObjMap::get`] given [`member_hash`] of `key`, kept by a caller that looks the same
+    /// name up again and again: a wide object is then searched without reading the name's
+    /// text (found by pointer when `key` is the shared key).
+    #[inline]
+    pub fn get_hashed(&self, hash: u32, key: &str) -> Option<&Val> {
+        match self {
+            ObjMap::Small(_) => self.get(key),
+            ObjMap::Large(m) => m.get_hashed(hash, key).map(|e| &e.val),
+        }
+    }
+
     /// Mutable access to an existing entry (copy-on-write on the path to it).
     pub fn get_mut(&mut self, key: &str) -> Option<&mut Val> {
         match self {
@@ -279,6 +290,14 @@ struct Entry {
 fn low(hash: u64) -> u32 {
     hash as u32
 }
+
+/// What [`ObjMap::get_hashed`] takes for a member name.
+pub fn member_hash(key: &str) -> u32 {
+    low(hash_key(key))
+}
+
+/// Levels of a wide map that the low half of a hash indexes.
+const LOW_LEVELS: u32 = u32::BITS / FANOUT_BITS;
 
 /// Whether `e`'s key has the whole hash `hash`.
 fn same_hash(e: &Entry, hash: u64) -> bool {
@@ -467,6 +486,31 @@ impl WideMap {
 
     fn get(&self, key: &str) -> Option<&Entry> {
         find_entry(self.bitmap, &self.slots, hash_key(key), key)
+    }
+
+    /// [`WideMap::get`] given the low half of `key`'s hash: past the levels it indexes (a
+    /// chain of collisions 30 bits long) the whole hash is computed.
+    fn get_hashed(&self, hash: u32, key: &str) -> Option<&Entry> {
+        let (mut bitmap, mut slots) = (self.bitmap, &*self.slots);
+        for level in 0..LOW_LEVELS {
+            match slot_get(
+                bitmap,
+                slots,
+                slot_index(u64::from(hash), level * FANOUT_BITS),
+            )? {
+                Slot::One(e) => return (e.hash == hash && key_eq(&e.key, key)).then_some(&**e),
+                Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
+                Slot::Branch {
+                    bitmap: b,
+                    slots: s,
+                } => {
+                    bitmap = *b;
+                    slots = s;
+                }
+                Slot::Vacant => return None,
+            }
+        }
+        self.get(key)
     }
 
     fn get_mut(&mut self, key: &str) -> Option<&mut Val> {
@@ -1104,6 +1148,18 @@ mod tests {
         for (h, k, v) in &live {
             assert_eq!(find(&root, *h, k), Some(&Val::num(*v)), "{k}");
         }
+        // Looked up by the low half of the hash: these share 40 bits, past what it indexes.
+        let wide = WideMap {
+            bitmap: root.0,
+            slots: root.1.clone(),
+            len: live.len(),
+            next: 0,
+        };
+        for (h, k, v) in &live {
+            let got = wide.get_hashed(low(*h), k).map(|e| &e.val);
+            assert_eq!(got, Some(&Val::num(*v)), "{k}");
+            assert_eq!(member_hash(k), low(*h));
+        }
         // Remove all but one, checking the rest each time.
         while live.len() > 1 {
             let (h, k, v) = live.remove(live.len() / 2);
@@ -1155,6 +1211,10 @@ mod tests {
         assert_eq!(m.len(), reference.len());
         for (k, v) in &reference {
             assert_eq!(m.get(k), Some(&Val::num(*v as f64)));
+            assert_eq!(m.get_hashed(member_hash(k), k), Some(&Val::num(*v as f64)));
+        }
+        for absent in ["k3000", "k-1", "nope"] {
+            assert_eq!(m.get_hashed(member_hash(absent), absent), None);
         }
         let keys: Vec<String> = m.iter().map(|(k, _)| k.to_string()).collect();
         assert_eq!(keys, order);

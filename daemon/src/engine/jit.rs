@@ -61,8 +61,9 @@ impl Slot {
 pub enum SlotInput {
     /// A top-level member that is a cell (`merged.rs`).
     Cell(u32, Key),
-    /// A top-level member of the document that is not a cell.
-    Member(Key),
+    /// A top-level member of the document that is not a cell, with its
+    /// [`crate::value::member_hash`] (the slot reads it without reading the name).
+    Member(u32, Key),
     /// A cell member, then the rest of the path.
     CellPath(Box<(u32, Key, Box<[Seg]>)>),
     /// A path from the document root through the tree.
@@ -118,7 +119,7 @@ impl NodeJit {
     pub fn resolve_cells(&mut self, cells: &CellLayout) {
         for input in &mut self.inputs {
             match input {
-                SlotInput::Member(k) => {
+                SlotInput::Member(_, k) => {
                     if let Some(c) = cells.find(k) {
                         *input = SlotInput::Cell(c, k.clone());
                     }
@@ -161,7 +162,7 @@ pub fn slot_input(base: &Base, path: Box<[Seg]>, cells: &CellLayout) -> SlotInpu
         (Base::Input, [Seg::Field(k), rest @ ..]) => match (cells.find(k), rest) {
             (Some(c), []) => SlotInput::Cell(c, k.clone()),
             (Some(c), rest) => SlotInput::CellPath(Box::new((c, k.clone(), rest.into()))),
-            (None, []) => SlotInput::Member(k.clone()),
+            (None, []) => SlotInput::Member(crate::value::member_hash(k), k.clone()),
             (None, _) => SlotInput::Doc(path),
         },
         (Base::Input, _) => SlotInput::Doc(path),
@@ -282,7 +283,7 @@ pub fn read_slots(
             None => Some(f64::NAN),
         };
         let x = match input {
-            SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Member(_)
+            SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Member(..)
                 if !m.root_is_obj() =>
             {
                 return Read::Other
@@ -292,7 +293,7 @@ pub fn read_slots(
                 let (c, k, rest) = &**b;
                 below(m.cell_or_member(*c, k), rest)
             }
-            SlotInput::Member(k) => below(m.doc.as_obj().and_then(|o| o.get(k)), &[]),
+            SlotInput::Member(h, k) => below(m.doc.as_obj().and_then(|o| o.get_hashed(*h, k)), &[]),
             SlotInput::Doc(path) if path.is_empty() => None,
             SlotInput::Doc(path) => walk(m.doc, path),
             SlotInput::Parent(path) => match (parent, path.split_first()) {
