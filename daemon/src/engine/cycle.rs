@@ -575,7 +575,7 @@ impl<'a> Cycle<'a> {
     }
 
     /// `propagate` for a write of the top-level member `w`, given its node in the reader index.
-    fn propagate_member(&mut self, w: &[Seg], member: Option<u32>) {
+    fn propagate_member(&mut self, w: &[Seg], member: Option<super::trie::Member>) {
         let readers = &self.cm.readers;
         self.propagate_hits(w, |out| readers.member_hits(member, out));
     }

@@ -21,6 +21,29 @@ fn edge_hash(parent: u32, key: &str) -> u64 {
     FxBuildHasher.hash_one((parent, key))
 }
 
+/// A field edge from the root: to `child` through top-level member `key` (24 bytes). When
+/// `child` is a plain leaf (one entry, nothing below) the edge holds that entry too, so a
+/// write of the member finds its reader without visiting the node. Large flat models are
+/// almost all root edges.
+#[derive(Debug)]
+struct RootEdge {
+    key: Key,
+    child: u32,
+    /// The child's only entry when it is a plain leaf (set by [`Trie::shrink`]), or `NONE`.
+    leaf: u32,
+}
+
+fn root_hash(key: &str) -> u64 {
+    FxBuildHasher.hash_one(key)
+}
+
+/// A top-level member's place in the index (see [`Trie::member`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Member {
+    child: u32,
+    leaf: u32,
+}
+
 /// One segment of an indexed pattern.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum TSeg {
@@ -72,6 +95,7 @@ pub struct Trie {
     nodes: Vec<TNode>,
     more: Vec<More>,
     fields: hashbrown::HashTable<FieldEdge>,
+    roots: hashbrown::HashTable<RootEdge>,
     indices: HashMap<(u32, usize), u32>,
 }
 
@@ -81,6 +105,7 @@ impl Default for Trie {
             nodes: vec![TNode::default()],
             more: Vec::new(),
             fields: hashbrown::HashTable::new(),
+            roots: hashbrown::HashTable::new(),
             indices: HashMap::default(),
         }
     }
@@ -125,7 +150,15 @@ impl Trie {
         }
     }
 
+    fn root(&self, k: &str) -> Option<&RootEdge> {
+        self.roots
+            .find(root_hash(k), |e| crate::value::key_eq(&e.key, k))
+    }
+
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
+        if t == 0 {
+            return self.root(k).map(|e| e.child as usize);
+        }
         let t = t as u32;
         self.fields
             .find(edge_hash(t, k), |e| {
@@ -157,6 +190,16 @@ impl Trie {
                     let n = self.nodes.len() as u32;
                     self.nodes.push(TNode::default());
                     match seg {
+                        TSeg::Field(k) if t == 0 => {
+                            let edge = RootEdge {
+                                key: k.clone(),
+                                child: n,
+                                leaf: NONE,
+                            };
+                            self.roots
+                                .insert_unique(root_hash(k), edge, |e| root_hash(&e.key));
+                            self.more_mut(t).children.push(n);
+                        }
                         TSeg::Field(k) => {
                             let edge = FieldEdge {
                                 key: k.clone(),
@@ -184,8 +227,18 @@ impl Trie {
         self.add(t, entry);
     }
 
-    /// Release spare capacity once the trie is complete.
+    /// Release spare capacity once the trie is complete (nothing is inserted after), and note
+    /// the plain leaves below root edges in the edges.
     pub fn shrink(&mut self) {
+        for e in self.roots.iter_mut() {
+            let n = &self.nodes[e.child as usize];
+            e.leaf = if n.wild == NONE && n.more == NONE {
+                n.first
+            } else {
+                NONE
+            };
+        }
+        self.roots.shrink_to_fit(|e| root_hash(&e.key));
         self.nodes.shrink_to_fit();
         self.more.shrink_to_fit();
         for m in &mut self.more {
@@ -198,22 +251,30 @@ impl Trie {
 
     /// The key and trie node of top-level member `k`, when an entry is at or below it: the
     /// key is the one the index shares (a write can store it without interning `k`).
-    pub fn member(&self, k: &str) -> Option<(&Key, u32)> {
-        self.fields
-            .find(edge_hash(0, k), |e| {
-                e.parent == 0 && crate::value::key_eq(&e.key, k)
-            })
-            .map(|e| (&e.key, e.child))
+    pub fn member(&self, k: &str) -> Option<(&Key, Member)> {
+        self.root(k).map(|e| {
+            (
+                &e.key,
+                Member {
+                    child: e.child,
+                    leaf: e.leaf,
+                },
+            )
+        })
     }
 
     /// [`Trie::hits`] for a write of a top-level member, given what [`Trie::member`] found
     /// for it (`None`: nothing at or below it, only readers of the whole document).
-    pub fn member_hits(&self, member: Option<u32>, out: &mut Vec<Hit>) {
+    pub fn member_hits(&self, member: Option<Member>, out: &mut Vec<Hit>) {
         for e in self.entries(0) {
             out.push((e, Vec::new()));
         }
-        if let Some(c) = member {
-            self.walk(c as usize, &[], &mut Vec::new(), false, out);
+        match member {
+            Some(Member { leaf, .. }) if leaf != NONE => out.push((leaf, Vec::new())),
+            Some(Member { child, .. }) => {
+                self.walk(child as usize, &[], &mut Vec::new(), false, out)
+            }
+            None => {}
         }
     }
 
@@ -426,6 +487,37 @@ mod tests {
         t.hits(&[sf("items")], &mut out);
         out.sort();
         assert_eq!(out, vec![(1, vec![]), (2, vec![])]);
+    }
+
+    /// A write of a top-level member finds the same readers through its root edge (a plain
+    /// leaf's entry kept in the edge, or the node below) as through the walk.
+    #[test]
+    fn member_hits_are_the_walk_hits() {
+        let mut t = Trie::default();
+        t.insert(&[f("a")], 1); // a plain leaf
+        t.insert(&[f("b")], 2); // two entries
+        t.insert(&[f("b")], 3);
+        t.insert(&[f("c"), f("x")], 4); // below
+        t.insert(&[f("d")], 5); // at and below
+        t.insert(&[f("d"), TSeg::Wild, f("y")], 6);
+        t.insert(&[], 7); // the whole document
+        for shrunk in [false, true] {
+            if shrunk {
+                t.shrink();
+            }
+            for k in ["a", "b", "c", "d", "e"] {
+                let mut walk = Vec::new();
+                t.hits(&[sf(k)], &mut walk);
+                let mut member = Vec::new();
+                t.member_hits(t.member(k).map(|(_, m)| m), &mut member);
+                walk.sort();
+                member.sort();
+                assert_eq!(member, walk, "{k}");
+                assert!(walk.contains(&(7, vec![])), "{k}");
+            }
+        }
+        assert_eq!(t.member("a").map(|(k, _)| &**k), Some("a"));
+        assert!(t.member("e").is_none());
     }
 
     #[test]
