@@ -1137,6 +1137,10 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     readers.shrink();
     producers.shrink();
     instances.shrink();
+    // A read member is marked when a derivation writes the whole document, the member or
+    // something in it: an unmarked one is writable without asking the producer index.
+    let whole = producers.has_root_entries();
+    readers.mark_members(|k| whole || producers.member(k).is_some());
 
     // Edges producer → reader.
     let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
@@ -1366,6 +1370,33 @@ impl CompiledModel {
     #[inline]
     pub fn delta_aggregate(&self, node: &Node) -> Option<&Aggregate> {
         self.aggregate(node).filter(|a| node.keeps_by_delta(a))
+    }
+
+    /// The derivation whose target is at or above the concrete path `w` (a write there is
+    /// refused: the value is computed). A member something reads says whether any target is
+    /// at, in or above it, so most writes are answered without the producer index.
+    pub fn produced_above(&self, w: &[crate::value::Seg]) -> Option<u32> {
+        if self.unproduced(w) {
+            return None;
+        }
+        self.producers.above(w)
+    }
+
+    /// The derivation targets strictly below the concrete path `w`, as [`Trie::below`].
+    pub fn produced_below(&self, w: &[crate::value::Seg], out: &mut Vec<super::trie::Hit>) {
+        if !self.unproduced(w) {
+            self.producers.below(w, out);
+        }
+    }
+
+    /// `w` is in a member that something reads and no derivation writes (or writes above).
+    fn unproduced(&self, w: &[crate::value::Seg]) -> bool {
+        match w.first() {
+            Some(crate::value::Seg::Field(k)) => {
+                self.readers.member(k).is_some_and(|(_, m)| !m.marked())
+            }
+            _ => false,
+        }
     }
 
     /// The readers a write of `node`'s target dirties (whole), when known at compile time.
@@ -1843,6 +1874,44 @@ mod tests {
         assert!(m.delta_aggregate(sum).is_some());
         let b = m.nodes.iter().find(|n| &*n.key == "$.b").unwrap();
         assert!(m.aggregate(b).is_none());
+    }
+
+    /// The producer questions answered from the reader index's marks give what the producer
+    /// index gives, for members read and not, written at, in and around derived targets.
+    #[test]
+    fn marked_members_answer_as_the_producer_index() {
+        let m = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.a.b","expr":"x + a.c"},
+            {"path":"$.t","expr":"x * 2"},
+            {"path":"$.items[*].v","expr":"$parent.p + y"}
+        ]}))
+        .unwrap();
+        let f = |s: &str| crate::value::Seg::Field(Arc::from(s));
+        let paths: Vec<Vec<crate::value::Seg>> = vec![
+            vec![f("x")],
+            vec![f("y")],
+            vec![f("a")],
+            vec![f("a"), f("b")],
+            vec![f("a"), f("c")],
+            vec![f("a"), f("b"), f("z")],
+            vec![f("t")],
+            vec![f("items")],
+            vec![f("items"), crate::value::Seg::Index(2), f("v")],
+            vec![f("items"), crate::value::Seg::Index(2), f("p")],
+            vec![f("unread")],
+            vec![],
+        ];
+        let mut unproduced = 0;
+        for w in &paths {
+            assert_eq!(m.produced_above(w), m.producers.above(w), "{w:?}");
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            m.produced_below(w, &mut a);
+            m.producers.below(w, &mut b);
+            assert_eq!(a, b, "{w:?}");
+            unproduced += usize::from(m.unproduced(w));
+        }
+        // `x` and `y` are read and nothing writes them: answered from the mark.
+        assert_eq!(unproduced, 2);
     }
 
     #[test]

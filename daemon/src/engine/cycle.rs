@@ -654,7 +654,7 @@ impl<'a> Cycle<'a> {
     /// constraints of new elements) must be recomputed.
     fn shadow(&mut self, w: &[Seg]) {
         let mut below = Vec::new();
-        self.cm.producers.below(w, &mut below);
+        self.cm.produced_below(w, &mut below);
         self.cm.instances.below(w, &mut below);
         for (id, b) in below {
             self.mark(id, b);

@@ -196,7 +196,7 @@ pub fn validate_write(
     path: &[Seg],
     value: &Json,
 ) -> Vec<SchemaViolation> {
-    if let Some(p) = cm.producers.above(path) {
+    if let Some(p) = cm.produced_above(path) {
         return vec![SchemaViolation {
             path: render(path),
             keyword: "readOnly".into(),

@@ -28,6 +28,7 @@ fn edge_hash(parent: u32, key: &str) -> u64 {
 #[derive(Debug)]
 struct RootEdge {
     key: Key,
+    /// The child node; the top bit is the edge's mark ([`Trie::mark_members`]).
     child: u32,
     /// The child's only entry when it is a plain leaf (set by [`Trie::shrink`]), or `NONE`.
     leaf: u32,
@@ -37,11 +38,21 @@ fn root_hash(key: &str) -> u64 {
     FxBuildHasher.hash_one(key)
 }
 
+/// The bit of `RootEdge::child` that marks the edge.
+const MARKED: u32 = 1 << 31;
+
 /// A top-level member's place in the index (see [`Trie::member`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Member {
     child: u32,
     leaf: u32,
+}
+
+impl Member {
+    /// Whether [`Trie::mark_members`] marked the member.
+    pub fn marked(&self) -> bool {
+        self.child & MARKED != 0
+    }
 }
 
 /// One segment of an indexed pattern.
@@ -157,7 +168,7 @@ impl Trie {
 
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
         if t == 0 {
-            return self.root(k).map(|e| e.child as usize);
+            return self.root(k).map(|e| (e.child & !MARKED) as usize);
         }
         let t = t as u32;
         self.fields
@@ -231,7 +242,7 @@ impl Trie {
     /// the plain leaves below root edges in the edges.
     pub fn shrink(&mut self) {
         for e in self.roots.iter_mut() {
-            let n = &self.nodes[e.child as usize];
+            let n = &self.nodes[(e.child & !MARKED) as usize];
             e.leaf = if n.wild == NONE && n.more == NONE {
                 n.first
             } else {
@@ -263,6 +274,20 @@ impl Trie {
         })
     }
 
+    /// Mark the top-level members for which `mark` holds (what a [`Member`] then tells).
+    pub fn mark_members(&mut self, mark: impl Fn(&str) -> bool) {
+        for e in self.roots.iter_mut() {
+            if mark(&e.key) {
+                e.child |= MARKED;
+            }
+        }
+    }
+
+    /// Whether an entry is at the root (a pattern of the whole document).
+    pub fn has_root_entries(&self) -> bool {
+        self.entries(0).next().is_some()
+    }
+
     /// [`Trie::hits`] for a write of a top-level member, given what [`Trie::member`] found
     /// for it (`None`: nothing at or below it, only readers of the whole document).
     pub fn member_hits(&self, member: Option<Member>, out: &mut Vec<Hit>) {
@@ -272,7 +297,7 @@ impl Trie {
         match member {
             Some(Member { leaf, .. }) if leaf != NONE => out.push((leaf, Vec::new())),
             Some(Member { child, .. }) => {
-                self.walk(child as usize, &[], &mut Vec::new(), false, out)
+                self.walk((child & !MARKED) as usize, &[], &mut Vec::new(), false, out)
             }
             None => {}
         }
