@@ -437,7 +437,10 @@ struct Cycle<'a> {
     limits: &'a EngineLimits,
     st: &'a mut State,
     /// Constants, library exports and the pinned clock, bound where an expression uses them.
-    env: Env,
+    /// The interpreter's bindings with the cycle's instant, made when an interpreted
+    /// evaluation first needs them (arithmetic derivations never do).
+    env: std::cell::OnceCell<Env>,
+    now_ms: i64,
     /// Derivations to evaluate, lowest level first (each queued once: see `QUEUED`).
     pending: BinaryHeap<Reverse<(u32, NodeId)>>,
     sc: ScratchRef<'a>,
@@ -493,10 +496,8 @@ impl<'a> Cycle<'a> {
             cm,
             limits,
             st,
-            env: Env {
-                now_ms: Some(now_ms),
-                ..cm.env.clone()
-            },
+            env: std::cell::OnceCell::new(),
+            now_ms,
             pending: BinaryHeap::new(),
             sc,
             meta_dirty: BTreeSet::new(),
@@ -523,6 +524,10 @@ impl<'a> Cycle<'a> {
             agg_delta: HashMap::default(),
             agg_noted: None,
         }
+    }
+
+    fn env(&self) -> &Env {
+        cycle_env(&self.env, self.cm, self.now_ms)
     }
 
     fn mark(&mut self, id: NodeId, binding: Vec<usize>) {
@@ -830,10 +835,10 @@ impl<'a> Cycle<'a> {
                 _ => element_prefix(&node.targets[0], inst),
             };
             let parent = self.st.merged().jvalue_at(at);
-            let env = self.env.with("parent", parent);
+            let env = self.env().with("parent", parent);
             expr.eval(&input, &env, &self.limits.expr)
         } else {
-            expr.eval(&input, &self.env, &self.limits.expr)
+            expr.eval(&input, self.env(), &self.limits.expr)
         }
     }
 
@@ -1284,9 +1289,11 @@ impl<'a> Cycle<'a> {
             } else {
                 self.whole_doc()
             };
+            let env = cycle_env(&self.env, self.cm, self.now_ms);
+            let limits = &self.limits.expr;
             let eval_on =
                 |c: &crate::expr::Compiled, input: &JValue| -> Option<serde_json::Value> {
-                    match c.eval(input, &self.env, &self.limits.expr) {
+                    match c.eval(input, env, limits) {
                         Ok(Some(v)) => Some(from_jvalue(&v).to_json()),
                         _ => None,
                     }
@@ -1409,7 +1416,7 @@ impl<'a> Cycle<'a> {
                     self.st.merged().jvalue_at(&c[..c.len() - 1])
                 };
                 let me = self.st.base.get_path(c).map_or(JValue::Null, to_jvalue);
-                let env = self.env.with("parent", parent).with("self", me);
+                let env = self.env().with("parent", parent).with("self", me);
                 let Ok(Some(v)) = rule.expr.eval(&input, &env, &self.limits.expr) else {
                     continue;
                 };
@@ -1715,6 +1722,14 @@ fn truthy(v: Option<&JValue>) -> bool {
 
 /// Run a mutation cycle on the committed state `st`, in place. On error every change is undone,
 /// so `st` is exactly as before.
+/// A cycle's interpreter bindings: the model's, with the cycle's instant.
+fn cycle_env<'e>(env: &'e std::cell::OnceCell<Env>, cm: &CompiledModel, now_ms: i64) -> &'e Env {
+    env.get_or_init(|| Env {
+        now_ms: Some(now_ms),
+        ..cm.env.clone()
+    })
+}
+
 /// Run one mutation cycle; its journal goes to `undo` when the cycle commits and `undo` is
 /// given.
 pub(super) fn run(
