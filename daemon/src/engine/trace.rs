@@ -183,6 +183,28 @@ pub struct TraceTable {
     node_ends: Vec<u32>,
 }
 
+thread_local! {
+    /// The table of lists made empty (a cycle hands its result on by leaving one of these in
+    /// its place): shared, so making one allocates nothing.
+    static NO_TABLE: Arc<TraceTable> = Arc::new(TraceTable::default());
+}
+
+fn no_table() -> Arc<TraceTable> {
+    NO_TABLE.with(Arc::clone)
+}
+
+impl Default for Traces {
+    fn default() -> Traces {
+        Traces::new(no_table())
+    }
+}
+
+impl Default for Paths {
+    fn default() -> Paths {
+        Paths::new(no_table())
+    }
+}
+
 impl TraceTable {
     /// Add the next node: its key, its expression and the addresses it reads.
     pub fn push(&mut self, key: Arc<str>, expression: Arc<str>, paths: &InputPathsBuilder) {
@@ -259,7 +281,7 @@ struct Extra {
 }
 
 /// A cycle's traces, in evaluation order.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Traces {
     table: Arc<TraceTable>,
     recs: Vec<TraceRec>,
@@ -380,7 +402,7 @@ impl Serialize for Traces {
 const STR: u32 = 1 << 31;
 
 /// Addresses (the derived ones a cycle changed), in order.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Paths {
     table: Arc<TraceTable>,
     items: Vec<u32>,
