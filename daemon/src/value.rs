@@ -451,29 +451,38 @@ fn slot_index(hash: u64, shift: u32) -> usize {
     ((hash >> shift) & (FANOUT as u64 - 1)) as usize
 }
 
-/// The entry for `key` (of hash `hash`) below a branch.
+/// Levels the whole hash indexes (the last one with the hash's top bits).
+const ALL_LEVELS: u32 = u64::BITS.div_ceil(FANOUT_BITS);
+
+/// The entry for `key` (of hash `hash`) below a branch, searched in at most `levels` levels:
+/// `None` when it lies deeper than that.
 fn find_entry<'a>(
     mut bitmap: Bitmap,
     mut slots: &'a [Slot],
     hash: u64,
     key: &str,
-) -> Option<&'a Entry> {
-    let mut shift = 0;
-    loop {
-        match slot_get(bitmap, slots, slot_index(hash, shift))? {
-            Slot::One(e) => return (e.hash == low(hash) && key_eq(&e.key, key)).then_some(&**e),
-            Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
+    levels: u32,
+) -> Option<Option<&'a Entry>> {
+    for level in 0..levels {
+        let Some(slot) = slot_get(bitmap, slots, slot_index(hash, level * FANOUT_BITS)) else {
+            return Some(None);
+        };
+        match slot {
+            Slot::One(e) => {
+                return Some((e.hash == low(hash) && key_eq(&e.key, key)).then_some(&**e))
+            }
+            Slot::Many(es) => return Some(es.iter().find(|e| &*e.key == key)),
             Slot::Branch {
                 bitmap: b,
                 slots: s,
             } => {
                 bitmap = *b;
                 slots = s;
-                shift += FANOUT_BITS;
             }
-            Slot::Vacant => return None,
+            Slot::Vacant => return Some(None),
         }
     }
+    None
 }
 
 impl WideMap {
@@ -485,32 +494,14 @@ impl WideMap {
     }
 
     fn get(&self, key: &str) -> Option<&Entry> {
-        find_entry(self.bitmap, &self.slots, hash_key(key), key)
+        find_entry(self.bitmap, &self.slots, hash_key(key), key, ALL_LEVELS).flatten()
     }
 
     /// [`WideMap::get`] given the low half of `key`'s hash: past the levels it indexes (a
     /// chain of collisions 30 bits long) the whole hash is computed.
     fn get_hashed(&self, hash: u32, key: &str) -> Option<&Entry> {
-        let (mut bitmap, mut slots) = (self.bitmap, &*self.slots);
-        for level in 0..LOW_LEVELS {
-            match slot_get(
-                bitmap,
-                slots,
-                slot_index(u64::from(hash), level * FANOUT_BITS),
-            )? {
-                Slot::One(e) => return (e.hash == hash && key_eq(&e.key, key)).then_some(&**e),
-                Slot::Many(es) => return es.iter().find(|e| &*e.key == key),
-                Slot::Branch {
-                    bitmap: b,
-                    slots: s,
-                } => {
-                    bitmap = *b;
-                    slots = s;
-                }
-                Slot::Vacant => return None,
-            }
-        }
-        self.get(key)
+        find_entry(self.bitmap, &self.slots, u64::from(hash), key, LOW_LEVELS)
+            .unwrap_or_else(|| self.get(key))
     }
 
     fn get_mut(&mut self, key: &str) -> Option<&mut Val> {
@@ -1105,7 +1096,9 @@ mod tests {
     #[test]
     fn wide_map_branches_split_and_collapse_on_chosen_hashes() {
         fn find<'a>(root: &'a (Bitmap, Arc<[Slot]>), hash: u64, key: &str) -> Option<&'a Val> {
-            find_entry(root.0, &root.1, hash, key).map(|e| &e.val)
+            find_entry(root.0, &root.1, hash, key, ALL_LEVELS)
+                .flatten()
+                .map(|e| &e.val)
         }
         fn at(root: &mut (Bitmap, Arc<[Slot]>)) -> BranchMut<'_> {
             BranchMut {
