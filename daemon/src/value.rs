@@ -182,11 +182,6 @@ impl ObjMap {
         self.insert_as(key, val, |k| k)
     }
 
-    /// [`ObjMap::insert`] of a key known to be interned already.
-    fn insert_interned(&mut self, key: Key, val: Val) -> Option<Val> {
-        self.insert_as(key, val, |k| k)
-    }
-
     /// Insert; `store` makes the key a new entry keeps.
     fn insert_as(&mut self, key: Key, val: Val, store: fn(Key) -> Key) -> Option<Val> {
         match self {
@@ -917,7 +912,7 @@ impl Val {
             Json::Object(o) => {
                 let mut m = ObjMap::new();
                 for (k, v) in o {
-                    m.insert_interned(intern(k), Val::from_json(v));
+                    m.insert_shared(intern(k), Val::from_json(v));
                 }
                 Val::Obj(m)
             }
@@ -957,6 +952,9 @@ pub fn num_to_json(n: f64) -> Json {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use serde_json::json;
+
     thread_local! {
         /// Keys whose hash a test chose (see `hash_key`).
         pub(super) static CHOSEN: std::cell::RefCell<std::collections::HashMap<String, u64>> =
@@ -995,9 +993,6 @@ mod tests {
         assert_eq!(m.len, 102);
         assert_eq!(m.get("a7").map(|e| e.val.clone()), Some(Val::num(7.0)));
     }
-    use super::*;
-    use serde_json::json;
-
     fn f(k: &str) -> Seg {
         Seg::Field(Arc::from(k))
     }
