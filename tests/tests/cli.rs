@@ -407,12 +407,24 @@ fn bench_bad_input_is_a_clear_error() {
     assert_eq!(o.status.code(), Some(2));
 }
 
+/// `valem bench ARGS`, successful, with its temporary files under `tmp`.
+fn bench_in(tmp: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let o = std::process::Command::new(valem_bin())
+        .arg("bench")
+        .args(args)
+        .env("TMPDIR", tmp)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    o
+}
+
 #[test]
 fn bench_durable_goes_through_a_store_and_removes_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = std::process::Command::new(valem_bin())
-        .args([
-            "bench",
+    let o = bench_in(
+        tmp.path(),
+        &[
             "--json",
             "--durable",
             "--shape",
@@ -421,11 +433,8 @@ fn bench_durable_goes_through_a_store_and_removes_it() {
             "50",
             "--count",
             "20",
-        ])
-        .env("TMPDIR", tmp.path())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+        ],
+    );
     let r: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!((&r["service"], &r["durable"]), (&json!(true), &json!(true)));
     assert_eq!(
@@ -448,9 +457,9 @@ fn bench_durable_goes_through_a_store_and_removes_it() {
 #[test]
 fn bench_service_goes_through_the_service_in_memory() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = std::process::Command::new(valem_bin())
-        .args([
-            "bench",
+    let o = bench_in(
+        tmp.path(),
+        &[
             "--service",
             "--shape",
             "fanout",
@@ -458,11 +467,8 @@ fn bench_service_goes_through_the_service_in_memory() {
             "200",
             "--count",
             "50",
-        ])
-        .env("TMPDIR", tmp.path())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+        ],
+    );
     assert!(
         stdout(&o).contains("through the service, in memory"),
         "{}",
