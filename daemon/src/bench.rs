@@ -136,7 +136,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
         }
     };
     let mut gen = Mutations::new(&opts.workload, &seed_data, opts.seed)?;
-    let mut target: Box<dyn Target> = if opts.service || opts.durable {
+    let service = opts.service || opts.durable;
+    let mut target: Box<dyn Target> = if service {
         Box::new(Service::open(spec, &seed_data, limits, opts.durable)?)
     } else {
         Box::new(Engine::open(spec, &seed_data, limits)?)
@@ -193,7 +194,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
         n,
         nodes,
         jit: opts.jit,
-        service: opts.service || opts.durable,
+        service,
         durable: opts.durable,
         compile_ms,
         first_cycle_ms,

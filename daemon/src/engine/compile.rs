@@ -5,6 +5,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::fmt::Write as _;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -337,7 +338,7 @@ pub struct CompileError {
 pub struct CompiledModel {
     pub spec: Arc<ModelSpec>,
     pub nodes: Vec<Node>,
-    /// Some derivation is an aggregate kept by delta (`Node::delta_aggregate`): writes note
+    /// Some derivation is an aggregate kept by delta ([`CompiledModel::delta_aggregate`]): writes note
     /// their old and new values for it.
     pub has_delta_aggregates: bool,
     /// The nodes evaluated as a native aggregate, and how (few nodes are: kept beside the
@@ -524,7 +525,6 @@ fn join(base: &Address, fields: &[Key]) -> Vec<TSeg> {
 
 /// A trie path rendered as an address, appended to `out`.
 fn render_tsegs_into(segs: &[TSeg], out: &mut String) {
-    use std::fmt::Write as _;
     let a = Address {
         segs: segs
             .iter()
@@ -591,13 +591,28 @@ struct DraftExtra {
 /// How an arithmetic derivation lowers: to a program of its own (and its key), or as an
 /// instance of a shape met before (its names), whose program is made only if this compile
 /// has not made it yet.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum Lowering {
     Program(Program, String),
     Shaped(Arc<Shape>, Vec<crate::value::Key>),
 }
 
 impl Lowering {
+    /// The node's JIT tier (`batch`: the node has `[*]` instances), its slot shared through
+    /// `slots` with the compile's other nodes of the same program.
+    fn into_jit(self, batch: bool, slots: &mut super::jit::Slots) -> super::jit::NodeJit {
+        match self {
+            Lowering::Program(program, key) => super::jit::NodeJit::new(program, key, batch, slots),
+            Lowering::Shaped(shape, keys) => super::jit::NodeJit::shared(
+                shape.key(),
+                batch,
+                shape.slot_inputs(&keys),
+                slots,
+                || shape.program(&keys),
+            ),
+        }
+    }
+
     /// The program and its key (made, for an instance of a shape).
     #[cfg(test)]
     fn program(&self) -> (Program, String) {
@@ -656,18 +671,7 @@ impl Drafts {
         }
         if let Some(lowering) = extra.program {
             let batch = node.concrete.is_none();
-            let nj = match lowering {
-                Lowering::Program(program, key) => {
-                    super::jit::NodeJit::new(program, key, batch, &mut self.jit_slots)
-                }
-                Lowering::Shaped(shape, keys) => super::jit::NodeJit::shared(
-                    shape.key(),
-                    batch,
-                    shape.slot_inputs(&keys),
-                    &mut self.jit_slots,
-                    || shape.program(&keys),
-                ),
-            };
+            let nj = lowering.into_jit(batch, &mut self.jit_slots);
             node.jit = super::jit::JitCell::new(batch, Some(nj));
         }
         self.trace_table
@@ -677,12 +681,8 @@ impl Drafts {
 
     /// The read patterns of node `id`.
     fn reads(&self, id: usize) -> impl Iterator<Item = &[TSeg]> + '_ {
-        let to = self.node_reads[id] as usize;
-        let from = id.checked_sub(1).map_or(0, |p| self.node_reads[p] as usize);
-        (from..to).map(move |i| {
-            let start = i.checked_sub(1).map_or(0, |p| self.read_ends[p] as usize);
-            &self.segs[start..self.read_ends[i] as usize]
-        })
+        use super::trace::span;
+        span(&self.node_reads, id).map(|i| &self.segs[span(&self.read_ends, i)])
     }
 }
 
@@ -881,7 +881,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         let parent = p.target.parent();
         // The key is the canonical address: the spec's own text when written that way.
         key_buf.clear();
-        let _ = std::fmt::Write::write_fmt(&mut key_buf, format_args!("{}", p.target));
+        let _ = write!(key_buf, "{}", p.target);
         let key = if *key_buf == *d.path {
             d.path.clone()
         } else {
@@ -1278,8 +1278,6 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     })
 }
 
-/// Give every arithmetic derivation its JIT tier, from the lowering `prepare` made (one
-/// shared slot per distinct program).
 /// The readers of each concrete derivation target without array indices (a write there binds
 /// no `[*]`, so each reader is dirtied whole), looked up in the index once.
 #[allow(clippy::type_complexity)]
@@ -1819,26 +1817,9 @@ mod tests {
                         // The slots an instance reads are those its program's slots read.
                         let inputs = |p: &Prepared| {
                             let mut slots = crate::engine::jit::Slots::new();
-                            p.program.as_ref().map(|l| {
-                                let nj = match l {
-                                    Lowering::Program(p, k) => crate::engine::jit::NodeJit::new(
-                                        p.clone(),
-                                        k.clone(),
-                                        false,
-                                        &mut slots,
-                                    ),
-                                    Lowering::Shaped(s, keys) => {
-                                        crate::engine::jit::NodeJit::shared(
-                                            s.key(),
-                                            false,
-                                            s.slot_inputs(keys),
-                                            &mut slots,
-                                            || s.program(keys),
-                                        )
-                                    }
-                                };
-                                format!("{:?}", nj.inputs)
-                            })
+                            p.program
+                                .clone()
+                                .map(|l| format!("{:?}", l.into_jit(false, &mut slots).inputs))
                         };
                         assert_eq!(inputs(&a), inputs(&b), "{text}");
                         assert_eq!(a.reads, b.reads, "{text}");

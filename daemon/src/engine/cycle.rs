@@ -21,7 +21,7 @@ use super::{
 use crate::expr::path::{render, render_into, Address, PathSeg};
 use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
 use crate::spec::Policy;
-use crate::value::{Seg, Val};
+use crate::value::{ObjMap, Seg, Val};
 use valem_jit::interp;
 use valem_jit::ir::Ty;
 
@@ -689,16 +689,15 @@ impl<'a> Cycle<'a> {
                 // the shared one: no lookup in the intern table for a new member.
                 let found = self.cm.readers.member(k);
                 member = Some(found.map(|(_, t)| t));
-                let (old_base, key) = match found {
-                    Some((shared, _)) => (b.insert_shared(shared.clone(), value.clone()), shared),
-                    None => (b.insert(k.clone(), value.clone()), k),
+                let key = found.map_or(k, |(shared, _)| shared);
+                let insert = |m: &mut ObjMap, v| match found {
+                    Some(_) => m.insert_shared(key.clone(), v),
+                    None => m.insert(key.clone(), v),
                 };
+                let old_base = insert(b, value.clone());
                 j.base.push(TreeUndo::Member(Some(key.clone()), old_base));
                 if let Some(Val::Obj(m)) = tree {
-                    let old_merged = match found {
-                        Some(_) => m.insert_shared(key.clone(), value),
-                        None => m.insert(key.clone(), value),
-                    };
+                    let old_merged = insert(m, value);
                     j.merged
                         .push(TreeUndo::Member(Some(key.clone()), old_merged));
                 }
@@ -1720,8 +1719,6 @@ fn truthy(v: Option<&JValue>) -> bool {
     }
 }
 
-/// Run a mutation cycle on the committed state `st`, in place. On error every change is undone,
-/// so `st` is exactly as before.
 /// A cycle's interpreter bindings: the model's, with the cycle's instant.
 fn cycle_env<'e>(env: &'e std::cell::OnceCell<Env>, cm: &CompiledModel, now_ms: i64) -> &'e Env {
     env.get_or_init(|| Env {
@@ -1730,8 +1727,8 @@ fn cycle_env<'e>(env: &'e std::cell::OnceCell<Env>, cm: &CompiledModel, now_ms: 
     })
 }
 
-/// Run one mutation cycle; its journal goes to `undo` when the cycle commits and `undo` is
-/// given.
+/// Run a mutation cycle on the committed state `st`, in place. On error every change is undone,
+/// so `st` is exactly as before; when the cycle commits, its journal goes to `undo` if given.
 pub(super) fn run(
     cm: &CompiledModel,
     limits: &EngineLimits,

@@ -87,6 +87,7 @@ impl NodeJit {
     /// A node's tier over `program` (whose key is `key`). `batch`: the node has `[*]`
     /// instances (a batched entry is compiled too). `slots` shares one [`Slot`] per distinct
     /// program among the nodes of one compile.
+    ///
     /// Its slots read top-level members by name until [`NodeJit::resolve_cells`] points
     /// those that are cells at their cells (the cells are laid out once every node is known).
     pub fn new(program: Program, key: String, batch: bool, slots: &mut Slots) -> NodeJit {
@@ -118,20 +119,16 @@ impl NodeJit {
     /// have given them with `cells`).
     pub fn resolve_cells(&mut self, cells: &CellLayout) {
         for input in &mut self.inputs {
-            match input {
-                SlotInput::Member(_, k) => {
-                    if let Some(c) = cells.find(k) {
-                        *input = SlotInput::Cell(c, k.clone());
-                    }
-                }
-                SlotInput::Doc(path) => {
-                    if let [Seg::Field(k), rest @ ..] = &**path {
-                        if let (Some(c), false) = (cells.find(k), rest.is_empty()) {
-                            *input = SlotInput::CellPath(Box::new((c, k.clone(), rest.into())));
-                        }
-                    }
-                }
-                SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Parent(_) => {}
+            let cell = match input {
+                SlotInput::Member(_, k) => cell_input(k, &[], cells),
+                SlotInput::Doc(path) => match &**path {
+                    [Seg::Field(k), rest @ ..] => cell_input(k, rest, cells),
+                    _ => None,
+                },
+                SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Parent(_) => None,
+            };
+            if let Some(cell) = cell {
+                *input = cell;
             }
         }
     }
@@ -159,14 +156,22 @@ fn slot_for(program: Program, key: String, batch: bool, slots: &mut Slots) -> Ar
 pub fn slot_input(base: &Base, path: Box<[Seg]>, cells: &CellLayout) -> SlotInput {
     match (base, &*path) {
         (Base::Parent, _) => SlotInput::Parent(path),
-        (Base::Input, [Seg::Field(k), rest @ ..]) => match (cells.find(k), rest) {
-            (Some(c), []) => SlotInput::Cell(c, k.clone()),
-            (Some(c), rest) => SlotInput::CellPath(Box::new((c, k.clone(), rest.into()))),
-            (None, []) => SlotInput::Member(crate::value::member_hash(k), k.clone()),
-            (None, _) => SlotInput::Doc(path),
+        (Base::Input, [Seg::Field(k), rest @ ..]) => match cell_input(k, rest, cells) {
+            Some(cell) => cell,
+            None if rest.is_empty() => SlotInput::Member(crate::value::member_hash(k), k.clone()),
+            None => SlotInput::Doc(path),
         },
         (Base::Input, _) => SlotInput::Doc(path),
     }
+}
+
+/// A slot reading top-level member `k`, then `rest`, when `k` is a cell.
+fn cell_input(k: &Key, rest: &[Seg], cells: &CellLayout) -> Option<SlotInput> {
+    let c = cells.find(k)?;
+    Some(match rest {
+        [] => SlotInput::Cell(c, k.clone()),
+        rest => SlotInput::CellPath(Box::new((c, k.clone(), rest.into()))),
+    })
 }
 
 /// Where each slot of `program` reads, top-level members resolved to their cells.

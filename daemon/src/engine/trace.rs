@@ -66,6 +66,16 @@ impl PartialEq for InputPaths {
     }
 }
 
+/// The range of item `i` of items packed end to end, from where each ends (empty past the
+/// last).
+pub(crate) fn span(ends: &[u32], i: usize) -> std::ops::Range<usize> {
+    let Some(&end) = ends.get(i) else {
+        return 0..0;
+    };
+    let start = i.checked_sub(1).map_or(0, |p| ends[p]);
+    start as usize..end as usize
+}
+
 /// The ranges of items packed end to end, from where each ends.
 pub(crate) fn spans(ends: &[u32]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let starts = std::iter::once(0).chain(ends.iter().copied());
@@ -101,6 +111,23 @@ impl PathList {
 
     pub fn contains(&self, path: &str) -> bool {
         self.iter().any(|p| p == path)
+    }
+
+    /// Address `i`.
+    pub fn get(&self, i: usize) -> &str {
+        self.text.get(span(&self.ends, i)).unwrap_or("")
+    }
+
+    /// Append every address of `other`.
+    pub fn extend(&mut self, other: &PathList) {
+        for p in other.iter() {
+            self.push(p);
+        }
+    }
+
+    fn shrink(&mut self) {
+        self.text.shrink_to_fit();
+        self.ends.shrink_to_fit();
     }
 
     /// Room for `n` more addresses (of a dozen bytes each).
@@ -175,11 +202,9 @@ fn serialize_val<S: Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {
 pub struct TraceTable {
     keys: Vec<Arc<str>>,
     expressions: Vec<Arc<str>>,
-    /// Every node's input addresses, end to end.
-    text: String,
-    /// Where each address ends in `text`.
-    ends: Vec<u32>,
-    /// Per node, where its addresses end in `ends`.
+    /// Every node's input addresses, one node's after another.
+    paths: PathList,
+    /// Per node, where its addresses end in `paths`.
     node_ends: Vec<u32>,
 }
 
@@ -208,16 +233,9 @@ impl Default for Paths {
 impl TraceTable {
     /// Add the next node: its key, its expression and the addresses it reads.
     pub fn push(&mut self, key: Arc<str>, expression: Arc<str>, paths: &InputPathsBuilder) {
-        let base = self.text.len();
-        self.text.push_str(&paths.text);
-        self.ends.extend(
-            paths
-                .ends
-                .iter()
-                .map(|&e| u32::try_from(base + e as usize).unwrap_or(u32::MAX)),
-        );
+        self.paths.extend(paths);
         self.node_ends
-            .push(u32::try_from(self.ends.len()).unwrap_or(u32::MAX));
+            .push(u32::try_from(self.paths.len()).unwrap_or(u32::MAX));
         self.keys.push(key);
         self.expressions.push(expression);
     }
@@ -226,8 +244,7 @@ impl TraceTable {
     pub fn shrink(&mut self) {
         self.keys.shrink_to_fit();
         self.expressions.shrink_to_fit();
-        self.text.shrink_to_fit();
-        self.ends.shrink_to_fit();
+        self.paths.shrink();
         self.node_ends.shrink_to_fit();
     }
 
@@ -237,16 +254,7 @@ impl TraceTable {
 
     /// The addresses `node` reads.
     pub fn input_paths(&self, node: u32) -> impl Iterator<Item = &str> + '_ {
-        let n = node as usize;
-        let to = self.node_ends.get(n).map_or(0, |&e| e as usize);
-        let from = match n.checked_sub(1) {
-            Some(p) => self.node_ends.get(p).map_or(to, |&e| e as usize),
-            None => 0,
-        };
-        (from..to).map(move |i| {
-            let start = i.checked_sub(1).map_or(0, |p| self.ends[p] as usize);
-            self.text.get(start..self.ends[i] as usize).unwrap_or("")
-        })
+        span(&self.node_ends, node as usize).map(|i| self.paths.get(i))
     }
 
     /// What every trace of `node` shares, read from `table`.

@@ -41,6 +41,11 @@ fn root_hash(key: &str) -> u64 {
 /// The bit of `RootEdge::child` that marks the edge.
 const MARKED: u32 = 1 << 31;
 
+/// The node a root edge's `child` (mark and all) leads to.
+fn unmarked(child: u32) -> usize {
+    (child & !MARKED) as usize
+}
+
 /// A top-level member's place in the index (see [`Trie::member`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Member {
@@ -168,7 +173,7 @@ impl Trie {
 
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
         if t == 0 {
-            return self.root(k).map(|e| (e.child & !MARKED) as usize);
+            return self.root(k).map(|e| unmarked(e.child));
         }
         let t = t as u32;
         self.fields
@@ -242,7 +247,7 @@ impl Trie {
     /// the plain leaves below root edges in the edges.
     pub fn shrink(&mut self) {
         for e in self.roots.iter_mut() {
-            let n = &self.nodes[(e.child & !MARKED) as usize];
+            let n = &self.nodes[unmarked(e.child)];
             e.leaf = if n.wild == NONE && n.more == NONE {
                 n.first
             } else {
@@ -297,7 +302,7 @@ impl Trie {
         match member {
             Some(Member { leaf, .. }) if leaf != NONE => out.push((leaf, Vec::new())),
             Some(Member { child, .. }) => {
-                self.walk((child & !MARKED) as usize, &[], &mut Vec::new(), false, out)
+                self.walk(unmarked(child), &[], &mut Vec::new(), false, out)
             }
             None => {}
         }
