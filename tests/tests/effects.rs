@@ -4,7 +4,7 @@
 //! (allow-list, private addresses), a timer scheduled before a restart firing after it, `llm`
 //! reported as not executable, and fold-backs audited as `source: "foldback"`.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -61,6 +61,7 @@ fn serve(conn: TcpStream, hits: &Mutex<Vec<(String, String)>>) {
     }
     let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
     let mut key = String::new();
+    let mut body_len = 0usize;
     loop {
         let mut h = String::new();
         if r.read_line(&mut h).is_err() || h.trim().is_empty() {
@@ -70,7 +71,16 @@ fn serve(conn: TcpStream, hits: &Mutex<Vec<(String, String)>>) {
             if k.eq_ignore_ascii_case("idempotency-key") {
                 key = v.trim().to_string();
             }
+            if k.eq_ignore_ascii_case("content-length") {
+                body_len = v.trim().parse().unwrap_or(0);
+            }
         }
+    }
+    // Read the body too: closing a socket with unread input resets the connection, and the
+    // client may then see the reset instead of the answer.
+    let mut body = vec![0u8; body_len];
+    if r.read_exact(&mut body).is_err() {
+        return;
     }
     hits.lock().unwrap().push((path.clone(), key));
     if path.starts_with("/slow") {
@@ -367,7 +377,6 @@ fn effects_requested_by_the_seeding_cycle_run_too() {
 
 /// A TLS destination with a certificate made for 127.0.0.1; the PEM file of that certificate.
 fn tls_destination(hits: Arc<Mutex<Vec<(String, String)>>>) -> (u16, tempfile::NamedTempFile) {
-    use std::io::Read;
     let ck = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).expect("cert");
     let mut pem = tempfile::NamedTempFile::new().expect("temp");
     pem.write_all(ck.cert.pem().as_bytes()).expect("write pem");
