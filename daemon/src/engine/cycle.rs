@@ -677,9 +677,22 @@ impl<'a> Cycle<'a> {
             // The root is replaced: every cell is wiped (its derivation runs again).
             self.clear_cells();
         }
-        let j = &mut self.journal;
         // A top-level member's node in the reader index, looked up once for both the write
         // and its propagation.
+        let found = match segs {
+            [Seg::Field(k)] => self.cm.readers.member(k),
+            _ => None,
+        };
+        // Its reader is marked and evaluated next: load what that reads and writes while the
+        // write below walks the document.
+        if let Some(leaf) = found.and_then(|(_, t)| t.leaf()) {
+            let node = &self.cm.nodes[leaf as usize];
+            if let Some(c) = node.cell {
+                self.st.cells.prefetch(c);
+            }
+            node.jit.prefetch_inputs(self.st.merged());
+        }
+        let j = &mut self.journal;
         let mut member = None;
         match (segs, &mut self.st.base, &mut self.st.tree) {
             ([Seg::Field(k)], Val::Obj(b), tree @ (None | Some(Val::Obj(_)))) => {
@@ -687,7 +700,6 @@ impl<'a> Cycle<'a> {
                 // tree. (Journaling the same member twice is harmless: undo replays newest
                 // first.) A member something reads is stored under the index's key, which is
                 // the shared one: no lookup in the intern table for a new member.
-                let found = self.cm.readers.member(k);
                 member = Some(found.map(|(_, t)| t));
                 let key = found.map_or(k, |(shared, _)| shared);
                 let insert = |m: &mut ObjMap, v| match found {

@@ -213,6 +213,24 @@ impl JitCell {
         }
     }
 
+    /// Start loading the top-level members and cells its slots read (see
+    /// [`super::prefetch`]).
+    #[inline]
+    pub fn prefetch_inputs(&self, m: Merged<'_>) {
+        let Some(nj) = &self.lowered else { return };
+        for input in &nj.inputs {
+            match input {
+                SlotInput::Member(h, _) => {
+                    if let Val::Obj(o) = m.doc {
+                        o.prefetch_hashed(*h);
+                    }
+                }
+                SlotInput::Cell(c, _) => m.cells.prefetch(*c),
+                _ => {}
+            }
+        }
+    }
+
     /// Whether the expression is in the arithmetic subset.
     pub fn lowered(&self) -> bool {
         self.lowered.is_some()

@@ -98,6 +98,12 @@ impl Cells {
         self.vals.get(cell as usize)
     }
 
+    /// Start loading cell `cell`'s value (see [`super::prefetch`]).
+    #[inline]
+    pub fn prefetch(&self, cell: u32) {
+        self.vals.prefetch(cell as usize);
+    }
+
     /// Set a cell; returns what it held.
     #[inline]
     pub fn set(&mut self, cell: u32, v: Option<Val>) -> Option<Val> {
@@ -180,6 +186,26 @@ impl CellVec {
                     shift = shift.saturating_sub(BITS);
                 }
                 Tree::Leaf(l) => return l[i & MASK].as_ref(),
+            }
+        }
+    }
+
+    /// Walk to the leaf holding `i` (its branches are few and stay in cache) and start
+    /// loading `i`'s value there.
+    #[inline]
+    fn prefetch(&self, i: usize) {
+        if i >= self.len {
+            return;
+        }
+        let mut t = &self.root;
+        let mut shift = self.shift;
+        loop {
+            match t {
+                Tree::Branch(b) => {
+                    t = &b[(i >> shift) & MASK];
+                    shift = shift.saturating_sub(BITS);
+                }
+                Tree::Leaf(l) => return super::prefetch(&l[i & MASK]),
             }
         }
     }

@@ -58,6 +58,11 @@ impl Member {
     pub fn marked(&self) -> bool {
         self.child & MARKED != 0
     }
+
+    /// The only entry of a member that is a plain leaf (one reader, nothing below).
+    pub fn leaf(&self) -> Option<u32> {
+        (self.leaf != NONE).then_some(self.leaf)
+    }
 }
 
 /// One segment of an indexed pattern.
