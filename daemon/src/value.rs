@@ -612,13 +612,20 @@ impl WideMap {
     }
 }
 
-/// The hash a slot's entries share (a branch has none).
-fn slot_hash(slot: &Slot) -> Option<u64> {
-    match slot {
-        Slot::One(e) => Some(hash_key(&e.key)),
-        Slot::Many(es) => Some(hash_key(&es[0].key)),
-        Slot::Branch { .. } | Slot::Vacant => None,
-    }
+/// The hash a slot's entries share (a branch has none), as far as the level at `shift` needs
+/// it: the low half an entry keeps while that indexes the level (no read of the key's text,
+/// which is a cache miss of its own), the whole hash computed again below.
+fn slot_hash(slot: &Slot, shift: u32) -> Option<u64> {
+    let e = match slot {
+        Slot::One(e) => e,
+        Slot::Many(es) => es.first()?,
+        Slot::Branch { .. } | Slot::Vacant => return None,
+    };
+    Some(if shift + FANOUT_BITS <= u32::BITS {
+        u64::from(e.hash)
+    } else {
+        hash_key(&e.key)
+    })
 }
 
 /// Insert below `branch`; the replaced value, or `None` when the key is new.
@@ -669,7 +676,7 @@ fn insert_at(
         }
         Slot::One(_) | Slot::Many(_) => {
             // Two different hashes share this slot: push the old one level down.
-            let old_hash = slot_hash(slot).unwrap_or(0);
+            let old_hash = slot_hash(slot, shift + FANOUT_BITS).unwrap_or(0);
             let at = slot_index(old_hash, shift + FANOUT_BITS);
             let old = std::mem::replace(slot, Slot::Vacant);
             let mut bitmap: Bitmap = 1 << at;

@@ -472,6 +472,9 @@ struct Cycle<'a> {
     agg_delta: HashMap<NodeId, Option<Vec<LeafChange>>>,
     /// The node whose change was just noted (its next `mark` comes with a delta).
     agg_noted: Option<NodeId>,
+    /// The cycle writes few members: each write starts loading what its reader reads (a
+    /// large batch would only evict what it loaded before it is used).
+    prefetch: bool,
 }
 
 impl Drop for Cycle<'_> {
@@ -523,6 +526,7 @@ impl<'a> Cycle<'a> {
             agg_change: None,
             agg_delta: HashMap::default(),
             agg_noted: None,
+            prefetch: false,
         }
     }
 
@@ -685,7 +689,7 @@ impl<'a> Cycle<'a> {
         };
         // Its reader is marked and evaluated next: load what that reads and writes while the
         // write below walks the document.
-        if let Some(leaf) = found.and_then(|(_, t)| t.leaf()) {
+        if let Some(leaf) = found.and_then(|(_, t)| t.leaf()).filter(|_| self.prefetch) {
             let node = &self.cm.nodes[leaf as usize];
             if let Some(c) = node.cell {
                 self.st.cells.prefetch(c);
@@ -1750,6 +1754,7 @@ pub(super) fn run(
     undo: Option<&mut Vec<Undo>>,
 ) -> Result<MutationResult, MutationError> {
     let mut c = Cycle::new(cm, limits, st, now_ms);
+    c.prefetch = mutations.len() <= super::PREFETCH_WRITES;
     // Each write journals one entry per tree and lists its address: room for all at once (a
     // 200k-write load would otherwise copy these as they grow).
     c.journal.base.reserve(mutations.len());
