@@ -4,6 +4,7 @@
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
+use std::sync::Arc;
 use valem::engine::{jit, EngineLimits, Model, MutationError, State, Undo};
 use valem::spec::parse_spec;
 
@@ -357,7 +358,7 @@ fn a_sum_over_items_is_kept_by_delta_while_exact() {
     m.mutate(&[("$.items".into(), Value::Array(items))], NOW)
         .unwrap();
     let memo = |m: &Model| {
-        let mut v: Vec<_> = m.state().aggregates.values().copied().collect();
+        let mut v: Vec<_> = m.state().aggregates.values().cloned().collect();
         v.sort_by(|a, b| a.sum.total_cmp(&b.sum));
         v
     };
@@ -383,6 +384,35 @@ fn a_sum_over_items_is_kept_by_delta_while_exact() {
     assert!(memo(&m).iter().any(|a| !a.exact));
     let (fresh, _) = scratch(&spec, &m.state().base.to_json());
     assert_eq!(m.merged_json(NOW), fresh);
+    // Inexact, the memo keeps every total in order: a changed item replaces its one and the
+    // sum is taken again over them, to the bit the left-to-right scan's.
+    let leaves = |m: &Model| {
+        memo(m)
+            .into_iter()
+            .find_map(|a| a.leaves.map(|l| l.to_vec()))
+            .unwrap_or_default()
+    };
+    assert_eq!(leaves(&m).len(), 50);
+    let kept = |m: &Model| {
+        memo(m)
+            .into_iter()
+            .find_map(|a| a.leaves.map(|l| Arc::as_ptr(&l)))
+    };
+    for (k, price) in [(9, 0.7), (9, 1.3), (40, 2.9)] {
+        let before = kept(&m);
+        let r = m
+            .mutate(&[(format!("$.items[{k}].price"), json!(price))], NOW)
+            .unwrap();
+        assert_eq!(
+            strs(&r.derived_updated),
+            vec![format!("$.items[{k}].total").as_str(), "$.sum"]
+        );
+        assert_eq!(leaves(&m)[k], price * 2.0);
+        // Changed where they are, not gathered again by a walk of the items.
+        assert_eq!(kept(&m), before);
+        let (fresh, _) = scratch(&spec, &m.state().base.to_json());
+        assert_eq!(m.merged_json(NOW), fresh);
+    }
     // A rolled-back or refused cycle leaves the totals as they were (they are state).
     let before = memo(&m);
     let _ = m.mutate(&[("$.items[*].qty".into(), json!(1))], NOW);

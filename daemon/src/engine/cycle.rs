@@ -29,7 +29,9 @@ use super::jit;
 use super::merged::Merged;
 
 /// One aggregate leaf's old and new number (`None`: absent).
-type LeafChange = (Option<f64>, Option<f64>);
+/// A noted change of a delta aggregate's leaf: the element's index, the old and new numbers
+/// (`None`: absent).
+type LeafChange = (usize, Option<f64>, Option<f64>);
 
 /// Traces past which a cycle counts as large (see `Scratch::last_traces`).
 const BIG_CYCLE: usize = 4096;
@@ -192,7 +194,7 @@ struct Journal {
     meta: Vec<(Arc<str>, Option<MetaEntry>)>,
     stale: Vec<(NodeId, bool)>,
     effect_keys: Vec<(Arc<str>, Option<Val>)>,
-    aggregates: Vec<(NodeId, Option<AggMemo>)>,
+    aggregates: Vec<AggUndo>,
     /// Cells written: each one's previous value.
     cells: Vec<(u32, Option<Val>)>,
     /// The addresses of `TreeUndo::Path` entries, one after another.
@@ -232,12 +234,44 @@ fn undo_journal(st: &mut State, j: Journal) {
         }
     }
     restore(&mut st.effect_keys, j.effect_keys);
-    for (id, old) in j.aggregates.into_iter().rev() {
-        match old {
-            Some(m) => st.aggregates.insert(id, m),
-            None => st.aggregates.remove(&id),
-        };
+    for undo in j.aggregates.into_iter().rev() {
+        match undo {
+            AggUndo::Memo(id, Some(m)) => {
+                st.aggregates.insert(id, m);
+            }
+            AggUndo::Memo(id, None) => {
+                st.aggregates.remove(&id);
+            }
+            AggUndo::Leaves { id, sum, changed } => {
+                if let Some(mut m) = st.aggregates.remove(&id) {
+                    if let Some(leaves) = &mut m.leaves {
+                        let v = Arc::make_mut(leaves);
+                        for &(k, old) in changed.iter().rev() {
+                            if let Some(x) = v.get_mut(k as usize) {
+                                *x = old;
+                            }
+                        }
+                    }
+                    m.sum = sum;
+                    st.aggregates.insert(id, m);
+                }
+            }
+        }
     }
+}
+
+/// What a cycle changed of a delta aggregate's memo.
+#[derive(Clone, Debug)]
+enum AggUndo {
+    /// The memo it replaced (`None`: there was none).
+    Memo(NodeId, Option<AggMemo>),
+    /// Leaves replaced in place ([`AggMemo::leaves`]): each one's index and old number, in the
+    /// order they changed, and the sum before.
+    Leaves {
+        id: NodeId,
+        sum: f64,
+        changed: Vec<(u32, f64)>,
+    },
 }
 
 /// Buffers up to this many entries are always kept for the next cycle.
@@ -628,15 +662,23 @@ impl<'a> Cycle<'a> {
         let Some(agg) = cm.delta_aggregate(&cm.nodes[id as usize]) else {
             return;
         };
-        let leaf = matches!(w, [Seg::Field(a), Seg::Index(_), Seg::Field(f)]
-            if **a == *agg.path[0] && **f == *agg.path[1]);
+        let leaf = match w {
+            [Seg::Field(a), Seg::Index(k), Seg::Field(f)]
+                if **a == *agg.path[0] && **f == *agg.path[1] =>
+            {
+                Some(*k)
+            }
+            _ => None,
+        };
         let num = |v: Option<&Val>| match v {
             None => Some(None),
             Some(Val::Num(x)) => Some(Some(*x)),
             Some(_) => None,
         };
         let change = match (&self.agg_change, leaf) {
-            (Some((old, new)), true) => num(old.as_ref()).zip(num(Some(new))),
+            (Some((old, new)), Some(k)) => num(old.as_ref())
+                .zip(num(Some(new)))
+                .map(|(o, n)| (k, o, n)),
             _ => None,
         };
         let e = self.agg_delta.entry(id).or_insert_with(|| Some(Vec::new()));
@@ -863,33 +905,83 @@ impl<'a> Cycle<'a> {
     fn delta_aggregate(&mut self, agg: &Aggregate) -> Option<Option<JValue>> {
         let id = self.evaluating?;
         let delta = self.agg_delta.remove(&id);
-        let memo = self.st.aggregates.get(&id).copied();
+        let memo = self.st.aggregates.get(&id);
+        let exact = memo.is_some_and(|m| m.exact);
         let updated = match (memo, delta) {
-            (Some(m), Some(Some(changes))) if m.exact => apply_changes(m, &changes),
+            (Some(m), Some(Some(changes))) if exact => apply_changes(m.clone(), &changes)
+                .and_then(|next| self.replace_memo(id, Some(next))),
+            (Some(_), Some(Some(changes))) => self.update_leaves(id, &changes),
             _ => None,
         };
-        let next = updated.or_else(|| scan_memo(self.st.merged(), agg));
-        if next != memo {
-            self.journal.aggregates.push((id, memo));
-            match next {
+        let (sum, count) = match updated {
+            Some(totals) => totals,
+            None => {
+                let next = scan_memo(self.st.merged(), agg);
+                self.replace_memo(id, next)?
+            }
+        };
+        Some(match agg.func {
+            AggFunc::Count => Some(JValue::Number(count as f64)),
+            AggFunc::Average if count == 0 => None,
+            AggFunc::Average => Some(JValue::Number(sum / count as f64)),
+            _ => Some(JValue::Number(sum)),
+        })
+    }
+
+    /// Put `next` in place of aggregate `id`'s memo (journaled when it differs); its sum and
+    /// count.
+    fn replace_memo(&mut self, id: NodeId, next: Option<AggMemo>) -> Option<(f64, usize)> {
+        let totals = next.as_ref().map(|m| (m.sum, m.count));
+        let memo = self.st.aggregates.get(&id);
+        if next.as_ref() != memo {
+            let old = match next {
                 Some(m) => self.st.aggregates.insert(id, m),
                 None => self.st.aggregates.remove(&id),
             };
+            self.journal.aggregates.push(AggUndo::Memo(id, old));
         }
-        let m = next?;
-        Some(match agg.func {
-            AggFunc::Count => Some(JValue::Number(m.count as f64)),
-            AggFunc::Average if m.count == 0 => None,
-            AggFunc::Average => Some(JValue::Number(m.sum / m.count as f64)),
-            _ => Some(JValue::Number(m.sum)),
-        })
+        totals
+    }
+
+    /// Apply leaf changes to an inexact memo's [`AggMemo::leaves`] in place and sum them again;
+    /// `None` (the memo untouched) when a change is not the replacement of a number it holds.
+    fn update_leaves(&mut self, id: NodeId, changes: &[LeafChange]) -> Option<(f64, usize)> {
+        let m = self.st.aggregates.get(&id)?;
+        let leaves = m.leaves.as_ref()?;
+        let fits = changes
+            .iter()
+            .all(|&(k, old, new)| new.is_some() && old.is_some() && leaves.get(k).copied() == old);
+        if !fits {
+            return None;
+        }
+        // Taken out of the map so the leaves are changed in place (a state kept elsewhere
+        // that shares them gets its own copy first).
+        let mut m = self.st.aggregates.remove(&id)?;
+        let v = Arc::make_mut(m.leaves.as_mut()?);
+        let mut changed = Vec::with_capacity(changes.len());
+        for &(k, _, new) in changes {
+            if let (Some(x), Some(n)) = (v.get_mut(k), new) {
+                changed.push((k as u32, *x));
+                *x = n;
+            }
+        }
+        let before = m.sum;
+        m.sum = v.iter().sum();
+        let totals = (m.sum, m.count);
+        self.st.aggregates.insert(id, m);
+        self.journal.aggregates.push(AggUndo::Leaves {
+            id,
+            sum: before,
+            changed,
+        });
+        Some(totals)
     }
 
     /// Forget the memo of an aggregate that saw changes it did not run for.
     fn drop_unrun_aggregates(&mut self) {
         for (id, _) in std::mem::take(&mut self.agg_delta) {
             if let Some(old) = self.st.aggregates.remove(&id) {
-                self.journal.aggregates.push((id, Some(old)));
+                self.journal.aggregates.push(AggUndo::Memo(id, Some(old)));
             }
         }
     }
@@ -1629,7 +1721,7 @@ const EXACT: f64 = 9_007_199_254_740_992.0;
 /// A memo's totals after the noted leaf changes; `None` when a change would make it inexact
 /// (a non-integer, or magnitudes past 2^53): then the caller rescans.
 fn apply_changes(mut m: AggMemo, changes: &[LeafChange]) -> Option<AggMemo> {
-    for &(old, new) in changes {
+    for &(_, old, new) in changes {
         if let Some(o) = old {
             m.sum -= o;
             m.abs_sum -= o.abs();
@@ -1659,6 +1751,7 @@ fn scan_memo(doc: Merged<'_>, agg: &Aggregate) -> Option<AggMemo> {
         abs_sum: 0.0,
         count: leaves.len(),
         exact: true,
+        leaves: None,
     };
     for l in &leaves {
         let Val::Num(x) = l else { return None };
@@ -1674,6 +1767,20 @@ fn scan_memo(doc: Merged<'_>, agg: &Aggregate) -> Option<AggMemo> {
         })
         .sum();
     m.exact &= m.abs_sum <= EXACT;
+    // Inexact over an array whose every element has its number: keep the numbers, so a change
+    // of one is not a walk of the whole array.
+    let whole = match (agg.path.len(), doc.root_get(&agg.path[0])) {
+        (2, Some(Val::Arr(a))) => a.len() == leaves.len(),
+        _ => false,
+    };
+    if !m.exact && whole {
+        let mut nums = Vec::with_capacity(leaves.len());
+        nums.extend(leaves.iter().filter_map(|l| match l {
+            Val::Num(x) => Some(*x),
+            _ => None,
+        }));
+        m.leaves = Some(Arc::new(nums));
+    }
     Some(m)
 }
 

@@ -105,12 +105,16 @@ pub struct State {
 /// An aggregate's running totals over its leaves (`cycle.rs`, delta aggregates). `exact`: every
 /// leaf is an integer and the sum of their magnitudes is at most 2^53, so any order of
 /// additions — the left-to-right scan, or a delta — gives the same, exact, sum.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AggMemo {
     pub sum: f64,
     pub abs_sum: f64,
     pub count: usize,
     pub exact: bool,
+    /// When the sum is not exact and every element of the array has its number: those numbers
+    /// in order. A changed leaf is replaced here and the sum taken again over them, left to
+    /// right as the scan does (the same bits), without walking the document.
+    pub leaves: Option<Arc<Vec<f64>>>,
 }
 
 impl State {
