@@ -330,6 +330,29 @@ mod tests {
     }
 
     #[test]
+    fn strings_escape_as_ecmascript_does() {
+        // JSON.stringify's forms, which serde_json writes too: the short escapes, other
+        // controls as lowercase \u00xx, everything else (any script, astral characters) as is.
+        let mut cases: Vec<String> = (0u8..0x20).map(|b| format!("a{}b", b as char)).collect();
+        cases.extend(
+            [
+                "",
+                "plain",
+                "q\"uote",
+                "back\\slash",
+                "é€𝄞\u{7f}\u{2028}",
+                "\"\\\n𝄞x\u{1}",
+            ]
+            .map(String::from),
+        );
+        for c in &cases {
+            let mut out = String::new();
+            write_string(c, &mut out);
+            assert_eq!(out, serde_json::to_string(c).unwrap(), "{c:?}");
+        }
+    }
+
+    #[test]
     fn keys_sort_by_utf16_code_units_not_bytes() {
         // RFC 8785 §3.2.3 sorting example: U+1F600 is the surrogate pair D83D DE00 in UTF-16 and
         // sorts before U+FB33; in UTF-8 byte order it would sort after.
