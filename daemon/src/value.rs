@@ -332,6 +332,17 @@ enum Slot {
     Vacant,
 }
 
+impl Slot {
+    /// A branch's bitmap and slots.
+    #[inline]
+    fn branch(&self) -> Option<(Bitmap, &[Slot])> {
+        match self {
+            Slot::Branch { bitmap, slots } => Some((*bitmap, slots)),
+            _ => None,
+        }
+    }
+}
+
 /// One bit per slot of a branch.
 type Bitmap = u32;
 
@@ -481,13 +492,7 @@ fn find_entry<'a>(
         match slot {
             Slot::One(e) => return Some((e.hash == low(hash) && key_eq(&e.key, key)).then_some(e)),
             Slot::Many(es) => return Some(es.iter().find(|e| &*e.key == key)),
-            Slot::Branch {
-                bitmap: b,
-                slots: s,
-            } => {
-                bitmap = *b;
-                slots = s;
-            }
+            Slot::Branch { .. } => (bitmap, slots) = slot.branch()?,
             Slot::Vacant => return Some(None),
         }
     }
@@ -509,7 +514,7 @@ impl WideMap {
     /// Walk the branches on `hash`'s path down to the one whose slots are not yet read, and
     /// prefetch the slot there (see [`ObjMap::prefetch_hashed`]).
     fn prefetch(&self, hash: u64) {
-        let (mut bitmap, mut slots) = (self.bitmap, &self.slots);
+        let (mut bitmap, mut slots): (Bitmap, &[Slot]) = (self.bitmap, &self.slots);
         for level in 0..LOW_LEVELS {
             let (p, true) = pos(bitmap, slot_index(hash, level * FANOUT_BITS)) else {
                 return;
@@ -518,16 +523,8 @@ impl WideMap {
             if slots.len() < PREFETCH_BELOW {
                 return crate::engine::prefetch(slot);
             }
-            match slot {
-                Slot::Branch {
-                    bitmap: b,
-                    slots: s,
-                } => {
-                    bitmap = *b;
-                    slots = s;
-                }
-                _ => return,
-            }
+            let Some(below) = slot.branch() else { return };
+            (bitmap, slots) = below;
         }
     }
 

@@ -174,6 +174,21 @@ impl CellVec {
 
     #[inline]
     fn get(&self, i: usize) -> Option<&Val> {
+        self.slot(i)?.as_ref()
+    }
+
+    /// Walk to the leaf holding `i` (its branches are few and stay in cache) and start
+    /// loading `i`'s value there.
+    #[inline]
+    fn prefetch(&self, i: usize) {
+        if let Some(slot) = self.slot(i) {
+            super::prefetch(slot);
+        }
+    }
+
+    /// Where value `i` is kept (found through the branches; the slot itself is not read).
+    #[inline]
+    fn slot(&self, i: usize) -> Option<&Option<Val>> {
         if i >= self.len {
             return None;
         }
@@ -185,27 +200,7 @@ impl CellVec {
                     t = &b[(i >> shift) & MASK];
                     shift = shift.saturating_sub(BITS);
                 }
-                Tree::Leaf(l) => return l[i & MASK].as_ref(),
-            }
-        }
-    }
-
-    /// Walk to the leaf holding `i` (its branches are few and stay in cache) and start
-    /// loading `i`'s value there.
-    #[inline]
-    fn prefetch(&self, i: usize) {
-        if i >= self.len {
-            return;
-        }
-        let mut t = &self.root;
-        let mut shift = self.shift;
-        loop {
-            match t {
-                Tree::Branch(b) => {
-                    t = &b[(i >> shift) & MASK];
-                    shift = shift.saturating_sub(BITS);
-                }
-                Tree::Leaf(l) => return super::prefetch(&l[i & MASK]),
+                Tree::Leaf(l) => return Some(&l[i & MASK]),
             }
         }
     }
