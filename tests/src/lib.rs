@@ -305,6 +305,20 @@ impl Daemon {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// What the daemon wrote to stderr once it contains `needle`, or after 10 s what it wrote
+    /// by then (stderr is read on a thread of its own, so a line written before the daemon
+    /// listened may still be on its way).
+    pub fn stderr_with(&self, needle: &str) -> String {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let s = self.stderr();
+            if s.contains(needle) || std::time::Instant::now() > deadline {
+                return s;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
     /// Send SIGTERM and wait (at most 15 s) for the exit status.
     pub fn terminate(mut self) -> std::process::ExitStatus {
         let pid = self.child.id().to_string();

@@ -131,11 +131,9 @@ fn the_daemon_lists_its_plugins_and_load_failures_at_get_plugins() {
         .collect();
     assert_eq!(names, ["valem-guidance", "example-tool"]);
     assert_eq!(v["failed"][0]["path"], "/no/such/lib.so");
-    assert!(
-        d.stderr().contains("plugin /no/such/lib.so not loaded"),
-        "{}",
-        d.stderr()
-    );
+    let needle = "plugin /no/such/lib.so not loaded";
+    let stderr = d.stderr_with(needle);
+    assert!(stderr.contains(needle), "{stderr}");
 }
 
 /// The Rust code block after `src/lib.rs` in plugins/example-guidance/README.md.
