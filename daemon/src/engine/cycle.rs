@@ -957,7 +957,12 @@ impl<'a> Cycle<'a> {
         // Taken out of the map so the leaves are changed in place (a state kept elsewhere
         // that shares them gets its own copy first).
         let mut m = self.st.aggregates.remove(&id)?;
-        let v = Arc::make_mut(m.leaves.as_mut()?);
+        let Some(leaves) = m.leaves.as_mut() else {
+            // Checked above; put it back as it was all the same.
+            self.st.aggregates.insert(id, m);
+            return None;
+        };
+        let v = Arc::make_mut(leaves);
         let mut changed = Vec::with_capacity(changes.len());
         for &(k, _, new) in changes {
             if let (Some(x), Some(n)) = (v.get_mut(k), new) {
