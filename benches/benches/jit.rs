@@ -56,7 +56,7 @@ fn input() -> Value {
 }
 
 fn slots_of(p: &ir::Program) -> Vec<jit::SlotInput> {
-    jit::slot_inputs(p, &valem::engine::merged::CellLayout::default())
+    jit::slot_inputs(p)
 }
 
 fn memory_report() {

@@ -280,9 +280,9 @@ const FANOUT_BITS: u32 = 5;
 const FANOUT: usize = 1 << FANOUT_BITS;
 
 /// A member: 48 bytes, kept in its branch's slot (a 300k-member object has 300k of them). It
-/// keeps the low half of its key's hash, which is what the first
-/// six levels index by and rejects almost every other key without reading its text; the
-/// whole hash is computed again from the key when a collision needs it.
+/// keeps the low half of its key's hash, which is what the first six levels index by and
+/// rejects almost every other key without reading its text; the whole hash is computed again
+/// from the key when a collision needs it.
 #[derive(Clone, Debug)]
 struct Entry {
     hash: u32,
@@ -1036,6 +1036,7 @@ mod tests {
         assert_eq!(m.len, 102);
         assert_eq!(m.get("a7").map(|e| e.val.clone()), Some(Val::num(7.0)));
     }
+
     fn f(k: &str) -> Seg {
         Seg::Field(Arc::from(k))
     }

@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value as Json};
 use valem::engine::jit::{read_doc_slots, slot_inputs, Read};
-use valem::engine::merged::CellLayout;
 use valem::expr::{from_jvalue, to_jvalue, Compiled, Env, Limits, Value as JValue};
 use valem::value::Val;
 use valem_jit::codegen::{CodeSet, Shapes};
@@ -187,7 +186,7 @@ fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
         .map_err(|r| TestCaseError::fail(format!("{text}: not lowered: {r}")))?;
     let code = CodeSet::compile(&[(&p, Shapes::BOTH)])
         .map_err(|e| TestCaseError::fail(format!("{text}: {e}")))?;
-    let inputs = slot_inputs(&p, &CellLayout::default());
+    let inputs = slot_inputs(&p);
 
     let mut cols: Vec<Vec<f64>> = vec![Vec::new(); inputs.len()];
     let mut guarded: Vec<(usize, Out)> = Vec::new();
@@ -336,7 +335,7 @@ fn the_traps_of_the_issue() {
         let comp = Compiled::compile(text, &limits).unwrap();
         let p = ir::lower(comp.ast(), &|_| None).unwrap();
         let code = CodeSet::compile(&[(&p, Shapes::SCALAR)]).unwrap();
-        let inputs = slot_inputs(&p, &CellLayout::default());
+        let inputs = slot_inputs(&p);
         let v = Val::from_json(&d);
         let mut slots = Vec::new();
         let jit = match read_doc_slots(&inputs, &v, &mut slots) {
@@ -374,7 +373,7 @@ fn the_traps_of_the_issue() {
         )
         .unwrap();
         let mut slots = Vec::new();
-        let inputs = slot_inputs(&p, &CellLayout::default());
+        let inputs = slot_inputs(&p);
         assert_eq!(
             read_doc_slots(&inputs, &Val::from_json(&d), &mut slots),
             Read::Undefined

@@ -531,7 +531,6 @@ fn jsonata_suite() {
 #[test]
 fn jsonata_suite_through_the_jit() {
     use valem::engine::jit::{read_doc_slots, slot_inputs, Read};
-    use valem::engine::merged::CellLayout;
     use valem::expr::Compiled;
     use valem::value::Val;
     use valem_jit::codegen::{CodeSet, Shapes};
@@ -556,7 +555,7 @@ fn jsonata_suite_through_the_jit() {
             continue;
         };
         lowered += 1;
-        let inputs = slot_inputs(&program, &CellLayout::default());
+        let inputs = slot_inputs(&program);
         // No input: every read fails (as reading undefined does).
         let input = case.input.as_ref().map_or(Val::Null, Val::from_json);
         let mut slots = Vec::new();

@@ -69,6 +69,14 @@ pub struct Projection {
 }
 
 impl Projection {
+    /// The whole input, as a node holds it.
+    fn whole() -> Box<Projection> {
+        Box::new(Projection {
+            whole: true,
+            children: Vec::new(),
+        })
+    }
+
     fn shrink(&mut self) {
         self.children.shrink_to_fit();
         for (_, c) in &mut self.children {
@@ -338,8 +346,8 @@ pub struct CompileError {
 pub struct CompiledModel {
     pub spec: Arc<ModelSpec>,
     pub nodes: Vec<Node>,
-    /// Some derivation is an aggregate kept by delta ([`CompiledModel::delta_aggregate`]): writes note
-    /// their old and new values for it.
+    /// Some derivation is an aggregate kept by delta ([`CompiledModel::delta_aggregate`]):
+    /// writes note their old and new values for it.
     pub has_delta_aggregates: bool,
     /// The nodes evaluated as a native aggregate, and how (few nodes are: kept beside the
     /// nodes rather than a field of each).
@@ -951,10 +959,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         );
         add_reads(&mut d, &reads, element.as_ref(), element.as_ref());
         if element.is_some() {
-            d.node.projection = Some(Box::new(Projection {
-                whole: true,
-                children: Vec::new(),
-            }));
+            d.node.projection = Some(Projection::whole());
         }
         drafts.push(d);
     }
@@ -1023,10 +1028,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
                 ..Reads::default()
             };
             add_reads(&mut d, &parent_only, element.as_ref(), None);
-            d.node.projection = Some(Box::new(Projection {
-                whole: true,
-                children: Vec::new(),
-            }));
+            d.node.projection = Some(Projection::whole());
             d.extra.aggregate = None;
             drafts.push(d);
         }
@@ -1584,10 +1586,7 @@ fn add_read_paths<'r>(
         match doc_base {
             None => {
                 d.node.whole_doc = true;
-                d.node.projection = Some(Box::new(Projection {
-                    whole: true,
-                    children: Vec::new(),
-                }));
+                d.node.projection = Some(Projection::whole());
                 d.extra.input_paths.push("$");
             }
             Some(b) => {

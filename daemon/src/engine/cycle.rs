@@ -28,7 +28,6 @@ use valem_jit::ir::Ty;
 use super::jit;
 use super::merged::Merged;
 
-/// One aggregate leaf's old and new number (`None`: absent).
 /// A noted change of a delta aggregate's leaf: the element's index, the old and new numbers
 /// (`None`: absent).
 type LeafChange = (usize, Option<f64>, Option<f64>);
@@ -900,8 +899,9 @@ impl<'a> Cycle<'a> {
     }
 
     /// A delta aggregate's value: its memo updated by the leaf changes noted since it last ran
-    /// when the memo is exact, else a rescan that refreshes the memo. `None` when the leaves
-    /// are not all numbers (the caller leaves it to `aggregate` and JSONata).
+    /// (by their deltas when the memo is exact, in its kept leaves when it has them), else a
+    /// rescan that refreshes the memo. `None` when the leaves are not all numbers (the caller
+    /// leaves it to `aggregate` and JSONata).
     fn delta_aggregate(&mut self, agg: &Aggregate) -> Option<Option<JValue>> {
         let id = self.evaluating?;
         let delta = self.agg_delta.remove(&id);

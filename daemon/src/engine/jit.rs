@@ -91,9 +91,7 @@ impl NodeJit {
     /// Its slots read top-level members by name until [`NodeJit::resolve_cells`] points
     /// those that are cells at their cells (the cells are laid out once every node is known).
     pub fn new(program: Program, key: String, batch: bool, slots: &mut Slots) -> NodeJit {
-        let inputs: SmallVec<_> = slot_inputs(&program, &CellLayout::default())
-            .into_iter()
-            .collect();
+        let inputs: SmallVec<_> = slot_inputs(&program).into_iter().collect();
         let slot = slot_for(program, key, batch, slots);
         NodeJit { inputs, slot }
     }
@@ -115,8 +113,8 @@ impl NodeJit {
         NodeJit { inputs, slot }
     }
 
-    /// Read the top-level members that are cells from their cells (as [`slot_inputs`] would
-    /// have given them with `cells`).
+    /// Read the top-level members that are cells from their cells (the slots are made reading
+    /// every top-level member by name, before the cells are laid out).
     pub fn resolve_cells(&mut self, cells: &CellLayout) {
         for input in &mut self.inputs {
             let cell = match input {
@@ -152,15 +150,14 @@ fn slot_for(program: Program, key: String, batch: bool, slots: &mut Slots) -> Ar
     }
 }
 
-/// Where a slot reading `path` from `base` reads, a top-level member resolved to its cell.
-pub fn slot_input(base: &Base, path: Box<[Seg]>, cells: &CellLayout) -> SlotInput {
+/// Where a slot reading `path` from `base` reads, by name ([`NodeJit::resolve_cells`] points
+/// the members that are cells at their cells).
+pub fn slot_input(base: &Base, path: Box<[Seg]>) -> SlotInput {
     match (base, &*path) {
         (Base::Parent, _) => SlotInput::Parent(path),
-        (Base::Input, [Seg::Field(k), rest @ ..]) => match cell_input(k, rest, cells) {
-            Some(cell) => cell,
-            None if rest.is_empty() => SlotInput::Member(crate::value::member_hash(k), k.clone()),
-            None => SlotInput::Doc(path),
-        },
+        (Base::Input, [Seg::Field(k)]) => {
+            SlotInput::Member(crate::value::member_hash(k), k.clone())
+        }
         (Base::Input, _) => SlotInput::Doc(path),
     }
 }
@@ -174,14 +171,14 @@ fn cell_input(k: &Key, rest: &[Seg], cells: &CellLayout) -> Option<SlotInput> {
     })
 }
 
-/// Where each slot of `program` reads, top-level members resolved to their cells.
-pub fn slot_inputs(program: &Program, cells: &CellLayout) -> Vec<SlotInput> {
+/// Where each slot of `program` reads (see [`slot_input`]).
+pub fn slot_inputs(program: &Program) -> Vec<SlotInput> {
     program
         .inputs
         .iter()
         .map(|r| {
             let path: Box<[Seg]> = r.fields.iter().map(|f| Seg::Field(intern(f))).collect();
-            slot_input(&r.base, path, cells)
+            slot_input(&r.base, path)
         })
         .collect()
 }

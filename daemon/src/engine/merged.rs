@@ -17,7 +17,6 @@ use serde_json::{Map, Value as Json};
 
 use crate::expr::path::render;
 use crate::expr::{to_jvalue, Value as JValue};
-
 use crate::value::{Key, Seg, Val};
 
 /// Which top-level members are cells, fixed when a spec is compiled.

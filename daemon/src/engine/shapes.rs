@@ -264,7 +264,6 @@ impl Shape {
     /// Where the slots of the instance of `keys` read: what [`super::jit::NodeJit::new`]
     /// gives for its program, without making the program.
     pub(crate) fn slot_inputs(&self, keys: &[Key]) -> SmallVec<[super::jit::SlotInput; 2]> {
-        let cells = super::merged::CellLayout::default();
         self.inputs
             .iter()
             .map(|(base, fields)| {
@@ -272,7 +271,7 @@ impl Shape {
                     .iter()
                     .map(|f| crate::value::Seg::Field(Shape::name(keys, f)))
                     .collect();
-                super::jit::slot_input(base, path, &cells)
+                super::jit::slot_input(base, path)
             })
             .collect()
     }
