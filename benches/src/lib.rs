@@ -82,6 +82,17 @@ pub fn items_data(n: usize) -> Vec<(Vec<Seg>, Value)> {
     vec![(segs("$.items"), Value::Array(items))]
 }
 
+/// The items model with decimal prices (`i + 1.25`): its totals, and so the sum, are not
+/// integers, which the sum keeps by its leaves rather than by an exact running total.
+pub fn items_decimal_model(n: usize) -> Model {
+    let mut m = create(&items_spec());
+    let items: Vec<Value> = (0..n)
+        .map(|i| json!({"price": i as f64 + 1.25, "qty": 2}))
+        .collect();
+    seed(&mut m, vec![(segs("$.items"), Value::Array(items))]);
+    m
+}
+
 /// A fan-out model of `n` derivations with its base data applied.
 pub fn fanout_model(n: usize) -> Model {
     let mut m = create(&fanout_spec(n));
