@@ -386,10 +386,14 @@ pub fn shape_spec(shape: Shape, n: usize) -> Result<(ModelSpec, Vec<(String, Jso
     let mut data = Vec::new();
     let spec = match shape {
         Shape::Fanout => {
+            // The whole document in one write, as a client loading a model sends it (not 2n
+            // addresses, each parsed, validated and written on its own).
+            let mut doc = serde_json::Map::with_capacity(2 * n);
             for i in 0..n {
-                data.push((format!("$.price_{i}"), json!(i + 1)));
-                data.push((format!("$.qty_{i}"), json!(2)));
+                doc.insert(format!("price_{i}"), json!(i + 1));
+                doc.insert(format!("qty_{i}"), json!(2));
             }
+            data.push(("$".into(), Json::Object(doc)));
             json!({
                 "id": "fanout",
                 "schema": {"type": "object"},

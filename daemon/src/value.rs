@@ -18,10 +18,18 @@ const INTERN_MAX_LEN: usize = 64;
 const INTERN_FIRST_CAP: usize = 1 << 16;
 const INTERN_MAX_KEYS: usize = 1 << 22;
 
+/// A thread's table of shared keys: each with its hash, so that growing the table and
+/// looking a name up compare and move hashes, not the names' text (a cache miss each).
 #[derive(Default)]
 struct Interner {
-    set: rustc_hash::FxHashSet<Key>,
+    set: hashbrown::HashTable<(u64, Key)>,
     cap: usize,
+    /// Open [`HoldingNames`] guards: while any is, a full table grows instead of sweeping.
+    holding: usize,
+}
+
+fn name_hash(s: &str) -> u64 {
+    rustc_hash::FxBuildHasher.hash_one(s)
 }
 
 thread_local! {
@@ -49,30 +57,74 @@ fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
     if s.len() > INTERN_MAX_LEN {
         return make();
     }
+    INTERNED.with(|t| t.borrow_mut().key(s, make))
+}
+
+/// [`intern`] for many names at once (the members of a wide object), the table taken once.
+pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> Vec<Key> {
     INTERNED.with(|t| {
         let mut t = t.borrow_mut();
-        if let Some(k) = t.set.get(s) {
+        let mut keys = Vec::with_capacity(names.len());
+        for s in names {
+            keys.push(if s.len() > INTERN_MAX_LEN {
+                Arc::from(s)
+            } else {
+                t.key(s, || Arc::from(s))
+            });
+        }
+        keys
+    })
+}
+
+impl Interner {
+    /// The shared key for `s`, made by `make` (and kept, while the table has room) when the
+    /// name is new.
+    fn key(&mut self, s: &str, make: impl FnOnce() -> Key) -> Key {
+        let h = name_hash(s);
+        if let Some((_, k)) = self.set.find(h, |(eh, k)| *eh == h && **k == *s) {
             return k.clone();
         }
         let k: Key = make();
-        if t.cap == 0 {
-            t.cap = INTERN_FIRST_CAP;
+        if self.cap == 0 {
+            self.cap = INTERN_FIRST_CAP;
         }
-        if t.set.len() >= t.cap {
-            t.set.retain(|k| Arc::strong_count(k) > 1);
-            if t.set.len() >= t.cap / 2 {
-                t.cap = (t.cap * 2).min(INTERN_MAX_KEYS);
+        if self.set.len() >= self.cap {
+            if self.holding == 0 {
+                self.set.retain(|(_, k)| Arc::strong_count(k) > 1);
             }
-            if t.set.len() < t.set.capacity() / 4 {
-                let keep = t.set.len() * 2;
-                t.set.shrink_to(keep);
+            if self.set.len() >= self.cap / 2 {
+                self.cap = (self.cap * 2).min(INTERN_MAX_KEYS);
+            }
+            if self.set.len() < self.set.capacity() / 4 {
+                let keep = self.set.len() * 2;
+                self.set.shrink_to(keep, |(h, _)| *h);
             }
         }
-        if t.set.len() < t.cap {
-            t.set.insert(k.clone());
+        if self.set.len() < self.cap {
+            self.set.insert_unique(h, (h, k.clone()), |(h, _)| *h);
         }
         k
-    })
+    }
+}
+
+/// While this guard lives, this thread's intern table grows when full rather than sweeping
+/// out the names only it holds: for a compile, whose new names are all held by the model it
+/// makes, so that a sweep would read every key in the table to drop none of them.
+pub struct HoldingNames(std::marker::PhantomData<*const ()>);
+
+/// See [`HoldingNames`].
+pub fn holding_names() -> HoldingNames {
+    INTERNED.with(|t| t.borrow_mut().holding += 1);
+    HoldingNames(std::marker::PhantomData)
+}
+
+impl Drop for HoldingNames {
+    fn drop(&mut self) {
+        let _ = INTERNED.try_with(|t| {
+            let mut t = t.borrow_mut();
+            t.holding = t.holding.saturating_sub(1);
+        });
+    }
 }
 
 /// The same key text by pointer (interned keys): a `false` proves nothing.
@@ -563,6 +615,43 @@ impl WideMap {
         }
     }
 
+    /// The map of `entries` (distinct keys, in insertion order, each already the key to
+    /// keep), built at once: sorted by the hash's digits from the root down, every branch is
+    /// made with its final slots (inserting them one by one copies the bottom branch at each
+    /// step). The same map as those insertions make.
+    fn from_entries(entries: Vec<(Key, Val)>) -> WideMap {
+        let len = entries.len();
+        let Ok(next) = u32::try_from(len) else {
+            let mut m = WideMap::default();
+            for (k, v) in entries {
+                m.insert(k, v, |k| k);
+            }
+            return m;
+        };
+        let hashes: Vec<u64> = entries.iter().map(|(k, _)| hash_key(k)).collect();
+        let mut order: Vec<(u64, u32)> = (0..next)
+            .map(|i| (root_first(hashes[i as usize]), i))
+            .collect();
+        order.sort_unstable();
+        let mut entries: Vec<Option<(Key, Val)>> = entries.into_iter().map(Some).collect();
+        let mut take = |i: u32| {
+            let (key, val) = entries[i as usize].take()?;
+            Some(Entry {
+                hash: low(hashes[i as usize]),
+                seq: i,
+                key,
+                val,
+            })
+        };
+        let (bitmap, slots) = build_branch(&order, 0, &mut take);
+        WideMap {
+            bitmap,
+            slots,
+            len,
+            next,
+        }
+    }
+
     fn insert(&mut self, key: Key, val: Val, store: fn(Key) -> Key) -> Option<Val> {
         if self.next == u32::MAX {
             self.renumber();
@@ -607,6 +696,56 @@ impl WideMap {
         out.sort_unstable_by_key(|e| e.seq);
         out
     }
+}
+
+/// A hash with its levels' digits reordered so that the root's comes first: sorting by it
+/// puts the members of every branch next to one another, in slot order. The last level has
+/// the hash's top 4 bits.
+fn root_first(hash: u64) -> u64 {
+    let mut out = 0u64;
+    for level in 0..ALL_LEVELS - 1 {
+        out = (out << FANOUT_BITS) | slot_index(hash, level * FANOUT_BITS) as u64;
+    }
+    let last = (ALL_LEVELS - 1) * FANOUT_BITS;
+    (out << (u64::BITS - last)) | (hash >> last)
+}
+
+/// The branch at `shift` holding `run` (positions sorted by [`root_first`] of their hashes,
+/// all on this branch's path), its entries taken by `take`.
+fn build_branch(
+    run: &[(u64, u32)],
+    shift: u32,
+    take: &mut impl FnMut(u32) -> Option<Entry>,
+) -> (Bitmap, Arc<[Slot]>) {
+    // This level's digit in a `root_first` key: 5 bits, or the last level's 4 at the end.
+    let digit = |k: u64| match u64::BITS.checked_sub(shift + FANOUT_BITS) {
+        Some(at) => ((k >> at) & (FANOUT as u64 - 1)) as usize,
+        None => (k & ((1 << (u64::BITS - shift)) - 1)) as usize,
+    };
+    let mut bitmap: Bitmap = 0;
+    let mut slots = Vec::new();
+    let mut rest = run;
+    while let Some(&(first, _)) = rest.first() {
+        let d = digit(first);
+        let n = rest.iter().take_while(|&&(k, _)| digit(k) == d).count();
+        let (group, after) = rest.split_at(n);
+        rest = after;
+        bitmap |= 1 << d;
+        let last = group.last().map_or(first, |&(k, _)| k);
+        let slot = if let [(_, i)] = group {
+            take(*i).map(Slot::One)
+        } else if first == last {
+            // One whole hash: a collision list, in insertion order (sorted by position).
+            Some(Slot::Many(Arc::new(
+                group.iter().filter_map(|&(_, i)| take(i)).collect(),
+            )))
+        } else {
+            let (bitmap, slots) = build_branch(group, shift + FANOUT_BITS, take);
+            Some(Slot::Branch { bitmap, slots })
+        };
+        slots.extend(slot);
+    }
+    (bitmap, Arc::from(slots))
 }
 
 /// The hash a slot's entries share (a branch has none), as far as the level at `shift` needs
@@ -952,6 +1091,13 @@ impl Val {
             Json::Number(n) => Val::num(n.as_f64().unwrap_or(f64::NAN)),
             Json::String(s) => Val::str(s),
             Json::Array(a) => Val::Arr(Arc::new(a.iter().map(Val::from_json).collect())),
+            Json::Object(o) if o.len() > SMALL_OBJECT => {
+                let keys = intern_all(o.keys().map(String::as_str));
+                let entries = keys.into_iter().zip(o.values().map(Val::from_json));
+                Val::Obj(ObjMap::Large(Arc::new(WideMap::from_entries(
+                    entries.collect(),
+                ))))
+            }
             Json::Object(o) => {
                 let mut m = ObjMap::new();
                 for (k, v) in o {
@@ -1125,6 +1271,30 @@ mod tests {
                 assert!(t.set.len() <= t.cap, "{} > {}", t.set.len(), t.cap);
                 assert!(t.cap <= 4 * INTERN_FIRST_CAP, "cap grew to {}", t.cap);
             });
+            // Holding names: the table grows rather than sweeping, even names nobody holds.
+            let cap = INTERNED.with(|t| t.borrow().cap);
+            let guard = holding_names();
+            for i in 0..2 * cap {
+                intern(&format!("compiling_{i}"));
+            }
+            let (len, grown) = INTERNED.with(|t| (t.borrow().set.len(), t.borrow().cap));
+            assert!(
+                len >= 2 * cap && grown > cap,
+                "{len} kept, cap {cap} → {grown}"
+            );
+            drop(guard);
+            // Without it, the next time the table is full the unheld names are swept.
+            for i in 0..grown {
+                intern(&format!("later_{i}"));
+            }
+            let left = INTERNED.with(|t| {
+                let t = t.borrow();
+                t.set
+                    .iter()
+                    .filter(|(_, k)| k.starts_with("compiling_"))
+                    .count()
+            });
+            assert_eq!(left, 0);
         })
         .join()
         .unwrap();
@@ -1211,6 +1381,63 @@ mod tests {
                 Some(&Val::num(i as f64))
             );
         }
+    }
+
+    /// A wide object converted from JSON is built at once: the same map, slot for slot, as
+    /// inserting its members one by one makes, on plain hashes and on chosen ones (sharing
+    /// 40 or 59 low bits, differing only in the last level's top bits, colliding whole).
+    #[test]
+    fn a_wide_map_built_at_once_is_the_one_insertions_make() {
+        let base = 0x0ABC_DEF1_2345_6789u64;
+        let chosen: Vec<u64> = [
+            base,
+            base ^ (1 << 59),
+            base ^ (1 << 60),
+            base ^ (1 << 63),
+            base ^ (3 << 60),
+            base ^ (1 << 45),
+            base ^ (1 << 45), // a whole collision with the one before
+            base,             // and with the first
+        ]
+        .into_iter()
+        .chain((0..6u64).map(|i| 0x00AB_CDEF_1234 | (i << 44)))
+        .collect();
+        for (i, &h) in chosen.iter().enumerate() {
+            CHOSEN.with(|c| c.borrow_mut().insert(format!("c{i}"), h));
+        }
+        for n in [33usize, 500, 5000] {
+            let mut members: Vec<String> = (0..n).map(|i| format!("m{i}")).collect();
+            // The chosen keys among the others, not all at the end.
+            for (i, _) in chosen.iter().enumerate() {
+                members.insert((i * 7919) % members.len(), format!("c{i}"));
+            }
+            let json = Json::Object(
+                members
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| (k.clone(), json!(i)))
+                    .collect(),
+            );
+            let mut one_by_one = WideMap::default();
+            for (i, k) in members.iter().enumerate() {
+                one_by_one.insert(intern(k), Val::num(i as f64), share);
+            }
+            let Val::Obj(ObjMap::Large(at_once)) = Val::from_json(&json) else {
+                panic!("{n} members make a wide object");
+            };
+            assert_eq!(format!("{at_once:?}"), format!("{one_by_one:?}"), "n = {n}");
+            assert_eq!(Val::from_json(&json).to_json(), json);
+            for (i, k) in members.iter().enumerate() {
+                assert_eq!(
+                    at_once.get(k).map(|e| e.val.clone()),
+                    Some(Val::num(i as f64))
+                );
+            }
+        }
+        // Small objects stay vectors.
+        let small = json!({"a": 1, "b": {"c": [1, 2]}});
+        assert!(matches!(Val::from_json(&small), Val::Obj(ObjMap::Small(_))));
+        assert_eq!(Val::from_json(&small).to_json(), small);
     }
 
     #[test]

@@ -3,16 +3,16 @@
 //! cycle is an error naming it), the library bound, projections and native aggregates planned.
 //! Pure: no I/O, no clock.
 
+use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::fmt::Write as _;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use jsonata_core::ast::AstNode;
 use serde_json::Value as Json;
 
-use super::shapes::{skeleton, Shape, Shapes};
+use super::shapes::{skeleton, ReadList, Shape, Shapes};
 use super::trie::{TSeg, Trie};
 use crate::expr::deps::{self, ReadPath, Reads, Root};
 use crate::expr::path::{Address, PathSeg};
@@ -515,36 +515,31 @@ fn parse_address(location: impl Fn() -> String, text: &str) -> Result<Address, C
 
 /// Convert an address pattern to trie segments.
 pub fn tsegs(a: &Address) -> Vec<TSeg> {
-    a.segs
-        .iter()
-        .map(|s| match s {
-            PathSeg::Field(k) => TSeg::Field(k.clone()),
-            PathSeg::Index(i) => TSeg::Index(*i),
-            PathSeg::Wild => TSeg::Wild,
-        })
-        .collect()
+    tseg_iter(a).collect()
 }
 
-fn join(base: &Address, fields: &[Key]) -> Vec<TSeg> {
-    let mut v = tsegs(base);
-    v.extend(fields.iter().map(|k| TSeg::Field(k.clone())));
-    v
+fn tseg_iter(a: &Address) -> impl Iterator<Item = TSeg> + '_ {
+    a.segs.iter().map(|s| match s {
+        PathSeg::Field(k) => TSeg::Field(k.clone()),
+        PathSeg::Index(i) => TSeg::Index(*i),
+        PathSeg::Wild => TSeg::Wild,
+    })
+}
+
+fn field_tsegs(fields: &[Key]) -> impl Iterator<Item = TSeg> + '_ {
+    fields.iter().map(|k| TSeg::Field(k.clone()))
 }
 
 /// A trie path rendered as an address, appended to `out`.
 fn render_tsegs_into(segs: &[TSeg], out: &mut String) {
-    let a = Address {
-        segs: segs
-            .iter()
-            .map(|s| match s {
-                TSeg::Field(k) => PathSeg::Field(k.clone()),
-                TSeg::Index(i) => PathSeg::Index(*i),
-                TSeg::Wild => PathSeg::Wild,
-            })
-            .collect(),
-    };
-    // Writing to a String cannot fail.
-    let _ = write!(out, "{a}");
+    out.push('$');
+    for s in segs {
+        match s {
+            TSeg::Field(k) => crate::expr::path::push_field(out, k),
+            TSeg::Index(i) => crate::expr::path::push_index(out, *i),
+            TSeg::Wild => out.push_str("[*]"),
+        }
+    }
 }
 
 /// Recognise `$agg(a.b.c)` over a plain field path.
@@ -586,11 +581,9 @@ struct NodeDraft {
     extra: DraftExtra,
 }
 
-/// What a node's draft holds besides the node, until the graph is built.
+/// What a node's draft holds besides the node, until the graph is built (its reads go
+/// straight into [`Drafts`]).
 struct DraftExtra {
-    reads: Vec<Vec<TSeg>>,
-    /// Reader paths, rendered, for traces (`inputPaths`).
-    input_paths: super::trace::InputPathsBuilder,
     /// An arithmetic derivation's lowering.
     program: Option<Lowering>,
     aggregate: Option<Aggregate>,
@@ -631,13 +624,13 @@ impl Lowering {
     }
 }
 
-/// The nodes drafted so far, numbered in order, and what the graph is built from. A draft is
-/// taken apart as it comes in: the node is written once where it stays, its lowering, its
-/// trace entry and its aggregate go where they are kept, and its reads are packed end to
-/// end. Nothing per node is held back to the end of the compile, so what a draft allocates
-/// for a while is freed before the next one (a 100k-node compile otherwise leaves the
-/// long-lived allocations of its nodes scattered among the holes of the short-lived ones,
-/// resident for the model's life).
+/// The nodes drafted so far, numbered in order, and what the graph is built from. A draft's
+/// reads are packed end to end here as they are found, with their rendered addresses in the
+/// trace table ([`Drafts::add_read`]); when it comes in, the node is written once where it
+/// stays and its lowering and aggregate go where they are kept. Nothing per node is held back
+/// to the end of the compile, and a draft allocates little of its own (a 100k-node compile
+/// otherwise leaves the long-lived allocations of its nodes scattered among the holes of the
+/// short-lived ones, resident for the model's life).
 struct Drafts {
     nodes: Vec<Node>,
     /// Every node's read patterns, their segments end to end.
@@ -665,14 +658,31 @@ impl Drafts {
         }
     }
 
+    /// Start the next node's draft: reads added for a draft that was not pushed are dropped.
+    fn begin(&mut self) {
+        let reads = self.node_reads.last().map_or(0, |&e| e as usize);
+        self.read_ends.truncate(reads);
+        let segs = reads
+            .checked_sub(1)
+            .map_or(0, |i| self.read_ends[i] as usize);
+        self.segs.truncate(segs);
+        self.trace_table.drop_unfinished();
+    }
+
+    /// Add a read of the node being drafted: its segments, and its address for its traces.
+    fn add_read(&mut self, segs: impl Iterator<Item = TSeg>) {
+        let start = self.segs.len();
+        self.segs.extend(segs);
+        let segs = &self.segs[start..];
+        self.trace_table
+            .push_path_with(|t| render_tsegs_into(segs, t));
+        self.read_ends.push(self.segs.len() as u32);
+    }
+
     fn push(&mut self, d: NodeDraft) {
         let NodeDraft { mut node, extra } = d;
         let id = self.nodes.len() as NodeId;
         node.id = id;
-        for r in extra.reads {
-            self.segs.extend(r);
-            self.read_ends.push(self.segs.len() as u32);
-        }
         self.node_reads.push(self.read_ends.len() as u32);
         if let Some(a) = extra.aggregate {
             self.aggregates.insert(id, a);
@@ -683,7 +693,7 @@ impl Drafts {
             node.jit = super::jit::JitCell::new(batch, Some(nj));
         }
         self.trace_table
-            .push(node.key.clone(), node.expr.text.clone(), &extra.input_paths);
+            .push(node.key.clone(), node.expr.text.clone());
         self.nodes.push(node);
     }
 
@@ -710,15 +720,22 @@ struct Prepared<'a> {
 }
 
 impl Prepared<'_> {
-    /// Finish on the compiling thread: a shaped text's reads and lowering are made here, so
-    /// the names the reader index and the JIT slots hold are the ones the state and every
-    /// mutation's path are interned to (one copy each, compared by pointer), not a worker
-    /// thread's copies.
-    fn settle(&mut self) {
-        if let Some((shape, names)) = self.shaped.take() {
-            let keys = Shape::keys(&names);
-            self.reads = shape.reads(&keys);
-            self.program = Some(Lowering::Shaped(shape, keys));
+    /// Finish on the compiling thread, giving the reads: a shaped text's reads and lowering
+    /// are made here, so the names the reader index and the JIT slots hold are the ones the
+    /// state and every mutation's path are interned to (one copy each, compared by pointer),
+    /// not a worker thread's copies.
+    fn settle(&mut self) -> ReadList {
+        match self.shaped.take() {
+            Some((shape, names)) => {
+                let keys = Shape::keys(&names);
+                let reads = shape.reads(&keys);
+                self.program = Some(Lowering::Shaped(shape, keys));
+                reads
+            }
+            None => std::mem::take(&mut self.reads)
+                .into_iter()
+                .map(|r| (r.root, SmallVec::from_vec(r.fields)))
+                .collect(),
         }
     }
 }
@@ -839,6 +856,8 @@ fn prepare_all<'a>(
 
 /// Compile a spec. All findings are collected, not just the first.
 pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, Vec<CompileError>> {
+    // The names interned from here on are held by the compiled model.
+    let _names = crate::value::holding_names();
     let mut errors = Vec::new();
     let mut interner = Interner {
         exprs: HashMap::new(),
@@ -881,7 +900,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
                 continue;
             }
         };
-        p.settle();
+        let reads = p.settle();
         let expr = match p.parsed {
             Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
             None => NodeExpr::text(d.expr.clone()),
@@ -889,13 +908,14 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         let parent = p.target.parent();
         // The key is the canonical address: the spec's own text when written that way.
         key_buf.clear();
-        let _ = write!(key_buf, "{}", p.target);
+        p.target.render_into(&mut key_buf);
         let key = if *key_buf == *d.path {
             d.path.clone()
         } else {
             Arc::from(key_buf.as_str())
         };
         let mut dr = draft_empty(
+            &mut drafts,
             NodeKind::Derivation { lazy: d.is_lazy() },
             key,
             vec![p.target],
@@ -906,7 +926,15 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         );
         // An arithmetic derivation's projection waits for a fallback that may never come.
         dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
-        add_read_paths(&mut dr, p.whole_doc, p.reads.iter(), Some(&parent), None);
+        let reads = reads.iter().map(|(root, fields)| (root, &fields[..]));
+        add_read_paths(
+            &mut dr,
+            &mut drafts,
+            p.whole_doc,
+            reads,
+            Some(&parent),
+            None,
+        );
         dr.extra.program = p.program;
         drafts.push(dr);
     }
@@ -949,6 +977,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         let reads = deps::reads(expr.ast());
         let aggregate = aggregate_of(expr.ast());
         let mut d = draft_empty(
+            &mut drafts,
             NodeKind::Meta(prop),
             key.into(),
             vec![target],
@@ -957,7 +986,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             Location::new(Section::MetaDerivations, i),
             aggregate,
         );
-        add_reads(&mut d, &reads, element.as_ref(), element.as_ref());
+        add_reads(
+            &mut d,
+            &mut drafts,
+            &reads,
+            element.as_ref(),
+            element.as_ref(),
+        );
         if element.is_some() {
             d.node.projection = Some(Projection::whole());
         }
@@ -1003,21 +1038,30 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         let key = format!("$constraint:{}", c.id);
         if targets.is_empty() {
             let at = Location::new(Section::Constraints, i);
-            drafts.push(draft(kind, key.into(), targets, expr, Input::Doc, None, at));
+            let d = draft(
+                &mut drafts,
+                kind,
+                key.into(),
+                targets,
+                expr,
+                Input::Doc,
+                None,
+                at,
+            );
+            drafts.push(d);
         } else {
             // Scoped: `$` is the field value (the element for `[*]`) and the node reads the
             // scope paths whole, which covers every reference relative to it; `$parent` is the
             // `[*]` element.
             let element = targets.iter().find_map(Address::element_pattern);
             let reads = deps::reads(expr.ast());
-            let scope: Vec<Vec<TSeg>> = targets.iter().map(tsegs).collect();
             let at = Location::new(Section::Constraints, i);
             let expr = NodeExpr::new(expr);
-            let mut d = draft_empty(kind, key.into(), targets, expr, Input::Field, at, None);
-            for r in &scope {
-                d.extra.input_paths.push_with(|t| render_tsegs_into(r, t));
+            let (field, key) = (Input::Field, key.into());
+            let mut d = draft_empty(&mut drafts, kind, key, targets, expr, field, at, None);
+            for t in &d.node.targets {
+                drafts.add_read(tseg_iter(t));
             }
-            d.extra.reads = scope;
             let parent_only = Reads {
                 paths: reads
                     .paths
@@ -1027,7 +1071,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
                     .collect(),
                 ..Reads::default()
             };
-            add_reads(&mut d, &parent_only, element.as_ref(), None);
+            add_reads(&mut d, &mut drafts, &parent_only, element.as_ref(), None);
             d.node.projection = Some(Projection::whole());
             d.extra.aggregate = None;
             drafts.push(d);
@@ -1084,6 +1128,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             }
         }
         let mut d = draft(
+            &mut drafts,
             NodeKind::Effect { index: i as u32 },
             format!("$effect:{}", e.id).into(),
             Vec::new(),
@@ -1092,7 +1137,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             None,
             Location::new(Section::Effects, i),
         );
-        add_reads(&mut d, &extra_reads, None, None);
+        add_reads(&mut d, &mut drafts, &extra_reads, None, None);
         drafts.push(d);
         effect_plans.push(plan);
     }
@@ -1122,6 +1167,9 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let mut readers = Trie::default();
     let mut producers = Trie::default();
     let mut instances = Trie::default();
+    // At most one top-level member per read and per derivation.
+    readers.reserve_members(drafts.read_ends.len());
+    producers.reserve_members(derivation_count(&nodes));
     for (id, n) in nodes.iter().enumerate() {
         for r in drafts.reads(id) {
             readers.insert(r, id as u32);
@@ -1278,6 +1326,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         fallback_forms: RefCell::default(),
         fallback_projections: RefCell::default(),
     })
+}
+
+fn derivation_count(nodes: &[Node]) -> usize {
+    nodes
+        .iter()
+        .filter(|n| matches!(n.kind, NodeKind::Derivation { .. }))
+        .count()
 }
 
 /// The readers of each concrete derivation target without array indices (a write there binds
@@ -1493,7 +1548,9 @@ fn merge_reads(into: &mut Reads, r: &Reads) {
     into.paths.extend(r.paths.iter().cloned());
 }
 
+#[allow(clippy::too_many_arguments)]
 fn draft_empty(
+    drafts: &mut Drafts,
     kind: NodeKind,
     key: Arc<str>,
     targets: Vec<Address>,
@@ -1502,6 +1559,7 @@ fn draft_empty(
     location: Location,
     aggregate: Option<Aggregate>,
 ) -> NodeDraft {
+    drafts.begin();
     let concrete = match kind {
         NodeKind::Derivation { .. } => targets
             .first()
@@ -1530,15 +1588,15 @@ fn draft_empty(
             jit: super::jit::JitCell::new(concrete_none, None),
         },
         extra: DraftExtra {
-            reads: Vec::new(),
-            input_paths: Default::default(),
             program: None,
             aggregate,
         },
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn draft(
+    drafts: &mut Drafts,
     kind: NodeKind,
     key: Arc<str>,
     targets: Vec<Address>,
@@ -1550,6 +1608,7 @@ fn draft(
     let reads = deps::reads(expr.ast());
     let aggregate = aggregate_of(expr.ast());
     let mut d = draft_empty(
+        drafts,
         kind,
         key,
         targets,
@@ -1558,7 +1617,7 @@ fn draft(
         location,
         aggregate,
     );
-    add_reads(&mut d, &reads, parent, None);
+    add_reads(&mut d, drafts, &reads, parent, None);
     d
 }
 
@@ -1567,18 +1626,21 @@ fn draft(
 /// are indexed under the parent pattern with bound wildcards.
 fn add_reads(
     d: &mut NodeDraft,
+    drafts: &mut Drafts,
     reads: &Reads,
     parent: Option<&Address>,
     doc_base: Option<&Address>,
 ) {
-    add_read_paths(d, reads.whole_doc, reads.paths.iter(), parent, doc_base);
+    let paths = reads.paths.iter().map(|r| (&r.root, &r.fields[..]));
+    add_read_paths(d, drafts, reads.whole_doc, paths, parent, doc_base);
 }
 
 /// [`add_reads`] for reads given one by one (in the order a [`Reads`] set iterates them).
 fn add_read_paths<'r>(
     d: &mut NodeDraft,
+    drafts: &mut Drafts,
     whole_doc: bool,
-    reads: impl Iterator<Item = &'r ReadPath>,
+    reads: impl Iterator<Item = (&'r Root, &'r [Key])>,
     parent: Option<&Address>,
     doc_base: Option<&Address>,
 ) {
@@ -1587,39 +1649,28 @@ fn add_read_paths<'r>(
             None => {
                 d.node.whole_doc = true;
                 d.node.projection = Some(Projection::whole());
-                d.extra.input_paths.push("$");
+                drafts.trace_table.push_path_with(|t| t.push('$'));
             }
-            Some(b) => {
-                let segs = tsegs(b);
-                d.extra
-                    .input_paths
-                    .push_with(|t| render_tsegs_into(&segs, t));
-                d.extra.reads.push(segs);
-            }
+            Some(b) => drafts.add_read(tseg_iter(b)),
         }
     }
-    for ReadPath { root, fields } in reads {
-        let segs = match (root, doc_base) {
+    for (root, fields) in reads {
+        match (root, doc_base) {
             (Root::Doc, None) => {
                 if !d.node.projection_deferred {
                     d.node.projection.get_or_insert_default().add(fields);
                 }
-                fields.iter().map(|k| TSeg::Field(k.clone())).collect()
+                drafts.add_read(field_tsegs(fields));
             }
-            (Root::Doc, Some(b)) => join(b, fields),
+            (Root::Doc, Some(b)) => drafts.add_read(tseg_iter(b).chain(field_tsegs(fields))),
             (Root::Parent, _) => {
                 d.node.uses_parent = true;
-                match parent {
-                    Some(p) => join(p, fields),
-                    // `$parent` where nothing binds it reads nothing.
-                    None => continue,
+                // `$parent` where nothing binds it reads nothing.
+                if let Some(p) = parent {
+                    drafts.add_read(tseg_iter(p).chain(field_tsegs(fields)));
                 }
             }
-        };
-        d.extra
-            .input_paths
-            .push_with(|t| render_tsegs_into(&segs, t));
-        d.extra.reads.push(segs);
+        }
     }
     if let Some(p) = &mut d.node.projection {
         p.shrink();
@@ -1822,8 +1873,7 @@ mod tests {
                 );
                 match (fast, full) {
                     (Ok(mut a), Ok(mut b)) => {
-                        a.settle();
-                        b.settle();
+                        let (reads_a, reads_b) = (a.settle(), b.settle());
                         shaped += usize::from(seen);
                         let program = |p: &Prepared| p.program.as_ref().map(Lowering::program);
                         assert_eq!(program(&a), program(&b), "{text}");
@@ -1835,7 +1885,7 @@ mod tests {
                                 .map(|l| format!("{:?}", l.into_jit(false, &mut slots).inputs))
                         };
                         assert_eq!(inputs(&a), inputs(&b), "{text}");
-                        assert_eq!(a.reads, b.reads, "{text}");
+                        assert_eq!(reads_a, reads_b, "{text}");
                         assert_eq!(a.whole_doc, b.whole_doc, "{text}");
                         assert_eq!(a.aggregate, b.aggregate, "{text}");
                         assert_eq!(a.target, b.target, "{text}");

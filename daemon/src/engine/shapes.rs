@@ -21,10 +21,13 @@ use std::sync::Arc;
 
 use valem_jit::ir::{Base, InputRef, Ir, Program, Ty};
 
-use crate::expr::deps::{ReadPath, Reads, Root};
+use crate::expr::deps::{Reads, Root};
 use smallvec::SmallVec;
 
 use crate::value::{intern, Key};
+
+/// A derivation's reads, each from its root through member names, in [`Reads`] order.
+pub(crate) type ReadList = SmallVec<[(Root, SmallVec<[Key; 4]>); 4]>;
 
 /// Keywords and literals that look like names: kept literal in a skeleton.
 const WORDS: &[&str] = &["and", "or", "in", "true", "false", "null", "function"];
@@ -227,14 +230,15 @@ impl Shape {
     }
 
     /// The reads of the instance of `keys`, sorted as a [`Reads`] set would give them (no set
-    /// is built: a set of two is an allocation of hundreds of bytes, for every derivation).
-    pub(crate) fn reads(&self, keys: &[Key]) -> Vec<ReadPath> {
-        let mut reads: Vec<ReadPath> = self
+    /// is built, and nothing is allocated for a few reads of a few names each: this is done
+    /// for every derivation).
+    pub(crate) fn reads(&self, keys: &[Key]) -> ReadList {
+        let mut reads: ReadList = self
             .reads
             .iter()
-            .map(|(root, fields)| ReadPath {
-                root: root.clone(),
-                fields: fields.iter().map(|f| Shape::name(keys, f)).collect(),
+            .map(|(root, fields)| {
+                let fields = fields.iter().map(|f| Shape::name(keys, f)).collect();
+                (root.clone(), fields)
             })
             .collect();
         reads.sort_unstable();

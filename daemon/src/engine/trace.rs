@@ -84,9 +84,6 @@ pub(crate) fn spans(ends: &[u32]) -> impl Iterator<Item = std::ops::Range<usize>
         .map(|(a, b)| a as usize..b as usize)
 }
 
-/// A node's input addresses as a draft collects them (see [`PathList`]).
-pub type InputPathsBuilder = PathList;
-
 /// A list of addresses packed end to end: one text and where each ends, so a long list is
 /// two allocations rather than one per address (a mutation of 200k writes lists 200k
 /// addresses). Serializes as a JSON array of strings.
@@ -118,10 +115,12 @@ impl PathList {
         self.text.get(span(&self.ends, i)).unwrap_or("")
     }
 
-    /// Append every address of `other`.
-    pub fn extend(&mut self, other: &PathList) {
-        for p in other.iter() {
-            self.push(p);
+    /// Keep the first `n` addresses.
+    fn truncate(&mut self, n: usize) {
+        if n < self.ends.len() {
+            let end = n.checked_sub(1).map_or(0, |i| self.ends[i] as usize);
+            self.text.truncate(end);
+            self.ends.truncate(n);
         }
     }
 
@@ -231,13 +230,24 @@ impl Default for Paths {
 }
 
 impl TraceTable {
-    /// Add the next node: its key, its expression and the addresses it reads.
-    pub fn push(&mut self, key: Arc<str>, expression: Arc<str>, paths: &InputPathsBuilder) {
-        self.paths.extend(paths);
+    /// Add an address the next node reads (written by `write`, appended to the table's text).
+    pub fn push_path_with(&mut self, write: impl FnOnce(&mut String)) {
+        self.paths.push_with(write);
+    }
+
+    /// Add the next node: its key and its expression; it reads the addresses pushed since the
+    /// node before it.
+    pub fn push(&mut self, key: Arc<str>, expression: Arc<str>) {
         self.node_ends
             .push(u32::try_from(self.paths.len()).unwrap_or(u32::MAX));
         self.keys.push(key);
         self.expressions.push(expression);
+    }
+
+    /// Drop the addresses pushed since the last node.
+    pub fn drop_unfinished(&mut self) {
+        let kept = self.node_ends.last().map_or(0, |&e| e as usize);
+        self.paths.truncate(kept);
     }
 
     /// Release spare capacity once every node is in.
@@ -501,24 +511,23 @@ mod tests {
     #[test]
     fn input_paths_pack_and_read_back() {
         let paths = ["$.price", "$", "$['a b'][2]", "", "$.items[*].qty"];
-        let mut b = InputPathsBuilder::default();
-        for p in paths {
-            b.push(p);
-        }
-        b.push_with(|t| t.push_str("$.x"));
         let mut want = paths.to_vec();
         want.push("$.x");
-        // Between two other nodes' (one reading nothing) in one table.
+        // Between two other nodes' (one reading nothing) in one table; a node begun and
+        // dropped leaves nothing.
         let mut table = TraceTable::default();
-        let mut first = InputPathsBuilder::default();
-        first.push("$.a");
-        table.push(Arc::from("$.p"), Arc::from("a"), &first);
-        table.push(Arc::from("$.q"), Arc::from("price"), &b);
-        table.push(
-            Arc::from("$.r"),
-            Arc::from("1"),
-            &InputPathsBuilder::default(),
-        );
+        table.push_path_with(|t| t.push_str("$.a"));
+        table.push(Arc::from("$.p"), Arc::from("a"));
+        table.push_path_with(|t| t.push_str("$.dropped"));
+        table.drop_unfinished();
+        for p in paths {
+            table.push_path_with(|t| t.push_str(p));
+        }
+        table.push_path_with(|t| t.push_str("$.x"));
+        table.push(Arc::from("$.q"), Arc::from("price"));
+        table.push_path_with(|t| t.push_str("$.also_dropped"));
+        table.drop_unfinished();
+        table.push(Arc::from("$.r"), Arc::from("1"));
         table.shrink();
         let table = Arc::new(table);
         let packed = TraceTable::source(&table, 1).input_paths;

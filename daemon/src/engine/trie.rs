@@ -197,6 +197,13 @@ impl Trie {
         (w != NONE).then_some(w as usize)
     }
 
+    /// Room for `n` more top-level members: a large flat model's index is then built without
+    /// growing its table step by step (each step hashes every member's name again, reading
+    /// its text).
+    pub fn reserve_members(&mut self, n: usize) {
+        self.roots.reserve(n, |e| root_hash(&e.key));
+    }
+
     pub fn insert(&mut self, path: &[TSeg], entry: u32) {
         let mut t = 0usize;
         for seg in path {

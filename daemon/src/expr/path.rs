@@ -218,7 +218,7 @@ pub fn render_append(segs: &[Seg], s: &mut String) {
     }
 }
 
-fn push_field(s: &mut String, k: &str) {
+pub(crate) fn push_field(s: &mut String, k: &str) {
     if is_identifier(k) {
         s.push('.');
         s.push_str(k);
@@ -245,20 +245,31 @@ pub fn is_identifier(k: &str) -> bool {
     chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-impl fmt::Display for Address {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut s = String::from("$");
+/// Append an index step (`[3]`) to an address being written.
+pub(crate) fn push_index(s: &mut String, i: usize) {
+    use std::fmt::Write;
+    // Writing to a String cannot fail.
+    let _ = write!(s, "[{i}]");
+}
+
+impl Address {
+    /// The canonical text, appended to `s` (what `Display` writes).
+    pub fn render_into(&self, s: &mut String) {
+        s.push('$');
         for seg in &self.segs {
             match seg {
-                PathSeg::Field(k) => push_field(&mut s, k),
-                PathSeg::Index(i) => {
-                    s.push('[');
-                    s.push_str(&i.to_string());
-                    s.push(']');
-                }
+                PathSeg::Field(k) => push_field(s, k),
+                PathSeg::Index(i) => push_index(s, *i),
                 PathSeg::Wild => s.push_str("[*]"),
             }
         }
+    }
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = String::new();
+        self.render_into(&mut s);
         f.write_str(&s)
     }
 }
