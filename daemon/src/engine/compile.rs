@@ -13,7 +13,7 @@ use jsonata_core::ast::AstNode;
 use serde_json::Value as Json;
 
 use super::shapes::{skeleton, ReadList, Shape, Shapes};
-use super::trie::{TSeg, Trie};
+use super::trie::{TSeg, TSegRef, Trie};
 use crate::expr::deps::{self, ReadPath, Reads, Root};
 use crate::expr::path::{Address, PathSeg};
 use crate::expr::{json_to_jvalue, Compiled, Env, ExprError, Limits, Parsed, Value as JValue};
@@ -523,6 +523,14 @@ fn tseg_iter(a: &Address) -> impl Iterator<Item = TSeg> + '_ {
         PathSeg::Field(k) => TSeg::Field(k.clone()),
         PathSeg::Index(i) => TSeg::Index(*i),
         PathSeg::Wild => TSeg::Wild,
+    })
+}
+
+fn tseg_refs(a: &Address) -> impl Iterator<Item = TSegRef<'_>> + '_ {
+    a.segs.iter().map(|s| match s {
+        PathSeg::Field(k) => TSegRef::Field(k),
+        PathSeg::Index(i) => TSegRef::Index(*i),
+        PathSeg::Wild => TSegRef::Wild,
     })
 }
 
@@ -1175,11 +1183,10 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             readers.insert(r, id as u32);
         }
         if matches!(n.kind, NodeKind::Derivation { .. }) {
-            producers.insert(&tsegs(&n.targets[0]), id as u32);
-        }
-        if !matches!(n.kind, NodeKind::Derivation { .. }) {
+            producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+        } else {
             for t in &n.targets {
-                instances.insert(&tsegs(t), id as u32);
+                instances.insert_refs(tseg_refs(t), id as u32);
             }
         }
     }
@@ -1189,8 +1196,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     instances.shrink();
     // A read member is marked when a derivation writes the whole document, the member or
     // something in it: an unmarked one is writable without asking the producer index.
-    let whole = producers.has_root_entries();
-    readers.mark_members(|k| whole || producers.member(k).is_some());
+    if producers.has_root_entries() {
+        readers.mark_all_members();
+    } else {
+        for k in producers.members() {
+            readers.mark_member(k);
+        }
+    }
 
     // Edges producer → reader.
     let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)

@@ -28,7 +28,7 @@ fn edge_hash(parent: u32, key: &str) -> u64 {
 #[derive(Debug)]
 struct RootEdge {
     key: Key,
-    /// The child node; the top bit is the edge's mark ([`Trie::mark_members`]).
+    /// The child node; the top bit is the edge's mark ([`Trie::mark_member`], [`Trie::mark_all_members`]).
     child: u32,
     /// The child's only entry when it is a plain leaf (set by [`Trie::shrink`]), or `NONE`.
     leaf: u32,
@@ -54,7 +54,7 @@ pub struct Member {
 }
 
 impl Member {
-    /// Whether [`Trie::mark_members`] marked the member.
+    /// Whether the member is marked ([`Trie::mark_member`]).
     pub fn marked(&self) -> bool {
         self.child & MARKED != 0
     }
@@ -71,6 +71,25 @@ pub enum TSeg {
     Field(Key),
     Index(usize),
     /// `[*]`: in a reader path it binds the node's wildcard of the same ordinal.
+    Wild,
+}
+
+impl TSeg {
+    pub fn as_ref(&self) -> TSegRef<'_> {
+        match self {
+            TSeg::Field(k) => TSegRef::Field(k),
+            TSeg::Index(i) => TSegRef::Index(*i),
+            TSeg::Wild => TSegRef::Wild,
+        }
+    }
+}
+
+/// A [`TSeg`] borrowed: what [`Trie::insert_refs`] indexes a pattern by (its names are cloned
+/// only for the edges it adds).
+#[derive(Clone, Copy, Debug)]
+pub enum TSegRef<'a> {
+    Field(&'a Key),
+    Index(usize),
     Wild,
 }
 
@@ -205,12 +224,16 @@ impl Trie {
     }
 
     pub fn insert(&mut self, path: &[TSeg], entry: u32) {
+        self.insert_refs(path.iter().map(TSeg::as_ref), entry);
+    }
+
+    pub fn insert_refs<'a>(&mut self, path: impl Iterator<Item = TSegRef<'a>>, entry: u32) {
         let mut t = 0usize;
         for seg in path {
             let next = match seg {
-                TSeg::Field(k) => self.field(t, k),
-                TSeg::Index(i) => self.index(t, *i),
-                TSeg::Wild => self.wild(t),
+                TSegRef::Field(k) => self.field(t, k),
+                TSegRef::Index(i) => self.index(t, i),
+                TSegRef::Wild => self.wild(t),
             };
             t = match next {
                 Some(n) => n,
@@ -218,7 +241,7 @@ impl Trie {
                     let n = self.nodes.len() as u32;
                     self.nodes.push(TNode::default());
                     match seg {
-                        TSeg::Field(k) if t == 0 => {
+                        TSegRef::Field(k) if t == 0 => {
                             let edge = RootEdge {
                                 key: k.clone(),
                                 child: n,
@@ -228,7 +251,7 @@ impl Trie {
                                 .insert_unique(root_hash(k), edge, |e| root_hash(&e.key));
                             self.more_mut(t).children.push(n);
                         }
-                        TSeg::Field(k) => {
+                        TSegRef::Field(k) => {
                             let edge = FieldEdge {
                                 key: k.clone(),
                                 parent: t as u32,
@@ -240,13 +263,13 @@ impl Trie {
                                 });
                             self.more_mut(t).children.push(n);
                         }
-                        TSeg::Index(i) => {
-                            self.indices.insert((t as u32, *i), n);
+                        TSegRef::Index(i) => {
+                            self.indices.insert((t as u32, i), n);
                             self.more_mut(t).children.push(n);
                             self.nodes[n as usize].index_child = true;
                             self.nodes[t].has_index_children = true;
                         }
-                        TSeg::Wild => self.nodes[t].wild = n,
+                        TSegRef::Wild => self.nodes[t].wild = n,
                     }
                     n as usize
                 }
@@ -291,13 +314,26 @@ impl Trie {
         })
     }
 
-    /// Mark the top-level members for which `mark` holds (what a [`Member`] then tells).
-    pub fn mark_members(&mut self, mark: impl Fn(&str) -> bool) {
+    /// Mark every top-level member (what a [`Member`] then tells).
+    pub fn mark_all_members(&mut self) {
         for e in self.roots.iter_mut() {
-            if mark(&e.key) {
-                e.child |= MARKED;
-            }
+            e.child |= MARKED;
         }
+    }
+
+    /// Mark top-level member `k`, when it is one.
+    pub fn mark_member(&mut self, k: &str) {
+        let found = self
+            .roots
+            .find_mut(root_hash(k), |e| crate::value::key_eq(&e.key, k));
+        if let Some(e) = found {
+            e.child |= MARKED;
+        }
+    }
+
+    /// The names of the top-level members (in no particular order).
+    pub fn members(&self) -> impl Iterator<Item = &Key> + '_ {
+        self.roots.iter().map(|e| &e.key)
     }
 
     /// Whether an entry is at the root (a pattern of the whole document).
