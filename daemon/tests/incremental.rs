@@ -425,3 +425,67 @@ fn seg(a: &str) -> Vec<valem::value::Seg> {
         .concrete()
         .unwrap()
 }
+
+/// A cycle that queues hundreds of derivations takes them from a sorted run merged with what
+/// their evaluation queues (`Cycle::derive`): the order is still level by level, each level in
+/// spec order, and the values are those a recompute gives. Here 400 derivations of level 0,
+/// 300 of level 1 and one of level 2, listed out of order: loaded as one document (all queued
+/// at once), then with 401 separate writes (the level-0 ones and the level-2 one queued, the
+/// level-1 ones queued as the level-0 ones change: taken before the level-2 one of the run).
+#[test]
+fn a_cycle_queuing_hundreds_evaluates_them_level_by_level_in_spec_order() {
+    let mut derivations = Vec::new();
+    let mut level = Vec::new();
+    for i in 0..400 {
+        if i < 300 {
+            derivations
+                .push(json!({"path": format!("$.b_{i}"), "expr": format!("a_{i} + a_{}", i + 1)}));
+            level.push(1);
+        }
+        if i == 150 {
+            derivations.push(json!({"path": "$.c", "expr": "b_0 + b_299 + y"}));
+            level.push(2);
+        }
+        derivations.push(json!({"path": format!("$.a_{i}"), "expr": format!("x_{i} * 2")}));
+        level.push(0);
+    }
+    let spec =
+        parse_spec(&json!({"id": "many", "schema": {}, "derivations": derivations})).unwrap();
+    let order: Vec<String> = {
+        let mut by_level: Vec<(u32, usize)> = level.iter().copied().zip(0..).collect();
+        by_level.sort();
+        by_level
+            .iter()
+            .map(|&(_, i)| spec.derivations[i].path.to_string())
+            .collect()
+    };
+    let (mut m, _) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
+    for round in 0..2i64 {
+        let x = |i: i64| i * 3 + round;
+        let r = if round == 0 {
+            let mut doc: Map<String, Value> =
+                (0..400).map(|i| (format!("x_{i}"), json!(x(i)))).collect();
+            doc.insert("y".into(), json!(round));
+            m.mutate(&[("$".into(), Value::Object(doc))], NOW).unwrap()
+        } else {
+            let mut writes: Vec<(String, Value)> = (0..400)
+                .map(|i| (format!("$.x_{i}"), json!(x(i))))
+                .collect();
+            writes.push(("$.y".into(), json!(round)));
+            m.mutate(&writes, NOW).unwrap()
+        };
+        let evaluated: Vec<String> = r.traces.iter().map(|t| t.target_path.to_string()).collect();
+        assert_eq!(evaluated, order, "round {round}");
+        let state = m.merged_json(NOW);
+        let a = |i: i64| x(i) * 2;
+        for i in 0..300 {
+            assert_eq!(
+                state[format!("b_{i}")],
+                json!(a(i) + a(i + 1)),
+                "round {round}"
+            );
+        }
+        let c = a(0) + a(1) + a(299) + a(300) + round;
+        assert_eq!(state["c"], json!(c), "round {round}");
+    }
+}
