@@ -112,6 +112,18 @@ impl Interner {
 /// makes, so that a sweep would read every key in the table to drop none of them.
 pub struct HoldingNames(std::marker::PhantomData<*const ()>);
 
+/// Room in this thread's intern table for `n` more names (a compile's, known before it
+/// interns them): the table is made that large once rather than doubled step by step.
+pub fn reserve_names(n: usize) {
+    INTERNED.with(|t| {
+        let mut t = t.borrow_mut();
+        let want = (t.set.len() + n).min(INTERN_MAX_KEYS);
+        t.cap = t.cap.max(INTERN_FIRST_CAP).max(want);
+        let more = want.saturating_sub(t.set.len());
+        t.set.reserve(more, |(h, _)| *h);
+    });
+}
+
 /// See [`HoldingNames`].
 pub fn holding_names() -> HoldingNames {
     INTERNED.with(|t| t.borrow_mut().holding += 1);
@@ -634,8 +646,15 @@ impl WideMap {
             .collect();
         order.sort_unstable();
         let mut entries: Vec<Option<(Key, Val)>> = entries.into_iter().map(Some).collect();
+        // The branches take their members in sorted order, each from anywhere in `entries`:
+        // the one `TAKE_AHEAD` places on starts loading as each is taken.
+        let mut taken = 0;
         let mut take = |i: u32| {
-            let (key, val) = entries[i as usize].take()?;
+            if let Some(&(_, ahead)) = order.get(taken + TAKE_AHEAD) {
+                crate::engine::prefetch(entries.as_ptr().wrapping_add(ahead as usize));
+            }
+            taken += 1;
+            let (key, val) = entries.get_mut(i as usize)?.take()?;
             Some(Entry {
                 hash: low(hashes[i as usize]),
                 seq: i,
@@ -697,6 +716,9 @@ impl WideMap {
         out
     }
 }
+
+/// How far ahead in its sorted order [`WideMap::from_entries`] starts loading a member.
+const TAKE_AHEAD: usize = 16;
 
 /// A hash with its levels' digits reordered so that the root's comes first: sorting by it
 /// puts the members of every branch next to one another, in slot order. The last level has
@@ -1295,6 +1317,20 @@ mod tests {
                     .count()
             });
             assert_eq!(left, 0);
+            // Reserved room: as many new names go in without the table growing.
+            let guard = holding_names();
+            reserve_names(3 * grown);
+            let before = INTERNED.with(|t| t.borrow().set.capacity());
+            let held: Vec<Key> = (0..3 * grown).map(|i| intern(&format!("r_{i}"))).collect();
+            INTERNED.with(|t| {
+                let t = t.borrow();
+                assert_eq!(t.set.capacity(), before);
+                assert!(held.iter().all(|k| t
+                    .set
+                    .find(name_hash(k), |(_, e)| Arc::ptr_eq(e, k))
+                    .is_some()));
+            });
+            drop(guard);
         })
         .join()
         .unwrap();

@@ -894,6 +894,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     // With the JIT tier off, arithmetic derivations keep their interpreted form too.
     let keep_parsed = !super::jit::enabled();
     let prepared = prepare_all(&spec, limits, &bound, keep_parsed);
+    let names = prepared.iter().flatten().flatten();
+    crate::value::reserve_names(
+        names
+            .filter_map(|p| p.shaped.as_ref())
+            .map(|s| s.1.len())
+            .sum(),
+    );
     let mut key_buf = String::new();
     for (i, (d, p)) in spec
         .derivations

@@ -1534,7 +1534,7 @@ impl<'a> Cycle<'a> {
 
     /// Containers a mutation will create: absent proper prefixes of its paths (not the array
     /// itself when the next segment is an index).
-    fn new_containers(&self, mutations: &[(Vec<Seg>, serde_json::Value)]) -> Vec<Vec<Seg>> {
+    fn new_containers<J>(&self, mutations: &[(Vec<Seg>, J)]) -> Vec<Vec<Seg>> {
         let mut out: Vec<Vec<Seg>> = Vec::new();
         for (segs, _) in mutations {
             for k in 1..segs.len() {
@@ -1903,7 +1903,7 @@ pub(super) fn run(
     cm: &CompiledModel,
     limits: &EngineLimits,
     st: &mut State,
-    mutations: &[(Vec<Seg>, serde_json::Value)],
+    mutations: &[(Vec<Seg>, impl std::borrow::Borrow<serde_json::Value>)],
     now_ms: i64,
     undo: Option<&mut Vec<Undo>>,
 ) -> Result<MutationResult, MutationError> {
@@ -1923,7 +1923,7 @@ pub(super) fn run(
     };
     let applied = mutations
         .iter()
-        .try_for_each(|(segs, v)| c.write_base(segs, Val::from_json(v)))
+        .try_for_each(|(segs, v)| c.write_base(segs, Val::from_json(v.borrow())))
         .and_then(|()| {
             if containers.is_empty() {
                 Ok(())

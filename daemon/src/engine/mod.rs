@@ -435,15 +435,16 @@ impl Model {
         mutations: &[(String, Json)],
         now_ms: i64,
     ) -> Result<MutationResult, MutationError> {
-        let writes = mutations.iter().map(|(k, v)| (k, v.clone()));
+        // The values are borrowed, not copied (a load's is the whole document).
+        let writes = mutations.iter().map(|(k, v)| (k, v));
         let parsed = parse_writes(writes, self.limits.max_mutations)?;
         self.mutate_parsed(&parsed, now_ms)
     }
 
-    /// Run a cycle for already-parsed addresses.
-    pub fn mutate_parsed(
+    /// Run a cycle for already-parsed addresses (their values owned or borrowed).
+    pub fn mutate_parsed<J: std::borrow::Borrow<Json>>(
         &mut self,
-        mutations: &[(Vec<Seg>, Json)],
+        mutations: &[(Vec<Seg>, J)],
         now_ms: i64,
     ) -> Result<MutationResult, MutationError> {
         if mutations.len() <= PREFETCH_WRITES {
@@ -457,7 +458,7 @@ impl Model {
                 &self.compiled,
                 &self.state.meta,
                 segs,
-                v,
+                J::borrow(v),
             ));
         }
         if !violations.is_empty() {
