@@ -3,7 +3,6 @@
 //! cycle is an error naming it), the library bound, projections and native aggregates planned.
 //! Pure: no I/O, no clock.
 
-use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::rc::Rc;
@@ -12,7 +11,7 @@ use std::sync::Arc;
 use jsonata_core::ast::AstNode;
 use serde_json::Value as Json;
 
-use super::shapes::{skeleton, ReadList, Shape, Shapes};
+use super::shapes::{skeleton, Shape, Shapes};
 use super::trie::{TSeg, TSegRef, Trie};
 use crate::expr::deps::{self, ReadPath, Reads, Root};
 use crate::expr::path::{Address, PathSeg};
@@ -603,7 +602,7 @@ struct DraftExtra {
 #[derive(Clone, Debug)]
 enum Lowering {
     Program(Program, String),
-    Shaped(Arc<Shape>, Vec<crate::value::Key>),
+    Shaped(Arc<Shape>, super::shapes::Keys),
 }
 
 impl Lowering {
@@ -728,23 +727,31 @@ struct Prepared<'a> {
 }
 
 impl Prepared<'_> {
-    /// Finish on the compiling thread, giving the reads: a shaped text's reads and lowering
-    /// are made here, so the names the reader index and the JIT slots hold are the ones the
-    /// state and every mutation's path are interned to (one copy each, compared by pointer),
-    /// not a worker thread's copies.
-    fn settle(&mut self) -> ReadList {
-        match self.shaped.take() {
-            Some((shape, names)) => {
-                let keys = Shape::keys(&names);
-                let reads = shape.reads(&keys);
-                self.program = Some(Lowering::Shaped(shape, keys));
-                reads
-            }
-            None => std::mem::take(&mut self.reads)
-                .into_iter()
-                .map(|r| (r.root, SmallVec::from_vec(r.fields)))
-                .collect(),
+    /// Finish on the compiling thread: a shaped text's names are interned here, so the names
+    /// the reader index and the JIT slots hold are the ones the state and every mutation's
+    /// path are interned to (one copy each, compared by pointer), not a worker thread's
+    /// copies.
+    fn settle(&mut self) {
+        if let Some((shape, names)) = self.shaped.take() {
+            let keys = Shape::keys(&names);
+            self.program = Some(Lowering::Shaped(shape, keys));
         }
+    }
+
+    /// Its reads, one by one in [`Reads`] order (a shaped text's, once settled, made from its
+    /// shape and names).
+    #[cfg(test)]
+    fn for_each_read(&self, f: impl FnMut(&Root, &[Key])) {
+        for_each_read(&self.program, &self.reads, f);
+    }
+}
+
+/// A prepared derivation's reads, one by one in [`Reads`] order: a shaped text's (once
+/// settled) made from its shape and names, another's as its analysis found them.
+fn for_each_read(program: &Option<Lowering>, reads: &[ReadPath], mut f: impl FnMut(&Root, &[Key])) {
+    match program {
+        Some(Lowering::Shaped(shape, keys)) => shape.for_each_read(keys, f),
+        _ => reads.iter().for_each(|r| f(&r.root, &r.fields)),
     }
 }
 
@@ -915,8 +922,8 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
                 continue;
             }
         };
-        let reads = p.settle();
-        let expr = match p.parsed {
+        p.settle();
+        let expr = match p.parsed.take() {
             Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
             None => NodeExpr::text(d.expr.clone()),
         };
@@ -941,15 +948,11 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         );
         // An arithmetic derivation's projection waits for a fallback that may never come.
         dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
-        let reads = reads.iter().map(|(root, fields)| (root, &fields[..]));
-        add_read_paths(
-            &mut dr,
-            &mut drafts,
-            p.whole_doc,
-            reads,
-            Some(&parent),
-            None,
-        );
+        add_whole_doc(&mut dr, &mut drafts, p.whole_doc, None);
+        for_each_read(&p.program, &p.reads, |root, fields| {
+            add_read(&mut dr, &mut drafts, root, fields, Some(&parent), None);
+        });
+        end_reads(&mut dr);
         dr.extra.program = p.program;
         drafts.push(dr);
     }
@@ -1663,34 +1666,62 @@ fn add_read_paths<'r>(
     parent: Option<&Address>,
     doc_base: Option<&Address>,
 ) {
-    if whole_doc {
-        match doc_base {
-            None => {
-                d.node.whole_doc = true;
-                d.node.projection = Some(Projection::whole());
-                drafts.trace_table.push_path_with(|t| t.push('$'));
-            }
-            Some(b) => drafts.add_read(tseg_iter(b)),
-        }
-    }
+    add_whole_doc(d, drafts, whole_doc, doc_base);
     for (root, fields) in reads {
-        match (root, doc_base) {
-            (Root::Doc, None) => {
-                if !d.node.projection_deferred {
-                    d.node.projection.get_or_insert_default().add(fields);
-                }
-                drafts.add_read(field_tsegs(fields));
+        add_read(d, drafts, root, fields, parent, doc_base);
+    }
+    end_reads(d);
+}
+
+/// The first of a node's reads: its whole input, when it reads that.
+fn add_whole_doc(
+    d: &mut NodeDraft,
+    drafts: &mut Drafts,
+    whole_doc: bool,
+    doc_base: Option<&Address>,
+) {
+    if !whole_doc {
+        return;
+    }
+    match doc_base {
+        None => {
+            d.node.whole_doc = true;
+            d.node.projection = Some(Projection::whole());
+            drafts.trace_table.push_path_with(|t| t.push('$'));
+        }
+        Some(b) => drafts.add_read(tseg_iter(b)),
+    }
+}
+
+/// One read of a node (see [`add_reads`]).
+fn add_read(
+    d: &mut NodeDraft,
+    drafts: &mut Drafts,
+    root: &Root,
+    fields: &[Key],
+    parent: Option<&Address>,
+    doc_base: Option<&Address>,
+) {
+    match (root, doc_base) {
+        (Root::Doc, None) => {
+            if !d.node.projection_deferred {
+                d.node.projection.get_or_insert_default().add(fields);
             }
-            (Root::Doc, Some(b)) => drafts.add_read(tseg_iter(b).chain(field_tsegs(fields))),
-            (Root::Parent, _) => {
-                d.node.uses_parent = true;
-                // `$parent` where nothing binds it reads nothing.
-                if let Some(p) = parent {
-                    drafts.add_read(tseg_iter(p).chain(field_tsegs(fields)));
-                }
+            drafts.add_read(field_tsegs(fields));
+        }
+        (Root::Doc, Some(b)) => drafts.add_read(tseg_iter(b).chain(field_tsegs(fields))),
+        (Root::Parent, _) => {
+            d.node.uses_parent = true;
+            // `$parent` where nothing binds it reads nothing.
+            if let Some(p) = parent {
+                drafts.add_read(tseg_iter(p).chain(field_tsegs(fields)));
             }
         }
     }
+}
+
+/// After a node's last read.
+fn end_reads(d: &mut NodeDraft) {
     if let Some(p) = &mut d.node.projection {
         p.shrink();
     }
@@ -1892,7 +1923,16 @@ mod tests {
                 );
                 match (fast, full) {
                     (Ok(mut a), Ok(mut b)) => {
-                        let (reads_a, reads_b) = (a.settle(), b.settle());
+                        a.settle();
+                        b.settle();
+                        let reads = |p: &Prepared| {
+                            let mut out = Vec::new();
+                            p.for_each_read(|root, fields| {
+                                out.push((root.clone(), fields.to_vec()))
+                            });
+                            out
+                        };
+                        let (reads_a, reads_b) = (reads(&a), reads(&b));
                         shaped += usize::from(seen);
                         let program = |p: &Prepared| p.program.as_ref().map(Lowering::program);
                         assert_eq!(program(&a), program(&b), "{text}");

@@ -26,8 +26,8 @@ use smallvec::SmallVec;
 
 use crate::value::{intern, Key};
 
-/// A derivation's reads, each from its root through member names, in [`Reads`] order.
-pub(crate) type ReadList = SmallVec<[(Root, SmallVec<[Key; 4]>); 4]>;
+/// The names of an instance of a shape.
+pub(crate) type Keys = SmallVec<[Key; 4]>;
 
 /// Keywords and literals that look like names: kept literal in a skeleton.
 const WORDS: &[&str] = &["and", "or", "in", "true", "false", "null", "function"];
@@ -213,8 +213,15 @@ impl Shape {
 
     /// The names of a text of this shape whose plain names are `names`, interned: what an
     /// instance is made from.
-    pub(crate) fn keys(names: &[&str]) -> Vec<Key> {
+    pub(crate) fn keys(names: &[&str]) -> Keys {
         names.iter().map(|n| intern(n)).collect()
+    }
+
+    fn name_ref<'a>(keys: &'a [Key], n: &'a Name) -> &'a Key {
+        match n {
+            Name::Nth(i) => &keys[*i],
+            Name::Lit(k) => k,
+        }
     }
 
     fn name(keys: &[Key], n: &Name) -> Key {
@@ -229,21 +236,28 @@ impl Shape {
         &self.key
     }
 
-    /// The reads of the instance of `keys`, sorted as a [`Reads`] set would give them (no set
-    /// is built, and nothing is allocated for a few reads of a few names each: this is done
-    /// for every derivation).
-    pub(crate) fn reads(&self, keys: &[Key]) -> ReadList {
-        let mut reads: ReadList = self
-            .reads
-            .iter()
-            .map(|(root, fields)| {
-                let fields = fields.iter().map(|f| Shape::name(keys, f)).collect();
-                (root.clone(), fields)
-            })
-            .collect();
-        reads.sort_unstable();
-        reads.dedup();
-        reads
+    /// The reads of the instance of `keys`, given to `f` one by one in the order a [`Reads`]
+    /// set would give them (no set is built, and a read of one name, the usual one, is given
+    /// the instance's own key: this is done for every derivation).
+    pub(crate) fn for_each_read(&self, keys: &[Key], mut f: impl FnMut(&Root, &[Key])) {
+        let names = |i: usize| self.reads[i].1.iter().map(|n| &**Shape::name_ref(keys, n));
+        let cmp = |&a: &usize, &b: &usize| {
+            let root = |i: usize| &self.reads[i].0;
+            root(a).cmp(root(b)).then_with(|| names(a).cmp(names(b)))
+        };
+        let mut order: SmallVec<[usize; 8]> = (0..self.reads.len()).collect();
+        order.sort_unstable_by(cmp);
+        order.dedup_by(|a, b| cmp(a, b).is_eq());
+        for i in order {
+            let (root, fields) = &self.reads[i];
+            match &fields[..] {
+                [one] => f(root, std::slice::from_ref(Shape::name_ref(keys, one))),
+                more => {
+                    let fields: Keys = more.iter().map(|n| Shape::name(keys, n)).collect();
+                    f(root, &fields);
+                }
+            }
+        }
     }
 
     /// The lowering of the instance of `keys`.
