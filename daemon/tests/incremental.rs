@@ -489,3 +489,33 @@ fn a_cycle_queuing_hundreds_evaluates_them_level_by_level_in_spec_order() {
         assert_eq!(state["c"], json!(c), "round {round}");
     }
 }
+
+/// A spec of thousands of derivations is prepared on several threads and its reader index
+/// built on a thread of its own while the graph is: writes still reach exactly their readers.
+#[test]
+fn a_large_spec_indexed_on_threads_recomputes_what_a_write_reaches() {
+    let n = 6000;
+    let mut derivations: Vec<Value> = (0..n)
+        .map(|i| json!({"path": format!("$.total_{i}"), "expr": format!("price_{i} * qty_{i}")}))
+        .collect();
+    derivations.push(json!({"path": "$.head", "expr": "total_0 + total_1 + total_5999"}));
+    let spec =
+        parse_spec(&json!({"id": "large", "schema": {}, "derivations": derivations})).unwrap();
+    let (mut m, _) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
+    let mut doc = Map::new();
+    for i in 0..n {
+        doc.insert(format!("price_{i}"), json!(i));
+        doc.insert(format!("qty_{i}"), json!(2));
+    }
+    let r = m.mutate(&[("$".into(), Value::Object(doc))], NOW).unwrap();
+    assert_eq!(r.derived_updated.len(), n + 1);
+    let r = m
+        .mutate(&[("$.price_4007".into(), json!(10))], NOW)
+        .unwrap();
+    assert_eq!(strs(&r.derived_updated), vec!["$.total_4007"]);
+    let r = m.mutate(&[("$.qty_5999".into(), json!(3))], NOW).unwrap();
+    assert_eq!(strs(&r.derived_updated), vec!["$.total_5999", "$.head"]);
+    let state = m.merged_json(NOW);
+    assert_eq!(state["total_4007"], json!(20));
+    assert_eq!(state["head"], json!(2 + 5999 * 3));
+}

@@ -703,12 +703,17 @@ impl Drafts {
             .push(node.key.clone(), node.expr.text.clone());
         self.nodes.push(node);
     }
+}
 
-    /// The read patterns of node `id`.
-    fn reads(&self, id: usize) -> impl Iterator<Item = &[TSeg]> + '_ {
-        use super::trace::span;
-        span(&self.node_reads, id).map(|i| &self.segs[span(&self.read_ends, i)])
-    }
+/// The read patterns of node `id` in [`Drafts`]' packed reads.
+fn packed_reads<'a>(
+    segs: &'a [TSeg],
+    read_ends: &'a [u32],
+    node_reads: &'a [u32],
+    id: usize,
+) -> impl Iterator<Item = &'a [TSeg]> + 'a {
+    use super::trace::span;
+    span(node_reads, id).map(move |i| &segs[span(read_ends, i)])
 }
 
 /// A derivation parsed and analysed (on any thread): its target, what it reads, its native
@@ -1182,171 +1187,187 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
 
     let mut nodes = std::mem::take(&mut drafts.nodes);
     let nodes_len = nodes.len();
-    let mut readers = Trie::default();
-    let mut producers = Trie::default();
-    let mut instances = Trie::default();
-    // At most one top-level member per read and per derivation.
-    readers.reserve_members(drafts.read_ends.len());
-    producers.reserve_members(derivation_count(&nodes));
-    for (id, n) in nodes.iter().enumerate() {
-        for r in drafts.reads(id) {
-            readers.insert(r, id as u32);
-        }
-        if matches!(n.kind, NodeKind::Derivation { .. }) {
-            producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
-        } else {
-            for t in &n.targets {
-                instances.insert_refs(tseg_refs(t), id as u32);
+    let (segs, read_ends, node_reads) = (
+        &drafts.segs[..],
+        &drafts.read_ends[..],
+        &drafts.node_reads[..],
+    );
+    let reads = move |id| packed_reads(segs, read_ends, node_reads, id);
+    // The reader index is needed only at the end: a large spec's is built on a thread of its
+    // own while the graph is (at most one top-level member per read).
+    let index_readers = move || {
+        let mut readers = Trie::default();
+        readers.reserve_members(read_ends.len());
+        for id in 0..nodes_len {
+            for r in reads(id) {
+                readers.insert(r, id as u32);
             }
         }
-    }
-
-    readers.shrink();
-    producers.shrink();
-    instances.shrink();
-    // A read member is marked when a derivation writes the whole document, the member or
-    // something in it: an unmarked one is writable without asking the producer index.
-    if producers.has_root_entries() {
-        readers.mark_all_members();
-    } else {
-        for k in producers.members() {
-            readers.mark_member(k);
+        readers.shrink();
+        readers
+    };
+    std::thread::scope(|s| {
+        let helper = (nodes_len >= PARALLEL_FROM).then(|| s.spawn(index_readers));
+        let mut producers = Trie::default();
+        let mut instances = Trie::default();
+        // At most one top-level member per derivation.
+        producers.reserve_members(derivation_count(&nodes));
+        for (id, n) in nodes.iter().enumerate() {
+            if matches!(n.kind, NodeKind::Derivation { .. }) {
+                producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+            } else {
+                for t in &n.targets {
+                    instances.insert_refs(tseg_refs(t), id as u32);
+                }
+            }
         }
-    }
 
-    // Edges producer → reader.
-    let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
-        .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
-        .collect();
-    let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
-        .filter(|&i| nodes[i as usize].whole_doc)
-        .collect();
-    let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
-    let mut buf = Vec::new();
-    for (id, n) in nodes.iter().enumerate() {
-        if n.whole_doc {
-            for &p in &derivation_ids {
-                if !nodes[p as usize].whole_doc && p as usize != id {
+        producers.shrink();
+        instances.shrink();
+
+        // Edges producer → reader.
+        let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
+            .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
+            .collect();
+        let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
+            .filter(|&i| nodes[i as usize].whole_doc)
+            .collect();
+        let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
+        let mut buf = Vec::new();
+        for (id, n) in nodes.iter().enumerate() {
+            if n.whole_doc {
+                for &p in &derivation_ids {
+                    if !nodes[p as usize].whole_doc && p as usize != id {
+                        deps_of[id].insert(p);
+                    }
+                }
+                continue;
+            }
+            for r in reads(id) {
+                buf.clear();
+                producers.overlapping(r, &mut buf);
+                for &p in &buf {
+                    // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
+                    // own previous output; that is not a dependency (the reference has no such
+                    // edge). A read at or below its own target still is: a real cycle.
+                    if p as usize == id && reads_strict_ancestor(r, &n.targets[0]) {
+                        continue;
+                    }
                     deps_of[id].insert(p);
                 }
             }
-            continue;
         }
-        for r in drafts.reads(id) {
-            buf.clear();
-            producers.overlapping(r, &mut buf);
-            for &p in &buf {
-                // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
-                // own previous output; that is not a dependency (the reference has no such
-                // edge). A read at or below its own target still is: a real cycle.
-                if p as usize == id && reads_strict_ancestor(r, &n.targets[0]) {
-                    continue;
+        let dependents = Dependents::new(&deps_of);
+
+        // Kahn's algorithm; levels = longest path from a source.
+        let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
+        let mut level = vec![0u32; nodes_len];
+        let mut queue: VecDeque<usize> = (0..nodes_len).filter(|&i| indeg[i] == 0).collect();
+        let mut done = 0;
+        while let Some(n) = queue.pop_front() {
+            done += 1;
+            for &m in dependents.of(n as NodeId) {
+                let m = m as usize;
+                level[m] = level[m].max(level[n] + 1);
+                indeg[m] -= 1;
+                if indeg[m] == 0 {
+                    queue.push_back(m);
                 }
-                deps_of[id].insert(p);
             }
         }
-    }
-    let dependents = Dependents::new(&deps_of);
+        if done < nodes_len {
+            let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
+            let cycle = find_cycle(&stuck, &deps_of, &indeg);
+            let names: Vec<&str> = cycle.iter().map(|&i| &*nodes[i].key).collect();
+            let location = nodes[cycle[0]].location.to_string();
+            return Err(vec![CompileError {
+                location,
+                message: format!("cyclic dependency: {}", names.join(" → ")),
+            }]);
+        }
 
-    // Kahn's algorithm; levels = longest path from a source.
-    let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
-    let mut level = vec![0u32; nodes_len];
-    let mut queue: VecDeque<usize> = (0..nodes_len).filter(|&i| indeg[i] == 0).collect();
-    let mut done = 0;
-    while let Some(n) = queue.pop_front() {
-        done += 1;
-        for &m in dependents.of(n as NodeId) {
-            let m = m as usize;
-            level[m] = level[m].max(level[n] + 1);
-            indeg[m] -= 1;
-            if indeg[m] == 0 {
-                queue.push_back(m);
+        let (aggregates, mut trace_table) = (drafts.aggregates, drafts.trace_table);
+        for (n, &l) in nodes.iter_mut().zip(&level) {
+            n.level = l;
+        }
+        let max_level = derivation_ids
+            .iter()
+            .map(|&i| level[i as usize])
+            .max()
+            .unwrap_or(0);
+        let level_count = if derivation_ids.is_empty() {
+            0
+        } else {
+            max_level as usize + 1
+        };
+        let mut levels = vec![Vec::new(); level_count];
+        for &i in &derivation_ids {
+            levels[level[i as usize] as usize].push(i);
+        }
+        let by_kind = |f: fn(&NodeKind) -> bool| -> Vec<NodeId> {
+            (0..nodes.len() as u32)
+                .filter(|&i| f(&nodes[i as usize].kind))
+                .collect()
+        };
+        let meta_nodes = by_kind(|k| matches!(k, NodeKind::Meta(_)));
+        let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
+        let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
+
+        let cells = assign_cells(&mut nodes, &levels, &producers);
+        for n in &mut nodes {
+            n.jit.resolve_cells(&cells);
+        }
+        let merged_is_base = derivation_ids
+            .iter()
+            .all(|&i| nodes[i as usize].cell.is_some());
+        trace_table.shrink();
+        let has_delta_aggregates = aggregates
+            .iter()
+            .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
+        let mut readers = match helper {
+            Some(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            None => index_readers(),
+        };
+        // A read member is marked when a derivation writes the whole document, the member or
+        // something in it: an unmarked one is writable without asking the producer index.
+        if producers.has_root_entries() {
+            readers.mark_all_members();
+        } else {
+            for k in producers.members() {
+                readers.mark_member(k);
             }
         }
-    }
-    if done < nodes_len {
-        let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
-        let cycle = find_cycle(&stuck, &deps_of, &indeg);
-        let names: Vec<&str> = cycle.iter().map(|&i| &*nodes[i].key).collect();
-        let location = nodes[cycle[0]].location.to_string();
-        return Err(vec![CompileError {
-            location,
-            message: format!("cyclic dependency: {}", names.join(" → ")),
-        }]);
-    }
-
-    let Drafts {
-        aggregates,
-        mut trace_table,
-        ..
-    } = drafts;
-    for (n, &l) in nodes.iter_mut().zip(&level) {
-        n.level = l;
-    }
-    let max_level = derivation_ids
-        .iter()
-        .map(|&i| level[i as usize])
-        .max()
-        .unwrap_or(0);
-    let level_count = if derivation_ids.is_empty() {
-        0
-    } else {
-        max_level as usize + 1
-    };
-    let mut levels = vec![Vec::new(); level_count];
-    for &i in &derivation_ids {
-        levels[level[i as usize] as usize].push(i);
-    }
-    let by_kind = |f: fn(&NodeKind) -> bool| -> Vec<NodeId> {
-        (0..nodes.len() as u32)
-            .filter(|&i| f(&nodes[i as usize].kind))
-            .collect()
-    };
-    let meta_nodes = by_kind(|k| matches!(k, NodeKind::Meta(_)));
-    let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
-    let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
-
-    let cells = assign_cells(&mut nodes, &levels, &producers);
-    for n in &mut nodes {
-        n.jit.resolve_cells(&cells);
-    }
-    let merged_is_base = derivation_ids
-        .iter()
-        .all(|&i| nodes[i as usize].cell.is_some());
-    trace_table.shrink();
-    let has_delta_aggregates = aggregates
-        .iter()
-        .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
-    let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
-    Ok(CompiledModel {
-        target_readers,
-        target_reader_ids,
-        trace_table: Arc::new(trace_table),
-        cells: Arc::new(cells),
-        merged_is_base,
-        schema: spec.schema.clone(),
-        spec,
-        has_delta_aggregates,
-        aggregates,
-        nodes,
-        levels,
-        dependents,
-        readers,
-        producers,
-        instances,
-        whole_doc_nodes,
-        meta_nodes,
-        constraint_nodes,
-        effect_nodes,
-        effect_plans,
-        defaults,
-        env,
-        exports,
-        limits: limits.clone(),
-        validators: RefCell::new(HashMap::new()),
-        scratch: RefCell::default(),
-        fallback_forms: RefCell::default(),
-        fallback_projections: RefCell::default(),
+        let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
+        Ok(CompiledModel {
+            target_readers,
+            target_reader_ids,
+            trace_table: Arc::new(trace_table),
+            cells: Arc::new(cells),
+            merged_is_base,
+            schema: spec.schema.clone(),
+            spec,
+            has_delta_aggregates,
+            aggregates,
+            nodes,
+            levels,
+            dependents,
+            readers,
+            producers,
+            instances,
+            whole_doc_nodes,
+            meta_nodes,
+            constraint_nodes,
+            effect_nodes,
+            effect_plans,
+            defaults,
+            env,
+            exports,
+            limits: limits.clone(),
+            validators: RefCell::new(HashMap::new()),
+            scratch: RefCell::default(),
+            fallback_forms: RefCell::default(),
+            fallback_projections: RefCell::default(),
+        })
     })
 }
 
