@@ -1,7 +1,7 @@
 //! Compile and create: uncached `compile` of a 100k-derivation fan-out spec (target ≤ 1 s),
 //! model creation from the compiled model, `Model::create` with a warm compile cache (spec
-//! hashing + initialization), and the initial data mutation (200k base fields). 10k as a
-//! scaling reference.
+//! hashing + initialization), and the initial data mutation (200k base fields, as that many
+//! writes and as one write of the document). 1k and 10k as scaling references.
 
 use std::hint::black_box;
 use std::rc::Rc;
@@ -65,22 +65,31 @@ fn compile(c: &mut Criterion) {
             })
         });
 
-        // The initial data: one mutation writing all 2N base fields into a fresh model.
+        // The initial data: one mutation writing all 2N base fields into a fresh model, as
+        // that many writes and as one write of the whole document (what `valem bench` loads).
         let empty = model.state().clone();
-        let data = fanout_data(n);
-        g.bench_function(BenchmarkId::new("fanout_initial_data", n), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    model.restore(empty.clone());
-                    let t = Instant::now();
-                    let r = model.mutate_parsed(&data, NOW_MS).unwrap();
-                    total += t.elapsed();
-                    drop(black_box(r));
-                }
-                total
-            })
-        });
+        let loads = [
+            ("fanout_initial_data", fanout_data(n)),
+            (
+                "fanout_load_document",
+                vec![(Vec::new(), fanout_document(n))],
+            ),
+        ];
+        for (name, data) in loads {
+            g.bench_function(BenchmarkId::new(name, n), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        model.restore(empty.clone());
+                        let t = Instant::now();
+                        let r = model.mutate_parsed(&data, NOW_MS).unwrap();
+                        total += t.elapsed();
+                        drop(black_box(r));
+                    }
+                    total
+                })
+            });
+        }
     }
     g.finish();
 }

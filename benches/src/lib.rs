@@ -71,6 +71,16 @@ pub fn fanout_data(n: usize) -> Vec<(Vec<Seg>, Value)> {
     data
 }
 
+/// The fan-out base fields as one document: `{price_i: i + 1, qty_i: 2}`.
+pub fn fanout_document(n: usize) -> Value {
+    let mut doc = serde_json::Map::with_capacity(2 * n);
+    for i in 0..n {
+        doc.insert(format!("price_{i}"), json!(i + 1));
+        doc.insert(format!("qty_{i}"), json!(2));
+    }
+    Value::Object(doc)
+}
+
 /// Chain base data: the seed.
 pub fn chain_data() -> Vec<(Vec<Seg>, Value)> {
     vec![(segs("$.seed"), json!(0))]
