@@ -106,6 +106,8 @@ pub struct Report {
     /// its free pages (peak in `peak_rss_mb`).
     pub rss_mb: f64,
     pub peak_rss_mb: f64,
+    /// Whether the allocator may use transparent huge pages (off unless `MIMALLOC_ALLOW_THP=1`).
+    pub huge_pages: bool,
 }
 
 /// Run one benchmark. Errors are messages for the command line.
@@ -210,6 +212,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
         derived_updated_per_mutation: per(updated),
         rss_mb: rss,
         peak_rss_mb: peak,
+        huge_pages: crate::allocator::huge_pages(),
     })
 }
 
@@ -819,7 +822,12 @@ pub fn table(r: &Report) -> String {
         ),
         (
             "memory",
-            format!("{:.1} MB resident ({:.1} MB peak)", r.rss_mb, r.peak_rss_mb),
+            format!(
+                "{:.1} MB resident ({:.1} MB peak), huge pages {}",
+                r.rss_mb,
+                r.peak_rss_mb,
+                if r.huge_pages { "on" } else { "off" }
+            ),
         ),
     ];
     rows.iter().map(|(k, v)| format!("{k:<12} {v}\n")).collect()

@@ -4,6 +4,7 @@
 //! durable store (`store`), the surfaces (`mcp`, `http`, `console`) and the command line (`cli`).
 //! See ARCHITECTURE.md for the code map and invariants.
 
+pub mod allocator;
 pub mod bench;
 pub mod cli;
 pub mod console;

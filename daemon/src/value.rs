@@ -112,12 +112,13 @@ impl Interner {
 /// makes, so that a sweep would read every key in the table to drop none of them.
 pub struct HoldingNames(std::marker::PhantomData<*const ()>);
 
-/// Room in this thread's intern table for `n` more names (a compile's, known before it
-/// interns them): the table is made that large once rather than doubled step by step.
-pub fn reserve_names(n: usize) {
+/// Room in this thread's intern table for `total` names in all (a compile's, counted before it
+/// interns them): a table that small is made that large once rather than doubled step by step;
+/// one that holds as many already (a spec compiled again) is left as it is.
+pub fn reserve_names(total: usize) {
     INTERNED.with(|t| {
         let mut t = t.borrow_mut();
-        let want = (t.set.len() + n).min(INTERN_MAX_KEYS);
+        let want = total.min(INTERN_MAX_KEYS);
         t.cap = t.cap.max(INTERN_FIRST_CAP).max(want);
         let more = want.saturating_sub(t.set.len());
         t.set.reserve(more, |(h, _)| *h);
@@ -1319,7 +1320,8 @@ mod tests {
             assert_eq!(left, 0);
             // Reserved room: as many new names go in without the table growing.
             let guard = holding_names();
-            reserve_names(3 * grown);
+            let len = INTERNED.with(|t| t.borrow().set.len());
+            reserve_names(len + 3 * grown);
             let before = INTERNED.with(|t| t.borrow().set.capacity());
             let held: Vec<Key> = (0..3 * grown).map(|i| intern(&format!("r_{i}"))).collect();
             INTERNED.with(|t| {
@@ -1330,6 +1332,9 @@ mod tests {
                     .find(name_hash(k), |(_, e)| Arc::ptr_eq(e, k))
                     .is_some()));
             });
+            // A table holding as many already is left as it is.
+            reserve_names(10);
+            assert_eq!(INTERNED.with(|t| t.borrow().set.capacity()), before);
             drop(guard);
         })
         .join()

@@ -272,6 +272,7 @@ fn bench_json(args: &[&str]) -> Value {
         "derived_updated_per_mutation",
         "rss_mb",
         "peak_rss_mb",
+        "huge_pages",
     ] {
         assert!(r.get(k).is_some(), "{full:?}: no `{k}` in {r}");
     }
@@ -495,4 +496,29 @@ fn bench_service_goes_through_the_service_in_memory() {
     assert_eq!(r["derived_updated_per_mutation"], 1.0, "{r}");
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "written to disk: {left:?}");
+}
+
+/// The allocator asks for transparent huge pages only when the environment says so
+/// (`MIMALLOC_ALLOW_THP=1`); `valem bench` reports which it ran with.
+#[test]
+fn bench_reports_huge_pages_off_unless_the_environment_asks() {
+    for (env, want) in [(None, false), (Some("1"), true), (Some("0"), false)] {
+        let mut cmd = std::process::Command::new(valem_bin());
+        cmd.args([
+            "bench", "--json", "--shape", "fanout", "--n", "10", "--count", "5",
+        ]);
+        cmd.current_dir(repo_root())
+            .env_remove("MIMALLOC_ALLOW_THP");
+        if let Some(v) = env {
+            cmd.env("MIMALLOC_ALLOW_THP", v);
+        }
+        let o = cmd.output().expect("run valem bench");
+        assert!(o.status.success(), "{env:?}: {}", stderr(&o));
+        let r: Value = serde_json::from_str(stdout(&o).trim()).expect("one JSON object");
+        assert_eq!(
+            r["huge_pages"],
+            json!(want),
+            "MIMALLOC_ALLOW_THP={env:?}: {r}"
+        );
+    }
 }
