@@ -106,7 +106,7 @@ pub struct Report {
     /// its free pages (peak in `peak_rss_mb`).
     pub rss_mb: f64,
     pub peak_rss_mb: f64,
-    /// Whether the allocator may use transparent huge pages (on unless `MIMALLOC_ALLOW_THP=0`).
+    /// Whether the allocator may use transparent huge pages (off unless `MIMALLOC_ALLOW_THP=1`).
     pub huge_pages: bool,
 }
 

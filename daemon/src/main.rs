@@ -6,5 +6,6 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
+    valem::allocator::configure();
     std::process::exit(valem::cli::main());
 }
