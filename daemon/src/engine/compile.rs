@@ -825,53 +825,120 @@ fn prepare<'a>(
     })
 }
 
-/// [`prepare`] every derivation of `spec`, in order, in consecutive parts; a large spec is
-/// split over the machine's cores (parsing dominates compile time, and expressions are
-/// independent). The parts are handed back as the threads made them, not gathered into one
-/// vector (of 100k entries, copied as it grows).
+/// Derivations a part of a large spec has: what [`prepare_all`] hands over at a time.
+const PART: usize = 1024;
+
+/// [`prepare`] every derivation of `spec` and hand them to `consume` in order, a part at a
+/// time. A large spec (from `PARALLEL_FROM`) is prepared by threads of its own — one fewer than
+/// the machine's cores, up to three — taking its parts in order, while the calling thread
+/// consumes (drafts) the parts already made; when the next part is not ready, the calling
+/// thread prepares a part nobody has taken yet itself, and waits only when every part is taken.
+/// The parse thus overlaps the drafting rather than preceding it.
 fn prepare_all<'a>(
     spec: &'a ModelSpec,
     limits: &Limits,
     bound: &HashSet<String>,
     keep_parsed: bool,
-) -> Vec<Vec<Result<Prepared<'a>, CompileError>>> {
+    mut consume: impl FnMut(Vec<Result<Prepared<'a>, CompileError>>),
+) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Condvar, Mutex, PoisonError};
     let ds = &spec.derivations;
     let one = |i: usize, d, shapes: &mut Shapes| {
         prepare(i, d, limits, &spec.constants, bound, keep_parsed, shapes)
     };
-    let threads = if ds.len() < PARALLEL_FROM {
-        1
+    let workers = if ds.len() < PARALLEL_FROM {
+        0
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+        std::thread::available_parallelism().map_or(1, |n| n.get().clamp(2, 4) - 1)
     };
-    if threads <= 1 {
+    if workers == 0 {
         let mut shapes = Shapes::default();
-        return vec![ds
+        consume(
+            ds.iter()
+                .enumerate()
+                .map(|(i, d)| one(i, d, &mut shapes))
+                .collect(),
+        );
+        return;
+    }
+    let parts = ds.len().div_ceil(PART);
+    let part = |p: usize, shapes: &mut Shapes| -> Vec<Result<Prepared<'a>, CompileError>> {
+        let lo = p * PART;
+        let hi = (lo + PART).min(ds.len());
+        ds[lo..hi]
             .iter()
             .enumerate()
-            .map(|(i, d)| one(i, d, &mut shapes))
-            .collect()];
-    }
-    let chunk = ds.len().div_ceil(threads);
-    std::thread::scope(|s| {
-        let parts: Vec<_> = ds
-            .chunks(chunk)
-            .enumerate()
-            .map(|(c, part)| {
-                s.spawn(move || {
-                    let mut shapes = Shapes::default();
-                    part.iter()
-                        .enumerate()
-                        .map(|(j, d)| one(c * chunk + j, d, &mut shapes))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        parts
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .map(|(j, d)| one(lo + j, d, shapes))
             .collect()
-    })
+    };
+    // The next part nobody has taken; the parts made and not yet consumed; whether a worker
+    // stopped by panicking (its part would never come: the scope then re-raises the panic).
+    let next = AtomicUsize::new(0);
+    type Part<'p> = Vec<Result<Prepared<'p>, CompileError>>;
+    let made: Mutex<Vec<Option<Part<'a>>>> = Mutex::new((0..parts).map(|_| None).collect());
+    let ready = Condvar::new();
+    let failed = AtomicBool::new(false);
+    /// Sets `failed` and wakes the consumer if its worker unwinds.
+    struct Watch<'w>(&'w AtomicBool, &'w Condvar);
+    impl Drop for Watch<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                self.0.store(true, Ordering::SeqCst);
+                self.1.notify_all();
+            }
+        }
+    }
+    let put = |p: usize, v| {
+        let mut m = made.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = m.get_mut(p) {
+            *slot = Some(v);
+        }
+        ready.notify_all();
+    };
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                let _watch = Watch(&failed, &ready);
+                let mut shapes = Shapes::default();
+                loop {
+                    let p = next.fetch_add(1, Ordering::Relaxed);
+                    if p >= parts {
+                        break;
+                    }
+                    put(p, part(p, &mut shapes));
+                }
+            });
+        }
+        let mut shapes = Shapes::default();
+        for p in 0..parts {
+            let got = loop {
+                let mut m = made.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(v) = m.get_mut(p).and_then(Option::take) {
+                    break Some(v);
+                }
+                if failed.load(Ordering::SeqCst) {
+                    break None;
+                }
+                let q = next.fetch_add(1, Ordering::Relaxed);
+                if q < parts {
+                    drop(m);
+                    let v = part(q, &mut shapes);
+                    if q == p {
+                        break Some(v);
+                    }
+                    put(q, v);
+                    continue;
+                }
+                // Every part is taken and this one is being made: wait for it.
+                drop(ready.wait(m).unwrap_or_else(PoisonError::into_inner));
+            };
+            match got {
+                Some(v) => consume(v),
+                None => return,
+            }
+        }
+    });
 }
 
 /// Compile a spec. All findings are collected, not just the first.
@@ -905,62 +972,69 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     let bound: HashSet<String> = env.vars.iter().map(|(n, _)| n.to_string()).collect();
     // With the JIT tier off, arithmetic derivations keep their interpreted form too.
     let keep_parsed = !super::jit::enabled();
-    let prepared = prepare_all(&spec, limits, &bound, keep_parsed);
-    let names = prepared.iter().flatten().flatten();
-    crate::value::reserve_names(
-        names
-            .filter_map(|p| p.shaped.as_ref())
-            .map(|s| s.1.len())
-            .sum(),
-    );
     let mut key_buf = String::new();
-    for (i, (d, p)) in spec
-        .derivations
-        .iter()
-        .zip(prepared.into_iter().flatten())
-        .enumerate()
-    {
-        let mut p = match p {
-            Ok(p) => p,
-            Err(e) => {
-                errors.push(e);
-                continue;
-            }
-        };
-        p.settle();
-        let expr = match p.parsed.take() {
-            Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
-            None => NodeExpr::text(d.expr.clone()),
-        };
-        let parent = p.target.parent();
-        // The key is the canonical address: the spec's own text when written that way.
-        key_buf.clear();
-        p.target.render_into(&mut key_buf);
-        let key = if *key_buf == *d.path {
-            d.path.clone()
-        } else {
-            Arc::from(key_buf.as_str())
-        };
-        let mut dr = draft_empty(
-            &mut drafts,
-            NodeKind::Derivation { lazy: d.is_lazy() },
-            key,
-            vec![p.target],
-            expr,
-            Input::Doc,
-            Location::new(Section::Derivations, i),
-            p.aggregate,
-        );
-        // An arithmetic derivation's projection waits for a fallback that may never come.
-        dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
-        add_whole_doc(&mut dr, &mut drafts, p.whole_doc, None);
-        for_each_read(&p.program, &p.reads, |root, fields| {
-            add_read(&mut dr, &mut drafts, root, fields, Some(&parent), None);
-        });
-        end_reads(&mut dr);
-        dr.extra.program = p.program;
-        drafts.push(dr);
-    }
+    let mut done = 0;
+    prepare_all(&spec, limits, &bound, keep_parsed, |part| {
+        if done == 0 {
+            // Room for the names of all the shaped derivations, reckoned from the first part.
+            let names: usize = part
+                .iter()
+                .flatten()
+                .filter_map(|p| p.shaped.as_ref())
+                .map(|s| s.1.len())
+                .sum();
+            let total = spec.derivations.len();
+            crate::value::reserve_names(names.saturating_mul(total) / part.len().max(1));
+        }
+        let first = done;
+        done += part.len();
+        for (k, p) in part.into_iter().enumerate() {
+            let i = first + k;
+            let Some(d) = spec.derivations.get(i) else {
+                break;
+            };
+            let mut p = match p {
+                Ok(p) => p,
+                Err(e) => {
+                    errors.push(e);
+                    continue;
+                }
+            };
+            p.settle();
+            let expr = match p.parsed.take() {
+                Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
+                None => NodeExpr::text(d.expr.clone()),
+            };
+            let parent = p.target.parent();
+            // The key is the canonical address: the spec's own text when written that way.
+            key_buf.clear();
+            p.target.render_into(&mut key_buf);
+            let key = if *key_buf == *d.path {
+                d.path.clone()
+            } else {
+                Arc::from(key_buf.as_str())
+            };
+            let mut dr = draft_empty(
+                &mut drafts,
+                NodeKind::Derivation { lazy: d.is_lazy() },
+                key,
+                vec![p.target],
+                expr,
+                Input::Doc,
+                Location::new(Section::Derivations, i),
+                p.aggregate,
+            );
+            // An arithmetic derivation's projection waits for a fallback that may never come.
+            dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
+            add_whole_doc(&mut dr, &mut drafts, p.whole_doc, None);
+            for_each_read(&p.program, &p.reads, |root, fields| {
+                add_read(&mut dr, &mut drafts, root, fields, Some(&parent), None);
+            });
+            end_reads(&mut dr);
+            dr.extra.program = p.program;
+            drafts.push(dr);
+        }
+    });
 
     for (i, m) in spec.meta_derivations.iter().enumerate() {
         let loc = format!("metaDerivations[{i}]");
@@ -1874,6 +1948,49 @@ mod tests {
 
     fn c(j: Json) -> Result<CompiledModel, Vec<CompileError>> {
         compile(Arc::new(parse_spec(&j).unwrap()), &Limits::default())
+    }
+
+    /// A large spec is prepared in parts by other threads while this one drafts: every node
+    /// comes out in spec order and every finding is reported, in order, as for a small spec.
+    #[test]
+    fn a_large_spec_prepared_in_parts_keeps_its_order_and_findings() {
+        let n = PARALLEL_FROM + PART + 17;
+        let bad = [10, PART, 2 * PART + 5, PARALLEL_FROM, n - 1];
+        let derivations: Vec<Json> = (0..n)
+            .map(|i| {
+                let expr = if bad.contains(&i) {
+                    format!("a_{i} *")
+                } else if i % 3 == 0 {
+                    format!("$sum(items.v_{i})")
+                } else {
+                    format!("a_{i} * b_{i}")
+                };
+                json!({"path": format!("$.t_{i}"), "expr": expr})
+            })
+            .collect();
+        let errs = c(json!({"id": "big", "schema": {}, "derivations": derivations})).unwrap_err();
+        let at: Vec<String> = errs.iter().map(|e| e.location.clone()).collect();
+        let want: Vec<String> = bad
+            .iter()
+            .map(|i| format!("derivations[{i}].expr"))
+            .collect();
+        assert_eq!(at, want);
+        let good: Vec<Json> = (0..n)
+            .map(|i| json!({"path": format!("$.t_{i}"), "expr": format!("a_{i} * b_{i}")}))
+            .collect();
+        let m = c(json!({"id": "big", "schema": {}, "derivations": good})).unwrap();
+        assert_eq!(m.nodes.len(), n);
+        for (i, node) in m.nodes.iter().enumerate() {
+            assert_eq!(&*node.key, format!("$.t_{i}"));
+            assert_eq!(&*node.expr.text, format!("a_{i} * b_{i}"));
+            assert_eq!(node.location.to_string(), format!("derivations[{i}]"));
+            let reads: Vec<String> = m
+                .trace_table
+                .input_paths(i as u32)
+                .map(String::from)
+                .collect();
+            assert_eq!(reads, [format!("$.a_{i}"), format!("$.b_{i}")]);
+        }
     }
 
     /// A text analysed from the shape of one seen before gives what its own full analysis
