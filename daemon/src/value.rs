@@ -54,9 +54,6 @@ pub fn share(key: Key) -> Key {
 }
 
 fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
-    if s.len() > INTERN_MAX_LEN {
-        return make();
-    }
     INTERNED.with(|t| t.borrow_mut().key(s, make))
 }
 
@@ -66,11 +63,7 @@ pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> Vec<Key>
         let mut t = t.borrow_mut();
         let mut keys = Vec::with_capacity(names.len());
         for s in names {
-            keys.push(if s.len() > INTERN_MAX_LEN {
-                Arc::from(s)
-            } else {
-                t.key(s, || Arc::from(s))
-            });
+            keys.push(t.key(s, || Arc::from(s)));
         }
         keys
     })
@@ -78,8 +71,11 @@ pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> Vec<Key>
 
 impl Interner {
     /// The shared key for `s`, made by `make` (and kept, while the table has room) when the
-    /// name is new.
+    /// name is new; a name too long to be worth sharing is only made.
     fn key(&mut self, s: &str, make: impl FnOnce() -> Key) -> Key {
+        if s.len() > INTERN_MAX_LEN {
+            return make();
+        }
         let h = name_hash(s);
         if let Some((_, k)) = self.set.find(h, |(eh, k)| *eh == h && **k == *s) {
             return k.clone();

@@ -518,11 +518,7 @@ pub fn tsegs(a: &Address) -> Vec<TSeg> {
 }
 
 fn tseg_iter(a: &Address) -> impl Iterator<Item = TSeg> + '_ {
-    a.segs.iter().map(|s| match s {
-        PathSeg::Field(k) => TSeg::Field(k.clone()),
-        PathSeg::Index(i) => TSeg::Index(*i),
-        PathSeg::Wild => TSeg::Wild,
-    })
+    tseg_refs(a).map(TSegRef::owned)
 }
 
 fn tseg_refs(a: &Address) -> impl Iterator<Item = TSegRef<'_>> + '_ {
@@ -828,6 +824,9 @@ fn prepare<'a>(
 /// Derivations a part of a large spec has: what [`prepare_all`] hands over at a time.
 const PART: usize = 1024;
 
+/// A part's derivations, prepared (or what is wrong with each).
+type Part<'a> = Vec<Result<Prepared<'a>, CompileError>>;
+
 /// [`prepare`] every derivation of `spec` and hand them to `consume` in order, a part at a
 /// time. A large spec (from `PARALLEL_FROM`) is prepared by threads of its own — one fewer than
 /// the machine's cores, up to three — taking its parts in order, while the calling thread
@@ -839,7 +838,7 @@ fn prepare_all<'a>(
     limits: &Limits,
     bound: &HashSet<String>,
     keep_parsed: bool,
-    mut consume: impl FnMut(Vec<Result<Prepared<'a>, CompileError>>),
+    mut consume: impl FnMut(Part<'a>),
 ) {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Condvar, Mutex, PoisonError};
@@ -863,7 +862,7 @@ fn prepare_all<'a>(
         return;
     }
     let parts = ds.len().div_ceil(PART);
-    let part = |p: usize, shapes: &mut Shapes| -> Vec<Result<Prepared<'a>, CompileError>> {
+    let part = |p: usize, shapes: &mut Shapes| -> Part<'a> {
         let lo = p * PART;
         let hi = (lo + PART).min(ds.len());
         ds[lo..hi]
@@ -875,7 +874,6 @@ fn prepare_all<'a>(
     // The next part nobody has taken; the parts made and not yet consumed; whether a worker
     // stopped by panicking (its part would never come: the scope then re-raises the panic).
     let next = AtomicUsize::new(0);
-    type Part<'p> = Vec<Result<Prepared<'p>, CompileError>>;
     let made: Mutex<Vec<Option<Part<'a>>>> = Mutex::new((0..parts).map(|_| None).collect());
     let ready = Condvar::new();
     let failed = AtomicBool::new(false);
@@ -1282,10 +1280,13 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
     };
     std::thread::scope(|s| {
         let helper = (nodes_len >= PARALLEL_FROM).then(|| s.spawn(index_readers));
+        let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
+            .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
+            .collect();
         let mut producers = Trie::default();
         let mut instances = Trie::default();
         // At most one top-level member per derivation.
-        producers.reserve_members(derivation_count(&nodes));
+        producers.reserve_members(derivation_ids.len());
         for (id, n) in nodes.iter().enumerate() {
             if matches!(n.kind, NodeKind::Derivation { .. }) {
                 producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
@@ -1300,9 +1301,6 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
         instances.shrink();
 
         // Edges producer → reader.
-        let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
-            .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
-            .collect();
         let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
             .filter(|&i| nodes[i as usize].whole_doc)
             .collect();
@@ -1443,13 +1441,6 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
             fallback_projections: RefCell::default(),
         })
     })
-}
-
-fn derivation_count(nodes: &[Node]) -> usize {
-    nodes
-        .iter()
-        .filter(|n| matches!(n.kind, NodeKind::Derivation { .. }))
-        .count()
 }
 
 /// The readers of each concrete derivation target without array indices (a write there binds

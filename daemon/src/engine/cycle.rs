@@ -1892,13 +1892,13 @@ fn cycle_env<'e>(env: &'e std::cell::OnceCell<Env>, cm: &CompiledModel, now_ms: 
     })
 }
 
-/// Run a mutation cycle on the committed state `st`, in place. On error every change is undone,
-/// so `st` is exactly as before; when the cycle commits, its journal goes to `undo` if given.
 /// From this many derivations queued, [`Cycle::derive`] sorts them into a run, and starts
 /// loading the inputs of the one this many places ahead as it takes each.
 const RUN_FROM: usize = 256;
 const RUN_AHEAD: usize = 16;
 
+/// Run a mutation cycle on the committed state `st`, in place. On error every change is undone,
+/// so `st` is exactly as before; when the cycle commits, its journal goes to `undo` if given.
 pub(super) fn run(
     cm: &CompiledModel,
     limits: &EngineLimits,

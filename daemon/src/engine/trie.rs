@@ -93,6 +93,16 @@ pub enum TSegRef<'a> {
     Wild,
 }
 
+impl TSegRef<'_> {
+    pub fn owned(self) -> TSeg {
+        match self {
+            TSegRef::Field(k) => TSeg::Field(k.clone()),
+            TSegRef::Index(i) => TSeg::Index(i),
+            TSegRef::Wild => TSeg::Wild,
+        }
+    }
+}
+
 const NONE: u32 = u32::MAX;
 
 /// A trie node: its first entries. Child lookup goes through the trie-wide maps, and a node's

@@ -205,15 +205,11 @@ pub fn render_into(segs: &[Seg], s: &mut String) {
 
 /// `render` at the end of `s`.
 pub fn render_append(segs: &[Seg], s: &mut String) {
-    use std::fmt::Write as _;
     s.push('$');
     for seg in segs {
         match seg {
             Seg::Field(k) => push_field(s, k),
-            Seg::Index(i) => {
-                // Writing to a String cannot fail.
-                let _ = write!(s, "[{i}]");
-            }
+            Seg::Index(i) => push_index(s, *i),
         }
     }
 }
