@@ -2,6 +2,7 @@
 // shapes and sizes, in one run (scripts/bench-peers runs this after installing the peers).
 //
 //   node run.mjs --valem PATH [--sizes 1000,10000,100000] [--out DIR] [--budget SECONDS]
+//                [--warmup SECONDS]
 //
 // Shapes (as `valem bench` defines them):
 //   fanout  total_i = price_i * qty_i; one op writes one random price_k and reads total_k
@@ -10,7 +11,8 @@
 //           and reads sum
 // Per system, shape and size (each in its own child process, so memory and a slow peer are
 // isolated): build time (the model/sheet/template created with its data), the median and p90
-// latency of one op, resident memory after the run. A cell that passes the time budget is
+// latency of one op after the same warm-up for every system (untimed ops for --warmup seconds,
+// default 1: caches warm, V8's JIT and valem's tiers compiled), resident memory after the run. A cell that passes the time budget is
 // reported as "-" (skipped), never hangs the run.
 //
 // Peers: HyperFormula (a spreadsheet engine; licenseKey 'gpl-v3', installed here from npm only
@@ -38,8 +40,12 @@ function rand(n) {
   return seed % n;
 }
 
-/** Time `op` until `maxOps` ran or `seconds` passed (at least 3 ops); latencies in µs. */
-async function timeOps(op, maxOps, seconds) {
+/** Run `op` untimed for `warmup` seconds, then time it until `maxOps` ran or `seconds` passed
+ * (at least 3 ops); latencies in µs. */
+async function timeOps(op, maxOps, seconds, warmup) {
+  const w0 = performance.now();
+  let warmup_ops = 0;
+  while (performance.now() - w0 < warmup * 1000) await op(warmup_ops++);
   const times = [];
   const start = performance.now();
   for (let i = 0; i < maxOps; i++) {
@@ -50,10 +56,10 @@ async function timeOps(op, maxOps, seconds) {
   }
   times.sort((a, b) => a - b);
   const pct = (p) => times[Math.min(times.length - 1, Math.ceil(times.length * p) - 1)];
-  return { ops: times.length, p50_us: pct(0.5), p90_us: pct(0.9) };
+  return { warmup_ops, ops: times.length, p50_us: pct(0.5), p90_us: pct(0.9) };
 }
 
-async function hyperformula(shape, n, seconds) {
+async function hyperformula(shape, n, seconds, warmup) {
   const { HyperFormula } = await import('hyperformula');
   const rows = [];
   const t0 = performance.now();
@@ -84,10 +90,10 @@ async function hyperformula(shape, n, seconds) {
       return hf.getCellValue({ sheet: 0, row: 0, col: 3 });
     },
   }[shape];
-  return { build_ms, ...(await timeOps(op, 1000, seconds)) };
+  return { build_ms, ...(await timeOps(op, 1000, seconds, warmup)) };
 }
 
-async function stated(shape, n, seconds) {
+async function stated(shape, n, seconds, warmup) {
   const { default: TemplateProcessor } = await import('stated-js');
   const tpl = {};
   if (shape === 'fanout') {
@@ -113,10 +119,10 @@ async function stated(shape, n, seconds) {
     chain: () => tp.setData('/seed', ++v),
     items: () => tp.setData(`/items/${rand(n)}/qty`, ++v),
   }[shape];
-  return { build_ms, ...(await timeOps(op, 1000, seconds)) };
+  return { build_ms, ...(await timeOps(op, 1000, seconds, warmup)) };
 }
 
-async function jsonataAlone(shape, n, seconds) {
+async function jsonataAlone(shape, n, seconds, warmup) {
   const { default: jsonata } = await import('jsonata');
   const t0 = performance.now();
   let doc = {};
@@ -155,12 +161,12 @@ async function jsonataAlone(shape, n, seconds) {
     chain: () => { doc.seed = ++v; return derive(); },
     items: () => { doc.items[rand(n)].qty = ++v; return derive(); },
   }[shape];
-  return { build_ms, ...(await timeOps(op, 1000, seconds)) };
+  return { build_ms, ...(await timeOps(op, 1000, seconds, warmup)) };
 }
 
-async function child(system, shape, n, seconds) {
+async function child(system, shape, n, seconds, warmup) {
   const f = { hyperformula, 'stated-js': stated, jsonata: jsonataAlone }[system];
-  const r = await f(shape, n, seconds);
+  const r = await f(shape, n, seconds, warmup);
   r.rss_mb = process.memoryUsage().rss / 1048576;
   process.stdout.write(JSON.stringify(r) + '\n');
 }
@@ -187,14 +193,14 @@ function runChild(cmd, args, timeoutS) {
   });
 }
 
-async function measure(system, shape, n, valem, budget) {
+async function measure(system, shape, n, valem, budget, warmup) {
   const seconds = Math.max(1, budget / 4);
   if (system === 'valem') {
-    const r = await runChild(valem, ['bench', '--json', '--shape', shape, '--n', String(n), '--count', '1000', '--max-seconds', String(seconds)], budget);
+    const r = await runChild(valem, ['bench', '--json', '--shape', shape, '--n', String(n), '--count', '1000', '--max-seconds', String(seconds), '--warmup', String(warmup)], budget);
     if (r.skipped) return r;
-    return { build_ms: r.compile_ms + r.first_cycle_ms, ops: r.mutations, p50_us: r.p50_us, p90_us: r.p90_us, rss_mb: r.rss_mb };
+    return { build_ms: r.compile_ms + r.first_cycle_ms, warmup_ops: r.warmup_mutations, ops: r.mutations, p50_us: r.p50_us, p90_us: r.p90_us, rss_mb: r.rss_mb };
   }
-  return runChild(process.execPath, [process.argv[1], '--child', system, shape, String(n), String(seconds)], budget);
+  return runChild(process.execPath, [process.argv[1], '--child', system, shape, String(n), String(seconds), String(warmup)], budget);
 }
 
 function fmtUs(us) {
@@ -264,14 +270,16 @@ function svg(results, sizes) {
 
 async function main() {
   if (process.argv[2] === '--child') {
-    const [, , , system, shape, n, seconds] = process.argv;
-    return child(system, shape, Number(n), Number(seconds));
+    const [, , , system, shape, n, seconds, warmup] = process.argv;
+    return child(system, shape, Number(n), Number(seconds), Number(warmup));
   }
   const valem = arg('valem');
   if (!valem) throw new Error('--valem PATH (the release valem binary) is required');
   const sizes = arg('sizes', '1000,10000,100000').split(',').map(Number).filter((n) => n > 0);
   const out = arg('out', 'bench-peers');
   const budget = Number(arg('budget', '60'));
+  const warmup = Number(arg('warmup', '1'));
+  if (!(warmup >= 0 && warmup < budget / 2)) throw new Error(`--warmup must be from 0 to half the budget (${budget / 2} s); got ${arg('warmup')}`);
   const results = {};
   for (const shape of SHAPES) {
     for (const n of sizes) {
@@ -280,7 +288,7 @@ async function main() {
         const smaller = sizes.filter((m) => m < n).map((m) => results[system]?.[shape]?.[m]);
         const r = smaller.some((c) => c?.skipped)
           ? { skipped: 'skipped at a smaller N' }
-          : await measure(system, shape, n, valem, budget);
+          : await measure(system, shape, n, valem, budget, warmup);
         ((results[system] ??= {})[shape] ??= {})[n] = r;
         process.stderr.write(`${shape} n=${n} ${system}: ${r.skipped ? r.skipped : `p50 ${fmtUs(r.p50_us)}, build ${fmtUs(r.build_ms * 1000)}`}\n`);
       }
@@ -288,10 +296,11 @@ async function main() {
   }
   mkdirSync(out, { recursive: true });
   const text = table(results, sizes);
-  writeFileSync(join(out, 'results.json'), JSON.stringify({ sizes, results }, null, 2) + '\n');
+  writeFileSync(join(out, 'results.json'), JSON.stringify({ sizes, warmup_s: warmup, results }, null, 2) + '\n');
   writeFileSync(join(out, 'table.txt'), text + '\n');
   writeFileSync(join(out, 'latency.svg'), svg(results, sizes));
   console.log(text);
+  console.log(`\nlatency: p50 and p90 of one op after ${warmup} s of untimed ops (--warmup), the same for every system`);
   console.log(`\nwritten: ${join(out, 'results.json')}, ${join(out, 'table.txt')}, ${join(out, 'latency.svg')}`);
 }
 

@@ -245,9 +245,13 @@ fn every_bundled_example_validates_and_passes_its_tests() {
     );
 }
 
-/// `valem bench --json`'s object, after checking the fields every report has.
+/// `valem bench --json`'s object, after checking the fields every report has (with a short
+/// warm-up unless `args` give one).
 fn bench_json(args: &[&str]) -> Value {
     let mut full = vec!["bench", "--json"];
+    if !args.contains(&"--warmup") {
+        full.extend_from_slice(&["--warmup", "0.05"]);
+    }
     full.extend_from_slice(args);
     let o = run(&full, None);
     assert!(o.status.success(), "valem {full:?}: {}", stderr(&o));
@@ -260,6 +264,8 @@ fn bench_json(args: &[&str]) -> Value {
         "jit",
         "compile_ms",
         "first_cycle_ms",
+        "warmup_mutations",
+        "warmup_ms",
         "mutations",
         "rejected",
         "p50_us",
@@ -327,7 +333,14 @@ fn bench_shapes_report_what_each_mutation_recomputes() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let t = stdout(&o);
-    for label in ["compile", "first cycle", "latency", "recomputed", "memory"] {
+    for label in [
+        "compile",
+        "first cycle",
+        "warm-up",
+        "latency",
+        "recomputed",
+        "memory",
+    ] {
         assert!(
             t.lines().any(|l| l.starts_with(label)),
             "no `{label}` line in\n{t}"
@@ -395,6 +408,11 @@ fn bench_bad_input_is_a_clear_error() {
             vec!["--max-seconds=0".into()],
             "--max-seconds must be a positive",
         ),
+        (
+            vec!["--warmup=-1".into()],
+            "--warmup must be zero or a positive number of seconds; got -1",
+        ),
+        (vec!["--warmup=nan".into()], "--warmup must be zero"),
     ];
     for (args, want) in cases {
         let mut full = vec!["bench"];
@@ -406,6 +424,30 @@ fn bench_bad_input_is_a_clear_error() {
     // --mutations without --spec is a usage error.
     let o = run(&["bench", "--mutations", "x.json"], None);
     assert_eq!(o.status.code(), Some(2));
+}
+
+/// Untimed mutations run for `--warmup` seconds (1 by default) before the timed ones, which
+/// keep their count; `--warmup 0` runs none.
+#[test]
+fn bench_warms_up_for_the_time_given_before_timing() {
+    let args = ["--shape", "fanout", "--n", "100", "--count", "25"];
+    let by_default = {
+        let mut full = vec!["bench", "--json"];
+        full.extend_from_slice(&args);
+        let o = run(&full, None);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<Value>(stdout(&o).trim()).unwrap()
+    };
+    let given = bench_json(&[&args[..], &["--warmup", "0.3"]].concat());
+    let none = bench_json(&[&args[..], &["--warmup", "0"]].concat());
+    for (r, least_ms) in [(&by_default, 1000.0), (&given, 300.0)] {
+        assert!(r["warmup_ms"].as_f64().unwrap() >= least_ms, "{r}");
+        // Far more than were timed: a 100-derivation model mutates in microseconds.
+        assert!(r["warmup_mutations"].as_u64().unwrap() > 1000, "{r}");
+        assert_eq!(r["mutations"], 25, "{r}");
+    }
+    assert_eq!(none["warmup_mutations"], 0, "{none}");
+    assert_eq!(none["mutations"], 25, "{none}");
 }
 
 /// `valem bench ARGS`, successful, with its temporary files under `tmp`.

@@ -212,6 +212,9 @@ pub enum Command {
     /// FILE`, seeded with its first test's `given`) with random writes to its writable number,
     /// integer, boolean and string fields within their schema bounds, or the mutations of
     /// `--mutations FILE`. Prints a table, or with `--json` one JSON object (see docs/bench.md).
+    /// Before the timed mutations, untimed ones run for `--warmup` seconds (default 1), so that
+    /// what is timed is the model as a running daemon holds it (caches, JIT tiers and the
+    /// allocator warm), not the first mutations after a build; `--warmup 0` times those.
     /// Mutations stop at `--count` or after `--max-seconds`, whichever comes first.
     Bench {
         /// The synthetic shape (ignored with --spec).
@@ -233,6 +236,9 @@ pub enum Command {
         /// Stop timing mutations after this many seconds (at least one runs).
         #[arg(long, default_value_t = 10.0)]
         max_seconds: f64,
+        /// Seconds of untimed mutations before the timed ones (0: time from the first).
+        #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
+        warmup: f64,
         /// The arithmetic fast path for the run: on or off.
         #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
         jit: bool,
@@ -446,6 +452,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             mutations,
             count,
             max_seconds,
+            warmup,
             jit,
             seed,
             service,
@@ -455,6 +462,11 @@ fn run(cli: Cli) -> Result<i32, String> {
             if !(max_seconds > 0.0 && max_seconds.is_finite()) {
                 return Err(format!(
                     "--max-seconds must be a positive number; got {max_seconds}"
+                ));
+            }
+            if !(warmup >= 0.0 && warmup.is_finite()) {
+                return Err(format!(
+                    "--warmup must be zero or a positive number of seconds; got {warmup}"
                 ));
             }
             let workload = match spec {
@@ -476,6 +488,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 workload,
                 mutations: count,
                 max_time: std::time::Duration::from_secs_f64(max_seconds),
+                warmup: std::time::Duration::from_secs_f64(warmup),
                 jit,
                 seed,
                 service,
