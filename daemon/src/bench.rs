@@ -118,8 +118,17 @@ pub struct Report {
     pub huge_pages: bool,
 }
 
+/// How far a run is, for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Progress {
+    /// Warming up: this long of that long.
+    WarmUp { elapsed: Duration, of: Duration },
+    /// Timing: this many mutations of at most that many.
+    Timed { done: usize, of: usize },
+}
+
 /// Run one benchmark. Errors are messages for the command line.
-pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Report, String> {
+pub fn run(opts: &Options, progress: &mut dyn FnMut(Progress)) -> Result<Report, String> {
     jit::set_enabled(opts.jit);
     let limits = EngineLimits {
         max_mutations: usize::MAX,
@@ -155,7 +164,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
     // The initial data is in the model now; what stays resident is the model's.
     drop(seed_data);
     let (compile_ms, first_cycle_ms, nodes) = target.built();
-    let (warmup_mutations, warmup_ms) = warm_up(target.as_mut(), &mut gen, opts.warmup);
+    let (warmup_mutations, warmup_ms) = warm_up(target.as_mut(), &mut gen, opts.warmup, progress);
     // Latencies in nanoseconds as u32 (a mutation over 4 s counts as 4 s): 4 bytes a sample
     // rather than a Duration's 16, so a long run's own record stays out of `rss_mb`.
     let mut times: Vec<u32> = Vec::with_capacity(opts.mutations.min(1 << 20));
@@ -178,14 +187,20 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
             None => rejected += 1,
         }
         if times.len().is_multiple_of(64) {
-            progress(times.len(), opts.mutations);
+            progress(Progress::Timed {
+                done: times.len(),
+                of: opts.mutations,
+            });
         }
     }
     let total = started.elapsed();
     // Resident memory with the model still loaded (the model is what is being measured).
     let (rss, peak) = rss_mb();
     drop(target);
-    progress(times.len(), times.len());
+    progress(Progress::Timed {
+        done: times.len(),
+        of: times.len(),
+    });
     times.sort_unstable();
     let pct = |p: f64| {
         let i = ((times.len() as f64 * p).ceil() as usize).clamp(1, times.len()) - 1;
@@ -228,10 +243,22 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Rep
 }
 
 /// Run untimed mutations for `time`: how many ran, and how long they took in ms.
-fn warm_up(target: &mut dyn Target, gen: &mut Mutations, time: Duration) -> (usize, f64) {
+fn warm_up(
+    target: &mut dyn Target,
+    gen: &mut Mutations,
+    time: Duration,
+    progress: &mut dyn FnMut(Progress),
+) -> (usize, f64) {
     let started = Instant::now();
-    let mut done = 0;
-    while started.elapsed() < time {
+    let mut done = 0usize;
+    loop {
+        let elapsed = started.elapsed();
+        if elapsed >= time {
+            break;
+        }
+        if done.is_multiple_of(256) {
+            progress(Progress::WarmUp { elapsed, of: time });
+        }
         target.mutate(gen.next());
         done += 1;
     }

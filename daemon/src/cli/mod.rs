@@ -442,6 +442,30 @@ fn print_report(r: &Report) {
     );
 }
 
+/// `valem bench`'s progress bar: 30 columns, then what it counts (padded, so that the timed
+/// phase's line covers the warm-up's).
+fn progress_line(p: crate::bench::Progress) -> String {
+    let (done, of, what) = match p {
+        crate::bench::Progress::WarmUp { elapsed, of } => (
+            elapsed.as_millis() as usize,
+            of.as_millis() as usize,
+            format!(
+                "warming up, {:.1}/{:.1} s",
+                elapsed.as_secs_f64(),
+                of.as_secs_f64()
+            ),
+        ),
+        crate::bench::Progress::Timed { done, of } => (done, of, format!("{done}/{of} mutations")),
+    };
+    let w = 30;
+    let filled = (done * w).checked_div(of.max(1)).unwrap_or(0).min(w);
+    format!(
+        "[{}{}] {what:<28}",
+        "#".repeat(filled),
+        ".".repeat(w - filled)
+    )
+}
+
 fn run(cli: Cli) -> Result<i32, String> {
     let limits = EngineLimits::default();
     match cli.command {
@@ -495,16 +519,10 @@ fn run(cli: Cli) -> Result<i32, String> {
                 durable,
             };
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let mut progress = |done: usize, of: usize| {
+            let mut progress = |p: crate::bench::Progress| {
                 if tty {
-                    let w = 30;
-                    let filled = (done * w).checked_div(of.max(1)).unwrap_or(0).min(w);
-                    eprint!(
-                        "\r[{}{}] {done}/{of} mutations",
-                        "#".repeat(filled),
-                        ".".repeat(w - filled)
-                    );
-                    if done >= of {
+                    eprint!("\r{}", progress_line(p));
+                    if matches!(p, crate::bench::Progress::Timed { done, of } if done >= of) {
                         eprintln!();
                     }
                 }
