@@ -8,7 +8,13 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Samplin
 use serde_json::json;
 use valem_benches::*;
 
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn chain(c: &mut Criterion) {
+    valem::allocator::configure();
     let mut g = c.benchmark_group("chain");
     g.sample_size(10)
         .sampling_mode(SamplingMode::Flat)

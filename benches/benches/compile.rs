@@ -11,7 +11,13 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Samplin
 use valem::engine::Model;
 use valem_benches::*;
 
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn compile(c: &mut Criterion) {
+    valem::allocator::configure();
     let mut g = c.benchmark_group("compile");
     g.sample_size(10)
         .sampling_mode(SamplingMode::Flat)

@@ -10,7 +10,8 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use valem_benches::*;
 
-// The daemon's allocator, so the engine costs what it costs in the daemon.
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -20,6 +21,7 @@ const POOL: usize = 4096;
 const HISTORY: usize = 50;
 
 fn fanout(c: &mut Criterion) {
+    valem::allocator::configure();
     let mut g = c.benchmark_group("fanout");
     g.sample_size(50)
         .warm_up_time(Duration::from_secs(1))

@@ -178,6 +178,7 @@ fn end_to_end() {
 }
 
 fn http(c: &mut Criterion) {
+    valem::allocator::configure();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -10,9 +10,15 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use serde_json::json;
 use valem_benches::*;
 
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const POOL: usize = 4096;
 
 fn items(c: &mut Criterion) {
+    valem::allocator::configure();
     let mut g = c.benchmark_group("items");
     g.sample_size(10)
         .warm_up_time(Duration::from_secs(1))

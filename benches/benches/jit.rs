@@ -28,7 +28,8 @@ use valem_benches::*;
 use valem_jit::codegen::{CodeSet, Shapes};
 use valem_jit::ir;
 
-// The daemon's allocator, so the engine costs what it costs in the daemon.
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -93,6 +94,7 @@ fn memory_report() {
 }
 
 fn eval(c: &mut Criterion) {
+    valem::allocator::configure();
     memory_report();
     let limits = Limits::default();
     let doc = input();
@@ -184,6 +186,7 @@ fn off_and_on(
 }
 
 fn recompute(c: &mut Criterion) {
+    valem::allocator::configure();
     let n = 100_000;
     jit::set_enabled(false);
     let mut model = chain_model(n);

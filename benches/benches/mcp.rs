@@ -18,6 +18,11 @@ use serde_json::{json, Value};
 use valem::mcp::{guidance::Catalog, Mode, Server, Session};
 use valem::service::{ModelService, ServiceLimits};
 
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const DEMO: &str = r#"{"id":"demo","version":"1","schema":{},"derivations":[{"path":"$.total","expr":"price * qty"}]}"#;
 
 fn mutate_request(id: u64) -> Value {
@@ -107,6 +112,7 @@ impl Drop for Child {
 }
 
 fn mcp(c: &mut Criterion) {
+    valem::allocator::configure();
     let s = session();
     let n = 20_000u64;
     let mut lat = Vec::with_capacity(n as usize);

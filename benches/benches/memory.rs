@@ -10,6 +10,11 @@ use serde_json::json;
 use valem::engine::Model;
 use valem_benches::*;
 
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const TARGET_MB: f64 = 300.0;
 const MUTATIONS: usize = 1000;
 
@@ -76,6 +81,7 @@ fn items(n: usize) {
 }
 
 fn main() {
+    valem::allocator::configure();
     let args: Vec<String> = std::env::args().skip(1).collect();
     // `cargo bench` passes `--bench`; ignore flags.
     let pos: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();

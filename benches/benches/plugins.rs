@@ -42,6 +42,7 @@ fn release_lib(name: &str) -> Option<PathBuf> {
 }
 
 fn plugins(c: &mut Criterion) {
+    valem::allocator::configure();
     let (Some(faulty), Some(blob_fs)) = (
         release_lib("valem_test_plugin_faulty"),
         release_lib("valem_blob_fs"),

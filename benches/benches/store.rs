@@ -23,6 +23,11 @@ use valem_benches::AuditChain as Chain;
 
 use valem_benches::T0;
 
+// The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
+// the engine costs here what it costs in the daemon.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Run `per_thread` appends on each chain concurrently; the wall time.
 fn run(w: &Writer, chains: &mut [Chain], per_thread: u64) -> Duration {
     let start = Instant::now();
@@ -60,6 +65,7 @@ fn setup(threads: usize) -> (tempfile::TempDir, Store, Vec<Chain>) {
 }
 
 fn appends(c: &mut Criterion) {
+    valem::allocator::configure();
     let mut g = c.benchmark_group("store_strict_append");
     g.sample_size(10)
         .sampling_mode(SamplingMode::Flat)
@@ -104,6 +110,7 @@ fn appends(c: &mut Criterion) {
 }
 
 fn reads(c: &mut Criterion) {
+    valem::allocator::configure();
     const N: u64 = 100_000;
     const K: u64 = 1_000;
     let (_dir, store, mut chains) = setup(1);
