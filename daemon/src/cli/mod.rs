@@ -1275,3 +1275,46 @@ pub fn examples_dir() -> PathBuf {
         .join("..")
         .join("examples")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::progress_line;
+    use crate::bench::Progress;
+    use std::time::Duration;
+
+    /// The bar fills in proportion in both phases, says which phase it is, and the timed
+    /// phase's line is as long as the warm-up's (it is written over it with a carriage return).
+    #[test]
+    fn bench_progress_shows_the_warm_up_then_the_timed_mutations() {
+        let warm = progress_line(Progress::WarmUp {
+            elapsed: Duration::from_millis(500),
+            of: Duration::from_secs(1),
+        });
+        let timed = progress_line(Progress::Timed {
+            done: 250,
+            of: 1000,
+        });
+        assert!(
+            warm.starts_with(&format!("[{}{}]", "#".repeat(15), ".".repeat(15))),
+            "{warm}"
+        );
+        assert!(warm.contains("warming up, 0.5/1.0 s"), "{warm}");
+        assert!(
+            timed.starts_with(&format!("[{}{}]", "#".repeat(7), ".".repeat(23))),
+            "{timed}"
+        );
+        assert!(timed.contains("250/1000 mutations"), "{timed}");
+        assert_eq!(warm.len(), timed.len(), "{warm:?} / {timed:?}");
+        let done = progress_line(Progress::Timed {
+            done: 1000,
+            of: 1000,
+        });
+        assert!(done.starts_with(&format!("[{}]", "#".repeat(30))), "{done}");
+        // No warm-up at all: nothing to divide by, an empty bar.
+        let none = progress_line(Progress::WarmUp {
+            elapsed: Duration::ZERO,
+            of: Duration::ZERO,
+        });
+        assert!(none.starts_with(&format!("[{}]", ".".repeat(30))), "{none}");
+    }
+}
