@@ -121,6 +121,9 @@ pub struct Report {
 /// How far a run is, for a progress bar.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Progress {
+    /// Building the model: compiling `nodes` derivations, meta-derivations, constraints and
+    /// effects (`first_cycle` false), then its first cycle.
+    Building { nodes: usize, first_cycle: bool },
     /// Warming up: this long of that long.
     WarmUp { elapsed: Duration, of: Duration },
     /// Timing: this many mutations of at most that many.
@@ -157,9 +160,15 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(Progress)) -> Result<Report,
     let mut gen = Mutations::new(&opts.workload, &seed_data, opts.seed)?;
     let service = opts.service || opts.durable;
     let mut target: Box<dyn Target> = if service {
-        Box::new(Service::open(spec, &seed_data, limits, opts.durable)?)
+        Box::new(Service::open(
+            spec,
+            &seed_data,
+            limits,
+            opts.durable,
+            progress,
+        )?)
     } else {
-        Box::new(Engine::open(spec, &seed_data, limits)?)
+        Box::new(Engine::open(spec, &seed_data, limits, progress)?)
     };
     // The initial data is in the model now; what stays resident is the model's.
     drop(seed_data);
@@ -283,7 +292,13 @@ impl Engine {
         spec: ModelSpec,
         seed_data: &[(String, Json)],
         limits: EngineLimits,
+        progress: &mut dyn FnMut(Progress),
     ) -> Result<Engine, String> {
+        let count = spec_nodes(&spec);
+        progress(Progress::Building {
+            nodes: count,
+            first_cycle: false,
+        });
         let spec = Arc::new(spec);
         let t = Instant::now();
         let compiled =
@@ -297,6 +312,10 @@ impl Engine {
         let compile_ms = ms(t.elapsed());
         let nodes = compiled.nodes.len();
 
+        progress(Progress::Building {
+            nodes,
+            first_cycle: true,
+        });
         let t = Instant::now();
         let (mut model, _) = Model::from_compiled(std::rc::Rc::new(compiled), NOW_MS, limits)
             .map_err(|e| format!("the model cannot be created: {e}"))?;
@@ -339,6 +358,7 @@ impl Service {
         seed_data: &[(String, Json)],
         engine: EngineLimits,
         durable: bool,
+        progress: &mut dyn FnMut(Progress),
     ) -> Result<Service, String> {
         let limits = crate::service::ServiceLimits {
             engine,
@@ -359,6 +379,10 @@ impl Service {
             (crate::service::ModelService::new(1, limits), None)
         };
         let id = spec.id.clone();
+        progress(Progress::Building {
+            nodes: spec_nodes(&spec),
+            first_cycle: false,
+        });
         let t = Instant::now();
         let info = service
             .create(spec)
@@ -369,6 +393,10 @@ impl Service {
             + info.meta_derivation_count
             + info.constraint_count
             + info.effect_count;
+        progress(Progress::Building {
+            nodes,
+            first_cycle: true,
+        });
         let t = Instant::now();
         if !seed_data.is_empty() {
             service
@@ -400,6 +428,15 @@ impl Drop for Service {
     fn drop(&mut self) {
         self.service.drain();
     }
+}
+
+/// A spec's graph nodes before it is compiled: its derivations, meta-derivations, constraints
+/// and effects.
+fn spec_nodes(spec: &ModelSpec) -> usize {
+    spec.derivations.len()
+        + spec.meta_derivations.len()
+        + spec.constraints.len()
+        + spec.effects.len()
 }
 
 fn ms(d: Duration) -> f64 {

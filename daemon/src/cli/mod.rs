@@ -446,6 +446,15 @@ fn print_report(r: &Report) {
 /// phase's line covers the warm-up's).
 fn progress_line(p: crate::bench::Progress) -> String {
     let (done, of, what) = match p {
+        crate::bench::Progress::Building { nodes, first_cycle } => (
+            0,
+            1,
+            if first_cycle {
+                format!("first cycle, {nodes} nodes")
+            } else {
+                format!("compiling {nodes} nodes")
+            },
+        ),
         crate::bench::Progress::WarmUp { elapsed, of } => (
             elapsed.as_millis() as usize,
             of.as_millis() as usize,
@@ -1310,6 +1319,21 @@ mod tests {
             of: 1000,
         });
         assert!(done.starts_with(&format!("[{}]", "#".repeat(30))), "{done}");
+        // Building: an empty bar and the phase, as long as the rest.
+        for (first_cycle, what) in [
+            (false, "compiling 100000 nodes"),
+            (true, "first cycle, 100000 nodes"),
+        ] {
+            let b = progress_line(Progress::Building {
+                nodes: 100_000,
+                first_cycle,
+            });
+            assert!(
+                b.starts_with(&format!("[{}] {what}", ".".repeat(30))),
+                "{b}"
+            );
+            assert_eq!(b.len(), timed.len(), "{b:?}");
+        }
         // No warm-up at all: nothing to divide by, an empty bar.
         let none = progress_line(Progress::WarmUp {
             elapsed: Duration::ZERO,
