@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value as Json};
-use valem::engine::jit::{read_doc_slots, slot_inputs, Read};
+use valem::engine::jit::{read_doc_slots, slot_inputs, type_error, Read};
 use valem::expr::{from_jvalue, to_jvalue, Compiled, Env, Limits, Value as JValue};
 use valem::value::Val;
 use valem_jit::codegen::{CodeSet, Shapes};
@@ -147,8 +147,8 @@ enum Out {
     Other(Val),
     /// JSONata's undefined (stored as null).
     Undefined,
-    /// An evaluation error (stored as null).
-    Error,
+    /// An evaluation error (stored as null, its message in the trace).
+    Error(String),
 }
 
 fn interpreted(c: &Compiled, env: &Env, d: &Json) -> Out {
@@ -156,7 +156,7 @@ fn interpreted(c: &Compiled, env: &Env, d: &Json) -> Out {
         Ok(Some(JValue::Number(n))) if n.is_finite() => Out::Bits(n.to_bits()),
         Ok(Some(v)) => Out::Other(from_jvalue(&v)),
         Ok(None) => Out::Undefined,
-        Err(_) => Out::Error,
+        Err(e) => Out::Error(e.message),
     }
 }
 
@@ -170,6 +170,7 @@ fn compiled_out(ty: Ty, x: f64) -> Out {
 static JIT_ANSWERS: AtomicUsize = AtomicUsize::new(0);
 static FALLBACKS: AtomicUsize = AtomicUsize::new(0);
 static UNDEFINED: AtomicUsize = AtomicUsize::new(0);
+static TYPE_ERRORS: AtomicUsize = AtomicUsize::new(0);
 
 fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
     let limits = Limits::default();
@@ -200,6 +201,26 @@ fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
             Read::Other => {
                 FALLBACKS.fetch_add(1, Ordering::Relaxed);
                 continue; // the interpreter answers: the same by construction
+            }
+            Read::NotNumbers(not_numbers) => {
+                // Null, a boolean or a string: one operation's type error, as the interpreter
+                // words it, else the interpreter answers.
+                match type_error(&p, not_numbers) {
+                    Some(e) => {
+                        TYPE_ERRORS.fetch_add(1, Ordering::Relaxed);
+                        prop_assert_eq!(
+                            &Out::Error(e.message),
+                            &want,
+                            "{}: inputs {:?}",
+                            text,
+                            values
+                        );
+                    }
+                    None => {
+                        FALLBACKS.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                continue;
             }
             Read::Undefined => {
                 // A missing input: undefined where only arithmetic lies between it and the
@@ -328,6 +349,61 @@ fn the_differential_test_is_not_vacuous() {
     assert!(UNDEFINED.load(Ordering::Relaxed) > 5);
 }
 
+/// One operation over a null, a boolean or a string is JSONata's T2001 (left side) or T2002
+/// (right side) error without the interpreter, in the interpreter's words, the left side
+/// checked first and an undefined side not at all; anything more is left to the interpreter.
+#[test]
+fn one_operation_over_a_non_number_is_the_interpreters_type_error() {
+    let non_numbers = [json!(null), json!(true), json!("7")];
+    let mut rows: Vec<Vec<Option<Json>>> = Vec::new();
+    for x in &non_numbers {
+        for other in [Some(json!(2)), None, Some(json!(false))] {
+            rows.push(vec![Some(x.clone()), other.clone(), None, None]);
+            rows.push(vec![other.clone(), Some(x.clone()), None, None]);
+        }
+    }
+    let before = TYPE_ERRORS.load(Ordering::Relaxed);
+    for op in ["+", "-", "*", "/", "%"] {
+        for text in [
+            format!("a {op} b"),
+            format!("a {op} 2"),
+            format!("3 {op} b"),
+            format!("$const.k {op} a"),
+        ] {
+            check(&text, &rows).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
+    }
+    // 5 operations × (a OP b: 18 rows, each with a non-number on a side; a OP 2 and 3 OP b and
+    // k OP a: the 9 rows with one in `a`, resp. `b`, `a`).
+    assert!(
+        TYPE_ERRORS.load(Ordering::Relaxed) - before >= 5 * (18 + 9 + 9 + 9),
+        "{}",
+        TYPE_ERRORS.load(Ordering::Relaxed) - before
+    );
+    // Nested operations are the interpreter's (which operation fails first is its business).
+    let p = ir::lower(
+        Compiled::compile("(a + b) * c", &Limits::default())
+            .unwrap()
+            .ast(),
+        &|_| None,
+    )
+    .unwrap();
+    assert_eq!(type_error(&p, 0b001), None);
+    // The left side first: both sides not numbers is T2001.
+    let p = ir::lower(
+        Compiled::compile("a - b", &Limits::default())
+            .unwrap()
+            .ast(),
+        &|_| None,
+    )
+    .unwrap();
+    let e = type_error(&p, 0b11).expect("an error");
+    assert_eq!(e.code.as_deref(), Some("T2001"), "{e:?}");
+    let e = type_error(&p, 0b10).expect("an error");
+    assert_eq!(e.code.as_deref(), Some("T2002"), "{e:?}");
+    assert!(e.message.contains("right side of the - operator"), "{e:?}");
+}
+
 #[test]
 fn the_traps_of_the_issue() {
     let c = |text: &str, d: Json| -> (Option<f64>, Out) {
@@ -361,8 +437,16 @@ fn the_traps_of_the_issue() {
     // Infinity as an operand is D1001 (null stored); the JIT declines.
     assert_eq!(c("x * 1e308 * 10 - 1", json!({"x": 10})).0, None);
     // $power to a non-finite value (D3061) and $sqrt of a negative (D3060): declined.
-    assert_eq!(c("$power(x, 1000)", json!({"x": 10})), (None, Out::Error));
-    assert_eq!(c("$sqrt(x)", json!({"x": -1})), (None, Out::Error));
+    let (j, i) = c("$power(x, 1000)", json!({"x": 10}));
+    assert!(
+        j.is_none() && matches!(&i, Out::Error(m) if m.contains("D3061")),
+        "{i:?}"
+    );
+    let (j, i) = c("$sqrt(x)", json!({"x": -1}));
+    assert!(
+        j.is_none() && matches!(&i, Out::Error(m) if m.contains("D3060")),
+        "{i:?}"
+    );
     // A missing input is undefined (null stored), not 0, computed so without the
     // interpreter; a string is not a number.
     assert_eq!(c("x + 1", json!({})), (None, Out::Undefined));
@@ -474,9 +558,10 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
 }
 
 /// An arithmetic derivation whose input is not a number goes to the interpreter, which must
-/// see the inputs the expression reads (its projection is made only then): `"abc" * 2` is
+/// see the inputs the expression reads (its projection is made only then): `"abc" * 2 + 1` is
 /// JSONata's T2001, where an input it did not see would be undefined and no error at all. The
-/// same holds after the code is ready, and for a shaped twin of the derivation.
+/// same holds after the code is ready, and for a shaped twin of the derivation. (`"abc" * 2`
+/// alone is the same error, answered by the tier without the interpreter.)
 #[test]
 fn a_fallback_sees_what_the_expression_reads() {
     let mut m = model(json!({
@@ -485,6 +570,8 @@ fn a_fallback_sees_what_the_expression_reads() {
         "derivations": [
             {"path": "$.total", "expr": "price * qty"},
             {"path": "$.total_b", "expr": "price_b * qty_b"},
+            {"path": "$.total_c", "expr": "price * qty + 1"},
+            {"path": "$.total_d", "expr": "price_b * qty_b + 1"},
         ]
     }));
     for round in 0..3 {
@@ -499,7 +586,7 @@ fn a_fallback_sees_what_the_expression_reads() {
                 0,
             )
             .expect("mutates");
-        for target in ["$.total", "$.total_b"] {
+        for target in ["$.total", "$.total_b", "$.total_c", "$.total_d"] {
             let t = r
                 .traces
                 .iter()
@@ -510,4 +597,77 @@ fn a_fallback_sees_what_the_expression_reads() {
         }
         valem::engine::jit::flush(std::time::Duration::from_secs(10));
     }
+}
+
+/// A chain created over an empty document: `f_0 = seed + 1` is undefined (stored as null), so
+/// every `f_i = f_{i-1} + 1` after it is T2001, which the tier answers itself; a string and a
+/// boolean input are T2001 and T2002. Every trace (value and error message) and the document
+/// are what the interpreter alone gives, at creation and after the seed is written.
+#[test]
+fn a_chain_over_an_empty_document_errs_as_the_interpreter_does() {
+    let mut derivations = vec![json!({"path": "$.f_0", "expr": "seed + 1"})];
+    for i in 1..300 {
+        derivations.push(json!({"path": format!("$.f_{i}"), "expr": format!("f_{} + 1", i - 1)}));
+    }
+    derivations.push(json!({"path": "$.g", "expr": "name - 1"}));
+    derivations.push(json!({"path": "$.h", "expr": "3 / flag"}));
+    let spec = valem::spec::parse_spec(&json!({
+        "id": "chain-errors",
+        "schema": {"type": "object"},
+        "derivations": derivations,
+    }))
+    .expect("spec");
+    type Seen = Vec<(String, Json, Option<String>)>;
+    let seen = |r: &valem::engine::MutationResult| -> Seen {
+        let mut v: Seen = r
+            .traces
+            .iter()
+            .map(|t| {
+                (
+                    t.target_path.to_string(),
+                    t.result.to_json(),
+                    t.error_message,
+                )
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let run = |tier: bool| {
+        // A global switch; other tests of this binary cannot see their answers change.
+        valem::engine::jit::set_enabled(tier);
+        let limits = valem::engine::EngineLimits::default();
+        let (mut m, created) = valem::engine::Model::create(&spec, 0, limits).expect("creates");
+        let written = m
+            .mutate(
+                &[
+                    ("$.name".to_string(), json!("x")),
+                    ("$.flag".to_string(), json!(true)),
+                ],
+                0,
+            )
+            .expect("mutates");
+        let seeded = m
+            .mutate(&[("$.seed".to_string(), json!(1))], 0)
+            .expect("mutates");
+        valem::engine::jit::set_enabled(true);
+        (
+            seen(&created),
+            seen(&written),
+            seen(&seeded),
+            m.merged_json(0),
+        )
+    };
+    let (tier, interpreter) = (run(true), run(false));
+    assert_eq!(tier, interpreter);
+    let errors = |s: &Seen, code: &str| {
+        s.iter()
+            .filter(|t| t.2.as_deref().is_some_and(|e| e.contains(code)))
+            .count()
+    };
+    // Created: f_1 .. f_299 over a null (f_0 and the others are undefined, not errors).
+    assert_eq!(errors(&tier.0, "T2001"), 299, "{:?}", &tier.0[..3]);
+    // A string on the left, a boolean on the right.
+    assert_eq!((errors(&tier.1, "T2001"), errors(&tier.1, "T2002")), (1, 1));
+    assert_eq!(tier.3["f_299"], json!(301));
 }

@@ -838,17 +838,23 @@ impl<'a> Cycle<'a> {
         }
     }
 
-    /// The arithmetic tier's answer (`Some(None)`: undefined): compiled code once it is
-    /// ready, the IR's interpreter until then or when an input is undefined; `None` when the
-    /// node is not arithmetic, an input is not a number or a value is not finite (the JSONata
+    /// The arithmetic tier's answer (`Some(Ok(None))`: undefined): compiled code once it is
+    /// ready, the IR's interpreter until then or when an input is undefined, JSONata's type
+    /// error for one operation over a null, boolean or string input; `None` when the node is
+    /// not arithmetic, an input is something else or a value is not finite (the JSONata
     /// interpreter answers).
-    fn evaluate_lowered(&mut self, node: &Node, inst: &[Seg]) -> Option<Option<JValue>> {
+    fn evaluate_lowered(
+        &mut self,
+        node: &Node,
+        inst: &[Seg],
+    ) -> Option<Result<Option<JValue>, ExprError>> {
         let (nj, code) = node.jit.get()?;
         // Only derivations are lowered: their input is the document. `$parent` as `evaluate`
         // binds it: the target's JSON parent.
         let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
         let v = match jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots) {
             jit::Read::Other => return None,
+            jit::Read::NotNumbers(slots) => return jit::type_error(nj.program(), slots).map(Err),
             jit::Read::Undefined => interp::eval_undefined(nj.program(), &self.jit_slots)?,
             jit::Read::Numbers => Some(match code {
                 Some(code) => {
@@ -859,17 +865,17 @@ impl<'a> Cycle<'a> {
                 None => interp::eval(nj.program(), &self.jit_slots)?,
             }),
         };
-        Some(v.map(|v| match v {
+        Some(Ok(v.map(|v| match v {
             interp::Value::Num(x) => JValue::Number(x),
             interp::Value::Bool(b) => JValue::Bool(b),
-        }))
+        })))
     }
 
     fn evaluate(&mut self, node: &Node, inst: &[Seg]) -> Result<Option<JValue>, ExprError> {
         self.jit_hit = false;
         if node.jit.lowered() {
             if let Some(v) = self.evaluate_lowered(node, inst) {
-                return Ok(v);
+                return v;
             }
         }
         if let (Some(agg), Input::Doc) = (self.cm.aggregate(node), node.input) {

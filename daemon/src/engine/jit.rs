@@ -8,7 +8,10 @@
 //! process compiles what is queued into one [`CodeSet`] and publishes it in the slot, so the
 //! shard never waits for cranelift. Whenever an input is not a JSON number or a value is not
 //! finite, the JSONata interpreter answers (the node's expression is compiled for it then): the
-//! JIT never changes an answer.
+//! JIT never changes an answer. One case is answered here instead, as the interpreter would:
+//! a single `+ - * / %` between inputs and constants with an input that is null, a boolean or a
+//! string is JSONata's T2001/T2002 error ([`type_error`]; a chain created over an empty
+//! document is 100k of them).
 //!
 //! Code is freed when the last node using it goes away: nodes hold their slot, slots hold their
 //! code set, and the registry holds slots weakly.
@@ -24,7 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use valem_jit::codegen::{CodeSet, Shapes};
-use valem_jit::ir::{Base, Program, Ty};
+use valem_jit::ir::{Arith, Base, Ir, Program, Ty};
 
 use smallvec::SmallVec;
 
@@ -261,26 +264,102 @@ pub enum Read {
     /// Some paths end at a member that is not there (*undefined*; their slots hold NaN), the
     /// others at numbers.
     Undefined,
+    /// The slots of the set bits (slot `i`: bit `i`) end at null, a boolean or a string (their
+    /// slots hold NaN); the others at numbers or nothing. See [`type_error`].
+    NotNumbers(u64),
     /// Something else: the interpreter answers.
     Other,
 }
 
-/// A member path walked through objects only: the number at its end, NaN when a member on
-/// the way is not there, `None` for anything else.
+/// What a slot's path ends at.
+enum Walked {
+    Num(f64),
+    /// A member on the way is not there.
+    Missing,
+    /// Null, a boolean or a string: not a number, and JSONata's arithmetic says so.
+    NotNumber,
+    /// Anything else (an array, an object, a path through something not an object).
+    Other,
+}
+
+/// A single arithmetic operation between slots and constants, with the slots of
+/// `not_numbers` ([`Read::NotNumbers`]) holding null, a boolean or a string: the error the
+/// JSONata interpreter gives, the left side checked first (T2001, else T2002 for the right;
+/// an undefined side is not checked). `None` for any other program: the interpreter answers.
+pub fn type_error(p: &Program, not_numbers: u64) -> Option<crate::expr::ExprError> {
+    let Ir::Arith(op, a, b) = &p.ir else {
+        return None;
+    };
+    let not_number = |x: &Ir| match x {
+        Ir::Slot(s) => Some(*s < 64 && (not_numbers >> s) & 1 == 1),
+        Ir::Const(_) => Some(false),
+        _ => None,
+    };
+    let left = match (not_number(a)?, not_number(b)?) {
+        (true, _) => true,
+        (false, true) => false,
+        (false, false) => return None,
+    };
+    arith_error(*op, left)
+}
+
+/// The interpreter's own error for `op` with a non-number on the left (or right) side: made
+/// once per operation and side by evaluating `a OP b` over such an input, so the wording is
+/// the interpreter's whatever it is.
+fn arith_error(op: Arith, left: bool) -> Option<crate::expr::ExprError> {
+    thread_local! {
+        static MADE: std::cell::RefCell<HashMap<(Arith, bool), Option<crate::expr::ExprError>>> =
+            std::cell::RefCell::new(HashMap::new());
+    }
+    MADE.with(|m| {
+        m.borrow_mut()
+            .entry((op, left))
+            .or_insert_with(|| {
+                let sym = match op {
+                    Arith::Add => "+",
+                    Arith::Sub => "-",
+                    Arith::Mul => "*",
+                    Arith::Div => "/",
+                    Arith::Rem => "%",
+                };
+                let limits = crate::expr::Limits::default();
+                let c = crate::expr::Compiled::compile(&format!("a {sym} b"), &limits).ok()?;
+                let input = if left {
+                    serde_json::json!({"a": null, "b": 1})
+                } else {
+                    serde_json::json!({"a": 1, "b": null})
+                };
+                let input = crate::expr::to_jvalue(&Val::from_json(&input));
+                let env = crate::expr::Env {
+                    vars: Vec::new(),
+                    now_ms: None,
+                };
+                let want = if left { "T2001" } else { "T2002" };
+                match c.eval(&input, &env, &limits) {
+                    Err(e) if e.code.as_deref() == Some(want) => Some(e),
+                    _ => None,
+                }
+            })
+            .clone()
+    })
+}
+
+/// A member path walked through objects only, and what it ends at.
 #[inline]
-fn walk(mut v: &Val, path: &[Seg]) -> Option<f64> {
+fn walk(mut v: &Val, path: &[Seg]) -> Walked {
     for seg in path {
         let (Seg::Field(k), Val::Obj(m)) = (seg, v) else {
-            return None;
+            return Walked::Other;
         };
         match m.get(k) {
             Some(x) => v = x,
-            None => return Some(f64::NAN),
+            None => return Walked::Missing,
         }
     }
     match v {
-        Val::Num(n) => Some(*n),
-        _ => None,
+        Val::Num(n) => Walked::Num(*n),
+        Val::Null | Val::Bool(_) | Val::Str(_) => Walked::NotNumber,
+        _ => Walked::Other,
     }
 }
 
@@ -295,12 +374,13 @@ pub fn read_slots(
 ) -> Read {
     out.clear();
     let mut undefined = false;
+    let mut not_numbers = 0u64;
     let mut parent_val: Option<Option<&Val>> = None;
     for input in inputs {
         // A top-level member (when it is there), then the rest of the path.
         let below = |v: Option<&Val>, rest: &[Seg]| match v {
             Some(v) => walk(v, rest),
-            None => Some(f64::NAN),
+            None => Walked::Missing,
         };
         let x = match input {
             SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Member(..)
@@ -314,7 +394,7 @@ pub fn read_slots(
                 below(m.cell_or_member(*c, k), rest)
             }
             SlotInput::Member(h, k) => below(m.doc.as_obj().and_then(|o| o.get_hashed(*h, k)), &[]),
-            SlotInput::Doc(path) if path.is_empty() => None,
+            SlotInput::Doc(path) if path.is_empty() => Walked::Other,
             SlotInput::Doc(path) => walk(m.doc, path),
             SlotInput::Parent(path) => match (parent, path.split_first()) {
                 // A top-level target's parent is the root.
@@ -324,20 +404,27 @@ pub fn read_slots(
                 (Some(p), Some(_)) if !p.is_empty() => {
                     // Found once per call: the slots of `$parent.a * $parent.b` share it.
                     let v = *parent_val.get_or_insert_with(|| m.get_path(p));
-                    v.and_then(|v| walk(v, path))
+                    v.map_or(Walked::Other, |v| walk(v, path))
                 }
-                _ => None,
+                _ => Walked::Other,
             },
         };
         match x {
-            Some(x) => {
-                undefined |= x.is_nan();
-                out.push(x);
+            Walked::Num(x) => out.push(x),
+            Walked::Missing => {
+                undefined = true;
+                out.push(f64::NAN);
             }
-            None => return Read::Other,
+            Walked::NotNumber if out.len() < 64 => {
+                not_numbers |= 1 << out.len();
+                out.push(f64::NAN);
+            }
+            Walked::NotNumber | Walked::Other => return Read::Other,
         }
     }
-    if undefined {
+    if not_numbers != 0 {
+        Read::NotNumbers(not_numbers)
+    } else if undefined {
         Read::Undefined
     } else {
         Read::Numbers
