@@ -196,55 +196,36 @@ fn check(text: &str, rows: &[Vec<Option<Json>>]) -> Result<(), TestCaseError> {
         let d = doc(values);
         let want = interpreted(&c, &env, &d);
         let v = Val::from_json(&d);
-        match read_doc_slots(&inputs, &v, &mut slots) {
-            Read::Numbers => {}
-            Read::Other => {
-                FALLBACKS.fetch_add(1, Ordering::Relaxed);
-                continue; // the interpreter answers: the same by construction
-            }
-            Read::NotNumbers(not_numbers) => {
-                // Null, a boolean or a string: one operation's type error, as the interpreter
-                // words it, else the interpreter answers.
-                match type_error(&p, not_numbers) {
-                    Some(e) => {
-                        TYPE_ERRORS.fetch_add(1, Ordering::Relaxed);
-                        prop_assert_eq!(
-                            &Out::Error(e.message),
-                            &want,
-                            "{}: inputs {:?}",
-                            text,
-                            values
-                        );
-                    }
-                    None => {
-                        FALLBACKS.fetch_add(1, Ordering::Relaxed);
-                    }
+        // What the tier answers without the compiled code (`None` inside: the interpreter
+        // answers, the same by construction).
+        let without_code = match read_doc_slots(&inputs, &v, &mut slots) {
+            Read::Numbers => None,
+            Read::Other => Some(None),
+            // Null, a boolean or a string: one operation's type error, as the interpreter
+            // words it.
+            Read::NotNumbers(not_numbers) => Some(type_error(&p, not_numbers).map(|e| {
+                TYPE_ERRORS.fetch_add(1, Ordering::Relaxed);
+                Out::Error(e.message)
+            })),
+            // A missing input: undefined where only arithmetic lies between it and the
+            // result.
+            Read::Undefined => Some(match interp::eval_undefined(&p, &slots) {
+                Some(None) => {
+                    UNDEFINED.fetch_add(1, Ordering::Relaxed);
+                    Some(Out::Undefined)
                 }
-                continue;
-            }
-            Read::Undefined => {
-                // A missing input: undefined where only arithmetic lies between it and the
-                // result, else the interpreter answers.
-                match interp::eval_undefined(&p, &slots) {
-                    Some(None) => {
-                        UNDEFINED.fetch_add(1, Ordering::Relaxed);
-                        prop_assert_eq!(&want, &Out::Undefined, "{}: inputs {:?}", text, values);
-                    }
-                    Some(Some(x)) => {
-                        prop_assert_eq!(
-                            &compiled_out(p.ty, x.to_f64()),
-                            &want,
-                            "{}: inputs {:?}",
-                            text,
-                            values
-                        );
-                    }
-                    None => {
-                        FALLBACKS.fetch_add(1, Ordering::Relaxed);
-                    }
+                Some(Some(x)) => Some(compiled_out(p.ty, x.to_f64())),
+                None => None,
+            }),
+        };
+        if let Some(answer) = without_code {
+            match answer {
+                Some(got) => prop_assert_eq!(&got, &want, "{}: inputs {:?}", text, values),
+                None => {
+                    FALLBACKS.fetch_add(1, Ordering::Relaxed);
                 }
-                continue;
             }
+            continue;
         }
         let reference = interp::eval(&p, &slots).map(|x| x.to_f64());
         let jit = code.call(0, &slots);
@@ -381,22 +362,9 @@ fn one_operation_over_a_non_number_is_the_interpreters_type_error() {
         TYPE_ERRORS.load(Ordering::Relaxed) - before
     );
     // Nested operations are the interpreter's (which operation fails first is its business).
-    let p = ir::lower(
-        Compiled::compile("(a + b) * c", &Limits::default())
-            .unwrap()
-            .ast(),
-        &|_| None,
-    )
-    .unwrap();
-    assert_eq!(type_error(&p, 0b001), None);
+    assert_eq!(type_error(&lowered("(a + b) * c"), 0b001), None);
     // The left side first: both sides not numbers is T2001.
-    let p = ir::lower(
-        Compiled::compile("a - b", &Limits::default())
-            .unwrap()
-            .ast(),
-        &|_| None,
-    )
-    .unwrap();
+    let p = lowered("a - b");
     let e = type_error(&p, 0b11).expect("an error");
     assert_eq!(e.code.as_deref(), Some("T2001"), "{e:?}");
     let e = type_error(&p, 0b10).expect("an error");
@@ -451,11 +419,7 @@ fn the_traps_of_the_issue() {
     // interpreter; a string is not a number.
     assert_eq!(c("x + 1", json!({})), (None, Out::Undefined));
     let missing = |text: &str, d: Json| {
-        let p = ir::lower(
-            Compiled::compile(text, &Limits::default()).unwrap().ast(),
-            &|_| None,
-        )
-        .unwrap();
+        let p = lowered(text);
         let mut slots = Vec::new();
         let inputs = slot_inputs(&p);
         assert_eq!(
@@ -484,6 +448,15 @@ fn the_traps_of_the_issue() {
 }
 
 /// A model of `spec`, created at time 0 with the default limits.
+/// The IR of `text` (no constants).
+fn lowered(text: &str) -> ir::Program {
+    ir::lower(
+        Compiled::compile(text, &Limits::default()).unwrap().ast(),
+        &|_| None,
+    )
+    .unwrap()
+}
+
 fn model(spec: Json) -> valem::engine::Model {
     let spec = valem::spec::parse_spec(&spec).expect("spec");
     let (m, _) = valem::engine::Model::create(&spec, 0, valem::engine::EngineLimits::default())
