@@ -12,8 +12,8 @@
 // Per system, shape and size (each in its own child process, so memory and a slow peer are
 // isolated): build time (the model/sheet/template created with its data), the median and p90
 // latency of one op after the same warm-up for every system (untimed ops for --warmup seconds,
-// default 1: caches warm, V8's JIT and valem's tiers compiled), resident memory after the run. A cell that passes the time budget is
-// reported as "-" (skipped), never hangs the run.
+// default 1: caches warm, V8's JIT and valem's tiers compiled), resident memory after the run.
+// A cell that passes the time budget is reported as "-" (skipped), never hangs the run.
 //
 // Peers: HyperFormula (a spreadsheet engine; licenseKey 'gpl-v3', installed here from npm only
 // to measure), stated-js (reactive JSON templates over JSONata), and jsonata-js alone (the
@@ -59,7 +59,7 @@ async function timeOps(op, maxOps, seconds, warmup) {
   return { warmup_ops, ops: times.length, p50_us: pct(0.5), p90_us: pct(0.9) };
 }
 
-async function hyperformula(shape, n, seconds, warmup) {
+async function hyperformula(shape, n) {
   const { HyperFormula } = await import('hyperformula');
   const rows = [];
   const t0 = performance.now();
@@ -90,10 +90,10 @@ async function hyperformula(shape, n, seconds, warmup) {
       return hf.getCellValue({ sheet: 0, row: 0, col: 3 });
     },
   }[shape];
-  return { build_ms, ...(await timeOps(op, 1000, seconds, warmup)) };
+  return { build_ms, op };
 }
 
-async function stated(shape, n, seconds, warmup) {
+async function stated(shape, n) {
   const { default: TemplateProcessor } = await import('stated-js');
   const tpl = {};
   if (shape === 'fanout') {
@@ -119,10 +119,10 @@ async function stated(shape, n, seconds, warmup) {
     chain: () => tp.setData('/seed', ++v),
     items: () => tp.setData(`/items/${rand(n)}/qty`, ++v),
   }[shape];
-  return { build_ms, ...(await timeOps(op, 1000, seconds, warmup)) };
+  return { build_ms, op };
 }
 
-async function jsonataAlone(shape, n, seconds, warmup) {
+async function jsonataAlone(shape, n) {
   const { default: jsonata } = await import('jsonata');
   const t0 = performance.now();
   let doc = {};
@@ -161,12 +161,15 @@ async function jsonataAlone(shape, n, seconds, warmup) {
     chain: () => { doc.seed = ++v; return derive(); },
     items: () => { doc.items[rand(n)].qty = ++v; return derive(); },
   }[shape];
-  return { build_ms, ...(await timeOps(op, 1000, seconds, warmup)) };
+  return { build_ms, op };
 }
 
+/** One peer's cell: its model built (each peer function returns the build time and one op),
+ * then the op timed. */
 async function child(system, shape, n, seconds, warmup) {
   const f = { hyperformula, 'stated-js': stated, jsonata: jsonataAlone }[system];
-  const r = await f(shape, n, seconds, warmup);
+  const { build_ms, op } = await f(shape, n);
+  const r = { build_ms, ...(await timeOps(op, 1000, seconds, warmup)) };
   r.rss_mb = process.memoryUsage().rss / 1048576;
   process.stdout.write(JSON.stringify(r) + '\n');
 }

@@ -294,9 +294,8 @@ impl Engine {
         limits: EngineLimits,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Engine, String> {
-        let count = spec_nodes(&spec);
         progress(Progress::Building {
-            nodes: count,
+            nodes: spec_nodes(&spec),
             first_cycle: false,
         });
         let spec = Arc::new(spec);
@@ -379,20 +378,16 @@ impl Service {
             (crate::service::ModelService::new(1, limits), None)
         };
         let id = spec.id.clone();
+        let nodes = spec_nodes(&spec);
         progress(Progress::Building {
-            nodes: spec_nodes(&spec),
+            nodes,
             first_cycle: false,
         });
         let t = Instant::now();
-        let info = service
+        service
             .create(spec)
             .map_err(|e| format!("the model cannot be created: {e}"))?;
         let compile_ms = ms(t.elapsed());
-        // One graph node per derivation, meta-derivation, constraint and effect.
-        let nodes = info.derivation_count
-            + info.meta_derivation_count
-            + info.constraint_count
-            + info.effect_count;
         progress(Progress::Building {
             nodes,
             first_cycle: true,
@@ -430,8 +425,8 @@ impl Drop for Service {
     }
 }
 
-/// A spec's graph nodes before it is compiled: its derivations, meta-derivations, constraints
-/// and effects.
+/// A spec's graph nodes, one per derivation, meta-derivation, constraint and effect (what the
+/// service's model info counts too).
 fn spec_nodes(spec: &ModelSpec) -> usize {
     spec.derivations.len()
         + spec.meta_derivations.len()

@@ -295,11 +295,10 @@ pub fn type_error(p: &Program, not_numbers: u64) -> Option<crate::expr::ExprErro
         Ir::Const(_) => Some(false),
         _ => None,
     };
-    let left = match (not_number(a)?, not_number(b)?) {
-        (true, _) => true,
-        (false, true) => false,
-        (false, false) => return None,
-    };
+    let (left, right) = (not_number(a)?, not_number(b)?);
+    if !(left || right) {
+        return None;
+    }
     arith_error(*op, left)
 }
 
@@ -322,20 +321,15 @@ fn arith_error(op: Arith, left: bool) -> Option<crate::expr::ExprError> {
                     Arith::Div => "/",
                     Arith::Rem => "%",
                 };
-                let limits = crate::expr::Limits::default();
-                let c = crate::expr::Compiled::compile(&format!("a {sym} b"), &limits).ok()?;
                 let input = if left {
                     serde_json::json!({"a": null, "b": 1})
                 } else {
                     serde_json::json!({"a": 1, "b": null})
                 };
-                let input = crate::expr::to_jvalue(&Val::from_json(&input));
-                let env = crate::expr::Env {
-                    vars: Vec::new(),
-                    now_ms: None,
-                };
+                let text = format!("a {sym} b");
+                let limits = crate::expr::Limits::default();
                 let want = if left { "T2001" } else { "T2002" };
-                match c.eval(&input, &env, &limits) {
+                match crate::expr::eval_once(&text, Some(&input), &Default::default(), &limits) {
                     Err(e) if e.code.as_deref() == Some(want) => Some(e),
                     _ => None,
                 }
