@@ -148,6 +148,55 @@ pub(crate) fn key_eq(a: &str, b: &str) -> bool {
     same_key(a, b) || a == b
 }
 
+/// The deepest a document may nest arrays and objects within one another. Every value the
+/// daemon accepts, builds or stores is checked against it where it is made — a write at an
+/// address counts the address's segments as levels ([`room_below`]) — so that nothing that
+/// walks a kept value recursively (serialisation, hashing, comparison, projection, drop) goes
+/// deeper than this, and a stored value, wrapped a few levels deep in a record or a request
+/// ([`JSON_ENVELOPE`]), still reads back within serde_json's recursion limit of 128.
+pub const MAX_DEPTH: usize = 100;
+
+/// Levels of the envelopes a kept value travels in (an audit record, a checkpoint, a JSON-RPC
+/// request or a REST body around the document): [`MAX_DEPTH`] plus this stays within
+/// serde_json's recursion limit of 128, so whatever was accepted parses again.
+pub const JSON_ENVELOPE: usize = 24;
+
+const _: () = assert!(MAX_DEPTH + JSON_ENVELOPE <= 128);
+
+/// A value would nest deeper than [`MAX_DEPTH`] where it goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("nests arrays and objects more than {MAX_DEPTH} levels deep (the limit)")]
+pub struct TooDeep;
+
+/// The levels of arrays and objects a value may hold when written at an address of `segments`
+/// segments (each segment below the root is one level of the document already).
+pub fn room_below(segments: usize) -> usize {
+    MAX_DEPTH.saturating_sub(segments)
+}
+
+/// Whether `j` holds more than `levels` arrays and objects within one another; walks with a
+/// stack of its own, so any depth is safe to ask about.
+pub fn json_deeper_than(j: &Json, levels: usize) -> bool {
+    // Containers only, each with the levels it is below the top (the top is level 1).
+    let container = |c: &&Json| c.is_array() || c.is_object();
+    let mut stack: Vec<(&Json, usize)> = Some(j)
+        .filter(container)
+        .map(|c| (c, 1))
+        .into_iter()
+        .collect();
+    while let Some((v, d)) = stack.pop() {
+        if d > levels {
+            return true;
+        }
+        match v {
+            Json::Array(a) => stack.extend(a.iter().filter(container).map(|c| (c, d + 1))),
+            Json::Object(o) => stack.extend(o.values().filter(container).map(|c| (c, d + 1))),
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Objects up to this many entries are a copy-on-write vector (cheap to build and scan); wider
 /// objects switch to a persistent hash trie so one write never copies the whole object.
 const SMALL_OBJECT: usize = 32;
@@ -1102,29 +1151,46 @@ impl Val {
         }
     }
 
-    /// Convert from `serde_json` (at the edges: requests, specs, storage).
+    /// Convert from `serde_json` a value that was parsed from text (and so nests at most 128
+    /// levels: serde_json's limit) and is not to be kept at an address: what the store wrote, a
+    /// key to compare. A value to be written goes through [`Val::from_json_within`].
     pub fn from_json(j: &Json) -> Val {
-        match j {
+        // Parsed JSON nests at most 128 levels (serde_json's limit), so this recursion is
+        // bounded by what the parser let through.
+        Val::from_json_within(j, usize::MAX).unwrap_or(Val::Null)
+    }
+
+    /// Convert from `serde_json` a value that may hold at most `levels` arrays and objects
+    /// within one another (the room [`MAX_DEPTH`] leaves below the address it goes to, see
+    /// [`room_below`]); deeper is [`TooDeep`], found before any recursion goes further.
+    pub fn from_json_within(j: &Json, levels: usize) -> Result<Val, TooDeep> {
+        Ok(match j {
             Json::Null => Val::Null,
             Json::Bool(b) => Val::Bool(*b),
             Json::Number(n) => Val::num(n.as_f64().unwrap_or(f64::NAN)),
             Json::String(s) => Val::str(s),
-            Json::Array(a) => Val::Arr(Arc::new(a.iter().map(Val::from_json).collect())),
+            Json::Array(_) | Json::Object(_) if levels == 0 => return Err(TooDeep),
+            Json::Array(a) => Val::Arr(Arc::new(
+                a.iter()
+                    .map(|x| Val::from_json_within(x, levels - 1))
+                    .collect::<Result<_, _>>()?,
+            )),
             Json::Object(o) if o.len() > SMALL_OBJECT => {
                 let keys = intern_all(o.keys().map(String::as_str));
-                let entries = keys.into_iter().zip(o.values().map(Val::from_json));
-                Val::Obj(ObjMap::Large(Arc::new(WideMap::from_entries(
-                    entries.collect(),
-                ))))
+                let mut entries = Vec::with_capacity(o.len());
+                for (k, v) in keys.into_iter().zip(o.values()) {
+                    entries.push((k, Val::from_json_within(v, levels - 1)?));
+                }
+                Val::Obj(ObjMap::Large(Arc::new(WideMap::from_entries(entries))))
             }
             Json::Object(o) => {
                 let mut m = ObjMap::new();
                 for (k, v) in o {
-                    m.insert_shared(intern(k), Val::from_json(v));
+                    m.insert_shared(intern(k), Val::from_json_within(v, levels - 1)?);
                 }
                 Val::Obj(m)
             }
-        }
+        })
     }
 
     /// Convert to `serde_json`. Integral numbers print without a fraction (`30`, not `30.0`).

@@ -154,7 +154,9 @@ enum Out {
 fn interpreted(c: &Compiled, env: &Env, d: &Json) -> Out {
     match c.eval(&to_jvalue(&Val::from_json(d)), env, &Limits::default()) {
         Ok(Some(JValue::Number(n))) if n.is_finite() => Out::Bits(n.to_bits()),
-        Ok(Some(v)) => Out::Other(from_jvalue(&v)),
+        Ok(Some(v)) => Out::Other(
+            from_jvalue(&v, valem::value::MAX_DEPTH, &Limits::default()).expect("a small result"),
+        ),
         Ok(None) => Out::Undefined,
         Err(e) => Out::Error(e.message),
     }

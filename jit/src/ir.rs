@@ -226,6 +226,7 @@ pub fn lower(ast: &AstNode, constant: &dyn Fn(&str) -> Option<f64>) -> Result<Pr
     let mut l = Lowering {
         inputs: Vec::new(),
         constant,
+        depth: 0,
     };
     let ir = l.expr(ast)?;
     if ir.size() > MAX_NODES {
@@ -250,7 +251,15 @@ fn reject(why: impl Into<String>) -> Rejected {
 struct Lowering<'a> {
     inputs: Vec<InputRef>,
     constant: &'a dyn Fn(&str) -> Option<f64>,
+    /// Levels of `expr` now open: lowering, the IR's interpreter and its code generation all
+    /// recurse over the tree, so its depth is bounded ([`MAX_DEPTH`]).
+    depth: usize,
 }
+
+/// The deepest expression the JIT takes (nested operations); deeper ones stay interpreted
+/// (the parser allows 1,000 levels, too many for every recursion over the IR on a thread's
+/// stack).
+pub const MAX_DEPTH: usize = 64;
 
 impl Lowering<'_> {
     fn num(&mut self, node: &AstNode) -> Result<Ir, Rejected> {
@@ -271,6 +280,18 @@ impl Lowering<'_> {
     }
 
     fn expr(&mut self, node: &AstNode) -> Result<Ir, Rejected> {
+        if self.depth >= MAX_DEPTH {
+            return Err(reject(format!(
+                "nested more than {MAX_DEPTH} levels; left to the interpreter"
+            )));
+        }
+        self.depth += 1;
+        let ir = self.expr_at(node);
+        self.depth -= 1;
+        ir
+    }
+
+    fn expr_at(&mut self, node: &AstNode) -> Result<Ir, Rejected> {
         match node {
             AstNode::Number(n) if n.is_finite() => Ok(Ir::Const(*n)),
             AstNode::Block(items) if items.len() == 1 => self.expr(&items[0]),

@@ -19,9 +19,9 @@ use super::{
     MutationResult, Paths, State, Traces,
 };
 use crate::expr::path::{render, render_into, Address, PathSeg};
-use crate::expr::{from_jvalue, to_jvalue, Env, ExprError, Value as JValue};
+use crate::expr::{from_jvalue, jvalue_to_json, to_jvalue, Env, ExprError, Value as JValue};
 use crate::spec::Policy;
-use crate::value::{ObjMap, Seg, Val};
+use crate::value::{room_below, ObjMap, Seg, Val, MAX_DEPTH};
 use valem_jit::interp;
 use valem_jit::ir::Ty;
 
@@ -1217,8 +1217,12 @@ impl<'a> Cycle<'a> {
         again: bool,
         result: Result<Option<JValue>, ExprError>,
     ) {
-        let (value, error) = match result {
-            Ok(Some(v)) => (from_jvalue(&v), None),
+        let converted = result.and_then(|r| {
+            r.map(|v| from_jvalue(&v, room_below(inst.len()), &self.limits.expr))
+                .transpose()
+        });
+        let (value, error) = match converted {
+            Ok(Some(v)) => (v, None),
             Ok(None) => (Val::Null, None),
             Err(e) => (Val::Null, Some(e.message)),
         };
@@ -1338,7 +1342,9 @@ impl<'a> Cycle<'a> {
             let mut keys = HashSet::default();
             for inst in insts.iter() {
                 let value = match self.evaluate(node, inst) {
-                    Ok(Some(v)) => from_jvalue(&v),
+                    Ok(Some(v)) => {
+                        from_jvalue(&v, MAX_DEPTH, &self.limits.expr).unwrap_or(Val::Null)
+                    }
                     _ => Val::Null,
                 };
                 let key: Arc<str> = Arc::from(format!("{}#{}", render(inst), prop.key_name()));
@@ -1449,7 +1455,7 @@ impl<'a> Cycle<'a> {
             let eval_on =
                 |c: &crate::expr::Compiled, input: &JValue| -> Option<serde_json::Value> {
                     match c.eval(input, env, limits) {
-                        Ok(Some(v)) => Some(from_jvalue(&v).to_json()),
+                        Ok(Some(v)) => jvalue_to_json(&v, limits).ok(),
                         _ => None,
                     }
                 };
@@ -1575,7 +1581,12 @@ impl<'a> Cycle<'a> {
                 let Ok(Some(v)) = rule.expr.eval(&input, &env, &self.limits.expr) else {
                     continue;
                 };
-                let v = from_jvalue(&v);
+                let v = from_jvalue(&v, room_below(c.len()), &self.limits.expr).map_err(|e| {
+                    MutationError::Invalid(format!(
+                        "the defaultValues rule for {}: {}",
+                        rule.path, e.message
+                    ))
+                })?;
                 if v.as_obj().is_some() {
                     self.fill_absent(c, &v)?;
                 }
@@ -1929,7 +1940,12 @@ pub(super) fn run(
     };
     let applied = mutations
         .iter()
-        .try_for_each(|(segs, v)| c.write_base(segs, Val::from_json(v.borrow())))
+        .try_for_each(|(segs, v)| {
+            let v = Val::from_json_within(v.borrow(), room_below(segs.len())).map_err(|e| {
+                MutationError::Invalid(format!("the value written at {}: {e}", render(segs)))
+            })?;
+            c.write_base(segs, v)
+        })
         .and_then(|()| {
             if containers.is_empty() {
                 Ok(())
@@ -2003,7 +2019,10 @@ fn apply_schema_defaults(
         let present = c.st.base.get_path(at).is_some();
         if !present {
             if let Some(d) = sub_r.get("default") {
-                c.write_base(at, Val::from_json(d))?;
+                let d = Val::from_json_within(d, room_below(at.len())).map_err(|e| {
+                    MutationError::Invalid(format!("the schema default of {}: {e}", render(at)))
+                })?;
+                c.write_base(at, d)?;
             }
         }
         if c.st.base.get_path(at).and_then(Val::as_obj).is_some() {

@@ -417,8 +417,9 @@ impl Evaluator<'_> {
     ) -> Result<Result<Option<Json>, String>, ViewError> {
         let c = self.compile(id, field, text)?;
         let env = self.envs.last().expect("base env");
-        Ok(c.eval(&self.input, env, self.limits)
-            .map(|v| v.as_ref().map(jvalue_to_json))
+        let limits = self.limits;
+        Ok(c.eval(&self.input, env, limits)
+            .and_then(|v| v.as_ref().map(|v| jvalue_to_json(v, limits)).transpose())
             .map_err(|e| e.message))
     }
 

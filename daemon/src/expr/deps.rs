@@ -39,6 +39,13 @@ pub struct Reads {
 
 type Prefix = Option<(Root, Vec<Key>)>;
 
+/// Run one level of a recursion over a syntax tree, on a stack segment of its own when less
+/// than 64 KiB of this thread's stack is left: the parser lets expressions 1,000 levels deep
+/// through, more than a 2 MiB thread stack holds for these walks in a debug build.
+pub(crate) fn grow<R>(f: impl FnOnce() -> R) -> R {
+    stacker::maybe_grow(64 * 1024, 1024 * 1024, f)
+}
+
 /// Extract the reads of an expression whose input is the document root.
 pub fn reads(ast: &AstNode) -> Reads {
     let mut r = Reads::default();
@@ -67,6 +74,10 @@ impl Walker<'_> {
 
     /// Walk a node evaluated for its value in context `ctx`; records what it reads.
     fn value(&mut self, node: &AstNode, ctx: &Prefix) {
+        grow(|| self.value_at(node, ctx))
+    }
+
+    fn value_at(&mut self, node: &AstNode, ctx: &Prefix) {
         match node {
             AstNode::Path { steps } => {
                 let end = self.path(steps, ctx);
@@ -177,6 +188,10 @@ impl Walker<'_> {
     /// The static location a node navigates to when used as a path start, walking whatever it
     /// evaluates along the way. `None` when the location is computed.
     fn target(&mut self, node: &AstNode, ctx: &Prefix) -> Prefix {
+        grow(|| self.target_at(node, ctx))
+    }
+
+    fn target_at(&mut self, node: &AstNode, ctx: &Prefix) -> Prefix {
         match node {
             AstNode::Path { steps } => self.path(steps, ctx),
             AstNode::Name(n) => ctx.as_ref().map(|(r, f)| (r.clone(), extend(f, n))),
@@ -289,6 +304,10 @@ pub fn free_names(ast: &AstNode) -> (BTreeSet<String>, BTreeSet<String>) {
 
 /// Point every built-in call `$from(...)` at `$to(...)` instead, at any depth.
 pub fn rename_calls(node: &mut AstNode, from: &str, to: &str) {
+    grow(|| rename_calls_at(node, from, to))
+}
+
+fn rename_calls_at(node: &mut AstNode, from: &str, to: &str) {
     let rec = |n: &mut AstNode| rename_calls(n, from, to);
     match node {
         AstNode::Function {
@@ -380,6 +399,15 @@ pub fn assigned_names(ast: &AstNode) -> BTreeSet<String> {
 }
 
 fn names(
+    node: &AstNode,
+    vars: &mut BTreeSet<String>,
+    calls: &mut BTreeSet<String>,
+    bound: &mut BTreeSet<String>,
+) {
+    grow(|| names_at(node, vars, calls, bound))
+}
+
+fn names_at(
     node: &AstNode,
     vars: &mut BTreeSet<String>,
     calls: &mut BTreeSet<String>,

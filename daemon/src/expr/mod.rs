@@ -17,7 +17,7 @@ use jsonata_core::parser::{self, ParserError};
 use jsonata_core::value::{JArray, JValue};
 use serde_json::Value as Json;
 
-use crate::value::{num_to_json, ObjMap, Val};
+use crate::value::{num_to_json, ObjMap, TooDeep, Val, MAX_DEPTH};
 
 pub use jsonata_core::value::JValue as Value;
 
@@ -29,6 +29,12 @@ pub struct Limits {
     pub max_sequence: Option<usize>,
     /// Longest expression text accepted, in bytes.
     pub max_expr_len: usize,
+    /// Longest string an evaluation may make in one step (`$pad`, `$join`, `$replace`,
+    /// `$string`, …, checked before the string is made) or return, in bytes.
+    pub max_string_bytes: usize,
+    /// Most values (each scalar, array and object) a result may hold once converted: an
+    /// engine value shares its parts, so a small one can stand for a huge document.
+    pub max_output_values: usize,
 }
 
 impl Default for Limits {
@@ -38,6 +44,8 @@ impl Default for Limits {
             max_depth: None,
             max_sequence: Some(10_000_000),
             max_expr_len: 100_000,
+            max_string_bytes: 32 << 20,
+            max_output_values: 4_000_000,
         }
     }
 }
@@ -94,6 +102,16 @@ impl ExprError {
         ExprError {
             phase: Phase::Evaluate,
             code: find_code(&message),
+            message,
+            position: None,
+        }
+    }
+
+    /// An evaluation stopped by one of [`Limits`]' caps.
+    pub fn limit(message: String) -> ExprError {
+        ExprError {
+            phase: Phase::Evaluate,
+            code: None,
             message,
             position: None,
         }
@@ -215,7 +233,17 @@ impl Compiled {
                 position: Some(limits.max_expr_len),
             });
         }
-        let mut ast = parser::parse(text).map_err(|e| ExprError::compile(text, &e))?;
+        if let Some(at) = bracket_beyond(text, MAX_BRACKET_NESTING) {
+            return Err(ExprError {
+                phase: Phase::Compile,
+                code: None,
+                message: format!(
+                    "brackets nest more than {MAX_BRACKET_NESTING} levels deep (the limit)"
+                ),
+                position: Some(at),
+            });
+        }
+        let mut ast = parse_guarded(text).map_err(|e| ExprError::compile(text, &e))?;
         let (vars, calls) = deps::free_names(&ast);
         let js_round = calls.contains("round") && !deps::assigned_names(&ast).contains("round");
         if js_round {
@@ -418,40 +446,88 @@ pub fn to_jvalue(v: &Val) -> JValue {
     }
 }
 
-/// Convert an engine result to a state value. Functions and regexes have no JSON form and
-/// become `null`; *undefined* inside an array is dropped and inside an object omits the key.
-pub fn from_jvalue(v: &JValue) -> Val {
-    match v {
-        JValue::Null | JValue::Undefined => Val::Null,
-        JValue::Bool(b) => Val::Bool(*b),
-        JValue::Number(n) => Val::num(*n),
-        JValue::String(s) => Val::Str(Arc::from(&**s)),
-        JValue::Array(a) => Val::Arr(Arc::new(
-            a.iter()
-                .filter(|x| !x.is_undefined())
-                .map(from_jvalue)
-                .collect(),
-        )),
-        JValue::Object(o) => {
-            let mut m = ObjMap::new();
-            for (k, x) in o.iter() {
-                if !x.is_undefined() {
-                    m.insert(crate::value::intern(k), from_jvalue(x));
-                }
-            }
-            Val::Obj(m)
+/// What a result may hold once converted: an engine value shares its parts (`{"l": $a, "r":
+/// $a}` twice over is a value of 2^n parts in n steps), so the conversion counts what it makes.
+struct Output<'l> {
+    limits: &'l Limits,
+    values: usize,
+    string_bytes: usize,
+}
+
+impl Output<'_> {
+    fn count(&mut self, v: &JValue) -> Result<(), ExprError> {
+        self.values += 1;
+        if let JValue::String(s) = v {
+            self.string_bytes += s.len();
         }
-        _ => Val::Null,
+        if self.values > self.limits.max_output_values {
+            return Err(ExprError::limit(format!(
+                "the result holds more than {} values (the limit)",
+                self.limits.max_output_values
+            )));
+        }
+        if self.string_bytes > self.limits.max_string_bytes {
+            return Err(ExprError::limit(format!(
+                "the result holds more than {} bytes of strings (the limit)",
+                self.limits.max_string_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// The state value of `v`, which may nest `levels` arrays and objects.
+    fn val(&mut self, v: &JValue, levels: usize) -> Result<Val, ExprError> {
+        self.count(v)?;
+        Ok(match v {
+            JValue::Null | JValue::Undefined => Val::Null,
+            JValue::Bool(b) => Val::Bool(*b),
+            JValue::Number(n) => Val::num(*n),
+            JValue::String(s) => Val::Str(Arc::from(&**s)),
+            JValue::Array(_) | JValue::Object(_) if levels == 0 => {
+                return Err(ExprError::limit(format!("the result {}", TooDeep)))
+            }
+            JValue::Array(a) => {
+                let mut out = imbl::Vector::new();
+                for x in a.iter().filter(|x| !x.is_undefined()) {
+                    out.push_back(self.val(x, levels - 1)?);
+                }
+                Val::Arr(Arc::new(out))
+            }
+            JValue::Object(o) => {
+                let mut m = ObjMap::new();
+                for (k, x) in o.iter() {
+                    if !x.is_undefined() {
+                        m.insert(crate::value::intern(k), self.val(x, levels - 1)?);
+                    }
+                }
+                Val::Obj(m)
+            }
+            _ => Val::Null,
+        })
     }
 }
 
-/// Convert an engine result straight to `serde_json` (for `eval`).
-pub fn jvalue_to_json(v: &JValue) -> Json {
-    match v {
+/// Convert an engine result to a state value that may nest `levels` arrays and objects (the
+/// room [`crate::value::MAX_DEPTH`] leaves below where it goes), within `limits`' output caps.
+/// Functions and regexes have no JSON form and become `null`; *undefined* inside an array is
+/// dropped and inside an object omits the key.
+pub fn from_jvalue(v: &JValue, levels: usize, limits: &Limits) -> Result<Val, ExprError> {
+    Output {
+        limits,
+        values: 0,
+        string_bytes: 0,
+    }
+    .val(v, levels)
+}
+
+/// Convert an engine result straight to `serde_json` (for `eval`), as deep as a document may
+/// be and within `limits`' output caps.
+pub fn jvalue_to_json(v: &JValue, limits: &Limits) -> Result<Json, ExprError> {
+    Ok(match v {
         JValue::Number(n) => num_to_json(*n),
         JValue::Lambda(_) | JValue::Builtin { .. } => Json::String(String::new()),
-        other => from_jvalue(other).to_json(),
-    }
+        other => from_jvalue(other, MAX_DEPTH, limits)?.to_json(),
+    })
 }
 
 pub fn json_to_jvalue(j: &Json) -> JValue {
@@ -474,7 +550,7 @@ pub fn eval_once(
     }
     let input = input.map_or(JValue::Undefined, json_to_jvalue);
     let out = compiled.eval(&input, &env, limits)?;
-    Ok(out.as_ref().map(jvalue_to_json))
+    out.as_ref().map(|v| jvalue_to_json(v, limits)).transpose()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -488,16 +564,112 @@ fn error_position(text: &str, e: &ParserError) -> usize {
     }
     let tokens = token_starts(text);
     let chars: Vec<char> = text.chars().collect();
-    for (i, &start) in tokens.iter().enumerate() {
+    // Whether the text up to the end of token `i` fails for a reason other than ending early.
+    // Once a prefix fails so, every longer one does (the parser stops at the same token), so
+    // the first failing token is found by doubling and then halving the prefix: O(log n)
+    // parses, where trying every prefix took O(n) of them (a 100 KB text, minutes).
+    let fails = |i: usize| {
         let end = tokens.get(i + 1).copied().unwrap_or(len);
         let prefix: String = chars[..end].iter().collect();
-        match parser::parse(&prefix) {
-            Ok(_) => {}
-            Err(e) if incomplete(&e) => {}
-            Err(_) => return start,
+        matches!(parse_guarded(&prefix), Err(e) if !incomplete(&e))
+    };
+    let Some(last) = tokens.len().checked_sub(1) else {
+        return len;
+    };
+    // `ok` is a token whose prefix parses (or -1 as none), `bad` one whose prefix fails.
+    let (mut ok, mut bad): (Option<usize>, usize) = (None, last);
+    let mut step = 1;
+    loop {
+        let probe = ok.map_or(0, |o| o + step);
+        if probe >= last {
+            break;
+        }
+        if fails(probe) {
+            bad = probe;
+            break;
+        }
+        ok = Some(probe);
+        step *= 2;
+    }
+    if bad == last && !fails(last) {
+        return len;
+    }
+    while ok.map_or(0, |o| o + 1) < bad {
+        let lo = ok.map_or(0, |o| o + 1);
+        let mid = lo + (bad - lo) / 2;
+        if fails(mid) {
+            bad = mid;
+        } else {
+            ok = Some(mid);
         }
     }
-    len
+    tokens[bad]
+}
+
+/// Most brackets (`(`, `[`, `{`) an expression may open within one another. The parser allows
+/// 1,000 levels of nesting, but a text that fails near that depth frees the tree it had built
+/// recursively in whatever stack segment the parser was in (a debug build overflows it); no
+/// real expression comes close to this.
+pub const MAX_BRACKET_NESTING: usize = 100;
+
+/// From this bracket nesting on, a text is parsed on a stack segment of its own (a few µs of
+/// mapping) rather than on what is left of the thread's stack.
+const DEEP_BRACKETS: usize = 24;
+
+/// The character offset of the first bracket opened deeper than `limit` (strings and comments
+/// skipped), if any.
+fn bracket_beyond(text: &str, limit: usize) -> Option<usize> {
+    bracket_scan(text, limit).err()
+}
+
+/// The deepest bracket nesting of `text`, or `Err(offset)` of the first bracket past `limit`.
+fn bracket_scan(text: &str, limit: usize) -> Result<usize, usize> {
+    let mut depth = 0usize;
+    let mut deepest = 0;
+    let mut chars = text.chars().enumerate().peekable();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '"' | '\'' | '`' => {
+                while let Some((_, d)) = chars.next() {
+                    if d == '\\' {
+                        chars.next();
+                    } else if d == c {
+                        break;
+                    }
+                }
+            }
+            '/' if chars.peek().is_some_and(|&(_, d)| d == '*') => {
+                chars.next();
+                let mut star = false;
+                for (_, d) in chars.by_ref() {
+                    if star && d == '/' {
+                        break;
+                    }
+                    star = d == '*';
+                }
+            }
+            '(' | '[' | '{' => {
+                depth += 1;
+                if depth > limit {
+                    return Err(i);
+                }
+                deepest = deepest.max(depth);
+            }
+            ')' | ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(deepest)
+}
+
+/// Parse `text`; one with deeply nested brackets on a fresh 64 MiB stack segment (mapped,
+/// touched only as far as the parse goes), so that the parser's own recursion, and its freeing
+/// of a deep tree when it fails, never runs short of stack.
+fn parse_guarded(text: &str) -> Result<AstNode, ParserError> {
+    match bracket_scan(text, MAX_BRACKET_NESTING) {
+        Ok(deepest) if deepest < DEEP_BRACKETS => parser::parse(text),
+        _ => stacker::grow(64 << 20, || parser::parse(text)),
+    }
 }
 
 /// Errors that only say "the text ended too early".
@@ -633,10 +805,13 @@ mod tests {
             .eval(&json_to_jvalue(&json!({"x": 3})), &env, &limits)
             .unwrap()
             .unwrap();
-        assert_eq!(jvalue_to_json(&out), json!("6@1970-01-01T00:00:00.000Z"));
+        assert_eq!(
+            jvalue_to_json(&out, &limits).unwrap(),
+            json!("6@1970-01-01T00:00:00.000Z")
+        );
         let m = Compiled::compile("$millis()", &limits).unwrap();
         let out = m.eval(&JValue::Null, &env, &limits).unwrap().unwrap();
-        assert_eq!(jvalue_to_json(&out), json!(0));
+        assert_eq!(jvalue_to_json(&out, &limits).unwrap(), json!(0));
     }
 
     #[test]

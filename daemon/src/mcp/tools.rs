@@ -1066,8 +1066,11 @@ fn eval_expression(c: &Ctx<'_>, a: Json) -> Outcome {
         .input
         .as_ref()
         .map_or(crate::expr::Value::Undefined, json_to_jvalue);
-    let mut out = match compiled.eval(&input, &env, limits) {
-        Ok(Some(v)) => json!({"ok": true, "undefined": false, "result": jvalue_to_json(&v)}),
+    let mut out = match compiled
+        .eval(&input, &env, limits)
+        .and_then(|v| v.map(|v| jvalue_to_json(&v, limits)).transpose())
+    {
+        Ok(Some(v)) => json!({"ok": true, "undefined": false, "result": v}),
         Ok(None) => json!({"ok": true, "undefined": true, "result": null}),
         Err(e) => return Ok(fail(e)),
     };

@@ -1063,7 +1063,7 @@ impl From<ServiceError> for Failure {
 fn eval(text: &str, input: &JValue, env: &Env, limits: &Limits) -> Result<Option<Json>, String> {
     let c = Compiled::compile(text, limits).map_err(|e| format!("`{text}`: {}", e.message))?;
     c.eval(input, env, limits)
-        .map(|v| v.map(|v| jvalue_to_json(&v)))
+        .and_then(|v| v.map(|v| jvalue_to_json(&v, limits)).transpose())
         .map_err(|e| format!("`{text}`: {}", e.message))
 }
 

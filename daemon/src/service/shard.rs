@@ -942,8 +942,8 @@ impl Shard {
         let e = self.entry(id)?;
         let old = e.model.state().base.to_json();
         let mut new = old.clone();
-        json_patch::patch(&mut new, &patch).map_err(|err| {
-            ServiceError::Mutation(MutationError::Invalid(format!("invalid patch: {err}")))
+        apply_patch(&mut new, &patch).map_err(|m| {
+            ServiceError::Mutation(MutationError::Invalid(format!("invalid patch: {m}")))
         })?;
         if !new.is_object() {
             return Err(ServiceError::Mutation(MutationError::Invalid(
@@ -1008,6 +1008,12 @@ impl Shard {
         let Some(base @ Json::Object(_)) = snap.get("baseDoc") else {
             return Err(bad("the snapshot has no `baseDoc` object".into()));
         };
+        if crate::value::json_deeper_than(base, crate::value::MAX_DEPTH) {
+            return Err(bad(format!(
+                "the snapshot's baseDoc {}",
+                crate::value::TooDeep
+            )));
+        }
         // A base document may not hold derived values, and must satisfy the schema.
         let mut leaves = Vec::new();
         collect_leaves(base, &mut Vec::new(), &mut leaves);
@@ -1179,6 +1185,36 @@ fn push_traces(
         }
         ring.push_back(t);
     }
+}
+
+/// Apply `patch` to `doc` one operation at a time, refusing any operation that would place a
+/// value deeper in the document than [`crate::value::MAX_DEPTH`] (a few `copy`s of a value under
+/// a long path would double the document's depth each time). On error `doc` is left part-way:
+/// the caller drops it.
+fn apply_patch(doc: &mut Json, patch: &json_patch::Patch) -> Result<(), String> {
+    use json_patch::PatchOperation as P;
+    for (i, op) in patch.0.iter().enumerate() {
+        let placed = match op {
+            P::Add(a) => Some(&a.value),
+            P::Replace(r) => Some(&r.value),
+            P::Copy(c) => doc.pointer(c.from.as_str()),
+            P::Move(m) => doc.pointer(m.from.as_str()),
+            P::Remove(_) | P::Test(_) => None,
+        };
+        if let Some(v) = placed {
+            let at = op.path().tokens().count();
+            if crate::value::json_deeper_than(v, crate::value::room_below(at)) {
+                return Err(format!(
+                    "operation '/{i}' at path '{}': the value there {}",
+                    op.path(),
+                    crate::value::TooDeep
+                ));
+            }
+        }
+        json_patch::patch_unsafe(doc, std::slice::from_ref(op))
+            .map_err(|e| format!("operation '/{i}' failed at path '{}': {}", e.path, e.kind))?;
+    }
+    Ok(())
 }
 
 fn collect_leaves(v: &Json, at: &mut Vec<Seg>, out: &mut Vec<Vec<Seg>>) {
