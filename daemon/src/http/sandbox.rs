@@ -47,8 +47,7 @@ pub const MAX_ATTEMPTS: u32 = 5;
 const MAX_PENDING: usize = 256;
 /// Live sandbox sessions (the oldest is dropped beyond this).
 const MAX_SESSIONS: usize = 1024;
-/// The separator between a session's namespace and the agent's own model id.
-pub const NS_SEP: &str = "__";
+pub use crate::service::scope::NS_SEP;
 /// The user-code alphabet: consonants only (no vowels, so no words; no 0/O, 1/I confusion).
 const USER_ALPHABET: &[u8] = b"BCDFGHJKLMNPQRSTVWXZ";
 
@@ -321,6 +320,7 @@ impl Pairings {
         let token = random_hex(32).ok_or(PairError::NoRandomness)?;
         // A namespace is a model-id segment: it starts with a letter.
         let ns = format!("s{}", random_hex(8).ok_or(PairError::NoRandomness)?);
+        debug_assert!(crate::service::scope::is_namespace(&ns));
         p.state = PairState::Approved {
             token: token.clone(),
             ns: ns.clone(),
@@ -429,8 +429,7 @@ impl Scoped {
     /// Every occurrence of the session prefix removed from the strings of `v` (object keys
     /// included). The namespace is random hex, so it appears nowhere else.
     pub fn strip(&self, v: &mut Json) {
-        let prefix = self.prefix();
-        strip_in(v, &prefix);
+        crate::service::scope::strip(v, &self.prefix());
     }
 
     /// A JSON-RPC message from a scoped MCP client: its model ids and state URIs namespaced.
@@ -536,25 +535,6 @@ impl Scoped {
     }
 }
 
-fn strip_in(v: &mut Json, prefix: &str) {
-    match v {
-        Json::String(s) if s.contains(prefix) => *s = s.replace(prefix, ""),
-        Json::Array(a) => a.iter_mut().for_each(|x| strip_in(x, prefix)),
-        Json::Object(m) => {
-            if m.keys().any(|k| k.contains(prefix)) {
-                let old = std::mem::take(m);
-                for (k, mut x) in old {
-                    strip_in(&mut x, prefix);
-                    m.insert(k.replace(prefix, ""), x);
-                }
-            } else {
-                m.values_mut().for_each(|x| strip_in(x, prefix));
-            }
-        }
-        _ => {}
-    }
-}
-
 /// Paths a session token opens (everything else still needs the API key, if one is set).
 pub fn session_may_use(path: &str) -> bool {
     path == "/models"
@@ -629,8 +609,19 @@ pub async fn scope(State(st): State<AppState>, mut req: Request, next: Next) -> 
             *req.uri_mut() = uri;
         }
     }
-    if path == "/models" && method == axum::http::Method::POST {
-        // Create: the spec's id becomes the session's.
+    // Create: the spec's id becomes the session's; restore: so does the snapshot's model id
+    // (the session was handed it stripped). Every other id a spec names (`template.ref`, an
+    // effect's `target.ref`) is resolved inside the namespace by the service.
+    let body_id = if method != axum::http::Method::POST {
+        None
+    } else if path == "/models" {
+        Some("id")
+    } else if path.starts_with("/models/") && path.ends_with("/restore") {
+        Some("modelId")
+    } else {
+        None
+    };
+    if let Some(field) = body_id {
         let (parts, body) = req.into_parts();
         let Ok(bytes) = axum::body::to_bytes(body, st.config.max_body_bytes).await else {
             return error_response(
@@ -639,11 +630,11 @@ pub async fn scope(State(st): State<AppState>, mut req: Request, next: Next) -> 
             );
         };
         let bytes = match serde_json::from_slice::<Json>(&bytes) {
-            Ok(mut spec) => {
-                if let Some(Json::String(s)) = spec.get_mut("id") {
+            Ok(mut v) => {
+                if let Some(Json::String(s)) = v.get_mut(field) {
                     *s = scoped.inner_id(s);
                 }
-                Bytes::from(spec.to_string())
+                Bytes::from(v.to_string())
             }
             // Not JSON: the handler reports it as it would unscoped.
             Err(_) => bytes,

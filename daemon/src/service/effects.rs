@@ -670,10 +670,7 @@ impl Runner {
             .get("ref")
             .and_then(|r| r.as_str())
             .ok_or_else(|| Failure::Refused("target.ref is missing".into()))?;
-        let linked = match session_prefix(model) {
-            Some(p) => format!("{p}{reference}"),
-            None => reference.to_string(),
-        };
+        let linked = super::scope::resolve(model, reference);
         if linked == model {
             return Err(Failure::Refused("a model cannot link to itself".into()));
         }
@@ -708,11 +705,8 @@ impl Runner {
             .mutate_linked(&linked, vec![(path.to_string(), body)])
             .map_err(missing)?;
         let mut out = r.to_json(false);
-        if let Some(p) = session_prefix(model) {
-            crate::http::sandbox::Scoped {
-                ns: p.trim_end_matches(crate::http::sandbox::NS_SEP).to_string(),
-            }
-            .strip(&mut out);
+        if let Some(p) = super::scope::session_prefix(model) {
+            super::scope::strip(&mut out, p);
         }
         Ok(out)
     }
@@ -1001,14 +995,6 @@ pub fn is_public(ip: IpAddr) -> bool {
                 || (s[0] == 0x2001 && s[1] == 0x0db8))
         }
     }
-}
-
-/// The `<namespace>__` prefix of a sandbox session's model id, if it is one.
-fn session_prefix(model: &str) -> Option<&str> {
-    let (ns, _) = model.split_once(crate::http::sandbox::NS_SEP)?;
-    let hex = ns.strip_prefix('s')?;
-    (hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
-        .then(|| &model[..ns.len() + crate::http::sandbox::NS_SEP.len()])
 }
 
 /// The engine's trigger truthiness: booleans as is, numbers ≠ 0 and non-empty strings pass;
