@@ -333,3 +333,93 @@ fn a_session_restores_its_own_snapshot_over_rest() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(s.get("/models/m/state").json()["a"], 1);
 }
+
+/// The operator uploads a blob over REST: its id.
+fn operator_blob(keyed: &Http, data: &[u8]) -> String {
+    let boundary = "valemScopeBoundary";
+    let mut body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f.bin\"\r\nContent-Type: text/plain\r\n\r\n"
+    )
+    .into_bytes();
+    body.extend_from_slice(data);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let ct = format!("multipart/form-data; boundary={boundary}");
+    let r = keyed.post("/blobs", &[("Content-Type", ct.as_str())], &body);
+    assert_eq!(r.status, 201, "{r:?}");
+    r.json()["blobId"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn a_session_reads_blobs_only_through_its_own_models() {
+    let d = daemon();
+    let keyed = Http::new(&d).with_key(KEY);
+    let before = operator_models(&keyed);
+    let private = operator_blob(&keyed, b"operator-only blob contents");
+    let s = Session::new(&d);
+    let mcp = McpSession::open(&s);
+
+    // The attack: a blob by id, without a model (REST refuses the same to a session token).
+    let rest = s.get(&format!("/blobs/{private}"));
+    assert_eq!(
+        rest.status, 401,
+        "the token does not stand in for the key there: {rest:?}"
+    );
+    for args in [
+        json!({"blobId": private}),
+        json!({"blobId": private, "modelId": null}),
+    ] {
+        let r = mcp.tool("download_blob", args);
+        assert_eq!(r["isError"], true, "{r}");
+        assert!(text(&r).contains("needs `modelId`"), "{r}");
+        assert!(
+            r.get("structuredContent")
+                .is_none_or(|c| c.get("data").is_none()),
+            "{r}"
+        );
+    }
+    // Through a model that is not the session's: as absent as a missing one.
+    let r = mcp.tool(
+        "download_blob",
+        json!({"blobId": private, "modelId": "secret"}),
+    );
+    assert_eq!(r["isError"], true, "{r}");
+    assert!(!r.to_string().contains("data\""), "{r}");
+    // Uploads: the blob store is the daemon's (REST refuses a session token likewise).
+    let up = mcp.tool(
+        "upload_blob",
+        json!({"data": "aGVsbG8=", "mediaType": "text/html"}),
+    );
+    assert_eq!(up["isError"], true, "{up}");
+    assert!(
+        text(&up).contains("not available to a sandbox session"),
+        "{up}"
+    );
+    assert_eq!(
+        s.http
+            .post(
+                "/blobs",
+                &[
+                    ("X-Session-Token", s.token.as_str()),
+                    ("Content-Type", "multipart/form-data; boundary=x")
+                ],
+                b"--x--\r\n"
+            )
+            .status,
+        401
+    );
+
+    // A blob the session's own model references is the session's to read.
+    let m = json!({"id": "doc", "schema": {"type": "object"}});
+    assert_eq!(s.post_json("/models", &m).status, 201);
+    let w = s.post_json("/models/doc/mutations", &json!({"$.file": private}));
+    assert_eq!(w.status, 200, "{w:?}");
+    let r = mcp.tool(
+        "download_blob",
+        json!({"blobId": private, "modelId": "doc"}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    let own = s.get(&format!("/models/doc/blobs/{private}"));
+    assert_eq!(own.text(), "operator-only blob contents");
+    assert_eq!(keyed.get("/healthz").status, 200);
+    untouched(&d, &keyed, &before);
+}

@@ -21,7 +21,8 @@
 //! `<namespaceId>__<id>` on the way in and the prefix is stripped on the way out, `GET /models`
 //! lists the session's models only, and the token replaces the API key for `/models…`, `/mcp`
 //! and `/sandbox/session` (and nothing else). An unknown token is 401, never a fall-back to the
-//! unscoped API.
+//! unscoped API. Over `/mcp`, a session reads a blob only with the `modelId` of a model of its
+//! own that references it, and uploads none ([`Scoped::refused_call`]), as over REST.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -491,6 +492,30 @@ impl Scoped {
         }
     }
 
+    /// Why a scoped client may not make this call, if it may not: the blob store is the
+    /// daemon's, not the session's, so a session reads a blob through a model of its own that
+    /// references it and uploads none (REST refuses `/blobs…` to a session token likewise).
+    pub fn refused_call(&self, msg: &Json) -> Option<String> {
+        if msg.get("method").and_then(|m| m.as_str()) != Some("tools/call") {
+            return None;
+        }
+        let args = msg.pointer("/params/arguments");
+        match msg.pointer("/params/name").and_then(|n| n.as_str())? {
+            // `modelId: null` is no model id either.
+            "download_blob" if args.and_then(|a| a.get("modelId")?.as_str()).is_none() => Some(
+                "download_blob needs `modelId` in a sandbox session: a session reads the blobs \
+                 its own models reference"
+                    .into(),
+            ),
+            "upload_blob" => Some(
+                "upload_blob is not available to a sandbox session: the blob store is shared by \
+                 every client of the daemon"
+                    .into(),
+            ),
+            _ => None,
+        }
+    }
+
     /// A reply to a scoped client's request: `list_models` keeps the session's models only,
     /// then the prefix is stripped everywhere.
     pub fn outbound_rpc(&self, request: &Json, reply: &mut Json) {
@@ -939,6 +964,29 @@ mod tests {
             p.approve(&m.pair_code, &m.user_code),
             Err(PairError::Expired)
         );
+    }
+
+    #[test]
+    fn a_session_reaches_blobs_only_through_its_models() {
+        let s = Scoped { ns: "sabc".into() };
+        let call = |name: &str, args: Json| {
+            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": name, "arguments": args}})
+        };
+        for refused in [
+            call("download_blob", json!({"blobId": "b"})),
+            call("download_blob", json!({"blobId": "b", "modelId": null})),
+            call("upload_blob", json!({"data": "AA=="})),
+        ] {
+            assert!(s.refused_call(&refused).is_some(), "{refused}");
+        }
+        for allowed in [
+            call("download_blob", json!({"blobId": "b", "modelId": "m"})),
+            call("get_state", json!({"id": "m"})),
+            json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}),
+        ] {
+            assert_eq!(s.refused_call(&allowed), None, "{allowed}");
+        }
     }
 
     #[test]
