@@ -234,6 +234,67 @@ fn token_is_required_with_an_api_key() {
 }
 
 #[test]
+fn the_query_key_opens_only_the_websocket_and_is_never_logged() {
+    const KEY: &str = "query-key-b7e1c9d4f2a6";
+    // Everything the daemon and its libraries can log, to find the key nowhere in it.
+    let d = Daemon::start_env(&["--api-key", KEY], &[("RUST_LOG", "trace")]);
+    let h = Http::new(&d).with_key(KEY);
+    assert_eq!(h.post_json("/models", &spec()).status, 201);
+    let anon = Http::new(&d);
+    let q = format!("token={KEY}");
+    // The attack: the key in the query of any route.
+    for path in [
+        format!("/models?{q}"),
+        format!("/models/demo/state?{q}"),
+        format!("/metrics?{q}"),
+        format!("/models/demo/subscribe/x?{q}"),
+    ] {
+        let r = anon.get(&path);
+        assert_eq!(r.status, 401, "{path}: {r:?}");
+        let m = r.json()["message"].as_str().unwrap_or("").to_string();
+        assert!(
+            m.contains("WebSocket handshake") && m.contains("Bearer"),
+            "{m}"
+        );
+        assert!(!r.text().contains(KEY), "{r:?}");
+    }
+    let created = anon.post_json(
+        &format!("/models?{q}"),
+        &json!({"id": "sneaky", "schema": {}}),
+    );
+    assert_eq!(created.status, 401, "{created:?}");
+    assert_eq!(h.get("/models/sneaky").status, 404, "nothing was created");
+    // With the header, a stray query key changes nothing.
+    assert_eq!(h.get(&format!("/models/demo?{q}")).status, 200);
+
+    // The handshake still takes it (browsers cannot set headers there).
+    let mut ws = connect(&d, &format!("/models/demo/subscribe?paths=$.qty&{q}"), &[])
+        .expect("upgrade with the query key");
+    assert_eq!(mutate(&h, json!({"$.qty": 2})), 200);
+    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+    drop(ws);
+    let (status, body) = connect(
+        &d,
+        "/models/nope/subscribe?token=wrong-key-for-the-log",
+        &[],
+    )
+    .expect_err("refused");
+    assert_eq!(status, 401, "{body}");
+
+    // Nothing logged it: the daemon's requests were traced (so the log is not just empty).
+    let log = d.stderr_with("/models/demo/subscribe");
+    assert!(
+        log.contains("/models/demo/subscribe"),
+        "requests are traced: {log}"
+    );
+    assert!(!log.contains(KEY), "the key reached the log");
+    assert!(
+        !log.contains("wrong-key-for-the-log"),
+        "a query key reached the log"
+    );
+}
+
+#[test]
 fn disallowed_origin_is_403() {
     let (d, h) = start(&[]);
     let (status, body) = connect(

@@ -5,7 +5,7 @@
 //! One guard runs before every route but `/healthz`: the `Host` must be a loopback name or
 //! listed (DNS rebinding), an `Origin`, when present, must be loopback or listed, and with an
 //! API key configured the request must carry it (`Authorization: Bearer`, or `?token=` on the
-//! WebSocket handshake). Service calls block on a shard, so handlers run them under
+//! WebSocket handshake only; the guard removes it from the URI, so nothing after it logs it). Service calls block on a shard, so handlers run them under
 //! `block_in_place` (the worker hands its other tasks to another thread first), never as plain
 //! code on a reactor thread.
 
