@@ -937,7 +937,8 @@ pub struct EffectsArgs {
     )]
     pub effects_allowed_hosts: Vec<String>,
     /// Let `server` effects reach loopback, private (RFC 1918), link-local and other non-public
-    /// addresses. Off by default: a listed host that resolves to one is refused.
+    /// addresses (IPv6 forms that embed such an IPv4 address included). Off by default: a
+    /// listed host that resolves to one is refused.
     #[arg(long, env = "VALEM_EFFECTS_ALLOW_PRIVATE_IPS", value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1, default_missing_value = "true", default_value = "false", value_name = "BOOL")]
     pub effects_allow_private_ips: bool,
     /// Largest response body a `server` effect folds back, in bytes.

@@ -8,6 +8,7 @@ mod audit;
 mod audit_sink;
 mod blobs;
 pub mod effects;
+pub mod egress;
 pub mod metrics;
 pub mod scope;
 mod shard;
