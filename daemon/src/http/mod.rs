@@ -91,6 +91,11 @@ impl Default for Config {
     }
 }
 
+/// The peer address of the connection a request came on (inserted by the accept loop; absent
+/// when the router is driven in-process).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientAddr(pub SocketAddr);
+
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
@@ -393,7 +398,13 @@ async fn run(
         };
         let _ = stream.set_nodelay(true);
         let gauge = ConnGauge::open(&open_conns, &service, workers);
-        let svc = TowerToHyperService::new(app.clone());
+        let svc = TowerToHyperService::new(tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut req: Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(ClientAddr(peer));
+                req
+            },
+        ));
         let builder = builder.clone();
         let mut stop = stop_rx.clone();
         let first_byte = config.header_timeout;
