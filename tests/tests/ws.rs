@@ -203,6 +203,40 @@ fn paths_filter_keeps_matching_frames_and_always_flags_and_effects() {
 }
 
 #[test]
+fn bad_or_too_many_filter_paths_are_400_before_the_upgrade() {
+    let (d, h) = start(&[]);
+    let before = h.get("/models/demo/state").json();
+    // The attack: paths that are not addresses, and a filter of thousands of paths that every
+    // frame would be compared against.
+    let many = vec!["$.qty"; 5000].join(",");
+    for (query, names) in [
+        ("paths=$.qty,items.0.x".to_string(), "`items.0.x`"),
+        ("paths=$.qty,$.items%5B%2A%5D".to_string(), "`$.items[*]`"),
+        ("paths=$%5B".to_string(), "`$[`"),
+        (
+            format!("paths={}", vec!["$.qty"; 65].join(",")),
+            "at most 64",
+        ),
+        (format!("paths={many}"), "at most 64"),
+    ] {
+        let (status, body) = connect(&d, &format!("/models/demo/subscribe?{query}"), &[])
+            .expect_err("refused before the upgrade");
+        assert_eq!(status, 400, "{query}: {body}");
+        let b: Value = serde_json::from_str(&body).expect("a JSON body");
+        assert_eq!(b["error"], "Bad request", "{b}");
+        assert!(b["message"].as_str().unwrap_or("").contains(names), "{b}");
+    }
+    // The daemon stays up, the model is untouched, and a good filter (in any canonical
+    // spelling) still subscribes.
+    assert_eq!(h.get("/healthz").status, 200);
+    assert_eq!(h.get("/models/demo/state").json(), before);
+    let mut ws = connect(&d, "/models/demo/subscribe?paths=$%5B'qty'%5D", &[]).expect("upgrade");
+    assert_eq!(mutate(&h, json!({"$.note": "skip"})), 200);
+    assert_eq!(mutate(&h, json!({"$.qty": 3})), 200);
+    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+}
+
+#[test]
 fn unknown_model_is_404_before_the_upgrade() {
     let (d, _h) = start(&[]);
     let (status, body) = connect(&d, "/models/nope/subscribe", &[]).expect_err("refused");
