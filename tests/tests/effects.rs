@@ -1,8 +1,9 @@
 //! Effect executors against the real daemon, with a local HTTP server as the `server`
 //! destination: one call per dedupe key (also across a `kill -9` while the call is in flight),
 //! the status lifecycle at `statusPath`, retries of a failing destination, the egress guard
-//! (allow-list, private addresses), a timer scheduled before a restart firing after it, `llm`
-//! reported as not executable, and fold-backs audited as `source: "foldback"`.
+//! (allow-list, private addresses and their IPv6 spellings), a timer scheduled before a restart
+//! firing after it, `llm` reported as not executable, and fold-backs audited as
+//! `source: "foldback"`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -290,6 +291,56 @@ fn the_egress_guard_refuses_unlisted_hosts_and_private_addresses() {
     );
     assert_eq!(s["io"]["attempts"], 1, "a refusal is not retried: {s}");
     assert_eq!(dest.count("/"), 0, "nothing reached the destination");
+}
+
+#[test]
+fn ipv6_spellings_of_private_addresses_are_refused_too() {
+    let dest = Destination::start();
+    let port = dest.port;
+    // The attack: loopback and private IPv4 addresses spelled as IPv6 addresses that embed
+    // them (the mapped form was already refused; these went on to connect).
+    let targets = [
+        format!("http://[::127.0.0.1]:{port}/rate"),
+        format!("http://[64:ff9b::127.0.0.1]:{port}/rate"),
+        format!("http://[64:ff9b:1::7f00:1]:{port}/rate"),
+        format!("http://[2002:7f00:1::]:{port}/rate"),
+        format!("http://[2001:0:a00:1::80ff:fffe]:{port}/rate"),
+        format!("http://[::ffff:0:10.0.0.1]:{port}/rate"),
+        format!("http://[::ffff:127.0.0.1]:{port}/rate"),
+    ];
+    let effects: Vec<Value> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, url)| {
+            json!({"id": format!("e{i}"), "executor": "server", "trigger": "go != null",
+                "dedupeKey": "go", "request": {"method": "GET", "url": url},
+                "statusPath": format!("$.s{i}"),
+                "policy": {"retries": 2, "backoff": 50, "timeoutMs": 2000}})
+        })
+        .collect();
+    let (_dir, _d, http) = started(&["--effects-allowed-hosts", "*"]);
+    let spec = json!({"id": "probe", "schema": {"type": "object"}, "effects": effects});
+    assert_eq!(http.post_json("/models", &spec).status, 201);
+    let other = json!({"id": "bystander", "schema": {"type": "object"}});
+    assert_eq!(http.post_json("/models", &other).status, 201);
+    mutate(&http, "probe", json!({"$.go": 1}));
+    let n = targets.len();
+    let s = wait_for(&http, "probe", "every call refused", |s| {
+        (0..n).all(|i| phase(s, &format!("s{i}")) == "failed")
+    });
+    for (i, url) in targets.iter().enumerate() {
+        let st = &s[format!("s{i}")];
+        let e = st["error"].as_str().unwrap_or("");
+        assert!(
+            e.contains("non-public address") && e.contains("--effects-allow-private-ips"),
+            "{url}: {st}"
+        );
+        assert_eq!(st["attempts"], 1, "{url}: a refusal is not retried: {st}");
+    }
+    assert_eq!(dest.count("/"), 0, "nothing reached the destination");
+    // The daemon stays up and the other model is untouched.
+    assert_eq!(http.get("/healthz").status, 200);
+    assert_eq!(state(&http, "bystander"), json!({}));
 }
 
 #[test]

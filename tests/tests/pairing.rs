@@ -417,6 +417,93 @@ fn pairing_negative_cases() {
     assert_eq!(anon.get("/models").status, 401);
 }
 
+/// One sample of `/metrics` (by its full name with labels).
+fn metric(http: &Http, name: &str) -> Option<f64> {
+    let text = http.get("/metrics").text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[test]
+fn a_pairing_flood_is_refused_clearly_and_pairing_recovers() {
+    let d = daemon(&[]);
+    let keyed = Http::new(&d).with_key(KEY);
+    let browser = Http::new(&d);
+    assert_eq!(
+        keyed
+            .post_json("/models", &json!({"id": "other", "schema": {}}))
+            .status,
+        201
+    );
+    assert_eq!(
+        keyed
+            .post_json("/models/other/mutations", &json!({"$.a": 1}))
+            .status,
+        200
+    );
+    // The attack: a holder of the API key mints as fast as it can, to fill the daemon's
+    // pending pairings so that nobody can pair.
+    let replies: Vec<valem_tests::Reply> = (0..60)
+        .map(|_| keyed.post_json("/sandbox/pair", &json!({})))
+        .collect();
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+    assert_eq!(&statuses[..8], &[200; 8], "a burst of 8: {statuses:?}");
+    let refused: Vec<&valem_tests::Reply> = replies.iter().filter(|r| r.status == 429).collect();
+    assert!(refused.len() >= 50, "{statuses:?}");
+    let r = refused[0];
+    let retry: u64 = r
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("a Retry-After in seconds");
+    assert!((1..=6).contains(&retry), "{retry}");
+    let body = r.json();
+    assert_eq!(body["error"], "rate_limited", "{body}");
+    assert_eq!(body["retryAfterSec"], retry, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("retry after"),
+        "{body}"
+    );
+    // Counted, and the daemon holds only what the burst made.
+    let counted = metric(
+        &keyed,
+        "valem_pairings_refused_total{reason=\"rate_limited\"}",
+    );
+    assert_eq!(counted, Some(refused.len() as f64));
+    assert_eq!(metric(&keyed, "valem_pairings_pending"), Some(8.0));
+    // The daemon stays up; the operator's model is untouched.
+    assert_eq!(keyed.get("/healthz").status, 200);
+    assert_eq!(keyed.get("/models/other/state").json(), json!({"a": 1}));
+
+    // Recovery: once Retry-After has passed, a pairing is minted and completes.
+    let deadline = Instant::now() + Duration::from_secs(retry + 5);
+    let m = loop {
+        let r = keyed.post_json("/sandbox/pair", &json!({}));
+        if r.status == 200 {
+            break r.json();
+        }
+        assert_eq!(r.status, 429, "{r:?}");
+        assert!(
+            Instant::now() < deadline,
+            "no pairing after Retry-After: {r:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    let ok = approve(
+        &browser,
+        m["pairCode"].as_str().unwrap(),
+        m["userCode"].as_str().unwrap(),
+    );
+    assert_eq!(ok.status, 200, "{ok:?}");
+    let t = token_poll(&keyed, &m);
+    assert_eq!(t.status, 200, "{t:?}");
+    let token = t.json()["sessionToken"].as_str().unwrap().to_string();
+    let session = browser.get_with("/sandbox/session", &[("X-Session-Token", token.as_str())]);
+    assert_eq!(session.status, 200, "{session:?}");
+}
+
 #[test]
 fn a_session_lost_with_a_daemon_restart_can_be_paired_again() {
     let d = daemon(&[]);

@@ -203,6 +203,40 @@ fn paths_filter_keeps_matching_frames_and_always_flags_and_effects() {
 }
 
 #[test]
+fn bad_or_too_many_filter_paths_are_400_before_the_upgrade() {
+    let (d, h) = start(&[]);
+    let before = h.get("/models/demo/state").json();
+    // The attack: paths that are not addresses, and a filter of thousands of paths that every
+    // frame would be compared against.
+    let many = vec!["$.qty"; 5000].join(",");
+    for (query, names) in [
+        ("paths=$.qty,items.0.x".to_string(), "`items.0.x`"),
+        ("paths=$.qty,$.items%5B%2A%5D".to_string(), "`$.items[*]`"),
+        ("paths=$%5B".to_string(), "`$[`"),
+        (
+            format!("paths={}", vec!["$.qty"; 65].join(",")),
+            "at most 64",
+        ),
+        (format!("paths={many}"), "at most 64"),
+    ] {
+        let (status, body) = connect(&d, &format!("/models/demo/subscribe?{query}"), &[])
+            .expect_err("refused before the upgrade");
+        assert_eq!(status, 400, "{query}: {body}");
+        let b: Value = serde_json::from_str(&body).expect("a JSON body");
+        assert_eq!(b["error"], "Bad request", "{b}");
+        assert!(b["message"].as_str().unwrap_or("").contains(names), "{b}");
+    }
+    // The daemon stays up, the model is untouched, and a good filter (in any canonical
+    // spelling) still subscribes.
+    assert_eq!(h.get("/healthz").status, 200);
+    assert_eq!(h.get("/models/demo/state").json(), before);
+    let mut ws = connect(&d, "/models/demo/subscribe?paths=$%5B'qty'%5D", &[]).expect("upgrade");
+    assert_eq!(mutate(&h, json!({"$.note": "skip"})), 200);
+    assert_eq!(mutate(&h, json!({"$.qty": 3})), 200);
+    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+}
+
+#[test]
 fn unknown_model_is_404_before_the_upgrade() {
     let (d, _h) = start(&[]);
     let (status, body) = connect(&d, "/models/nope/subscribe", &[]).expect_err("refused");
@@ -231,6 +265,67 @@ fn token_is_required_with_an_api_key() {
         200
     );
     assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+}
+
+#[test]
+fn the_query_key_opens_only_the_websocket_and_is_never_logged() {
+    const KEY: &str = "query-key-b7e1c9d4f2a6";
+    // Everything the daemon and its libraries can log, to find the key nowhere in it.
+    let d = Daemon::start_env(&["--api-key", KEY], &[("RUST_LOG", "trace")]);
+    let h = Http::new(&d).with_key(KEY);
+    assert_eq!(h.post_json("/models", &spec()).status, 201);
+    let anon = Http::new(&d);
+    let q = format!("token={KEY}");
+    // The attack: the key in the query of any route.
+    for path in [
+        format!("/models?{q}"),
+        format!("/models/demo/state?{q}"),
+        format!("/metrics?{q}"),
+        format!("/models/demo/subscribe/x?{q}"),
+    ] {
+        let r = anon.get(&path);
+        assert_eq!(r.status, 401, "{path}: {r:?}");
+        let m = r.json()["message"].as_str().unwrap_or("").to_string();
+        assert!(
+            m.contains("WebSocket handshake") && m.contains("Bearer"),
+            "{m}"
+        );
+        assert!(!r.text().contains(KEY), "{r:?}");
+    }
+    let created = anon.post_json(
+        &format!("/models?{q}"),
+        &json!({"id": "sneaky", "schema": {}}),
+    );
+    assert_eq!(created.status, 401, "{created:?}");
+    assert_eq!(h.get("/models/sneaky").status, 404, "nothing was created");
+    // With the header, a stray query key changes nothing.
+    assert_eq!(h.get(&format!("/models/demo?{q}")).status, 200);
+
+    // The handshake still takes it (browsers cannot set headers there).
+    let mut ws = connect(&d, &format!("/models/demo/subscribe?paths=$.qty&{q}"), &[])
+        .expect("upgrade with the query key");
+    assert_eq!(mutate(&h, json!({"$.qty": 2})), 200);
+    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+    drop(ws);
+    let (status, body) = connect(
+        &d,
+        "/models/nope/subscribe?token=wrong-key-for-the-log",
+        &[],
+    )
+    .expect_err("refused");
+    assert_eq!(status, 401, "{body}");
+
+    // Nothing logged it: the daemon's requests were traced (so the log is not just empty).
+    let log = d.stderr_with("/models/demo/subscribe");
+    assert!(
+        log.contains("/models/demo/subscribe"),
+        "requests are traced: {log}"
+    );
+    assert!(!log.contains(KEY), "the key reached the log");
+    assert!(
+        !log.contains("wrong-key-for-the-log"),
+        "a query key reached the log"
+    );
 }
 
 #[test]

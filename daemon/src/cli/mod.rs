@@ -136,10 +136,10 @@ pub enum Command {
     /// Listens on loopback by default. Requests must name a loopback Host (or one of
     /// --allowed-hosts) and, from a browser, a loopback Origin (or one of --allowed-origins).
     /// With --api-key every request but /healthz must carry `Authorization: Bearer <key>`
-    /// (the WebSocket may pass `?token=<key>`); the sandbox page and the browser's half of
-    /// pairing need no key, and a paired session's `X-Session-Token` stands in for it on its
-    /// own models (`/models…`, `/mcp`). Stops on SIGINT/SIGTERM after finishing
-    /// in-flight requests. Logs go to stderr; RUST_LOG sets the level (default info).
+    /// (only the WebSocket handshake may pass `?token=<key>`); the sandbox page and the
+    /// browser's half of pairing need no key, and a paired session's `X-Session-Token` stands
+    /// in for it on its own models (`/models…`, `/mcp`). Stops on SIGINT/SIGTERM after
+    /// finishing in-flight requests. Logs go to stderr; RUST_LOG sets the level (default info).
     Serve {
         /// Address to listen on (port 0 picks a free port; the chosen address is printed).
         #[arg(long, env = "VALEM_LISTEN", default_value = "127.0.0.1:8080")]
@@ -937,7 +937,8 @@ pub struct EffectsArgs {
     )]
     pub effects_allowed_hosts: Vec<String>,
     /// Let `server` effects reach loopback, private (RFC 1918), link-local and other non-public
-    /// addresses. Off by default: a listed host that resolves to one is refused.
+    /// addresses (IPv6 forms that embed such an IPv4 address included). Off by default: a
+    /// listed host that resolves to one is refused.
     #[arg(long, env = "VALEM_EFFECTS_ALLOW_PRIVATE_IPS", value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1, default_missing_value = "true", default_value = "false", value_name = "BOOL")]
     pub effects_allow_private_ips: bool,
     /// Largest response body a `server` effect folds back, in bytes.

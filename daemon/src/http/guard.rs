@@ -5,11 +5,15 @@
 //!   (DNS rebinding) is refused before it reaches a handler.
 //! - `Origin`, when present, must be a loopback origin or one of `--allowed-origins`; otherwise
 //!   403. Requests without `Origin` (non-browser clients) pass.
-//! - With an API key configured every request must carry `Authorization: Bearer <key>` (the
-//!   WebSocket handshake may pass it as `?token=`); otherwise 401. Compared in constant time.
+//! - With an API key configured every request must carry `Authorization: Bearer <key>`;
+//!   otherwise 401. Compared in constant time. Only the WebSocket handshake
+//!   (`GET /models/{id}/subscribe`), which browsers cannot give headers, may pass it as
+//!   `?token=`; anywhere else a query key is refused (401 saying so), since URLs end up in
+//!   logs, histories and `Referer`s. An accepted query key is removed from the request's URI
+//!   before anything after the guard (handlers, logs, traces) sees it.
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use serde_json::json;
@@ -29,11 +33,14 @@ pub async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Resp
     let path = req.uri().path();
     let keyless = super::sandbox::is_public(req.method(), path)
         || (scoped.is_some() && super::sandbox::session_may_use(path));
-    if let Err(r) = check(&st.config, req.headers(), req.uri(), keyless) {
+    if let Err(r) = check(&st.config, req.method(), req.headers(), req.uri(), keyless) {
         st.metrics.rejected(r.status().as_u16());
         return r;
     }
     let mut req = req;
+    if let Some(uri) = without_param(req.uri(), "token") {
+        *req.uri_mut() = uri;
+    }
     if let Some(s) = scoped {
         req.extensions_mut().insert(s);
     }
@@ -42,6 +49,7 @@ pub async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Resp
 
 fn check(
     cfg: &Config,
+    method: &Method,
     headers: &HeaderMap,
     uri: &axum::http::Uri,
     keyless: bool,
@@ -69,10 +77,16 @@ fn check(
         }
     }
     if let Some(key) = cfg.api_key.as_ref().filter(|_| !keyless) {
-        let presented = bearer(headers).or_else(|| query_token(uri));
+        let query = query_token(uri);
+        let presented = bearer(headers).or(query.filter(|_| is_ws_handshake(method, uri)));
         match presented {
             Some(p) if constant_time_eq(p.as_bytes(), key.as_bytes()) => {}
             Some(_) => return Err(unauthorized("the API key is wrong")),
+            None if query.is_some() => {
+                return Err(unauthorized(
+                    "`?token=` is accepted on the WebSocket handshake (GET /models/{id}/subscribe) only: send `Authorization: Bearer <key>`",
+                ))
+            }
             None => {
                 return Err(unauthorized(
                     "an API key is required: send `Authorization: Bearer <key>`",
@@ -160,6 +174,34 @@ fn query_token(uri: &axum::http::Uri) -> Option<&str> {
     query_param(uri, "token")
 }
 
+/// The WebSocket handshake, the one request that may carry the key in its query.
+fn is_ws_handshake(method: &Method, uri: &axum::http::Uri) -> bool {
+    let path = uri.path();
+    method == Method::GET
+        && path
+            .strip_prefix("/models/")
+            .and_then(|rest| rest.strip_suffix("/subscribe"))
+            .is_some_and(|id| !id.is_empty() && !id.contains('/'))
+}
+
+/// `uri` without any `name=` query parameter, or `None` when it has none.
+fn without_param(uri: &axum::http::Uri, name: &str) -> Option<axum::http::Uri> {
+    let q = uri.query()?;
+    let named = |kv: &&str| kv.split_once('=').map_or(*kv, |(k, _)| k) == name;
+    if !q.split('&').any(|kv| named(&kv)) {
+        return None;
+    }
+    let kept: Vec<&str> = q.split('&').filter(|kv| !named(kv)).collect();
+    let pq = if kept.is_empty() {
+        uri.path().to_string()
+    } else {
+        format!("{}?{}", uri.path(), kept.join("&"))
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(pq.parse().ok()?);
+    axum::http::Uri::from_parts(parts).ok()
+}
+
 pub(super) fn query_param<'a>(uri: &'a axum::http::Uri, name: &str) -> Option<&'a str> {
     uri.query()?.split('&').find_map(|kv| {
         kv.split_once('=')
@@ -242,6 +284,27 @@ mod tests {
         assert_eq!(bearer(&h), Some("s3cret"));
         let uri: axum::http::Uri = "/models/a/subscribe?paths=$.a&token=k".parse().unwrap();
         assert_eq!(query_token(&uri), Some("k"));
+        assert!(is_ws_handshake(&Method::GET, &uri));
+        assert_eq!(
+            without_param(&uri, "token").map(|u| u.to_string()),
+            Some("/models/a/subscribe?paths=$.a".into())
+        );
+        let only: axum::http::Uri = "/models/a/subscribe?token=k".parse().unwrap();
+        assert_eq!(
+            without_param(&only, "token").map(|u| u.to_string()),
+            Some("/models/a/subscribe".into())
+        );
+        assert_eq!(without_param(&only, "paths"), None);
+        for not_ws in [
+            "/models/a/state?token=k",
+            "/models/a/x/subscribe?token=k",
+            "/models//subscribe?token=k",
+            "/mcp?token=k",
+        ] {
+            let u: axum::http::Uri = not_ws.parse().unwrap();
+            assert!(!is_ws_handshake(&Method::GET, &u), "{not_ws}");
+        }
+        assert!(!is_ws_handshake(&Method::POST, &uri));
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"ab"));

@@ -312,6 +312,11 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             )
         }
     }
+    if let Some(s) = &hs.scope {
+        if let Some(r) = refuse_scoped(s, &msg) {
+            return with_session_header(plain_reply(&st, created, &sid, r, json_ok), created, &sid);
+        }
+    }
     let request = msg.clone();
     let scope = hs.scope.clone();
     if let Some(s) = &scope {
@@ -421,6 +426,22 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         }
     };
     with_session_header(res, created, &sid)
+}
+
+/// A sandbox session's call it may not make ([`Scoped::refused_call`]), answered here: an
+/// `isError` tool result naming why (nothing for a notification); a batch holding one is
+/// refused whole. `None` lets the message through.
+fn refuse_scoped(s: &Scoped, msg: &Json) -> Option<Option<Json>> {
+    if let Json::Array(items) = msg {
+        let why = items.iter().find_map(|m| s.refused_call(m))?;
+        return Some(Some(json!({"jsonrpc": "2.0", "id": null,
+            "error": {"code": code::INVALID_REQUEST, "message": format!("the batch was refused: {why}")}})));
+    }
+    let why = s.refused_call(msg)?;
+    Some(msg.get("id").map(|id| {
+        json!({"jsonrpc": "2.0", "id": id, "result": {
+            "content": [{"type": "text", "text": why}], "isError": true}})
+    }))
 }
 
 /// A reply to the `initialize` that opened a session names it in `Mcp-Session-Id`.

@@ -1,6 +1,6 @@
 //! `/metrics`: Prometheus text exposition (format 0.0.4) of the daemon — HTTP requests by
 //! status class, errors by kind, reactive cycles and their latency histogram, live models and
-//! MCP sessions.
+//! MCP sessions, sandbox pairings waiting and the mints refused or dropped.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -92,6 +92,30 @@ pub async fn serve(State(st): State<AppState>) -> Response {
         out,
         "# HELP valem_mcp_sessions Live Streamable HTTP MCP sessions.\n# TYPE valem_mcp_sessions gauge\nvalem_mcp_sessions {}",
         st.sessions.len()
+    );
+    let p = st.pairings.stats();
+    let _ = writeln!(
+        out,
+        "# HELP valem_pairings_pending Sandbox pairings waiting for approval.\n# TYPE valem_pairings_pending gauge\nvalem_pairings_pending {}",
+        p.pending
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_pairings_refused_total Sandbox pairing mints refused (429), by reason.\n# TYPE valem_pairings_refused_total counter"
+    );
+    for (reason, v) in [
+        ("rate_limited", p.refused_rate_limited),
+        ("capacity", p.refused_capacity),
+    ] {
+        let _ = writeln!(
+            out,
+            "valem_pairings_refused_total{{reason=\"{reason}\"}} {v}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP valem_pairings_evicted_total Waiting pairings dropped for a newer one minted by the same client.\n# TYPE valem_pairings_evicted_total counter\nvalem_pairings_evicted_total {}",
+        p.evicted
     );
     let _ = writeln!(
         out,

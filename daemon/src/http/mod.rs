@@ -5,7 +5,7 @@
 //! One guard runs before every route but `/healthz`: the `Host` must be a loopback name or
 //! listed (DNS rebinding), an `Origin`, when present, must be loopback or listed, and with an
 //! API key configured the request must carry it (`Authorization: Bearer`, or `?token=` on the
-//! WebSocket handshake). Service calls block on a shard, so handlers run them under
+//! WebSocket handshake only; the guard removes it from the URI, so nothing after it logs it). Service calls block on a shard, so handlers run them under
 //! `block_in_place` (the worker hands its other tasks to another thread first), never as plain
 //! code on a reactor thread.
 
@@ -90,6 +90,11 @@ impl Default for Config {
         }
     }
 }
+
+/// The peer address of the connection a request came on (inserted by the accept loop; absent
+/// when the router is driven in-process).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientAddr(pub SocketAddr);
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -393,7 +398,13 @@ async fn run(
         };
         let _ = stream.set_nodelay(true);
         let gauge = ConnGauge::open(&open_conns, &service, workers);
-        let svc = TowerToHyperService::new(app.clone());
+        let svc = TowerToHyperService::new(tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut req: Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(ClientAddr(peer));
+                req
+            },
+        ));
         let builder = builder.clone();
         let mut stop = stop_rx.clone();
         let first_byte = config.header_timeout;

@@ -5,6 +5,7 @@
 //!   `{pairCode (128 bits), deviceSecret (256 bits), userCode ("BCDF-GHJK"), verificationUri,
 //!   verificationUriComplete, expiresInSec, intervalSec}`. The links point at the page with the
 //!   pair code (and, complete, the user code) in the URL fragment, which browsers never send.
+//!   Mints are limited per client and in all ([`MintLimits`]): 429 with `Retry-After`.
 //! - `GET /sandbox/pair/{pairCode}` (the page): `{status, expiresInSec}` only — never the code.
 //! - `POST /sandbox/pair/approve {pairCode, userCode}` (the page, after a human clicked
 //!   Approve): `{sessionToken, namespaceId}`; a wrong code is 403 with the attempts left, and
@@ -21,9 +22,11 @@
 //! `<namespaceId>__<id>` on the way in and the prefix is stripped on the way out, `GET /models`
 //! lists the session's models only, and the token replaces the API key for `/models…`, `/mcp`
 //! and `/sandbox/session` (and nothing else). An unknown token is 401, never a fall-back to the
-//! unscoped API.
+//! unscoped API. Over `/mcp`, a session reads a blob only with the `modelId` of a model of its
+//! own that references it, and uploads none ([`Scoped::refused_call`]), as over REST.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -43,12 +46,44 @@ use super::{error_response, AppState};
 pub const SESSION_HEADER: &str = "x-session-token";
 /// Wrong user codes or device secrets before a pairing is burned.
 pub const MAX_ATTEMPTS: u32 = 5;
-/// Pairings waiting for approval at once (further mints are 429).
-const MAX_PENDING: usize = 256;
+/// How many pairings clients may mint, and how fast: a client (an address; loopback as one,
+/// IPv6 by /64) mints [`MintLimits::burst`] at once and then one every
+/// [`MintLimits::every`] (429 `rate_limited` with `Retry-After` beyond); a client's pairings
+/// waiting for approval past [`MintLimits::per_client`] make room by dropping its own oldest
+/// (a client crowds out only itself); the daemon holds [`MintLimits::pending`] waiting
+/// pairings in all (429 `too_many_pairings` with `Retry-After` until the oldest expires).
+/// One address fills at most `per_client` of the `pending` places, so no single client —
+/// and no local one, whatever loopback address it uses — can lock the others out.
+#[derive(Clone, Copy, Debug)]
+pub struct MintLimits {
+    pub burst: u32,
+    pub every: Duration,
+    pub per_client: usize,
+    pub pending: usize,
+}
+
+impl Default for MintLimits {
+    fn default() -> MintLimits {
+        MintLimits {
+            burst: 8,
+            every: Duration::from_secs(6),
+            per_client: 16,
+            pending: 256,
+        }
+    }
+}
+
+/// Clients with a mint rate being tracked (a client idle long enough to mint a full burst
+/// again is forgotten); a new client beyond this is refused like a full daemon.
+const MAX_CLIENTS: usize = 4096;
+/// Pairings kept in all, ended ones included (the oldest ended ones go first beyond this).
+const MAX_PAIRINGS: usize = 1024;
+/// An expired pairing is remembered this long, to answer `expired_token` rather than
+/// "no such pairing".
+const EXPIRED_GRACE: Duration = Duration::from_secs(60);
 /// Live sandbox sessions (the oldest is dropped beyond this).
 const MAX_SESSIONS: usize = 1024;
-/// The separator between a session's namespace and the agent's own model id.
-pub const NS_SEP: &str = "__";
+pub use crate::service::scope::NS_SEP;
 /// The user-code alphabet: consonants only (no vowels, so no words; no 0/O, 1/I confusion).
 const USER_ALPHABET: &[u8] = b"BCDFGHJKLMNPQRSTVWXZ";
 
@@ -73,6 +108,9 @@ enum PairState {
 struct Pairing {
     user_code: String,
     device_secret: String,
+    /// Who minted it.
+    client: ClientKey,
+    created: Instant,
     expires: Instant,
     state: PairState,
     wrong: u32,
@@ -89,10 +127,60 @@ struct SandboxSession {
 /// A sandbox session unused this long ends (its models stay; pair again to reach them).
 const SESSION_IDLE: Duration = Duration::from_secs(24 * 3600);
 
+/// Who mints a pairing, for [`MintLimits`]: a client address, with every loopback address one
+/// client (a local process may send from any of 127.0.0.0/8) and an IPv6 client its /64.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ClientKey {
+    Loopback,
+    V4(std::net::Ipv4Addr),
+    V6Prefix(u64),
+    /// No address known (the router driven in-process).
+    Unknown,
+}
+
+impl ClientKey {
+    pub fn of(addr: Option<std::net::SocketAddr>) -> ClientKey {
+        let Some(a) = addr else {
+            return ClientKey::Unknown;
+        };
+        let ip = match a.ip() {
+            std::net::IpAddr::V6(v6) => v6
+                .to_ipv4_mapped()
+                .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
+            v4 => v4,
+        };
+        match ip {
+            ip if ip.is_loopback() => ClientKey::Loopback,
+            std::net::IpAddr::V4(v4) => ClientKey::V4(v4),
+            std::net::IpAddr::V6(v6) => ClientKey::V6Prefix((u128::from(v6) >> 64) as u64),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Inner {
     pairs: HashMap<String, Pairing>,
     sessions: HashMap<String, SandboxSession>,
+    /// Per client, the theoretical arrival time of its next mint (GCRA: the bucket is full
+    /// once it is in the past).
+    next_mint: HashMap<ClientKey, Instant>,
+}
+
+/// Counters of refused and dropped mints, for `/metrics`.
+#[derive(Default)]
+struct MintCounters {
+    rate_limited: AtomicU64,
+    capacity: AtomicU64,
+    evicted: AtomicU64,
+}
+
+/// What `/metrics` reports of pairing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PairingStats {
+    pub pending: usize,
+    pub refused_rate_limited: u64,
+    pub refused_capacity: u64,
+    pub evicted: u64,
 }
 
 /// The daemon's pairings and sandbox sessions (in memory: a restart ends them; the agent pairs
@@ -101,6 +189,8 @@ pub struct Pairings {
     inner: Mutex<Inner>,
     ttl: Duration,
     interval: Duration,
+    limits: MintLimits,
+    counters: MintCounters,
 }
 
 /// A pairing just minted: what the agent is told.
@@ -123,12 +213,21 @@ pub enum PairError {
     Used,
     /// A wrong user code or device secret; attempts left.
     Wrong(u32),
-    TooMany,
+    /// The client minted too many too fast; it may mint again after this.
+    RateLimited(Duration),
+    /// The daemon holds as many waiting pairings as it will; one expires after this.
+    TooMany(Duration),
     NoRandomness,
 }
 
+/// Whole seconds to wait, rounded up, at least one.
+fn retry_secs(d: Duration) -> u64 {
+    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
+}
+
 impl PairError {
-    fn response(&self, interval: Duration) -> Response {
+    fn response(&self, p: &Pairings) -> Response {
+        let (interval, limits) = (p.interval, p.limits);
         let (status, error, message) = match self {
             PairError::Unknown => (
                 StatusCode::BAD_REQUEST,
@@ -168,10 +267,24 @@ impl PairError {
                     "the code does not match; {left} attempt(s) left before the pairing is burned"
                 ),
             ),
-            PairError::TooMany => (
+            PairError::RateLimited(after) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                format!(
+                    "this client minted too many pairings: at most {} at once, then one every {} s; retry after {} s",
+                    limits.burst,
+                    limits.every.as_secs(),
+                    retry_secs(*after)
+                ),
+            ),
+            PairError::TooMany(after) => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "too_many_pairings",
-                format!("{MAX_PENDING} pairings are already waiting for approval; try again later"),
+                format!(
+                    "the daemon holds as many pairings as it will ({} waiting for approval at most); retry after {} s",
+                    limits.pending,
+                    retry_secs(*after)
+                ),
             ),
             PairError::NoRandomness => (
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -186,7 +299,19 @@ impl PairError {
         if let PairError::Wrong(left) = self {
             body["attemptsLeft"] = json!(left);
         }
-        error_response(status, body)
+        let retry = match self {
+            PairError::RateLimited(d) | PairError::TooMany(d) => Some(retry_secs(*d)),
+            _ => None,
+        };
+        if let Some(secs) = retry {
+            body["retryAfterSec"] = json!(secs);
+        }
+        let mut r = error_response(status, body);
+        if let Some(secs) = retry {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        r
     }
 }
 
@@ -220,10 +345,36 @@ fn normalize_code(c: &str) -> String {
 
 impl Pairings {
     pub fn new(ttl: Duration, interval: Duration) -> Pairings {
+        Pairings::with_limits(ttl, interval, MintLimits::default())
+    }
+
+    pub fn with_limits(ttl: Duration, interval: Duration, limits: MintLimits) -> Pairings {
         Pairings {
             inner: Mutex::new(Inner::default()),
             ttl,
             interval,
+            limits,
+            counters: MintCounters::default(),
+        }
+    }
+
+    /// Pairings waiting for approval, and mints refused or dropped so far.
+    pub fn stats(&self) -> PairingStats {
+        self.stats_at(Instant::now())
+    }
+
+    fn stats_at(&self, now: Instant) -> PairingStats {
+        let pending = self
+            .lock()
+            .pairs
+            .values()
+            .filter(|p| p.state == PairState::Pending && p.expires > now)
+            .count();
+        PairingStats {
+            pending,
+            refused_rate_limited: self.counters.rate_limited.load(Ordering::Relaxed),
+            refused_capacity: self.counters.capacity.load(Ordering::Relaxed),
+            evicted: self.counters.evicted.load(Ordering::Relaxed),
         }
     }
 
@@ -239,27 +390,81 @@ impl Pairings {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn mint(&self) -> Result<Minted, PairError> {
-        let now = Instant::now();
+    /// A new pairing for `client`, within [`MintLimits`].
+    pub fn mint(&self, client: ClientKey) -> Result<Minted, PairError> {
+        self.mint_at(client, Instant::now())
+    }
+
+    fn mint_at(&self, client: ClientKey, now: Instant) -> Result<Minted, PairError> {
         let mut g = self.lock();
-        // Ended pairings linger until they expire (to answer "already used"), then go.
-        g.pairs.retain(|_, p| p.expires > now);
-        let waiting = g
-            .pairs
-            .values()
-            .filter(|p| p.state == PairState::Pending)
-            .count();
-        if waiting >= MAX_PENDING {
-            return Err(PairError::TooMany);
+        let inner = &mut *g;
+        Pairings::sweep(inner, now);
+        let refused = |counter: &AtomicU64, e: PairError| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            Err(e)
+        };
+        // The client's rate: GCRA over one instant per client.
+        let every = self.limits.every;
+        let tolerance = every * self.limits.burst.saturating_sub(1);
+        let next = inner
+            .next_mint
+            .get(&client)
+            .copied()
+            .unwrap_or(now)
+            .max(now);
+        if next > now + tolerance {
+            return refused(
+                &self.counters.rate_limited,
+                PairError::RateLimited(next - tolerance - now),
+            );
         }
+        if !inner.next_mint.contains_key(&client) && inner.next_mint.len() >= MAX_CLIENTS {
+            return refused(&self.counters.capacity, PairError::TooMany(every));
+        }
+        // Room: the client's own oldest waiting pairing goes past its share; the daemon's
+        // waiting pairings are capped.
+        let waiting = |p: &Pairing| p.state == PairState::Pending && p.expires > now;
+        let own: Vec<(&String, Instant)> = inner
+            .pairs
+            .iter()
+            .filter(|(_, p)| p.client == client && waiting(p))
+            .map(|(k, p)| (k, p.created))
+            .collect();
+        let evict = if own.len() >= self.limits.per_client.max(1) {
+            own.iter()
+                .min_by_key(|(_, c)| *c)
+                .map(|(k, _)| (*k).clone())
+        } else {
+            let all: Vec<Instant> = inner
+                .pairs
+                .values()
+                .filter(|p| waiting(p))
+                .map(|p| p.expires)
+                .collect();
+            if all.len() >= self.limits.pending {
+                let first = all.iter().min().copied().unwrap_or(now);
+                return refused(
+                    &self.counters.capacity,
+                    PairError::TooMany(first.saturating_duration_since(now)),
+                );
+            }
+            None
+        };
         let pair_code = random_hex(16).ok_or(PairError::NoRandomness)?;
         let device_secret = random_hex(32).ok_or(PairError::NoRandomness)?;
         let user_code = random_user_code().ok_or(PairError::NoRandomness)?;
-        g.pairs.insert(
+        if let Some(old) = evict {
+            inner.pairs.remove(&old);
+            self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        inner.next_mint.insert(client, next + every);
+        inner.pairs.insert(
             pair_code.clone(),
             Pairing {
                 user_code: user_code.clone(),
                 device_secret: device_secret.clone(),
+                client,
+                created: now,
                 expires: now + self.ttl,
                 state: PairState::Pending,
                 wrong: 0,
@@ -273,9 +478,33 @@ impl Pairings {
         })
     }
 
+    /// Forget what is over: pairings expired more than [`EXPIRED_GRACE`] ago (ended ones
+    /// linger until then, to answer "already used" or "expired"), the oldest ended pairings
+    /// beyond [`MAX_PAIRINGS`], and the rate of clients whose burst is whole again.
+    fn sweep(inner: &mut Inner, now: Instant) {
+        inner.pairs.retain(|_, p| p.expires + EXPIRED_GRACE > now);
+        if inner.pairs.len() >= MAX_PAIRINGS {
+            let mut ended: Vec<(Instant, String)> = inner
+                .pairs
+                .iter()
+                .filter(|(_, p)| p.state != PairState::Pending || p.expires <= now)
+                .map(|(k, p)| (p.expires, k.clone()))
+                .collect();
+            ended.sort();
+            let excess = inner.pairs.len() + 1 - MAX_PAIRINGS;
+            for (_, k) in ended.into_iter().take(excess) {
+                inner.pairs.remove(&k);
+            }
+        }
+        inner.next_mint.retain(|_, next| *next > now);
+    }
+
     /// The pairing's status and seconds left, for the page.
     pub fn peek(&self, pair_code: &str) -> Result<(&'static str, u64), PairError> {
-        let now = Instant::now();
+        self.peek_at(pair_code, Instant::now())
+    }
+
+    fn peek_at(&self, pair_code: &str, now: Instant) -> Result<(&'static str, u64), PairError> {
         let g = self.lock();
         let p = g.pairs.get(pair_code).ok_or(PairError::Unknown)?;
         if p.expires <= now {
@@ -321,6 +550,7 @@ impl Pairings {
         let token = random_hex(32).ok_or(PairError::NoRandomness)?;
         // A namespace is a model-id segment: it starts with a letter.
         let ns = format!("s{}", random_hex(8).ok_or(PairError::NoRandomness)?);
+        debug_assert!(crate::service::scope::is_namespace(&ns));
         p.state = PairState::Approved {
             token: token.clone(),
             ns: ns.clone(),
@@ -429,8 +659,7 @@ impl Scoped {
     /// Every occurrence of the session prefix removed from the strings of `v` (object keys
     /// included). The namespace is random hex, so it appears nowhere else.
     pub fn strip(&self, v: &mut Json) {
-        let prefix = self.prefix();
-        strip_in(v, &prefix);
+        crate::service::scope::strip(v, &self.prefix());
     }
 
     /// A JSON-RPC message from a scoped MCP client: its model ids and state URIs namespaced.
@@ -492,6 +721,30 @@ impl Scoped {
         }
     }
 
+    /// Why a scoped client may not make this call, if it may not: the blob store is the
+    /// daemon's, not the session's, so a session reads a blob through a model of its own that
+    /// references it and uploads none (REST refuses `/blobs…` to a session token likewise).
+    pub fn refused_call(&self, msg: &Json) -> Option<String> {
+        if msg.get("method").and_then(|m| m.as_str()) != Some("tools/call") {
+            return None;
+        }
+        let args = msg.pointer("/params/arguments");
+        match msg.pointer("/params/name").and_then(|n| n.as_str())? {
+            // `modelId: null` is no model id either.
+            "download_blob" if args.and_then(|a| a.get("modelId")?.as_str()).is_none() => Some(
+                "download_blob needs `modelId` in a sandbox session: a session reads the blobs \
+                 its own models reference"
+                    .into(),
+            ),
+            "upload_blob" => Some(
+                "upload_blob is not available to a sandbox session: the blob store is shared by \
+                 every client of the daemon"
+                    .into(),
+            ),
+            _ => None,
+        }
+    }
+
     /// A reply to a scoped client's request: `list_models` keeps the session's models only,
     /// then the prefix is stripped everywhere.
     pub fn outbound_rpc(&self, request: &Json, reply: &mut Json) {
@@ -533,25 +786,6 @@ impl Scoped {
                     .is_some_and(|id| id.starts_with(&prefix))
             });
         }
-    }
-}
-
-fn strip_in(v: &mut Json, prefix: &str) {
-    match v {
-        Json::String(s) if s.contains(prefix) => *s = s.replace(prefix, ""),
-        Json::Array(a) => a.iter_mut().for_each(|x| strip_in(x, prefix)),
-        Json::Object(m) => {
-            if m.keys().any(|k| k.contains(prefix)) {
-                let old = std::mem::take(m);
-                for (k, mut x) in old {
-                    strip_in(&mut x, prefix);
-                    m.insert(k.replace(prefix, ""), x);
-                }
-            } else {
-                m.values_mut().for_each(|x| strip_in(x, prefix));
-            }
-        }
-        _ => {}
     }
 }
 
@@ -629,8 +863,19 @@ pub async fn scope(State(st): State<AppState>, mut req: Request, next: Next) -> 
             *req.uri_mut() = uri;
         }
     }
-    if path == "/models" && method == axum::http::Method::POST {
-        // Create: the spec's id becomes the session's.
+    // Create: the spec's id becomes the session's; restore: so does the snapshot's model id
+    // (the session was handed it stripped). Every other id a spec names (`template.ref`, an
+    // effect's `target.ref`) is resolved inside the namespace by the service.
+    let body_id = if method != axum::http::Method::POST {
+        None
+    } else if path == "/models" {
+        Some("id")
+    } else if path.starts_with("/models/") && path.ends_with("/restore") {
+        Some("modelId")
+    } else {
+        None
+    };
+    if let Some(field) = body_id {
         let (parts, body) = req.into_parts();
         let Ok(bytes) = axum::body::to_bytes(body, st.config.max_body_bytes).await else {
             return error_response(
@@ -639,11 +884,11 @@ pub async fn scope(State(st): State<AppState>, mut req: Request, next: Next) -> 
             );
         };
         let bytes = match serde_json::from_slice::<Json>(&bytes) {
-            Ok(mut spec) => {
-                if let Some(Json::String(s)) = spec.get_mut("id") {
+            Ok(mut v) => {
+                if let Some(Json::String(s)) = v.get_mut(field) {
                     *s = scoped.inner_id(s);
                 }
-                Bytes::from(spec.to_string())
+                Bytes::from(v.to_string())
             }
             // Not JSON: the handler reports it as it would unscoped.
             Err(_) => bytes,
@@ -753,8 +998,13 @@ fn base_url(headers: &HeaderMap) -> String {
     format!("http://{host}")
 }
 
-async fn mint(State(st): State<AppState>, headers: HeaderMap) -> Response {
-    match st.pairings.mint() {
+async fn mint(
+    State(st): State<AppState>,
+    client: Option<axum::Extension<super::ClientAddr>>,
+    headers: HeaderMap,
+) -> Response {
+    let client = ClientKey::of(client.map(|axum::Extension(c)| c.0));
+    match st.pairings.mint(client) {
         Ok(m) => {
             let base = base_url(&headers);
             let uri = format!("{base}/sandbox/#pair={}", m.pair_code);
@@ -769,7 +1019,7 @@ async fn mint(State(st): State<AppState>, headers: HeaderMap) -> Response {
                 "intervalSec": st.pairings.interval().as_secs(),
             }))
         }
-        Err(e) => e.response(st.pairings.interval()),
+        Err(e) => e.response(&st.pairings),
     }
 }
 
@@ -778,7 +1028,7 @@ async fn peek(State(st): State<AppState>, Path(code): Path<String>) -> Response 
         Ok((status, left)) => {
             axum::Json(json!({"status": status, "expiresInSec": left})).into_response()
         }
-        Err(e) => e.response(st.pairings.interval()),
+        Err(e) => e.response(&st.pairings),
     }
 }
 
@@ -824,7 +1074,7 @@ async fn approve(State(st): State<AppState>, body: Bytes) -> Response {
             tracing::info!(namespace = %ns, "sandbox pairing approved");
             no_store(json!({"sessionToken": token, "namespaceId": ns}))
         }
-        Err(e) => e.response(st.pairings.interval()),
+        Err(e) => e.response(&st.pairings),
     }
 }
 
@@ -835,7 +1085,7 @@ async fn deny(State(st): State<AppState>, body: Bytes) -> Response {
     };
     match st.pairings.deny(&code) {
         Ok(()) => axum::Json(json!({"status": "denied"})).into_response(),
-        Err(e) => e.response(st.pairings.interval()),
+        Err(e) => e.response(&st.pairings),
     }
 }
 
@@ -846,7 +1096,7 @@ async fn token(State(st): State<AppState>, body: Bytes) -> Response {
     };
     match st.pairings.token(&code, &secret) {
         Ok((token, ns)) => no_store(json!({"sessionToken": token, "namespaceId": ns})),
-        Err(e) => e.response(st.pairings.interval()),
+        Err(e) => e.response(&st.pairings),
     }
 }
 
@@ -878,7 +1128,7 @@ mod tests {
     #[test]
     fn flow_and_single_use() {
         let p = pairings();
-        let m = p.mint().unwrap();
+        let m = p.mint(ClientKey::Loopback).unwrap();
         assert_eq!(m.pair_code.len(), 32);
         assert_eq!(m.user_code.len(), 9);
         assert_eq!(
@@ -908,7 +1158,7 @@ mod tests {
     #[test]
     fn wrong_codes_burn_the_pairing() {
         let p = pairings();
-        let m = p.mint().unwrap();
+        let m = p.mint(ClientKey::Loopback).unwrap();
         for left in (1..MAX_ATTEMPTS).rev() {
             assert_eq!(
                 p.approve(&m.pair_code, "ZZZZ-ZZZZ-X"),
@@ -933,7 +1183,7 @@ mod tests {
     #[test]
     fn wrong_secret_and_expiry() {
         let p = Pairings::new(Duration::from_millis(30), Duration::from_secs(1));
-        let m = p.mint().unwrap();
+        let m = p.mint(ClientKey::Loopback).unwrap();
         assert_eq!(p.token(&m.pair_code, "wrong"), Err(PairError::Unknown));
         assert_eq!(
             p.token("unknown", &m.device_secret),
@@ -948,6 +1198,120 @@ mod tests {
             p.approve(&m.pair_code, &m.user_code),
             Err(PairError::Expired)
         );
+    }
+
+    fn limited(limits: MintLimits) -> Pairings {
+        Pairings::with_limits(Duration::from_secs(600), Duration::from_secs(2), limits)
+    }
+
+    #[test]
+    fn a_client_mints_a_burst_then_at_its_rate() {
+        let p = limited(MintLimits::default());
+        let t0 = Instant::now();
+        let me = ClientKey::Loopback;
+        for _ in 0..8 {
+            p.mint_at(me, t0).unwrap();
+        }
+        let Err(PairError::RateLimited(after)) = p.mint_at(me, t0) else {
+            panic!("the ninth mint at once is rate limited");
+        };
+        assert_eq!(after, Duration::from_secs(6));
+        assert_eq!(retry_secs(after), 6);
+        // Another client is not held back by this one.
+        p.mint_at(ClientKey::V4([192, 0, 2, 7].into()), t0).unwrap();
+        // One more every 6 s.
+        assert!(p.mint_at(me, t0 + Duration::from_secs(5)).is_err());
+        p.mint_at(me, t0 + Duration::from_secs(6)).unwrap();
+        assert!(p.mint_at(me, t0 + Duration::from_secs(7)).is_err());
+        let s = p.stats();
+        assert_eq!((s.pending, s.refused_rate_limited), (10, 3), "{s:?}");
+    }
+
+    #[test]
+    fn a_client_crowds_out_only_itself_and_the_daemon_has_a_cap() {
+        let p = limited(MintLimits {
+            burst: 100,
+            every: Duration::from_millis(1),
+            per_client: 3,
+            pending: 5,
+        });
+        let t0 = Instant::now();
+        let flood = ClientKey::V6Prefix(0x2001_0db8_0000_0001);
+        let first = p.mint_at(flood, t0).unwrap();
+        for i in 1..10 {
+            p.mint_at(flood, t0 + Duration::from_millis(i)).unwrap();
+        }
+        // Its oldest went, the others' room is intact.
+        assert_eq!(
+            p.token(&first.pair_code, &first.device_secret),
+            Err(PairError::Unknown)
+        );
+        let s = p.stats();
+        assert_eq!((s.pending, s.evicted), (3, 7), "{s:?}");
+        let a = ClientKey::V4([198, 51, 100, 1].into());
+        let b = ClientKey::V4([198, 51, 100, 2].into());
+        p.mint_at(a, t0).unwrap();
+        p.mint_at(b, t0).unwrap();
+        // Full: a clear refusal until the oldest waiting pairing expires.
+        let c = ClientKey::V4([198, 51, 100, 3].into());
+        let Err(PairError::TooMany(after)) = p.mint_at(c, t0 + Duration::from_secs(10)) else {
+            panic!("the daemon is full");
+        };
+        assert!(after <= Duration::from_secs(590) && after > Duration::from_secs(580));
+        assert_eq!(p.stats().refused_capacity, 1);
+        // Once they expire, there is room again (and they are swept).
+        p.mint_at(c, t0 + Duration::from_secs(601)).unwrap();
+        assert_eq!(p.stats_at(t0 + Duration::from_secs(601)).pending, 1);
+    }
+
+    #[test]
+    fn an_expired_pairing_still_answers_expired_for_a_while() {
+        let p = Pairings::new(Duration::from_secs(1), Duration::from_secs(1));
+        let t0 = Instant::now();
+        let m = p.mint_at(ClientKey::Unknown, t0).unwrap();
+        // Another mint after the expiry sweeps, but keeps it to say so.
+        let later = t0 + Duration::from_secs(2);
+        p.mint_at(ClientKey::Unknown, later).unwrap();
+        assert_eq!(p.peek_at(&m.pair_code, later), Err(PairError::Expired));
+        let much_later = t0 + Duration::from_secs(62);
+        p.mint_at(ClientKey::Unknown, much_later).unwrap();
+        assert_eq!(p.peek_at(&m.pair_code, much_later), Err(PairError::Unknown));
+    }
+
+    #[test]
+    fn client_keys_group_loopback_and_ipv6_prefixes() {
+        let k = |a: &str| ClientKey::of(Some(a.parse().unwrap()));
+        assert_eq!(k("127.0.0.1:1"), ClientKey::Loopback);
+        assert_eq!(k("127.9.9.9:2"), ClientKey::Loopback);
+        assert_eq!(k("[::1]:3"), ClientKey::Loopback);
+        assert_eq!(k("[::ffff:127.0.0.2]:3"), ClientKey::Loopback);
+        assert_eq!(k("[::ffff:192.0.2.1]:4"), k("192.0.2.1:5"));
+        assert_eq!(k("[2001:db8:0:1::a]:1"), k("[2001:db8:0:1::b]:2"));
+        assert_ne!(k("[2001:db8:0:1::a]:1"), k("[2001:db8:0:2::a]:1"));
+        assert_eq!(ClientKey::of(None), ClientKey::Unknown);
+    }
+
+    #[test]
+    fn a_session_reaches_blobs_only_through_its_models() {
+        let s = Scoped { ns: "sabc".into() };
+        let call = |name: &str, args: Json| {
+            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": name, "arguments": args}})
+        };
+        for refused in [
+            call("download_blob", json!({"blobId": "b"})),
+            call("download_blob", json!({"blobId": "b", "modelId": null})),
+            call("upload_blob", json!({"data": "AA=="})),
+        ] {
+            assert!(s.refused_call(&refused).is_some(), "{refused}");
+        }
+        for allowed in [
+            call("download_blob", json!({"blobId": "b", "modelId": "m"})),
+            call("get_state", json!({"id": "m"})),
+            json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}),
+        ] {
+            assert_eq!(s.refused_call(&allowed), None, "{allowed}");
+        }
     }
 
     #[test]

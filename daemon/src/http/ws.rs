@@ -5,6 +5,8 @@
 //! - `?paths=$.a,$.b` keeps the mutation frames whose written or derived paths lie under (or
 //!   above) one of the prefixes, segment-wise (`$.a` covers `$.a.b` and `$.a[0]`, not `$.ab`);
 //!   frames with flagged constraints or dispatched effects and spec-evolved frames always pass.
+//!   Each path must be a canonical address without `[*]` (compared in its canonical spelling),
+//!   at most [`MAX_PATHS`] of them: otherwise 400 before the upgrade, naming the path.
 //! - An unknown model is 404 before the upgrade. Deleting the model closes the socket (1000),
 //!   so does the daemon's shutdown (1001). A client that does not keep up — its queue of
 //!   [`QUEUE`] frames overflows, or one frame cannot be written for [`SEND_TIMEOUT`] — is
@@ -31,6 +33,7 @@ use super::rest::extract::{Params, P};
 use super::rest::{call, count_errors, ApiError};
 use super::AppState;
 use crate::engine::MutationResult;
+use crate::expr::path::Address;
 use crate::service::{Event, EventFilter, EventSink};
 
 /// Frames queued for one subscriber before it counts as too slow.
@@ -39,6 +42,8 @@ const QUEUE: usize = 1024;
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest client frame read (clients have nothing to say beyond pings and close).
 const MAX_CLIENT_MESSAGE: usize = 64 << 10;
+/// Most paths one subscription's `?paths=` may list.
+pub const MAX_PATHS: usize = 64;
 
 pub fn routes(st: &AppState) -> Router<AppState> {
     Router::new()
@@ -62,6 +67,7 @@ async fn subscribe(
     scoped: Option<axum::Extension<super::sandbox::Scoped>>,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
+    let paths = filter_paths(q.get("paths").unwrap_or(""))?;
     let ws = ws.map_err(|r| {
         ApiError::new(
             r.status(),
@@ -86,13 +92,6 @@ async fn subscribe(
         ));
     }
     let slot = Slot(st.subscriptions.clone());
-    let paths: Vec<String> = q
-        .get("paths")
-        .unwrap_or("")
-        .split(',')
-        .map(|p| p.trim().to_string())
-        .filter(|p| !p.is_empty())
-        .collect();
 
     // Subscribe before checking that the model exists: a delete in between is then an event,
     // not a socket left open on nothing. A refused subscriber's channel is closed, and its
@@ -118,6 +117,42 @@ async fn subscribe(
             drop(slot);
         })
         .into_response())
+}
+
+/// The `?paths=` filter, comma-separated: each a canonical address without `[*]`, in its
+/// canonical spelling (the one of `mutatedPaths`), at most [`MAX_PATHS`]; a 400 naming the
+/// first that is not.
+fn filter_paths(raw: &str) -> Result<Vec<String>, ApiError> {
+    let listed: Vec<&str> = raw
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect();
+    if listed.len() > MAX_PATHS {
+        return Err(ApiError::bad_request(format!(
+            "`paths` lists {} paths; a subscription filters on at most {MAX_PATHS}",
+            listed.len()
+        )));
+    }
+    listed
+        .into_iter()
+        .map(|p| {
+            let shown: String = if p.chars().count() > 120 {
+                p.chars().take(120).chain(['…']).collect()
+            } else {
+                p.to_string()
+            };
+            let a = Address::parse_transient(p).map_err(|e| {
+                ApiError::bad_request(format!("`paths`: `{shown}` is not a canonical path: {e}"))
+            })?;
+            if a.has_wildcard() {
+                return Err(ApiError::bad_request(format!(
+                    "`paths`: `{shown}` has a `[*]`; filter on the array itself (`$.items` covers every element)"
+                )));
+            }
+            Ok(a.to_string())
+        })
+        .collect()
 }
 
 /// A subscriber of `model_id`'s events: the filter and sink the service calls on the shard
@@ -305,6 +340,33 @@ mod tests {
         drop(rx);
         assert!(filter(&evolved("other")));
         assert!(!sink(&evolved("other")));
+    }
+
+    #[test]
+    fn filter_paths_are_canonical_addresses() {
+        assert_eq!(
+            filter_paths(" $.a , $['b'],$.c[0] ,,").unwrap(),
+            vec!["$.a", "$.b", "$.c[0]"]
+        );
+        assert_eq!(filter_paths("").unwrap(), Vec::<String>::new());
+        for bad in ["items.0.x", "$.a.0", "$[", "$.a[*].b", "a"] {
+            let e = filter_paths(&format!("$.ok,{bad}")).expect_err(bad);
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            let m = e.body["message"].as_str().unwrap_or("");
+            assert!(m.contains(&format!("`{bad}`")), "{m}");
+        }
+        let many = vec!["$.a"; MAX_PATHS + 1].join(",");
+        let e = filter_paths(&many).expect_err("too many");
+        assert!(e.body["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("at most 64"));
+        assert_eq!(
+            filter_paths(&vec!["$.a"; MAX_PATHS].join(","))
+                .map(|p| p.len())
+                .ok(),
+            Some(MAX_PATHS)
+        );
     }
 
     #[test]

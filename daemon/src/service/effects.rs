@@ -8,7 +8,8 @@
 //!   the url and headers interpolate JSONata over the merged document, `body` is JSONata) behind
 //!   the egress guard: https (Mozilla's roots, or `--effects-ca-file`) or plain http, the host must be on
 //!   `--effects-allowed-hosts` (none by default: every call refused; `*` = any host), every
-//!   resolved address must be public unless `--effects-allow-private-ips`, no redirects, a
+//!   resolved address must be public (`egress.rs`; an IPv6 address embedding an IPv4 one is
+//!   judged by it) unless `--effects-allow-private-ips`, no redirects, a
 //!   response over `--effects-max-response-bytes` fails, `policy.timeoutMs` (default 5 s). A
 //!   failure is retried `policy.retries` times (default 0), waiting `policy.backoff` ms (default
 //!   500; or `{delayMs, factor}`) doubled per attempt. `response.set` sees the parsed body as
@@ -41,7 +42,7 @@
 //! fires at most once. Exactly-once therefore needs a `dedupeKey` and a `statusPath`; without
 //! them an effect interrupted by a crash is lost.
 
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::rc::Rc;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
@@ -670,10 +671,7 @@ impl Runner {
             .get("ref")
             .and_then(|r| r.as_str())
             .ok_or_else(|| Failure::Refused("target.ref is missing".into()))?;
-        let linked = match session_prefix(model) {
-            Some(p) => format!("{p}{reference}"),
-            None => reference.to_string(),
-        };
+        let linked = super::scope::resolve(model, reference);
         if linked == model {
             return Err(Failure::Refused("a model cannot link to itself".into()));
         }
@@ -708,11 +706,8 @@ impl Runner {
             .mutate_linked(&linked, vec![(path.to_string(), body)])
             .map_err(missing)?;
         let mut out = r.to_json(false);
-        if let Some(p) = session_prefix(model) {
-            crate::http::sandbox::Scoped {
-                ns: p.trim_end_matches(crate::http::sandbox::NS_SEP).to_string(),
-            }
-            .strip(&mut out);
+        if let Some(p) = super::scope::session_prefix(model) {
+            super::scope::strip(&mut out, p);
         }
         Ok(out)
     }
@@ -761,7 +756,7 @@ impl Runner {
             return Err(format!("host `{host}` does not resolve"));
         }
         if !self.cfg.allow_private_ips {
-            if let Some(bad) = addrs.iter().find(|a| !is_public(a.ip())) {
+            if let Some(bad) = addrs.iter().find(|a| !super::egress::is_public(a.ip())) {
                 return Err(format!(
                     "host `{host}` resolves to the non-public address {} (allow with --effects-allow-private-ips / VALEM_EFFECTS_ALLOW_PRIVATE_IPS)",
                     bad.ip()
@@ -970,47 +965,6 @@ impl Policy {
     }
 }
 
-/// A public (globally routable) address: not loopback, private, link-local, shared (CGNAT),
-/// unique-local, multicast, unspecified or documentation; IPv4-mapped IPv6 is checked as IPv4.
-pub fn is_public(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => {
-            let o = v4.octets();
-            !(v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_multicast()
-                || v4.is_broadcast()
-                || v4.is_documentation()
-                || o[0] == 0
-                || (o[0] == 100 && (o[1] & 0xc0) == 64)
-                || (o[0] == 198 && (o[1] & 0xfe) == 18)
-                || o[0] >= 240)
-        }
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_public(IpAddr::V4(v4));
-            }
-            let s = v6.segments();
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                || (s[0] & 0xfe00) == 0xfc00
-                || (s[0] & 0xffc0) == 0xfe80
-                || (s[0] == 0x2001 && s[1] == 0x0db8))
-        }
-    }
-}
-
-/// The `<namespace>__` prefix of a sandbox session's model id, if it is one.
-fn session_prefix(model: &str) -> Option<&str> {
-    let (ns, _) = model.split_once(crate::http::sandbox::NS_SEP)?;
-    let hex = ns.strip_prefix('s')?;
-    (hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
-        .then(|| &model[..ns.len() + crate::http::sandbox::NS_SEP.len()])
-}
-
 /// The engine's trigger truthiness: booleans as is, numbers ≠ 0 and non-empty strings pass;
 /// null, objects and arrays fail.
 fn trigger_holds(v: &Json) -> bool {
@@ -1137,30 +1091,6 @@ fn fire_time(req: &EffectRequest, now: i64) -> Result<i64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn public_addresses() {
-        for bad in [
-            "127.0.0.1",
-            "10.1.2.3",
-            "172.16.0.1",
-            "192.168.1.1",
-            "169.254.1.1",
-            "100.64.0.1",
-            "0.0.0.0",
-            "224.0.0.1",
-            "::1",
-            "fc00::1",
-            "fe80::1",
-            "::ffff:127.0.0.1",
-            "::",
-        ] {
-            assert!(!is_public(bad.parse().unwrap()), "{bad}");
-        }
-        for ok in ["8.8.8.8", "1.1.1.1", "2606:4700::1111", "::ffff:8.8.8.8"] {
-            assert!(is_public(ok.parse().unwrap()), "{ok}");
-        }
-    }
 
     #[test]
     fn timer_times() {

@@ -8,7 +8,9 @@ mod audit;
 mod audit_sink;
 mod blobs;
 pub mod effects;
+pub mod egress;
 pub mod metrics;
+pub mod scope;
 mod shard;
 pub mod time;
 
@@ -738,7 +740,8 @@ impl ModelService {
     }
 
     /// Model ids, alphabetical.
-    /// A branch flattened over its template (a model of this daemon); other specs unchanged.
+    /// A branch flattened over its template (a model of this daemon; for a model of a sandbox
+    /// session, one of that session's: [`scope::resolve`]); other specs unchanged.
     pub fn materialize(&self, spec: ModelSpec) -> Result<ModelSpec, ServiceError> {
         let Some(t) = spec.template.as_ref().filter(|_| spec.lineage.is_empty()) else {
             return Ok(spec);
@@ -749,13 +752,17 @@ impl ModelService {
                 message,
             }])
         };
-        if t.reference == spec.id {
+        // A session's branch names its template among its own models: one outside the
+        // namespace is as absent as one that does not exist, and the error names only the
+        // reference as sent.
+        let reference = scope::resolve(&spec.id, &t.reference);
+        if reference == spec.id {
             return Err(finding(format!(
                 "lineage is cyclic: `{}` cannot be its own template",
-                spec.id
+                t.reference
             )));
         }
-        let template = match self.spec(&t.reference) {
+        let template = match self.spec(&reference) {
             Ok(s) => s,
             Err(ServiceError::NotFound(_)) => {
                 return Err(finding(format!(
