@@ -87,6 +87,8 @@ pub enum Command {
         #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
         jit: bool,
         #[command(flatten)]
+        cycle: CycleArgs,
+        #[command(flatten)]
         store: StoreArgs,
         #[command(flatten)]
         plugins: PluginArgs,
@@ -128,6 +130,8 @@ pub enum Command {
         /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
         #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
         jit: bool,
+        #[command(flatten)]
+        cycle: CycleArgs,
     },
     /// Run the daemon: REST, Streamable HTTP MCP at /mcp, WebSocket, the browser sandbox at
     /// /sandbox/ (with device-flow pairing for `valem mcp --url … --browser`), /healthz,
@@ -178,6 +182,8 @@ pub enum Command {
         /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
         #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
         jit: bool,
+        #[command(flatten)]
+        cycle: CycleArgs,
         #[command(flatten)]
         store: StoreArgs,
         #[command(flatten)]
@@ -674,6 +680,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             shards,
             max_models,
             jit,
+            cycle,
             store,
             plugins,
             effects,
@@ -694,6 +701,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Err(code) => return Ok(code),
             };
             let limits = crate::service::ServiceLimits {
+                engine: cycle.engine(),
                 max_models,
                 checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
                 ..Default::default()
@@ -737,6 +745,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             shards,
             max_models,
             jit,
+            cycle,
         } => {
             crate::engine::jit::set_enabled(jit);
             let url = url.filter(|u| !u.trim().is_empty());
@@ -750,6 +759,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 },
                 None => {
                     let limits = crate::service::ServiceLimits {
+                        engine: cycle.engine(),
                         max_models,
                         ..Default::default()
                     };
@@ -790,6 +800,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             shards,
             max_models,
             jit,
+            cycle,
             store,
             plugins,
             effects,
@@ -805,6 +816,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                     Err(code) => return Ok(code),
                 };
             let limits = crate::service::ServiceLimits {
+                engine: cycle.engine(),
                 max_models,
                 checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
                 blob_max_bytes: max_blob_bytes,
@@ -922,6 +934,43 @@ pub struct StoreArgs {
     /// space). Past it writes fail as on a full disk, and work again once there is room.
     #[arg(long, env = "VALEM_MAX_DB_BYTES")]
     pub max_db_bytes: Option<u64>,
+}
+
+/// What one mutation may cost (`valem serve`, `valem mcp`, `valem console`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct CycleArgs {
+    /// Milliseconds one mutation's cycle may take, its evaluations together; past it the
+    /// cycle stops, rolls back and fails, and the shard goes on (0: no budget). Each
+    /// evaluation is also bounded by 2 s, so a cycle ends within about 2 s of its budget.
+    /// Replays of stored records at start-up are not bounded.
+    #[arg(
+        long,
+        env = "VALEM_CYCLE_BUDGET_MS",
+        default_value_t = 10_000,
+        value_name = "MS"
+    )]
+    pub cycle_budget_ms: u64,
+    /// Most instances one `[*]` derivation, meta-derivation or constraint may have in one
+    /// cycle (the elements of the arrays its pattern spans); a write that would exceed it is
+    /// refused.
+    #[arg(
+        long,
+        env = "VALEM_MAX_INSTANCES",
+        default_value_t = 200_000,
+        value_name = "N"
+    )]
+    pub max_instances: usize,
+}
+
+impl CycleArgs {
+    /// The engine's limits with these.
+    fn engine(&self) -> EngineLimits {
+        EngineLimits {
+            cycle_budget_ms: (self.cycle_budget_ms > 0).then_some(self.cycle_budget_ms),
+            max_instances: self.max_instances,
+            ..EngineLimits::default()
+        }
+    }
 }
 
 /// What effect executors may do (`valem serve` and the embedded `valem mcp`).

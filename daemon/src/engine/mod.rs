@@ -63,6 +63,27 @@ pub struct EngineLimits {
     pub max_array_index: usize,
     /// Most mutations in one cycle.
     pub max_mutations: usize,
+    /// Time one cycle may take, all its evaluations together, in milliseconds: past it the
+    /// cycle stops at its next evaluation, rolls back and fails (each evaluation is bounded
+    /// by `expr.timeout_ms` too, so a cycle ends within about one evaluation timeout of its
+    /// budget). `None`: unbounded, as a replay of committed records must be.
+    pub cycle_budget_ms: Option<u64>,
+    /// Most instances one `[*]` derivation, meta-derivation or constraint may have in a
+    /// cycle (the elements of the arrays its pattern spans).
+    pub max_instances: usize,
+}
+
+impl EngineLimits {
+    /// These limits without the bounds on a cycle's work (its time budget, its instances),
+    /// for cycles that rebuild committed state: a replay, a recompute, a read materialising
+    /// lazy values.
+    pub fn unbounded(&self) -> EngineLimits {
+        EngineLimits {
+            cycle_budget_ms: None,
+            max_instances: usize::MAX,
+            ..self.clone()
+        }
+    }
 }
 
 impl Default for EngineLimits {
@@ -71,6 +92,8 @@ impl Default for EngineLimits {
             expr: Limits::default(),
             max_array_index: 1_000_000,
             max_mutations: 10_000,
+            cycle_budget_ms: Some(10_000),
+            max_instances: 200_000,
         }
     }
 }
@@ -487,6 +510,16 @@ impl Model {
         if let Some(leaf) = self.compiled.readers.member(k).and_then(|(_, m)| m.leaf()) {
             self.compiled.prefetch_node(leaf);
         }
+    }
+
+    /// Run `f` without the limits on a cycle's work ([`EngineLimits::unbounded`]): a replay of
+    /// records that committed once must commit again, however long it takes here and now.
+    pub fn unbounded<R>(&mut self, f: impl FnOnce(&mut Model) -> R) -> R {
+        let limits = std::mem::replace(&mut self.limits, EngineLimits::default());
+        self.limits = limits.unbounded();
+        let out = f(self);
+        self.limits = limits;
+        out
     }
 
     /// Start (or stop) logging what every later commit and materialisation changes, so that

@@ -221,7 +221,7 @@ fn apply_record(
 ) -> Result<MutationResult, String> {
     let writes = record_writes(rec)?;
     model
-        .mutate_parsed(&writes, rec.at_us / 1000)
+        .unbounded(|m| m.mutate_parsed(&writes, rec.at_us / 1000))
         .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))
 }
 
