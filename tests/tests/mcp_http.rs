@@ -224,6 +224,51 @@ fn session_lifecycle_and_tools() {
 }
 
 #[test]
+fn committed_writes_over_the_result_guard_say_so_over_http() {
+    let d = Daemon::start(&[]);
+    let mut h = Http::new(&d);
+    h.initialize();
+    let spec = json!({"id": "rows", "schema": {},
+        "defaultValues": [{"path": "$", "expr": "{\"tags\": {}}"}],
+        "derivations": [{"path": "$.n", "expr": "$count(rows)"},
+                        {"path": "$.t", "expr": "$count($keys(tags))"}]});
+    assert_eq!(
+        h.tool(1, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    // mutate (awaited on the shard, not run on a thread): 3,000 rows, one address each.
+    let rows: serde_json::Map<String, Json> = (0..3000)
+        .map(|i| {
+            (
+                format!("$.rows[{i}]"),
+                json!({"i": i, "label": format!("row {i}")}),
+            )
+        })
+        .collect();
+    let r = h.tool(2, "mutate", json!({"id": "rows", "mutations": rows}));
+    assert_eq!(r["isError"], false, "{r}");
+    let note = &r["structuredContent"];
+    assert_eq!(note["committed"], true, "{note}");
+    assert_eq!(note["counts"]["mutatedPaths"], 3000);
+    assert_eq!(note["counts"]["derivedUpdated"], 1);
+    assert!(text_of(&r).contains("The write committed: 3000 paths written"));
+    // patch_model: 3,000 new members, each its own write.
+    let patch: Vec<Json> = (0..3000)
+        .map(|i| json!({"op": "add", "path": format!("/tags/t{i}"), "value": i}))
+        .collect();
+    let r = h.tool(3, "patch_model", json!({"id": "rows", "patch": patch}));
+    assert_eq!(r["isError"], false, "{r}");
+    assert_eq!(r["structuredContent"]["committed"], true, "{r}");
+    assert_eq!(r["structuredContent"]["counts"]["mutatedPaths"], 3000);
+    assert_eq!(r["structuredContent"]["counts"]["derivedUpdated"], 1);
+    // Each committed once.
+    let f = h.tool(4, "get_field", json!({"id": "rows", "path": "$.n"}));
+    assert_eq!(f["content"][0]["text"], "3000", "{f}");
+    let f = h.tool(5, "get_field", json!({"id": "rows", "path": "$.t"}));
+    assert_eq!(f["content"][0]["text"], "3000", "{f}");
+}
+
+#[test]
 fn protocol_errors_are_clean() {
     let d = Daemon::start(&[]);
     let mut h = Http::new(&d);

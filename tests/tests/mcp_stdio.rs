@@ -221,6 +221,91 @@ fn huge_arguments_within_the_limit_are_served() {
     );
 }
 
+/// A spec for writes whose summaries pass the result guard: a count, a flag constraint and a
+/// caller effect, so the note has something to carry.
+fn rows_spec() -> Value {
+    json!({"id": "rows", "schema": {},
+        "derivations": [{"path": "$.n", "expr": "$count(rows)"}],
+        "constraints": [{"id": "few", "expr": "$count(rows) < 10", "message": "many rows", "policy": "flag"}],
+        "effects": [{"id": "grown", "executor": "caller", "trigger": "$count(rows) > 100",
+                     "emit": "rows.grown", "payload": {"n": "$count(rows)"}}]})
+}
+
+/// 3,000 rows, each its own address: the summary lists 3,000 paths (~90 KB pretty).
+fn rows_mutation(from: usize) -> Value {
+    let m: serde_json::Map<String, Value> = (from..from + 3000)
+        .map(|i| {
+            (
+                format!("$.rows[{i}]"),
+                json!({"i": i, "label": format!("row {i}")}),
+            )
+        })
+        .collect();
+    Value::Object(m)
+}
+
+#[test]
+fn a_committed_write_over_the_result_guard_says_it_committed() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let r = m.tool(1, "create_model", json!({"spec": rows_spec()}));
+    assert_eq!(r["isError"], false, "{r}");
+    let r = m.tool(
+        2,
+        "mutate",
+        json!({"id": "rows", "mutations": rows_mutation(0)}),
+    );
+    // Not an error: the write committed, and an agent must not send it again.
+    assert_eq!(r["isError"], false, "{r}");
+    let note = &r["structuredContent"];
+    assert_eq!(text_json(&r), *note);
+    assert_eq!(note["error"], "Result too large");
+    assert_eq!(note["committed"], true);
+    assert_eq!(note["success"], true);
+    assert!(note["resultChars"].as_u64().unwrap() > 50_000, "{note}");
+    assert_eq!(
+        note["counts"],
+        json!({"mutatedPaths": 3000, "derivedUpdated": 1, "metaUpdated": 0,
+               "flaggedConstraints": 1, "dispatchedEffects": 1})
+    );
+    // What the agent must act on comes whole.
+    assert_eq!(note["flaggedConstraints"][0]["constraintId"], "few");
+    assert_eq!(note["dispatchedEffects"][0]["emit"], "rows.grown");
+    let hint = note["hint"].as_str().unwrap();
+    assert!(
+        hint.contains("The write committed: 3000 paths written") && hint.contains("do not send"),
+        "{hint}"
+    );
+    assert!(
+        hint.contains("get_state") && hint.contains("explain"),
+        "{hint}"
+    );
+    assert!(text_of(&r).len() < 50_000);
+    // It committed once.
+    let r = m.tool(3, "get_field", json!({"id": "rows", "path": "$.n"}));
+    assert_eq!(r["content"][0]["text"], "3000");
+    // A large write with traces: counted too.
+    let r = m.tool(
+        4,
+        "mutate",
+        json!({"id": "rows", "mutations": rows_mutation(3000), "includeTraces": true}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    assert_eq!(r["structuredContent"]["counts"]["mutatedPaths"], 3000);
+    assert!(r["structuredContent"]["counts"]["traces"].as_u64().unwrap() >= 2);
+    // A read over the guard is still withheld as an error: nothing was done.
+    let r = m.tool(6, "get_state", json!({"id": "rows"}));
+    assert_eq!(r["isError"], true);
+    assert!(r.get("structuredContent").is_none());
+}
+
+fn text_of(result: &Value) -> String {
+    result["content"][0]["text"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
+}
+
 #[test]
 fn batches_follow_the_negotiated_revision() {
     let mut m = Mcp::start(&[], &[]);

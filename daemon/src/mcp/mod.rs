@@ -449,6 +449,7 @@ impl Session {
             server: &self.server,
         };
         let call = tool.call_deferred(&ctx, args);
+        let name = tool.name;
         Some(async move {
             let outcome = match call {
                 Some(c) => c.await,
@@ -461,7 +462,7 @@ impl Session {
             if st.cancelled.remove(&key) {
                 return None;
             }
-            Some(result(id, tools::envelope(outcome)))
+            Some(result(id, tools::envelope_for(name, outcome)))
         })
     }
 
@@ -800,6 +801,6 @@ impl Session {
         let ctx = tools::Ctx {
             server: &self.server,
         };
-        result(id, tools::envelope(tool.call(&ctx, args)))
+        result(id, tools::envelope_for(tool.name, tool.call(&ctx, args)))
     }
 }
