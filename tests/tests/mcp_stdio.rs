@@ -299,6 +299,68 @@ fn a_committed_write_over_the_result_guard_says_it_committed() {
     assert!(r.get("structuredContent").is_none());
 }
 
+#[test]
+fn evolve_spec_refuses_an_evolution_that_names_no_change() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let spec = json!({"id": "e", "schema": {}, "derivations": [{"path": "$.t", "expr": "a * 2"}]});
+    assert_eq!(
+        m.tool(1, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    m.tool(2, "mutate", json!({"id": "e", "mutations": {"$.a": 2}}));
+    let history = |m: &mut Mcp, id| text_json(&m.tool(id, "get_history", json!({"id": "e"})));
+    let before = history(&mut m, 3);
+    assert_eq!(before.as_array().map(Vec::len), Some(2), "{before}");
+
+    let r = m.tool(
+        4,
+        "evolve_spec",
+        json!({"id": "e", "evolution": {"addDerivations": [{"path": "$.u", "expr": "t + 1"}]}}),
+    );
+    assert_eq!(r["isError"], true, "{r}");
+    let text = text_of(&r);
+    assert!(
+        text.contains("addDerivations")
+            && text.contains("names no change")
+            && text.contains("did you mean `upsertDerivations`"),
+        "{text}"
+    );
+    assert_eq!(
+        history(&mut m, 5),
+        before,
+        "a refused evolution leaves the history"
+    );
+
+    // Nothing to change: answered with a warning, the history kept.
+    let r = m.tool(6, "evolve_spec", json!({"id": "e", "evolution": {}}));
+    assert_eq!(r["isError"], false, "{r}");
+    assert_eq!(
+        r["structuredContent"]["warnings"][0]["location"],
+        "evolution"
+    );
+    assert_eq!(history(&mut m, 7), before);
+
+    // Unknown keys beside a change: applied, reported.
+    let r = m.tool(
+        8,
+        "evolve_spec",
+        json!({"id": "e", "evolution": {"upsertDerivations": [{"path": "$.u", "expr": "t + 1"}],
+                                        "newVersoin": "2.0.0"}}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    let info = &r["structuredContent"];
+    assert_eq!(info["derivationCount"], 2);
+    assert_eq!(info["version"], "1.0.0");
+    assert_eq!(info["warnings"][0]["location"], "newVersoin", "{info}");
+    assert!(info["warnings"][0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("`newVersion`"));
+    let r = m.tool(9, "get_field", json!({"id": "e", "path": "$.u"}));
+    assert_eq!(r["content"][0]["text"], "5");
+}
+
 fn text_of(result: &Value) -> String {
     result["content"][0]["text"]
         .as_str()

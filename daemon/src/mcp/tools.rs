@@ -632,6 +632,26 @@ fn mutation_result_schema() -> Json {
     s
 }
 
+/// The model info, with the evolution's `warnings` when it had any.
+fn evolve_result_schema() -> Json {
+    let mut s = output_of::<ModelInfo>();
+    if let Some(Json::Object(props)) = s.get_mut("properties") {
+        props.insert(
+            "warnings".into(),
+            json!({
+                "type": "array",
+                "description": "Keys of the evolution that were ignored, or that it changed nothing.",
+                "items": {
+                    "type": "object",
+                    "properties": {"location": {"type": "string"}, "message": {"type": "string"}},
+                    "required": ["location", "message"]
+                }
+            }),
+        );
+    }
+    s
+}
+
 fn verify_schema() -> Json {
     json!({
         "type": "object",
@@ -894,7 +914,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
         Tool {
             name: "evolve_spec",
             title: "Evolve a model's spec",
-            description: "Change a live model's spec with a SpecEvolution (keyed upserts/removes, wholesale or targeted schema/view/constants edits, backfill). Pass expectedVersion to guard against concurrent changes (a mismatch returns a Version conflict). The state is kept, checked against the new schema (stranding evolutions are refused) and recomputed. The version changes only with newVersion. Returns the new model info.",
+            description: "Change a live model's spec with a SpecEvolution (keyed upserts/removes, wholesale or targeted schema/view/constants edits, backfill). Pass expectedVersion to guard against concurrent changes (a mismatch returns a Version conflict). The state is kept, checked against the new schema (stranding evolutions are refused) and recomputed. The version changes only with newVersion. Returns the new model info. Keys a SpecEvolution does not have are refused when nothing else changes (named, with the key meant) and returned as `warnings` beside a change; an evolution that changes nothing leaves the model (and its history) as it was.",
             input_schema: object_schema(
                 json!({
                     "id": {"type": "string", "description": "The model id."},
@@ -902,7 +922,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 }),
                 &["id", "evolution"],
             ),
-            output_schema: Some(or_structured_error(output_of::<ModelInfo>())),
+            output_schema: Some(or_structured_error(evolve_result_schema())),
             annotations: annotations(false, true, false),
             plugin: None,
             deferred: None,
