@@ -169,6 +169,67 @@ fn bad_input_gets_the_right_error_and_the_server_keeps_serving() {
     assert_eq!(m.call(14, "ping", json!({}))["result"], json!({}));
 }
 
+/// The JSON-RPC edges: messages that are neither request, notification nor response get
+/// `-32600` (with their id when they have one); responses get nothing; ids come back exactly.
+fn json_rpc_edges(m: &mut Mcp) {
+    m.send_raw(b"{}\n");
+    let r = m.recv_reply();
+    assert_eq!(r["error"]["code"], -32600, "{r}");
+    assert_eq!(r["id"], Value::Null);
+    assert!(
+        r.as_object().unwrap().contains_key("id"),
+        "id: null is sent"
+    );
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":\"v4\"}\n");
+    let r = m.recv_reply();
+    assert_eq!(
+        (r["id"].clone(), r["error"]["code"].clone()),
+        (json!("v4"), json!(-32600)),
+        "{r}"
+    );
+    m.send_raw(b"{\"method\":\"notifications/initialized\"}\n");
+    let r = m.recv_reply();
+    assert_eq!(
+        (r["id"].clone(), r["error"]["code"].clone()),
+        (Value::Null, json!(-32600))
+    );
+    // A response nobody asked for, and a notification: no reply.
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":99,\"result\":{}}\n");
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"method\":\"notifications/roots/list_changed\"}\n");
+    // Ids as sent, byte for byte: 2^70, an exponent, a trailing zero; integers and strings.
+    for id in [
+        "1180591620717411303424",
+        "1e2",
+        "2.50",
+        "-7",
+        "\"s\"",
+        "18446744073709551615",
+    ] {
+        m.send_raw(format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"method\":\"ping\"}}\n").as_bytes());
+        let line = m.recv_line(10);
+        assert_eq!(
+            line,
+            format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"result\":{{}}}}")
+        );
+    }
+    // An error reply echoes it too.
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":1180591620717411303424,\"method\":\"nope\"}\n");
+    let line = m.recv_line(10);
+    assert!(
+        line.starts_with("{\"jsonrpc\":\"2.0\",\"id\":1180591620717411303424,\"error\":"),
+        "{line}"
+    );
+}
+
+#[test]
+fn json_rpc_edges_on_stdio() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let _ready = m.recv(10);
+    json_rpc_edges(&mut m);
+    assert_eq!(m.call(101, "ping", json!({}))["result"], json!({}));
+}
+
 #[test]
 fn oversized_messages_are_refused_and_skipped() {
     let mut m = Mcp::start(&["--max-message-bytes", "1000"], &[]);
