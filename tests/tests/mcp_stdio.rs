@@ -422,6 +422,47 @@ fn evolve_spec_refuses_an_evolution_that_names_no_change() {
     assert_eq!(r["content"][0]["text"], "5");
 }
 
+#[test]
+fn get_effective_schema_says_when_an_address_is_not_declared() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let spec = json!({"id": "s", "schema": {"type": "object", "properties": {
+        "order": {"type": "object", "properties": {"price": {"type": "number"}, "qty": {"type": "integer"}}}}},
+        "metaDerivations": [{"path": "$.order.cap", "property": "maximum", "expr": "10"}]});
+    assert_eq!(
+        m.tool(1, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    let r = m.tool(
+        2,
+        "get_effective_schema",
+        json!({"id": "s", "path": "$.order.pirce"}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    let c = r["structuredContent"]["$comment"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        c.contains("$.order.pirce is not declared")
+            && c.contains("any value is accepted")
+            && c.contains("$.order declares price, qty"),
+        "{r}"
+    );
+    // Declared: the schema itself; targeted by a meta-derivation: its meta, no comment.
+    let r = m.tool(
+        3,
+        "get_effective_schema",
+        json!({"id": "s", "path": "$.order.price"}),
+    );
+    assert_eq!(r["structuredContent"], json!({"type": "number"}));
+    let r = m.tool(
+        4,
+        "get_effective_schema",
+        json!({"id": "s", "path": "$.order.cap"}),
+    );
+    assert_eq!(r["structuredContent"], json!({"maximum": 10}));
+}
+
 fn text_of(result: &Value) -> String {
     result["content"][0]["text"]
         .as_str()

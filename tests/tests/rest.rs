@@ -286,6 +286,22 @@ fn mutations_state_and_reads() {
     assert_eq!(s["type"], "number");
     assert_eq!(s["minimum"], 0);
     assert_error(&h.get("/models/demo/schema/$.a..b"), 400, "Bad request");
+    // An address the schema does not declare accepts anything, and says so (a typo shows).
+    let s = h.get("/models/demo/schema/$.pirce").json();
+    let c = s["$comment"].as_str().unwrap_or_default();
+    assert!(
+        c.contains("$.pirce is not declared") && c.contains("$ declares price, qty, note"),
+        "{s}"
+    );
+    assert_eq!(s.as_object().map(|o| o.len()), Some(1), "{s}");
+    let s = h.get("/models/demo/schema/$.total").json();
+    assert!(
+        s["$comment"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("derivation of $.total"),
+        "{s}"
+    );
     let traces = h.get("/models/demo/explain/$.total").json();
     let all = traces.as_array().unwrap();
     assert!(all.len() >= 2, "{traces}");

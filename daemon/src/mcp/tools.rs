@@ -768,7 +768,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
         Tool {
             name: "get_effective_schema",
             title: "Effective schema of a field",
-            description: "The JSON Schema of the field at `path` overlaid with its live meta (current minimum/maximum/required/readOnly/relevant…): what a write there must satisfy now.",
+            description: "The JSON Schema of the field at `path` overlaid with its live meta (current minimum/maximum/required/readOnly/relevant…): what a write there must satisfy now. An address the schema does not declare answers {} with a `$comment` saying so and naming the fields declared there (check the path's spelling).",
             input_schema: schema_of::<PathArgs>(),
             output_schema: None,
             annotations: ro.clone(),
