@@ -69,6 +69,157 @@ fn defaults_fill_new_elements_and_seed_the_root() {
     assert_eq!(get(&mut m, "$.items[0]"), json!({"name": "nut"}));
 }
 
+/// The shape of a reference spec: a `$` rule seeds part of `q`, and a rollback constraint reads
+/// a field of `q` the seed leaves absent (`undefined = null` is false in JSONata).
+fn partial_seed_spec() -> Value {
+    json!({
+        "id": "seed",
+        "schema": {"type": "object"},
+        "defaultValues": [{"path": "$", "expr": "{\"q\": {\"other\": 1}}"}],
+        "derivations": [{"path": "$.d", "expr": "q.other + 1"}],
+        "constraints": [{"id": "c-pos", "expr": "q.c = null or q.c > 0",
+                         "message": "c must be positive", "policy": "rollback"}],
+        "tests": [
+            {"description": "seeded", "given": {}, "expect": {"$.q": {"other": 1}, "$.d": 2}},
+            {"description": "c written", "given": {"$.q.c": 3}, "expect": {"$.q.c": 3, "$.d": 2}}
+        ]
+    })
+}
+
+#[test]
+fn creation_marks_only_the_addresses_the_defaults_filled() {
+    // As the reference's default applier: the seed is written leaf by leaf and propagation
+    // starts from those leaves, so the constraint over the absent `q.c` is not evaluated.
+    let spec = parse_spec(&partial_seed_spec()).unwrap();
+    let (mut m, r) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
+    assert_eq!(
+        r.mutated_paths.iter().collect::<Vec<_>>(),
+        vec!["$.q.other"]
+    );
+    assert!(
+        r.traces
+            .iter()
+            .all(|t| t.target_path.to_string() != "$constraint:c-pos"),
+        "{:?}",
+        r.traces
+    );
+    assert_eq!(m.merged_json(NOW), json!({"q": {"other": 1}, "d": 2}));
+    // The same rule as an ordinary write of a sibling: no check.
+    set(&mut m, &[("$.q.other", json!(5))]);
+    // Writing the field runs it.
+    let e = m.mutate(&[("$.q.c".into(), json!(-1))], NOW).unwrap_err();
+    assert!(matches!(e, MutationError::Constraint { .. }), "{e:?}");
+    set(&mut m, &[("$.q.c", json!(2))]);
+    // Its embedded tests pass (each case creates the model first).
+    let report =
+        valem::engine::testrun::run_tests(&spec, None, NOW, &EngineLimits::default()).unwrap();
+    assert_eq!(
+        (report.passed, report.failed),
+        (2, 0),
+        "{:?}",
+        report.results
+    );
+}
+
+#[test]
+fn defaults_write_leaves_skip_nulls_and_fill_nulls() {
+    let mut m = model(json!({
+        "id": "leaves",
+        "schema": {"type": "object"},
+        "defaultValues": [
+            {"path": "$", "expr": "{\"a\": null, \"b\": {\"c\": null}, \"e\": {}, \"list\": [1, 2]}"},
+            {"path": "$.items[*]", "expr": "{\"qty\": 1, \"dims\": {\"w\": 2, \"h\": 3}, \"note\": null}"}
+        ],
+        "constraints": [{"id": "depth", "expr": "items.dims.d > 0",
+                         "message": "depth must be positive", "policy": "rollback"}]
+    }));
+    // Nulls are no default (nothing written), an empty object and an array are leaves.
+    assert_eq!(m.merged_json(NOW), json!({"e": {}, "list": [1, 2]}));
+    // A new element: its defaults are leaves too, so the constraint over the absent
+    // `dims.d` is not reached; a field the caller left null is filled.
+    let r = set(
+        &mut m,
+        &[
+            ("$.items[0].name", json!("bolt")),
+            ("$.items[0].qty", Value::Null),
+        ],
+    );
+    assert_eq!(
+        r.mutated_paths.iter().collect::<Vec<_>>(),
+        vec![
+            "$.items[0].name",
+            "$.items[0].qty",
+            "$.items[0].qty",
+            "$.items[0].dims.w",
+            "$.items[0].dims.h"
+        ]
+    );
+    assert_eq!(
+        get(&mut m, "$.items[0]"),
+        json!({"name": "bolt", "qty": 1, "dims": {"w": 2, "h": 3}})
+    );
+    let e = m
+        .mutate(&[("$.items[0].dims.d".into(), json!(0))], NOW)
+        .unwrap_err();
+    assert!(matches!(e, MutationError::Constraint { .. }), "{e:?}");
+}
+
+#[test]
+fn schema_defaults_fill_nested_fields_as_the_reference_does() {
+    let mut m = model(json!({
+        "id": "sd",
+        "schema": {"type": "object", "properties": {
+            "rate": {"type": "number", "default": 0.2},
+            "none": {"type": "number", "default": null},
+            "opts": {"type": "object", "properties": {
+                "deep": {"type": "object", "properties": {"flag": {"type": "boolean", "default": true}}}
+            }},
+            "own": {"type": "object", "default": {"x": 1}, "properties": {"y": {"default": 2}}},
+            "total": {"type": "number", "default": 7},
+            "kept": {"type": "string", "default": "schema"}
+        }},
+        "defaultValues": [{"path": "$", "expr": "{\"kept\": \"rule\"}"}],
+        "derivations": [{"path": "$.total", "expr": "rate * 10"}],
+        "constraints": [{"id": "other", "expr": "opts.deep.other = null or opts.deep.other > 0",
+                         "message": "other must be positive", "policy": "rollback"}]
+    }));
+    // The objects on the way to a nested default are created; a property with its own default
+    // is not descended into; a null default and a derivation's target are not seeded; the `$`
+    // rule goes first and wins.
+    assert_eq!(
+        m.merged_json(NOW),
+        json!({"kept": "rule", "rate": 0.2, "opts": {"deep": {"flag": true}}, "own": {"x": 1}, "total": 2})
+    );
+    assert_eq!(get(&mut m, "$.none"), Value::Null);
+}
+
+#[test]
+fn a_created_container_does_not_check_scoped_constraints_on_absent_fields() {
+    let mut m = model(json!({"id": "scoped", "schema": {},
+        "constraints": [{"id": "c-pos", "path": "$.q.c", "expr": "$ > 0",
+                         "message": "c must be positive", "policy": "rollback"}]}));
+    // Writing `$.q.other` creates `$.q` but writes nothing the constraint reads.
+    set(&mut m, &[("$.q.other", json!(1))]);
+    let e = m.mutate(&[("$.q.c".into(), json!(0))], NOW).unwrap_err();
+    assert!(matches!(e, MutationError::Constraint { .. }), "{e:?}");
+    // Replacing the container reaches it (its field is now absent).
+    let e = m
+        .mutate(&[("$.q".into(), json!({"other": 2}))], NOW)
+        .unwrap_err();
+    assert!(matches!(e, MutationError::Constraint { .. }), "{e:?}");
+    set(&mut m, &[("$.q", json!({"c": 4}))]);
+}
+
+#[test]
+fn creation_checks_no_constraint_nothing_seeded_reaches() {
+    // The reference computes every eager derivation at creation but checks only the
+    // constraints downstream of what was seeded: here nothing is.
+    let mut m = model(json!({"id": "k", "schema": {},
+        "derivations": [{"path": "$.k", "expr": "5"}],
+        "constraints": [{"id": "big", "expr": "k > 10", "message": "k too small", "policy": "rollback"}]}));
+    assert_eq!(get(&mut m, "$.k"), json!(5));
+}
+
 #[test]
 fn lazy_derivations_run_on_read_only() {
     let mut m = model(json!({"id": "l", "schema": {},

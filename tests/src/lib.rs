@@ -141,6 +141,13 @@ impl Mcp {
             .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {line}"))
     }
 
+    /// The next line of stdout as written (to compare bytes); panics after `secs` seconds.
+    pub fn recv_line(&self, secs: u64) -> String {
+        self.lines
+            .recv_timeout(std::time::Duration::from_secs(secs))
+            .expect("valem mcp answered in time")
+    }
+
     /// The next message that is not a notification.
     pub fn recv_reply(&self) -> serde_json::Value {
         loop {

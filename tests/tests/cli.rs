@@ -152,6 +152,35 @@ fn spec_test_human_and_json() {
 }
 
 #[test]
+fn spec_test_creates_a_spec_whose_seed_leaves_a_checked_field_absent() {
+    // A reference spec: the `$` rule seeds part of `q`, a rollback constraint reads the absent
+    // `q.c`. Creation checks only what the seed filled, so every case runs.
+    let dir = tempfile::tempdir().unwrap();
+    let spec = json!({"id": "seed", "schema": {"type": "object"},
+    "defaultValues": [{"path": "$", "expr": "{\"q\": {\"other\": 1}}"}],
+    "derivations": [{"path": "$.d", "expr": "q.other + 1"}],
+    "constraints": [{"id": "c-pos", "expr": "q.c = null or q.c > 0",
+                     "message": "c must be positive", "policy": "rollback"}],
+    "tests": [
+        {"description": "seeded", "given": {}, "expect": {"$.q.other": 1, "$.d": 2}},
+        {"description": "c written", "given": {"$.q.c": 3}, "expect": {"$.q.c": 3}},
+        {"description": "c refused", "given": {"$.q.c": -3}, "expect": {"$.q.c": -3}}
+    ]});
+    let f = write(&dir, "seed.json", &spec.to_string());
+    let o = run(&["spec", "test", "--json", &f], None);
+    let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(
+        (r["passed"].clone(), r["failed"].clone()),
+        (json!(2), json!(1)),
+        "{r}"
+    );
+    let refused = r["results"][2]["failures"][0]["message"]
+        .as_str()
+        .unwrap_or("");
+    assert!(refused.contains("c must be positive"), "{r}");
+}
+
+#[test]
 fn eval_json_shapes() {
     let line = |args: &[&str], stdin: Option<&str>| {
         let o = run(args, stdin);

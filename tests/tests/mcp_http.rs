@@ -29,6 +29,8 @@ struct Reply {
     session: Option<String>,
     content_type: String,
     body: Json,
+    /// The body as sent (for SSE, the event data).
+    text: String,
 }
 
 impl Http {
@@ -105,22 +107,21 @@ fn reply(res: ureq::http::Response<ureq::Body>) -> Reply {
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
-    let text = res.into_body().read_to_string().unwrap_or_default();
-    let body = if content_type.starts_with("text/event-stream") {
-        let data: String = text
+    let mut text = res.into_body().read_to_string().unwrap_or_default();
+    if content_type.starts_with("text/event-stream") {
+        text = text
             .lines()
             .filter_map(|l| l.strip_prefix("data:"))
             .map(str::trim)
             .collect();
-        serde_json::from_str(&data).unwrap_or(Json::Null)
-    } else {
-        serde_json::from_str(&text).unwrap_or(Json::Null)
-    };
+    }
+    let body = serde_json::from_str(&text).unwrap_or(Json::Null);
     Reply {
         status,
         session,
         content_type,
         body,
+        text,
     }
 }
 
@@ -221,6 +222,51 @@ fn session_lifecycle_and_tools() {
     h2.initialize();
     let f = h2.tool(1, "get_field", json!({"id": "demo", "path": "$.total"}));
     assert_eq!(f["content"][0]["text"], "30");
+}
+
+#[test]
+fn committed_writes_over_the_result_guard_say_so_over_http() {
+    let d = Daemon::start(&[]);
+    let mut h = Http::new(&d);
+    h.initialize();
+    let spec = json!({"id": "rows", "schema": {},
+        "defaultValues": [{"path": "$", "expr": "{\"tags\": {}}"}],
+        "derivations": [{"path": "$.n", "expr": "$count(rows)"},
+                        {"path": "$.t", "expr": "$count($keys(tags))"}]});
+    assert_eq!(
+        h.tool(1, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    // mutate (awaited on the shard, not run on a thread): 3,000 rows, one address each.
+    let rows: serde_json::Map<String, Json> = (0..3000)
+        .map(|i| {
+            (
+                format!("$.rows[{i}]"),
+                json!({"i": i, "label": format!("row {i}")}),
+            )
+        })
+        .collect();
+    let r = h.tool(2, "mutate", json!({"id": "rows", "mutations": rows}));
+    assert_eq!(r["isError"], false, "{r}");
+    let note = &r["structuredContent"];
+    assert_eq!(note["committed"], true, "{note}");
+    assert_eq!(note["counts"]["mutatedPaths"], 3000);
+    assert_eq!(note["counts"]["derivedUpdated"], 1);
+    assert!(text_of(&r).contains("The write committed: 3000 paths written"));
+    // patch_model: 3,000 new members, each its own write.
+    let patch: Vec<Json> = (0..3000)
+        .map(|i| json!({"op": "add", "path": format!("/tags/t{i}"), "value": i}))
+        .collect();
+    let r = h.tool(3, "patch_model", json!({"id": "rows", "patch": patch}));
+    assert_eq!(r["isError"], false, "{r}");
+    assert_eq!(r["structuredContent"]["committed"], true, "{r}");
+    assert_eq!(r["structuredContent"]["counts"]["mutatedPaths"], 3000);
+    assert_eq!(r["structuredContent"]["counts"]["derivedUpdated"], 1);
+    // Each committed once.
+    let f = h.tool(4, "get_field", json!({"id": "rows", "path": "$.n"}));
+    assert_eq!(f["content"][0]["text"], "3000", "{f}");
+    let f = h.tool(5, "get_field", json!({"id": "rows", "path": "$.t"}));
+    assert_eq!(f["content"][0]["text"], "3000", "{f}");
 }
 
 #[test]
@@ -378,6 +424,115 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
+}
+
+#[test]
+fn json_rpc_edges_over_http_and_the_proxy() {
+    let d = Daemon::start(&[]);
+    let mut h = Http::new(&d);
+    h.initialize();
+    // Neither request, notification nor response: -32600, with the id when there is one.
+    for (body, id) in [
+        ("{}", Json::Null),
+        (r#"{"jsonrpc":"2.0","id":"v4"}"#, json!("v4")),
+        (r#"{"method":"ping","id":3}"#, json!(3)),
+    ] {
+        let r = h.post_with(body, &[]);
+        assert_eq!(r.status, 200, "{body}: {}", r.text);
+        assert_eq!(r.body["error"]["code"], -32600, "{body}: {}", r.text);
+        assert_eq!(r.body["id"], id, "{body}");
+    }
+    // A response and a notification are accepted with no reply.
+    assert_eq!(
+        h.post_with(r#"{"jsonrpc":"2.0","id":99,"result":{}}"#, &[])
+            .status,
+        202
+    );
+    assert_eq!(
+        h.post_with(
+            r#"{"jsonrpc":"2.0","method":"notifications/roots/list_changed"}"#,
+            &[]
+        )
+        .status,
+        202
+    );
+    // Ids come back as sent, in JSON and in an SSE event, from a tool call (awaited on the
+    // shard) and from an error.
+    let big = "1180591620717411303424";
+    for (accept, body) in [
+        (
+            "application/json",
+            format!(r#"{{"jsonrpc":"2.0","id":{big},"method":"ping"}}"#),
+        ),
+        (
+            "text/event-stream",
+            format!(r#"{{"jsonrpc":"2.0","id":{big},"method":"ping"}}"#),
+        ),
+        (
+            "application/json",
+            r#"{"jsonrpc":"2.0","id":1e2,"method":"tools/call","params":{"name":"list_models","arguments":{}}}"#
+                .to_string(),
+        ),
+        (
+            "application/json",
+            format!(r#"{{"jsonrpc":"2.0","id":{big},"method":"nope"}}"#),
+        ),
+    ] {
+        let r = h.post_with(&body, &[("Accept", accept)]);
+        assert_eq!(r.status, 200, "{}", r.text);
+        let id = if body.contains("1e2") { "1e2" } else { big };
+        assert!(
+            r.text
+                .starts_with(&format!(r#"{{"jsonrpc":"2.0","id":{id},"#)),
+            "{accept}: {}",
+            r.text
+        );
+    }
+    let spec: Json = serde_json::from_str(DEMO).unwrap();
+    assert_eq!(
+        h.tool(5, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    let r = h.post_with(
+        &format!(r#"{{"jsonrpc":"2.0","id":{big},"method":"tools/call","params":{{"name":"mutate","arguments":{{"id":"demo","mutations":{{"$.price":1}}}}}}}}"#),
+        &[],
+    );
+    assert!(
+        r.text
+            .starts_with(&format!(r#"{{"jsonrpc":"2.0","id":{big},"result""#)),
+        "{}",
+        r.text
+    );
+
+    // Through the stdio proxy: local and forwarded requests alike.
+    let mut p = Mcp::start(&["--url", &d.url("")], &[]);
+    p.handshake("2025-11-25");
+    p.send_raw(b"{}\n");
+    let r = p.recv_reply();
+    assert_eq!(
+        (r["id"].clone(), r["error"]["code"].clone()),
+        (Json::Null, json!(-32600))
+    );
+    p.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":\"v4\"}\n");
+    assert_eq!(p.recv_reply()["id"], "v4");
+    for body in [
+        format!(r#"{{"jsonrpc":"2.0","id":{big},"method":"ping"}}"#),
+        format!(
+            r#"{{"jsonrpc":"2.0","id":{big},"method":"tools/call","params":{{"name":"get_field","arguments":{{"id":"demo","path":"$.price"}}}}}}"#
+        ),
+    ] {
+        p.send_raw(format!("{body}\n").as_bytes());
+        let line = loop {
+            let l = p.recv_line(10);
+            if !l.contains("\"method\"") {
+                break l;
+            }
+        };
+        assert!(
+            line.starts_with(&format!(r#"{{"jsonrpc":"2.0","id":{big},"result""#)),
+            "{line}"
+        );
+    }
 }
 
 #[test]

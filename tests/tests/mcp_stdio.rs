@@ -169,6 +169,67 @@ fn bad_input_gets_the_right_error_and_the_server_keeps_serving() {
     assert_eq!(m.call(14, "ping", json!({}))["result"], json!({}));
 }
 
+/// The JSON-RPC edges: messages that are neither request, notification nor response get
+/// `-32600` (with their id when they have one); responses get nothing; ids come back exactly.
+fn json_rpc_edges(m: &mut Mcp) {
+    m.send_raw(b"{}\n");
+    let r = m.recv_reply();
+    assert_eq!(r["error"]["code"], -32600, "{r}");
+    assert_eq!(r["id"], Value::Null);
+    assert!(
+        r.as_object().unwrap().contains_key("id"),
+        "id: null is sent"
+    );
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":\"v4\"}\n");
+    let r = m.recv_reply();
+    assert_eq!(
+        (r["id"].clone(), r["error"]["code"].clone()),
+        (json!("v4"), json!(-32600)),
+        "{r}"
+    );
+    m.send_raw(b"{\"method\":\"notifications/initialized\"}\n");
+    let r = m.recv_reply();
+    assert_eq!(
+        (r["id"].clone(), r["error"]["code"].clone()),
+        (Value::Null, json!(-32600))
+    );
+    // A response nobody asked for, and a notification: no reply.
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":99,\"result\":{}}\n");
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"method\":\"notifications/roots/list_changed\"}\n");
+    // Ids as sent, byte for byte: 2^70, an exponent, a trailing zero; integers and strings.
+    for id in [
+        "1180591620717411303424",
+        "1e2",
+        "2.50",
+        "-7",
+        "\"s\"",
+        "18446744073709551615",
+    ] {
+        m.send_raw(format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"method\":\"ping\"}}\n").as_bytes());
+        let line = m.recv_line(10);
+        assert_eq!(
+            line,
+            format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"result\":{{}}}}")
+        );
+    }
+    // An error reply echoes it too.
+    m.send_raw(b"{\"jsonrpc\":\"2.0\",\"id\":1180591620717411303424,\"method\":\"nope\"}\n");
+    let line = m.recv_line(10);
+    assert!(
+        line.starts_with("{\"jsonrpc\":\"2.0\",\"id\":1180591620717411303424,\"error\":"),
+        "{line}"
+    );
+}
+
+#[test]
+fn json_rpc_edges_on_stdio() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let _ready = m.recv(10);
+    json_rpc_edges(&mut m);
+    assert_eq!(m.call(101, "ping", json!({}))["result"], json!({}));
+}
+
 #[test]
 fn oversized_messages_are_refused_and_skipped() {
     let mut m = Mcp::start(&["--max-message-bytes", "1000"], &[]);
@@ -219,6 +280,194 @@ fn huge_arguments_within_the_limit_are_served() {
         r["structuredContent"],
         json!({"items": "<array: 20000 items>", "n": 20000})
     );
+}
+
+/// A spec for writes whose summaries pass the result guard: a count, a flag constraint and a
+/// caller effect, so the note has something to carry.
+fn rows_spec() -> Value {
+    json!({"id": "rows", "schema": {},
+        "derivations": [{"path": "$.n", "expr": "$count(rows)"}],
+        "constraints": [{"id": "few", "expr": "$count(rows) < 10", "message": "many rows", "policy": "flag"}],
+        "effects": [{"id": "grown", "executor": "caller", "trigger": "$count(rows) > 100",
+                     "emit": "rows.grown", "payload": {"n": "$count(rows)"}}]})
+}
+
+/// 3,000 rows, each its own address: the summary lists 3,000 paths (~90 KB pretty).
+fn rows_mutation(from: usize) -> Value {
+    let m: serde_json::Map<String, Value> = (from..from + 3000)
+        .map(|i| {
+            (
+                format!("$.rows[{i}]"),
+                json!({"i": i, "label": format!("row {i}")}),
+            )
+        })
+        .collect();
+    Value::Object(m)
+}
+
+#[test]
+fn a_committed_write_over_the_result_guard_says_it_committed() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let r = m.tool(1, "create_model", json!({"spec": rows_spec()}));
+    assert_eq!(r["isError"], false, "{r}");
+    let r = m.tool(
+        2,
+        "mutate",
+        json!({"id": "rows", "mutations": rows_mutation(0)}),
+    );
+    // Not an error: the write committed, and an agent must not send it again.
+    assert_eq!(r["isError"], false, "{r}");
+    let note = &r["structuredContent"];
+    assert_eq!(text_json(&r), *note);
+    assert_eq!(note["error"], "Result too large");
+    assert_eq!(note["committed"], true);
+    assert_eq!(note["success"], true);
+    assert!(note["resultChars"].as_u64().unwrap() > 50_000, "{note}");
+    assert_eq!(
+        note["counts"],
+        json!({"mutatedPaths": 3000, "derivedUpdated": 1, "metaUpdated": 0,
+               "flaggedConstraints": 1, "dispatchedEffects": 1})
+    );
+    // What the agent must act on comes whole.
+    assert_eq!(note["flaggedConstraints"][0]["constraintId"], "few");
+    assert_eq!(note["dispatchedEffects"][0]["emit"], "rows.grown");
+    let hint = note["hint"].as_str().unwrap();
+    assert!(
+        hint.contains("The write committed: 3000 paths written") && hint.contains("do not send"),
+        "{hint}"
+    );
+    assert!(
+        hint.contains("get_state") && hint.contains("explain"),
+        "{hint}"
+    );
+    assert!(text_of(&r).len() < 50_000);
+    // It committed once.
+    let r = m.tool(3, "get_field", json!({"id": "rows", "path": "$.n"}));
+    assert_eq!(r["content"][0]["text"], "3000");
+    // A large write with traces: counted too.
+    let r = m.tool(
+        4,
+        "mutate",
+        json!({"id": "rows", "mutations": rows_mutation(3000), "includeTraces": true}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    assert_eq!(r["structuredContent"]["counts"]["mutatedPaths"], 3000);
+    assert!(r["structuredContent"]["counts"]["traces"].as_u64().unwrap() >= 2);
+    // A read over the guard is still withheld as an error: nothing was done.
+    let r = m.tool(6, "get_state", json!({"id": "rows"}));
+    assert_eq!(r["isError"], true);
+    assert!(r.get("structuredContent").is_none());
+}
+
+#[test]
+fn evolve_spec_refuses_an_evolution_that_names_no_change() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let spec = json!({"id": "e", "schema": {}, "derivations": [{"path": "$.t", "expr": "a * 2"}]});
+    assert_eq!(
+        m.tool(1, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    m.tool(2, "mutate", json!({"id": "e", "mutations": {"$.a": 2}}));
+    let history = |m: &mut Mcp, id| text_json(&m.tool(id, "get_history", json!({"id": "e"})));
+    let before = history(&mut m, 3);
+    assert_eq!(before.as_array().map(Vec::len), Some(2), "{before}");
+
+    let r = m.tool(
+        4,
+        "evolve_spec",
+        json!({"id": "e", "evolution": {"addDerivations": [{"path": "$.u", "expr": "t + 1"}]}}),
+    );
+    assert_eq!(r["isError"], true, "{r}");
+    let text = text_of(&r);
+    assert!(
+        text.contains("addDerivations")
+            && text.contains("names no change")
+            && text.contains("did you mean `upsertDerivations`"),
+        "{text}"
+    );
+    assert_eq!(
+        history(&mut m, 5),
+        before,
+        "a refused evolution leaves the history"
+    );
+
+    // Nothing to change: answered with a warning, the history kept.
+    let r = m.tool(6, "evolve_spec", json!({"id": "e", "evolution": {}}));
+    assert_eq!(r["isError"], false, "{r}");
+    assert_eq!(
+        r["structuredContent"]["warnings"][0]["location"],
+        "evolution"
+    );
+    assert_eq!(history(&mut m, 7), before);
+
+    // Unknown keys beside a change: applied, reported.
+    let r = m.tool(
+        8,
+        "evolve_spec",
+        json!({"id": "e", "evolution": {"upsertDerivations": [{"path": "$.u", "expr": "t + 1"}],
+                                        "newVersoin": "2.0.0"}}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    let info = &r["structuredContent"];
+    assert_eq!(info["derivationCount"], 2);
+    assert_eq!(info["version"], "1.0.0");
+    assert_eq!(info["warnings"][0]["location"], "newVersoin", "{info}");
+    assert!(info["warnings"][0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("`newVersion`"));
+    let r = m.tool(9, "get_field", json!({"id": "e", "path": "$.u"}));
+    assert_eq!(r["content"][0]["text"], "5");
+}
+
+#[test]
+fn get_effective_schema_says_when_an_address_is_not_declared() {
+    let mut m = Mcp::start(&[], &[]);
+    m.handshake("2025-11-25");
+    let spec = json!({"id": "s", "schema": {"type": "object", "properties": {
+        "order": {"type": "object", "properties": {"price": {"type": "number"}, "qty": {"type": "integer"}}}}},
+        "metaDerivations": [{"path": "$.order.cap", "property": "maximum", "expr": "10"}]});
+    assert_eq!(
+        m.tool(1, "create_model", json!({"spec": spec}))["isError"],
+        false
+    );
+    let r = m.tool(
+        2,
+        "get_effective_schema",
+        json!({"id": "s", "path": "$.order.pirce"}),
+    );
+    assert_eq!(r["isError"], false, "{r}");
+    let c = r["structuredContent"]["$comment"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        c.contains("$.order.pirce is not declared")
+            && c.contains("any value is accepted")
+            && c.contains("$.order declares price, qty"),
+        "{r}"
+    );
+    // Declared: the schema itself; targeted by a meta-derivation: its meta, no comment.
+    let r = m.tool(
+        3,
+        "get_effective_schema",
+        json!({"id": "s", "path": "$.order.price"}),
+    );
+    assert_eq!(r["structuredContent"], json!({"type": "number"}));
+    let r = m.tool(
+        4,
+        "get_effective_schema",
+        json!({"id": "s", "path": "$.order.cap"}),
+    );
+    assert_eq!(r["structuredContent"], json!({"maximum": 10}));
+}
+
+fn text_of(result: &Value) -> String {
+    result["content"][0]["text"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
 }
 
 #[test]

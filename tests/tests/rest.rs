@@ -286,6 +286,22 @@ fn mutations_state_and_reads() {
     assert_eq!(s["type"], "number");
     assert_eq!(s["minimum"], 0);
     assert_error(&h.get("/models/demo/schema/$.a..b"), 400, "Bad request");
+    // An address the schema does not declare accepts anything, and says so (a typo shows).
+    let s = h.get("/models/demo/schema/$.pirce").json();
+    let c = s["$comment"].as_str().unwrap_or_default();
+    assert!(
+        c.contains("$.pirce is not declared") && c.contains("$ declares price, qty, note"),
+        "{s}"
+    );
+    assert_eq!(s.as_object().map(|o| o.len()), Some(1), "{s}");
+    let s = h.get("/models/demo/schema/$.total").json();
+    assert!(
+        s["$comment"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("derivation of $.total"),
+        "{s}"
+    );
     let traces = h.get("/models/demo/explain/$.total").json();
     let all = traces.as_array().unwrap();
     assert!(all.len() >= 2, "{traces}");
@@ -703,6 +719,83 @@ fn spec_evolution() {
         "Not found",
     );
     assert_eq!(h.get("/models/demo/spec").json()["version"], "1.1.0");
+}
+
+#[test]
+fn evolutions_that_name_no_change_are_refused_or_leave_the_model_alone() {
+    let (_d, h) = start(&[]);
+    create(&h, &demo_spec());
+    mutate(&h, "demo", json!({"$.price": 10, "$.qty": 3}));
+    let evolve = |v: Value| h.post_json("/models/demo/spec/evolve", &v);
+    let history = || h.get("/models/demo/history").json();
+    let before = history();
+    assert_eq!(before.as_array().map(Vec::len), Some(2), "{before}");
+    let constraints = h.get("/models/demo").json()["constraintCount"].clone();
+
+    // A misspelt key and nothing else: refused, naming it and the key meant.
+    let b = assert_error(
+        &evolve(json!({"addDerivations": [{"path": "$.withTax", "expr": "total * 1.5"}]})),
+        422,
+        "Invalid evolution",
+    );
+    assert_eq!(b["errors"][0]["location"], "addDerivations", "{b}");
+    let m = b["message"].as_str().unwrap();
+    assert!(
+        m.contains("names no change") && m.contains("did you mean `upsertDerivations`"),
+        "{m}"
+    );
+    let b = assert_error(
+        &evolve(json!({"expectedVersion": "1.0.0", "upsert_constraints": []})),
+        422,
+        "Invalid evolution",
+    );
+    assert!(
+        b["message"]
+            .as_str()
+            .unwrap()
+            .contains("did you mean `upsertConstraints`"),
+        "{b}"
+    );
+    // Nothing was applied and the history is untouched.
+    assert_eq!(
+        h.get("/models/demo/spec").json()["derivations"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    assert_eq!(history(), before);
+
+    // An evolution that changes nothing: answered, with a warning, and nothing touched.
+    let r = evolve(json!({}));
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        r.json()["warnings"][0]["location"],
+        "evolution",
+        "{}",
+        r.json()
+    );
+    let r = evolve(json!({"expectedVersion": "1.0.0",
+        "upsertDerivations": [{"path": "$.total", "expr": "price * qty"}]}));
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.json().get("warnings").is_none(), "{}", r.json());
+    assert_eq!(history(), before);
+
+    // Unknown keys beside a change: the change applies, they come back as warnings.
+    let r = evolve(json!({
+        "upsertDerivations": [{"path": "$.withTax", "expr": "total * 1.5"}],
+        "addConstraints": [{"id": "x", "expr": "true", "message": "m", "policy": "flag"}]
+    }));
+    assert_eq!(r.status, 200, "{r:?}");
+    let info = r.json();
+    assert_eq!(info["derivationCount"], 2);
+    assert_eq!(info["constraintCount"], constraints);
+    assert_eq!(info["warnings"][0]["location"], "addConstraints", "{info}");
+    assert!(info["warnings"][0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("`upsertConstraints` or `removeConstraints`"));
+    assert_eq!(h.get("/models/demo/state/$.withTax").json(), json!(45));
+    assert_ne!(history(), before, "a real evolution restarts the history");
 }
 
 fn multipart(fields: &[(&str, Option<&str>, &[u8])]) -> (String, Vec<u8>) {

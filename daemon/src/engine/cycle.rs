@@ -737,14 +737,19 @@ impl<'a> Cycle<'a> {
     }
 
     /// A base write replaces everything below `w`, and may create containers: every per-address
-    /// node instance below it (derived values wiped from the merged document, meta and scoped
-    /// constraints of new elements) must be recomputed.
+    /// value below it (derived values wiped from the merged document, meta of new elements)
+    /// must be recomputed. Scoped constraints are not marked here: a constraint runs when
+    /// something it reads is written (`propagate` reaches one scoped at or below a replaced
+    /// value), not because a write created the container of a field still absent — the
+    /// reference's rule, so `{"$.q.other": 1}` does not check a constraint on `$.q.c`.
     fn shadow(&mut self, w: &[Seg]) {
         let mut below = Vec::new();
         self.cm.produced_below(w, &mut below);
         self.cm.instances.below(w, &mut below);
         for (id, b) in below {
-            self.mark(id, b);
+            if !matches!(self.cm.nodes[id as usize].kind, NodeKind::Constraint { .. }) {
+                self.mark(id, b);
+            }
         }
     }
 
@@ -1696,7 +1701,7 @@ impl<'a> Cycle<'a> {
                     ))
                 })?;
                 if v.as_obj().is_some() {
-                    self.fill_absent(c, &v)?;
+                    self.fill_absent(&mut c.clone(), &v)?;
                 }
             }
         }
@@ -1704,16 +1709,41 @@ impl<'a> Cycle<'a> {
     }
 
     /// Deep-merge `v` into the container at `at`, only where the caller left a field absent.
-    fn fill_absent(&mut self, at: &[Seg], v: &Val) -> Result<(), MutationError> {
+    /// As the reference's applier does, the object is written leaf by leaf (a non-empty object
+    /// is descended into, a null is no default), so only the addresses actually filled are
+    /// written and marked: a reader of a field the default leaves absent is not reached.
+    fn fill_absent(&mut self, at: &mut Vec<Seg>, v: &Val) -> Result<(), MutationError> {
         let Some(obj) = v.as_obj() else { return Ok(()) };
         for (k, x) in obj.iter() {
-            let mut p = at.to_vec();
-            p.push(Seg::Field(k.clone()));
-            match self.st.base.get_path(&p) {
-                None => self.write_base(&p, x.clone())?,
-                Some(Val::Obj(_)) if x.as_obj().is_some() => self.fill_absent(&p, x)?,
-                Some(_) => {}
+            at.push(Seg::Field(k.clone()));
+            match x {
+                Val::Null => {}
+                Val::Obj(o) if !o.is_empty() => self.fill_absent(at, x)?,
+                _ => self.fill_leaf(at, x.clone())?,
             }
+            at.pop();
+        }
+        Ok(())
+    }
+
+    /// Write a default at `p` when it may fill it: nothing (or null) is there, no derivation
+    /// writes it, and nothing on the way is a value of another kind (fill-absent never
+    /// replaces a value to make room).
+    fn fill_leaf(&mut self, p: &[Seg], v: Val) -> Result<(), MutationError> {
+        if self.cm.produced_above(p).is_some() {
+            return Ok(());
+        }
+        let mut cur = Some(&self.st.base);
+        for s in p {
+            cur = match (cur, s) {
+                (None | Some(Val::Null), _) => break,
+                (Some(Val::Obj(m)), Seg::Field(k)) => m.get(k),
+                (Some(Val::Arr(a)), Seg::Index(i)) => a.get(*i),
+                _ => return Ok(()),
+            };
+        }
+        if matches!(cur, None | Some(Val::Null)) {
+            self.write_base(p, v)?;
         }
         Ok(())
     }
@@ -2106,7 +2136,11 @@ pub(super) fn initialize(
     c.finish()
 }
 
-/// JSON Schema `default` keywords fill absent properties at creation (after `$` rules).
+/// JSON Schema `default` keywords fill absent properties at creation (after `$` rules), as the
+/// reference's `SchemaDefaultApplier` does: every `properties` entry with a non-null `default`
+/// is filled (the objects on the way created) and not descended into; one without is descended
+/// into when it declares `properties`. Local `$ref`s are followed (the reference reads the
+/// schema as written).
 fn apply_schema_defaults(
     c: &mut Cycle<'_>,
     root: &serde_json::Value,
@@ -2124,17 +2158,14 @@ fn apply_schema_defaults(
     for (k, sub) in props {
         at.push(Seg::Field(crate::value::intern(k)));
         let sub_r = super::schema::resolve(root, sub);
-        let present = c.st.base.get_path(at).is_some();
-        if !present {
-            if let Some(d) = sub_r.get("default") {
+        match sub_r.get("default") {
+            Some(d) if !d.is_null() => {
                 let d = Val::from_json_within(d, room_below(at.len())).map_err(|e| {
                     MutationError::Invalid(format!("the schema default of {}: {e}", render(at)))
                 })?;
-                c.write_base(at, d)?;
+                c.fill_leaf(at, d)?
             }
-        }
-        if c.st.base.get_path(at).and_then(Val::as_obj).is_some() {
-            apply_schema_defaults(c, root, sub_r, at, depth + 1)?;
+            _ => apply_schema_defaults(c, root, sub_r, at, depth + 1)?,
         }
         at.pop();
     }

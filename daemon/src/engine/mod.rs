@@ -515,7 +515,7 @@ impl Model {
     /// Run `f` without the limits on a cycle's work ([`EngineLimits::unbounded`]): a replay of
     /// records that committed once must commit again, however long it takes here and now.
     pub fn unbounded<R>(&mut self, f: impl FnOnce(&mut Model) -> R) -> R {
-        let limits = std::mem::replace(&mut self.limits, EngineLimits::default());
+        let limits = std::mem::take(&mut self.limits);
         self.limits = limits.unbounded();
         let out = f(self);
         self.limits = limits;

@@ -28,8 +28,12 @@ const MAX_REF_HOPS: usize = 64;
 
 enum Lookup<'a> {
     Node(&'a Json),
-    /// No schema constrains this address.
-    Free,
+    /// No schema constrains this address: the schema stops at `path[..depth]`, whose node is
+    /// `parent`.
+    Free {
+        depth: usize,
+        parent: &'a Json,
+    },
     Refused(SchemaViolation),
 }
 
@@ -144,14 +148,22 @@ fn node_at<'a>(root: &'a Json, path: &[Seg]) -> Lookup<'a> {
         };
         match next {
             Some(n) => node = resolve(root, n),
-            None => return Lookup::Free,
+            None => {
+                return Lookup::Free {
+                    depth: i,
+                    parent: node,
+                }
+            }
         }
     }
     Lookup::Node(node)
 }
 
 /// The static schema node at `path` overlaid with the live meta for that address; `None` when
-/// nothing constrains it. This is what `get_effective_schema` returns.
+/// the schema refuses the address. This is what `get_effective_schema` returns. An address
+/// the schema does not declare is `{}` (anything is accepted there, as in the reference) with
+/// a `$comment` saying so and naming the fields declared where the schema stops — a typo in
+/// the path would otherwise look like a field without constraints.
 pub fn effective_schema(
     cm: &CompiledModel,
     meta: &OrdMap<std::sync::Arc<str>, MetaEntry>,
@@ -159,7 +171,16 @@ pub fn effective_schema(
 ) -> Option<Json> {
     let node = match node_at(&cm.schema, path) {
         Lookup::Node(n) => n.clone(),
-        Lookup::Free => Json::Object(Map::new()),
+        Lookup::Free { depth, parent } => {
+            let mut m = Map::new();
+            if meta_of(meta, &render(path)).is_empty() {
+                m.insert(
+                    "$comment".into(),
+                    undeclared(cm, path, depth, parent).into(),
+                );
+            }
+            Json::Object(m)
+        }
         Lookup::Refused(_) => return None,
     };
     let mut node = match node {
@@ -189,6 +210,37 @@ pub fn effective_schema(
     Some(Json::Object(node))
 }
 
+/// What the `$comment` of an undeclared address says.
+fn undeclared(cm: &CompiledModel, path: &[Seg], depth: usize, parent: &Json) -> String {
+    let at = render(path);
+    if let Some(p) = cm.produced_above(path) {
+        return format!(
+            "{at} is not declared in the model's schema; it is computed by the derivation of {} \
+             and cannot be written",
+            cm.nodes[p as usize].key
+        );
+    }
+    const SHOWN: usize = 20;
+    let declared: Vec<&str> = parent
+        .get("properties")
+        .and_then(Json::as_object)
+        .map(|p| p.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    let there = render(&path[..depth]);
+    let fields = match declared.len() {
+        0 => format!("{there} declares no fields"),
+        n if n <= SHOWN => format!("{there} declares {}", declared.join(", ")),
+        n => format!(
+            "{there} declares {}, … ({n} fields)",
+            declared[..SHOWN].join(", ")
+        ),
+    };
+    format!(
+        "{at} is not declared in the model's schema, so any value is accepted there; check the \
+         path's spelling ({fields})"
+    )
+}
+
 /// Validate one write against the effective schema.
 pub fn validate_write(
     cm: &CompiledModel,
@@ -209,7 +261,7 @@ pub fn validate_write(
     }
     let node = match node_at(&cm.schema, path) {
         Lookup::Refused(v) => return vec![v],
-        Lookup::Free => None,
+        Lookup::Free { .. } => None,
         Lookup::Node(n) => Some(n),
     };
     if node.is_none() && meta.is_empty() {

@@ -206,14 +206,6 @@ fn session_of(st: &AppState, headers: &HeaderMap) -> Result<(String, Arc<HttpSes
 }
 
 /// Is this message (or every member of this batch) something that gets no reply?
-fn needs_reply(msg: &Json) -> bool {
-    match msg {
-        Json::Array(items) => items.iter().any(needs_reply),
-        Json::Object(m) => m.contains_key("method") && m.contains_key("id"),
-        _ => true,
-    }
-}
-
 fn is_initialize(msg: &Json) -> bool {
     msg.get("method").and_then(|m| m.as_str()) == Some("initialize")
 }
@@ -264,7 +256,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             "Unsupported Media Type: the body must be application/json",
         );
     }
-    let mut msg: Json = match serde_json::from_slice(&body) {
+    let mut msg: Json = match crate::mcp::wire::parse(&body) {
         Ok(m) => m,
         Err(e) => {
             return rpc_error(
@@ -328,7 +320,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         }
         r
     };
-    if !needs_reply(&msg) {
+    if !crate::mcp::owes_reply(&msg) {
         let session = hs.session.clone();
         let _ = st
             .blocking(move |_| {
@@ -484,7 +476,11 @@ fn plain_reply(
     }
     match reply {
         None => StatusCode::ACCEPTED.into_response(),
-        Some(r) if json_ok => axum::Json(r).into_response(),
+        Some(r) if json_ok => (
+            [(header::CONTENT_TYPE, "application/json")],
+            crate::mcp::wire::to_string(&r),
+        )
+            .into_response(),
         Some(r) => Sse::new(stream::iter([Ok::<_, Infallible>(message_event(&r))])).into_response(),
     }
 }
@@ -583,7 +579,9 @@ async fn get_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
 }
 
 fn message_event(m: &Json) -> SseEvent {
-    SseEvent::default().event("message").data(m.to_string())
+    SseEvent::default()
+        .event("message")
+        .data(crate::mcp::wire::to_string(m))
 }
 
 /// Messages as SSE `message` events until the session, the client or the daemon goes away.

@@ -12,6 +12,7 @@ pub mod proxy;
 pub mod resources;
 pub mod stdio;
 pub mod tools;
+pub mod wire;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, RwLock};
@@ -202,6 +203,26 @@ pub struct Session {
     /// Requests we sent the client, waiting for its response (by id).
     asked: Mutex<std::collections::HashMap<String, std::sync::mpsc::SyncSender<Json>>>,
     next_ask: std::sync::atomic::AtomicU64,
+}
+
+/// A JSON-RPC response: no `method`, a `result` or an `error`. Never answered.
+fn is_response(m: &Map<String, Json>) -> bool {
+    !m.contains_key("method") && (m.contains_key("result") || m.contains_key("error"))
+}
+
+/// Whether a message (or batch) owes the sender an answer: anything but a notification or a
+/// response does — a request, and an invalid message (answered `-32600`).
+pub fn owes_reply(msg: &Json) -> bool {
+    match msg {
+        Json::Array(items) => items.is_empty() || items.iter().any(owes_reply),
+        Json::Object(m) => {
+            let notification = m.get("jsonrpc").and_then(Json::as_str) == Some("2.0")
+                && m.get("method").is_some_and(Json::is_string)
+                && !m.contains_key("id");
+            !notification && !is_response(m)
+        }
+        _ => true,
+    }
 }
 
 /// A request id as a set key (`1` and `"1"` are different ids).
@@ -449,6 +470,7 @@ impl Session {
             server: &self.server,
         };
         let call = tool.call_deferred(&ctx, args);
+        let name = tool.name;
         Some(async move {
             let outcome = match call {
                 Some(c) => c.await,
@@ -461,7 +483,7 @@ impl Session {
             if st.cancelled.remove(&key) {
                 return None;
             }
-            Some(result(id, tools::envelope(outcome)))
+            Some(result(id, tools::envelope_for(name, outcome)))
         })
     }
 
@@ -509,28 +531,39 @@ impl Session {
                 "a JSON-RPC message must be an object",
             ));
         };
+        if is_response(&m) {
+            // A response nobody waits for (late, or never asked): nothing to answer.
+            return None;
+        }
         let id = m.remove("id");
+        // An invalid request is answered with its id when it has a usable one, else null.
+        let reply_id = || match &id {
+            Some(i @ (Json::String(_) | Json::Number(_))) => i.clone(),
+            _ => Json::Null,
+        };
         if m.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0") {
-            return id.map(|id| {
-                error(
-                    id,
-                    code::INVALID_REQUEST,
-                    "missing or wrong `jsonrpc` member (must be \"2.0\")",
-                )
-            });
+            return Some(error(
+                reply_id(),
+                code::INVALID_REQUEST,
+                "Invalid Request: missing or wrong `jsonrpc` member (must be \"2.0\")",
+            ));
         }
         let method = match m.remove("method") {
             Some(Json::String(s)) => s,
             Some(_) => {
                 return Some(error(
-                    id.unwrap_or(Json::Null),
+                    reply_id(),
                     code::INVALID_REQUEST,
-                    "`method` must be a string",
+                    "Invalid Request: `method` must be a string",
                 ))
             }
             None => {
-                // A response nobody waits for (late, or never asked): nothing to answer.
-                return None;
+                return Some(error(
+                    reply_id(),
+                    code::INVALID_REQUEST,
+                    "Invalid Request: no `method` (a request needs `method` and `id`, a \
+                     notification `method`, a response `result` or `error`)",
+                ))
             }
         };
         let params = m.remove("params").unwrap_or(Json::Object(Map::new()));
@@ -800,6 +833,6 @@ impl Session {
         let ctx = tools::Ctx {
             server: &self.server,
         };
-        result(id, tools::envelope(tool.call(&ctx, args)))
+        result(id, tools::envelope_for(tool.name, tool.call(&ctx, args)))
     }
 }

@@ -9,7 +9,7 @@ use super::tools::{Outcome, ToolError};
 use crate::expr::path::Address;
 use crate::service::time::parse_iso;
 use crate::service::{mutation_list, ModelService};
-use crate::spec::{parse_evolution, parse_spec};
+use crate::spec::{parse_evolution_checked, parse_spec};
 
 pub fn list_models(s: &ModelService) -> Outcome {
     Ok(json!(s.list()?))
@@ -102,16 +102,21 @@ pub fn restore(s: &ModelService, id: &str, snapshot: Map<String, Json>) -> Outco
     Ok(s.restore(id, Json::Object(snapshot))?)
 }
 
-/// Apply a SpecEvolution; the result is the new model info.
+/// Apply a SpecEvolution; the result is the new model info, with `warnings` when the evolution
+/// had keys it ignored or changed nothing.
 pub fn evolve(s: &ModelService, id: &str, evolution: &Json) -> Outcome {
-    let evo = parse_evolution(evolution).map_err(|e| {
+    let (evo, warnings) = parse_evolution_checked(evolution).map_err(|e| {
         ToolError::Message(format!(
             "invalid evolution at {}: {}",
             e.location(),
             e.message()
         ))
     })?;
-    Ok(json!(s.evolve(id, evo)?))
+    let mut info = json!(s.evolve(id, evo)?);
+    if !warnings.is_empty() {
+        info["warnings"] = json!(warnings);
+    }
+    Ok(info)
 }
 
 pub fn delete(s: &ModelService, id: &str) -> Outcome {

@@ -82,7 +82,7 @@ pub fn serve_with(
         if text.iter().all(|b| b.is_ascii_whitespace()) {
             continue;
         }
-        let msg: Json = match serde_json::from_slice(text) {
+        let msg: Json = match super::wire::parse(text) {
             Ok(m) => m,
             Err(e) => {
                 outbox(&json!({"jsonrpc": "2.0", "id": null, "error": {
@@ -108,7 +108,7 @@ pub fn serve_with(
 }
 
 fn write_line(out: &Mutex<Box<dyn Write + Send>>, msg: &Json) {
-    let mut text = serde_json::to_vec(msg).unwrap_or_default();
+    let mut text = super::wire::to_vec(msg);
     text.push(b'\n');
     if let Ok(mut o) = out.lock() {
         // A closed stdout means the client is gone; the read loop ends at its EOF.

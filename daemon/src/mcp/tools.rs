@@ -223,14 +223,34 @@ fn pretty(v: &Json) -> String {
     serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string())
 }
 
+/// The tools whose success means a committed write: over the size guard their result is the
+/// committed-write note, not a failure (an agent told it failed would send the write again).
+const COMMITTED_WRITES: &[&str] = &["mutate", "patch_model"];
+
 /// The `tools/call` result for an outcome: a pretty text block, plus structuredContent for
 /// objects; the size guard; `isError` for failures.
 pub fn envelope(outcome: Outcome) -> Json {
+    envelope_for("", outcome)
+}
+
+/// [`envelope`] for the tool `name`: a committed write over the size guard answers
+/// `isError: false` with a note saying it committed (its counts, and what must be acted on
+/// when it fits), also as structuredContent so that clients validating the output accept it;
+/// any other result over the guard is withheld as an `isError` note.
+pub fn envelope_for(name: &str, outcome: Outcome) -> Json {
     match outcome {
         Ok(v) => {
             let text = pretty(&v);
             let chars = text.chars().count();
             if chars > RESULT_LIMIT_CHARS {
+                if COMMITTED_WRITES.contains(&name) {
+                    let note = committed_note(&v, chars);
+                    return json!({
+                        "content": [{"type": "text", "text": pretty(&note)}],
+                        "structuredContent": note,
+                        "isError": false,
+                    });
+                }
                 let note = json!({
                     "error": "Result too large",
                     "resultChars": chars,
@@ -260,6 +280,64 @@ pub fn envelope(outcome: Outcome) -> Json {
             "isError": true,
         }),
     }
+}
+
+/// What stands in for a committed write's summary `v` of `chars` characters: that it
+/// committed, the length of each of its lists, and its flagged constraints and dispatched
+/// effects (a caller effect is only ever announced here) as long as the note stays within the
+/// guard; the paths and traces are read with the tools the hint names.
+fn committed_note(v: &Json, chars: usize) -> Json {
+    let count = |k: &str| v.get(k).and_then(Json::as_array).map_or(0, Vec::len);
+    let mut counts = Map::new();
+    for k in [
+        "mutatedPaths",
+        "derivedUpdated",
+        "metaUpdated",
+        "flaggedConstraints",
+        "dispatchedEffects",
+    ] {
+        counts.insert(k.into(), json!(count(k)));
+    }
+    if v.get("traces").is_some() {
+        counts.insert("traces".into(), json!(count("traces")));
+    }
+    let hint = format!(
+        "The write committed: {} paths written, {} derived and {} meta values updated, {} flag \
+         constraints violated, {} effects dispatched. Only this summary was withheld for its \
+         size; do not send the write again. Read what it changed with get_state (`paths`, \
+         `depth`) or get_field, its traces with explain (`limit`), its audit record with \
+         get_audit (`limit`, `pathPrefix`); leave includeTraces off for large writes.",
+        count("mutatedPaths"),
+        count("derivedUpdated"),
+        count("metaUpdated"),
+        count("flaggedConstraints"),
+        count("dispatchedEffects"),
+    );
+    let mut note = json!({
+        "error": "Result too large",
+        "committed": true,
+        "success": v.get("success").cloned().unwrap_or(json!(true)),
+        "resultChars": chars,
+        "limitChars": RESULT_LIMIT_CHARS,
+        "counts": counts,
+    });
+    for k in ["flaggedConstraints", "dispatchedEffects"] {
+        let Some(list) = v
+            .get(k)
+            .filter(|l| l.as_array().is_some_and(|a| !a.is_empty()))
+        else {
+            continue;
+        };
+        note[k] = list.clone();
+        // Room is kept for the hint, added last.
+        if pretty(&note).chars().count() + hint.len() + 16 > RESULT_LIMIT_CHARS {
+            if let Json::Object(m) = &mut note {
+                m.shift_remove(k);
+            }
+        }
+    }
+    note["hint"] = json!(hint);
+    note
 }
 
 impl From<ServiceError> for ToolError {
@@ -532,7 +610,46 @@ fn any_object() -> Json {
 }
 
 fn mutation_result_schema() -> Json {
-    or_structured_error(output_of::<crate::engine::MutationResult>())
+    let mut s = or_structured_error(output_of::<crate::engine::MutationResult>());
+    if let Some(Json::Array(any)) = s.get_mut("anyOf") {
+        any.push(json!({
+            "type": "object",
+            "description": "The size guard's note for a write that committed but whose summary is over ~50 KB (isError: false): its counts, and its flaggedConstraints and dispatchedEffects when they fit.",
+            "properties": {
+                "error": {"const": "Result too large"},
+                "committed": {"const": true},
+                "success": {"type": "boolean"},
+                "resultChars": {"type": "integer"},
+                "limitChars": {"type": "integer"},
+                "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "flaggedConstraints": {"type": "array", "items": {"type": "object"}},
+                "dispatchedEffects": {"type": "array", "items": {"type": "object"}},
+                "hint": {"type": "string"}
+            },
+            "required": ["error", "committed", "counts", "hint"]
+        }));
+    }
+    s
+}
+
+/// The model info, with the evolution's `warnings` when it had any.
+fn evolve_result_schema() -> Json {
+    let mut s = output_of::<ModelInfo>();
+    if let Some(Json::Object(props)) = s.get_mut("properties") {
+        props.insert(
+            "warnings".into(),
+            json!({
+                "type": "array",
+                "description": "Keys of the evolution that were ignored, or that it changed nothing.",
+                "items": {
+                    "type": "object",
+                    "properties": {"location": {"type": "string"}, "message": {"type": "string"}},
+                    "required": ["location", "message"]
+                }
+            }),
+        );
+    }
+    s
 }
 
 fn verify_schema() -> Json {
@@ -651,7 +768,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
         Tool {
             name: "get_effective_schema",
             title: "Effective schema of a field",
-            description: "The JSON Schema of the field at `path` overlaid with its live meta (current minimum/maximum/required/readOnly/relevant…): what a write there must satisfy now.",
+            description: "The JSON Schema of the field at `path` overlaid with its live meta (current minimum/maximum/required/readOnly/relevant…): what a write there must satisfy now. An address the schema does not declare answers {} with a `$comment` saying so and naming the fields declared there (check the path's spelling).",
             input_schema: schema_of::<PathArgs>(),
             output_schema: None,
             annotations: ro.clone(),
@@ -665,7 +782,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
         Tool {
             name: "mutate",
             title: "Mutate a model",
-            description: "Write values ({\"$.path\": value}) in one reactive cycle: validate against the effective schema, apply, recompute what depends on the change, check constraints (a rollback constraint refuses the whole write), request effects. Returns mutatedPaths, derivedUpdated, metaUpdated, flaggedConstraints, dispatchedEffects (traces with includeTraces).",
+            description: "Write values ({\"$.path\": value}) in one reactive cycle: validate against the effective schema, apply, recompute what depends on the change, check constraints (a rollback constraint refuses the whole write), request effects. Returns mutatedPaths, derivedUpdated, metaUpdated, flaggedConstraints, dispatchedEffects (traces with includeTraces); a summary over ~50 KB comes as a note with `committed: true` and its counts (the write is done: do not send it again).",
             input_schema: schema_of::<MutateArgs>(),
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
@@ -679,7 +796,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
         Tool {
             name: "patch_model",
             title: "Patch a model (RFC 6902)",
-            description: "Apply an RFC 6902 JSON Patch (add/remove/replace/move/copy/test) to the base document as one reactive cycle: insert, remove or reorder array elements. Paths are JSON Pointers (\"/items/0\", \"/items/-\" appends), not $-addresses.",
+            description: "Apply an RFC 6902 JSON Patch (add/remove/replace/move/copy/test) to the base document as one reactive cycle: insert, remove or reorder array elements. Paths are JSON Pointers (\"/items/0\", \"/items/-\" appends), not $-addresses. Returns the mutate summary (a note with `committed: true` over ~50 KB).",
             input_schema: schema_of::<PatchArgs>(),
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
@@ -797,7 +914,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
         Tool {
             name: "evolve_spec",
             title: "Evolve a model's spec",
-            description: "Change a live model's spec with a SpecEvolution (keyed upserts/removes, wholesale or targeted schema/view/constants edits, backfill). Pass expectedVersion to guard against concurrent changes (a mismatch returns a Version conflict). The state is kept, checked against the new schema (stranding evolutions are refused) and recomputed. The version changes only with newVersion. Returns the new model info.",
+            description: "Change a live model's spec with a SpecEvolution (keyed upserts/removes, wholesale or targeted schema/view/constants edits, backfill). Pass expectedVersion to guard against concurrent changes (a mismatch returns a Version conflict). The state is kept, checked against the new schema (stranding evolutions are refused) and recomputed. The version changes only with newVersion. Returns the new model info. Keys a SpecEvolution does not have are refused when nothing else changes (named, with the key meant) and returned as `warnings` beside a change; an evolution that changes nothing leaves the model (and its history) as it was.",
             input_schema: object_schema(
                 json!({
                     "id": {"type": "string", "description": "The model id."},
@@ -805,7 +922,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 }),
                 &["id", "evolution"],
             ),
-            output_schema: Some(or_structured_error(output_of::<ModelInfo>())),
+            output_schema: Some(or_structured_error(evolve_result_schema())),
             annotations: annotations(false, true, false),
             plugin: None,
             deferred: None,
@@ -1108,5 +1225,50 @@ fn test_spec(c: &Ctx<'_>, a: Json) -> Outcome {
                 .join("; ")
         ))),
         Err(e) => Err(ToolError::Message(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid(schema: &Json, v: &Json) -> bool {
+        jsonschema::validator_for(schema).is_ok_and(|s| s.is_valid(v))
+    }
+
+    #[test]
+    fn a_committed_write_over_the_guard_is_a_note_its_output_schema_admits() {
+        let paths: Vec<String> = (0..3000).map(|i| format!("$.rows[{i}].label")).collect();
+        let summary = json!({"success": true, "mutatedPaths": paths, "derivedUpdated": ["$.n"],
+            "metaUpdated": [], "flaggedConstraints": [], "dispatchedEffects": []});
+        let r = envelope_for("mutate", Ok(summary.clone()));
+        assert_eq!(r["isError"], false);
+        let note = &r["structuredContent"];
+        assert_eq!(note["counts"]["mutatedPaths"], 3000);
+        assert!(valid(&mutation_result_schema(), note), "{note}");
+        // Not one of the structured failures either.
+        assert!(!valid(
+            &or_structured_error(json!({"type": "object", "required": ["x"]})),
+            note
+        ));
+        // Any other tool's result over the guard is withheld as an error.
+        let r = envelope_for("get_state", Ok(summary));
+        assert_eq!(r["isError"], true);
+        assert!(r.get("structuredContent").is_none());
+    }
+
+    #[test]
+    fn lists_that_would_pass_the_guard_are_counted_not_carried() {
+        let flags: Vec<Json> = (0..3000)
+            .map(|i| json!({"constraintId": format!("c{i}"), "message": "m", "policy": "flag"}))
+            .collect();
+        let summary = json!({"success": true, "mutatedPaths": ["$.a"], "derivedUpdated": [],
+            "metaUpdated": [], "flaggedConstraints": flags,
+            "dispatchedEffects": [{"effectId": "e", "emit": "x"}]});
+        let note = &envelope_for("patch_model", Ok(summary))["structuredContent"];
+        assert_eq!(note["counts"]["flaggedConstraints"], 3000);
+        assert!(note.get("flaggedConstraints").is_none());
+        assert_eq!(note["dispatchedEffects"][0]["emit"], "x");
+        assert!(pretty(note).chars().count() <= RESULT_LIMIT_CHARS);
     }
 }

@@ -1050,7 +1050,12 @@ impl Shard {
     /// the old runtime is not carried, as in the reference).
     pub fn evolve_durably(&mut self, id: &str, evo: SpecEvolution, reply: Reply<ModelInfo>) {
         match self.evolve(id, evo) {
-            Ok(info) => {
+            // Nothing changed: nothing to store or announce.
+            Ok(None) => match self.entry(id) {
+                Ok(e) => reply.send(Ok(ModelInfo::of(&e.spec))),
+                Err(x) => reply.send(Err(x)),
+            },
+            Ok(Some(info)) => {
                 let op = match (&self.store, self.models.get_mut(id)) {
                     (Some(_), Some(e)) => {
                         e.checkpointed = e.audit.head();
@@ -1075,7 +1080,9 @@ impl Shard {
         }
     }
 
-    fn evolve(&mut self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
+    /// Apply `evo`; `None` when the evolved spec is the live one and no backfill is written (the
+    /// model, its history and traces are left as they are).
+    fn evolve(&mut self, id: &str, evo: SpecEvolution) -> Result<Option<ModelInfo>, ServiceError> {
         let limits = self.limits.engine.clone();
         let e = self.entry(id)?;
         let actual = e.spec.version_or_default().to_string();
@@ -1088,6 +1095,16 @@ impl Shard {
             }
         }
         let spec = evolve::apply(&e.spec, &evo).map_err(|x| ServiceError::BadRequest(x.0))?;
+        let backfills = evo.backfill.as_ref().is_some_and(|b| {
+            b.keys().any(|k| {
+                concrete(k)
+                    .ok()
+                    .is_none_or(|segs| e.model.state().base.get_path(&segs).is_none())
+            })
+        });
+        if spec == *e.spec && !backfills {
+            return Ok(None);
+        }
         let report = crate::spec::validate::validate(&spec, &limits);
         if !report.valid {
             return Err(ServiceError::EvolutionInvalid(report.errors));
@@ -1135,7 +1152,7 @@ impl Shard {
         e.model = model;
         e.traces.clear();
         e.restart_history(t);
-        Ok(info)
+        Ok(Some(info))
     }
 }
 

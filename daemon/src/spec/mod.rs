@@ -646,6 +646,188 @@ pub fn parse_evolution(json: &Json) -> Result<SpecEvolution, SpecParseError> {
     parse_located(json)
 }
 
+/// [`parse_evolution`] for a live model, with its keys checked: an evolution that names no
+/// change and has keys the SpecEvolution does not know (`addDerivations`) is refused, naming
+/// them — it would apply nothing while its author believes it applied. Unknown keys beside a
+/// change are ignored and reported as warnings; so is an evolution that changes nothing.
+pub fn parse_evolution_checked(
+    json: &Json,
+) -> Result<(SpecEvolution, Vec<validate::Finding>), SpecParseError> {
+    let evo = parse_evolution(json)?;
+    let unknown: Vec<&str> = json
+        .as_object()
+        .map(|m| {
+            m.keys()
+                .map(String::as_str)
+                .filter(|k| !evolution_keys().iter().any(|known| known == k))
+                .collect()
+        })
+        .unwrap_or_default();
+    let about = |k: &str| match suggest_key(k) {
+        Some(s) => format!("`{k}` is not a SpecEvolution key (did you mean {s}?)"),
+        None => format!("`{k}` is not a SpecEvolution key"),
+    };
+    if !evo.names_a_change() && !unknown.is_empty() {
+        let named: Vec<String> = unknown.iter().map(|k| about(k)).collect();
+        return Err(SpecParseError::Shape {
+            location: unknown[0].to_string(),
+            message: format!(
+                "the evolution names no change, nothing was applied: {}. The keys are: {}",
+                named.join("; "),
+                evolution_keys().join(", ")
+            ),
+        });
+    }
+    let mut warnings: Vec<validate::Finding> = unknown
+        .iter()
+        .map(|k| validate::Finding {
+            location: k.to_string(),
+            message: format!("{}; ignored", about(k)),
+        })
+        .collect();
+    if !evo.names_a_change() {
+        warnings.push(validate::Finding {
+            location: "evolution".into(),
+            message: "the evolution names no change; the model was left as it was".into(),
+        });
+    }
+    Ok((evo, warnings))
+}
+
+/// The top-level keys of a SpecEvolution, as its JSON Schema lists them.
+pub fn evolution_keys() -> &'static [String] {
+    static KEYS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    KEYS.get_or_init(|| {
+        schema::spec_evolution_schema()
+            .get("properties")
+            .and_then(Json::as_object)
+            .map(|p| p.keys().cloned().collect())
+            .unwrap_or_default()
+    })
+}
+
+/// The known keys an unknown one was probably meant as: the same key spelt in another case or
+/// with `_`/`-`, else one within two typos (`newVersoin`), else those about the same section
+/// (`addDerivations` → `upsertDerivations` or `removeDerivations`).
+fn suggest_key(unknown: &str) -> Option<String> {
+    let norm = |s: &str| -> String {
+        s.chars()
+            .filter(|c| *c != '_' && *c != '-')
+            .flat_map(char::to_lowercase)
+            .collect()
+    };
+    let keys = evolution_keys();
+    let n = norm(unknown);
+    if let Some((_, k)) = keys
+        .iter()
+        .map(|k| (typos(&norm(k), &n), k))
+        .min_by_key(|(d, _)| *d)
+        .filter(|(d, _)| *d <= 2)
+    {
+        return Some(format!("`{k}`"));
+    }
+    // The section a camelCase key is about: what follows its leading verb, singular.
+    let section = |s: &str| -> Option<String> {
+        let i = s.find(|c: char| c.is_ascii_uppercase())?;
+        Some(norm(&s[i..]).trim_end_matches('s').to_string())
+    };
+    let want = section(unknown)?;
+    let same: Vec<String> = keys
+        .iter()
+        .filter(|k| section(k).as_deref() == Some(want.as_str()))
+        .map(|k| format!("`{k}`"))
+        .collect();
+    (!same.is_empty()).then(|| same.join(" or "))
+}
+
+/// The edits (insertion, deletion, substitution, swap of neighbours) from `a` to `b`.
+fn typos(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    // Rows i-2, i-1 and i of the distance table.
+    let mut prev2 = vec![0; b.len() + 1];
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    let mut cur = vec![0; b.len() + 1];
+    for i in 1..=a.len() {
+        cur[0] = i;
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            cur[j] = (prev[j] + 1).min(cur[j - 1] + 1).min(prev[j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                cur[j] = cur[j].min(prev2[j - 2] + 1);
+            }
+        }
+        std::mem::swap(&mut prev2, &mut prev);
+        std::mem::swap(&mut prev, &mut cur);
+    }
+    prev[b.len()]
+}
+
+impl SpecEvolution {
+    /// Whether it asks for any change: `expectedVersion` is a precondition, not a change.
+    pub fn names_a_change(&self) -> bool {
+        // Destructured so that a new field has to be counted here.
+        let SpecEvolution {
+            new_version,
+            expected_version: _,
+            new_schema,
+            new_view_definition,
+            new_constants,
+            new_library,
+            new_tests,
+            upsert_derivations,
+            remove_derivations,
+            upsert_constraints,
+            remove_constraints,
+            upsert_effects,
+            remove_effects,
+            upsert_meta_derivations,
+            remove_meta_derivations,
+            upsert_default_values,
+            remove_default_values,
+            upsert_schema_defs,
+            remove_schema_defs,
+            upsert_schema_nodes,
+            remove_schema_nodes,
+            new_default_view,
+            upsert_views,
+            remove_views,
+            upsert_components,
+            remove_components,
+            upsert_constants,
+            remove_constants,
+            backfill,
+        } = self;
+        new_version.is_some()
+            || new_schema.is_some()
+            || new_view_definition.is_some()
+            || new_constants.is_some()
+            || new_library.is_some()
+            || new_tests.is_some()
+            || !upsert_derivations.is_empty()
+            || !remove_derivations.is_empty()
+            || !upsert_constraints.is_empty()
+            || !remove_constraints.is_empty()
+            || !upsert_effects.is_empty()
+            || !remove_effects.is_empty()
+            || !upsert_meta_derivations.is_empty()
+            || !remove_meta_derivations.is_empty()
+            || !upsert_default_values.is_empty()
+            || !remove_default_values.is_empty()
+            || upsert_schema_defs.as_ref().is_some_and(|m| !m.is_empty())
+            || !remove_schema_defs.is_empty()
+            || !upsert_schema_nodes.is_empty()
+            || !remove_schema_nodes.is_empty()
+            || new_default_view.is_some()
+            || !upsert_views.is_empty()
+            || !remove_views.is_empty()
+            || !upsert_components.is_empty()
+            || !remove_components.is_empty()
+            || upsert_constants.as_ref().is_some_and(|m| !m.is_empty())
+            || !remove_constants.is_empty()
+            || backfill.as_ref().is_some_and(|m| !m.is_empty())
+    }
+}
+
 fn parse_located<T: serde::de::DeserializeOwned>(json: &Json) -> Result<T, SpecParseError> {
     if !json.is_object() {
         return Err(SpecParseError::Shape {
@@ -711,6 +893,41 @@ fn double_option<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<Librar
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn evolution_keys_are_checked() {
+        let refused = |j: Json| match parse_evolution_checked(&j) {
+            Err(e) => (e.location(), e.message()),
+            Ok(r) => panic!("accepted {j}: {r:?}"),
+        };
+        let (at, m) = refused(json!({"addDerivations": [{"path": "$.a", "expr": "1"}]}));
+        assert_eq!(at, "addDerivations");
+        assert!(
+            m.contains("did you mean `upsertDerivations` or `removeDerivations`?"),
+            "{m}"
+        );
+        assert!(m.contains("upsertSchemaNodes"), "the keys are listed: {m}");
+        let (_, m) = refused(json!({"expectedVersion": "1.0.0", "UpsertConstraints": []}));
+        assert!(m.contains("did you mean `upsertConstraints`?"), "{m}");
+        let (_, m) = refused(json!({"newVersoin": "2.0.0", "upsertDerivations": []}));
+        assert!(m.contains("did you mean `newVersion`?"), "{m}");
+        let (_, m) = refused(json!({"zzz": 1}));
+        assert!(m.contains("`zzz` is not a SpecEvolution key. "), "{m}");
+
+        let (evo, w) =
+            parse_evolution_checked(&json!({"newVersion": "2.0.0", "bogus": 1})).unwrap();
+        assert_eq!(evo.new_version.as_deref(), Some("2.0.0"));
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].location, "bogus");
+        let (_, w) = parse_evolution_checked(&json!({"expectedVersion": "1.0.0"})).unwrap();
+        assert_eq!(w[0].location, "evolution");
+        let (_, w) = parse_evolution_checked(&json!({"newLibrary": null})).unwrap();
+        assert!(w.is_empty(), "dropping the library is a change: {w:?}");
+        // Every key the schema lists is known.
+        assert!(evolution_keys().len() >= 29);
+        assert_eq!(typos("newversion", "newversoin"), 1);
+        assert_eq!(typos("abc", ""), 3);
+    }
 
     #[test]
     fn parses_the_worked_example() {

@@ -233,3 +233,21 @@ async def test_result_size_guard():
         assert note["error"] == "Result too large" and note["limitChars"] == 50000 and "paths" in note["hint"]
         small = await s.ok("get_state", {"id": "demo", "depth": 0})
         assert small["rows"] == "<array: 3000 items>"
+        # A write over the guard committed: not an error, and its note passes the output schema.
+        note = await s.ok("mutate", {"id": "demo", "mutations": {f"$.more[{i}]": {"i": i} for i in range(3000)}})
+        assert note["committed"] is True and note["counts"]["mutatedPaths"] == 3000
+        assert "do not send the write again" in note["hint"]
+        patch = [{"op": "add", "path": f"/tags/t{i}", "value": i} for i in range(3000)]
+        await s.ok("mutate", {"id": "demo", "mutations": {"$.tags": {}}})
+        note = await s.ok("patch_model", {"id": "demo", "patch": patch})
+        assert note["committed"] is True and note["counts"]["mutatedPaths"] == 3000
+
+
+async def test_evolve_spec_key_checks():
+    async with connect() as s:
+        await s.ok("create_model", {"spec": DEMO})
+        msg = await s.fails("evolve_spec", {"id": "demo", "evolution": {"addDerivations": [{"path": "$.x", "expr": "1"}]}})
+        assert "did you mean `upsertDerivations`" in msg
+        info = await s.ok("evolve_spec", {"id": "demo", "evolution": {
+            "upsertDerivations": [{"path": "$.x", "expr": "1"}], "addConstraints": []}})
+        assert info["derivationCount"] == 2 and info["warnings"][0]["location"] == "addConstraints"

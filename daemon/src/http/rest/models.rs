@@ -12,7 +12,7 @@ use crate::engine::{MutationError, MutationResult};
 use crate::http::AppState;
 use crate::service::{mutation_list, AuditQuery, ModelService, ServiceError};
 use crate::spec::validate::Finding;
-use crate::spec::{parse_evolution, parse_spec, SpecParseError};
+use crate::spec::{parse_evolution_checked, parse_spec, SpecParseError};
 
 /// The header naming the view whose evaluated components a mutation response carries.
 const VIEW_HEADER: &str = "x-view";
@@ -282,12 +282,18 @@ pub async fn evolve(
     P(id): P<String>,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
-    let evo = parse_evolution(&body).map_err(|e| {
+    let (evo, warnings) = parse_evolution_checked(&body).map_err(|e| {
         let f = parse_finding(&e);
         let message = format!("invalid evolution at {}: {}", f.location, f.message);
         ApiError::findings("Invalid evolution", message, &[f])
     })?;
-    Ok(ok(call(&st, move |svc| svc.evolve(&id, evo)).await?))
+    let info = call(&st, move |svc| svc.evolve(&id, evo)).await?;
+    if warnings.is_empty() {
+        return Ok(ok(info));
+    }
+    let mut body = serde_json::json!(info);
+    body["warnings"] = serde_json::json!(warnings);
+    Ok(ok(body))
 }
 
 pub async fn view(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {

@@ -482,6 +482,30 @@ test('dry_run: merged state after sample mutations; schema violation is structur
   });
 });
 
+test('result-size guard: a committed write over it is not an error, its note passes the output schema', T, async () => {
+  await withServer(async (s) => {
+    await ok(s, 'create_model', { spec: { id: 'rows', schema: {}, derivations: [{ path: '$.n', expr: '$count(rows)' }] } });
+    const mutations = Object.fromEntries(Array.from({ length: 3000 }, (_, i) => [`$.rows[${i}]`, { i }]));
+    // ok() goes through the SDK's callTool, which validates structuredContent itself.
+    const note = await ok(s, 'mutate', { id: 'rows', mutations });
+    assert.equal(note.committed, true);
+    assert.equal(note.counts.mutatedPaths, 3000);
+    assert.match(note.hint, /do not send the write again/);
+    assert.equal(await ok(s, 'get_field', { id: 'rows', path: '$.n' }), 3000);
+  });
+});
+
+test('evolve_spec: an evolution naming only unknown keys is refused; beside a change they are warnings', T, async () => {
+  await withServer(async (s) => {
+    await ok(s, 'create_model', { spec: WORKED_DEMO });
+    const { text } = await fails(s, 'evolve_spec', { id: 'demo', evolution: { addDerivations: [{ path: '$.x', expr: '1' }] } });
+    assert.match(text, /did you mean `upsertDerivations`/);
+    const info = await ok(s, 'evolve_spec', { id: 'demo', evolution: { upsertDerivations: [{ path: '$.x', expr: '1' }], addConstraints: [] } });
+    assert.equal(info.derivationCount, 2);
+    assert.equal(info.warnings[0].location, 'addConstraints');
+  });
+});
+
 test('result-size guard: an oversized read is withheld with a compact "Result too large" note', T, async () => {
   await withServer(async (s) => {
     await createShop(s);
