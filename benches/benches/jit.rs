@@ -117,7 +117,12 @@ fn eval(c: &mut Criterion) {
             jit::Read::Numbers
         );
         let got = code.call(0, &slots).expect("finite");
-        let want = valem::expr::from_jvalue(&want.expect("defined"));
+        let want = valem::expr::from_jvalue(
+            &want.expect("defined"),
+            valem::value::MAX_DEPTH,
+            &Limits::default(),
+        )
+        .expect("a number");
         assert_eq!(Val::num(got), want, "{name}");
         g.bench_function(BenchmarkId::new(name, "interpreter"), |b| {
             b.iter(|| black_box(compiled.eval(&jdoc, &env, &limits).unwrap()))
