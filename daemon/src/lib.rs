@@ -18,3 +18,8 @@ pub mod service;
 pub mod spec;
 pub mod store;
 pub mod value;
+
+// The unit tests run on the binary's allocator, so that memory budgets are enforced there too.
+#[cfg(test)]
+#[global_allocator]
+static GLOBAL: allocator::Counting = allocator::Counting;

@@ -1,9 +1,10 @@
 //! The `valem` binary: a thin shell over `valem::cli`.
 
 // The daemon allocates per request from several threads (reactor, shards); mimalloc is
-// measurably cheaper there than glibc malloc (see the http bench in ARCHITECTURE.md).
+// measurably cheaper there than glibc malloc (see the http bench in ARCHITECTURE.md). Counted
+// per thread, for the memory budget of an evaluation (`valem::allocator::watch`).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: valem::allocator::Counting = valem::allocator::Counting;
 
 fn main() {
     valem::allocator::configure();

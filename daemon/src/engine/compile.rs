@@ -1892,7 +1892,7 @@ pub fn eval_library_layer(
     }
     // Re-evaluate with the export list replaced by an object of the exported bindings, so the
     // closures keep their shared scope (mutual recursion between exports works).
-    let AstNode::Block(items) = compiled.ast() else {
+    let AstNode::Block(items) = compiled.evaluated_ast() else {
         return Err("library definition must be a block `( $name := ...; [\"name\"] )`".into());
     };
     let mut items = items.clone();
@@ -1904,22 +1904,8 @@ pub fn eval_library_layer(
             .collect(),
     ));
     let block = AstNode::Block(items);
-    let mut ctx = jsonata_core::evaluator::Context::new();
-    for (n, v) in &env.vars {
-        ctx.bind(n.to_string(), v.clone());
-    }
-    let mut ev = jsonata_core::evaluator::Evaluator::with_options(
-        ctx,
-        jsonata_core::evaluator::EvaluatorOptions {
-            timeout_ms: limits.timeout_ms,
-            cancel: None,
-            max_stack_depth: limits.max_depth,
-            max_sequence_length: limits.max_sequence,
-        },
-    );
-    let obj = ev
-        .evaluate(&block, &JValue::Null)
-        .map_err(|e| format!("library definition failed to evaluate: {}", e.message()))?;
+    let obj = crate::expr::eval_tree(&block, &JValue::Null, env, limits)
+        .map_err(|e| format!("library definition failed to evaluate: {}", e.message))?;
     let mut out = Vec::new();
     for n in names {
         let v = obj.get(&n).cloned().unwrap_or(JValue::Undefined);

@@ -304,22 +304,28 @@ pub fn free_names(ast: &AstNode) -> (BTreeSet<String>, BTreeSet<String>) {
 
 /// Point every built-in call `$from(...)` at `$to(...)` instead, at any depth.
 pub fn rename_calls(node: &mut AstNode, from: &str, to: &str) {
-    grow(|| rename_calls_at(node, from, to))
-}
-
-fn rename_calls_at(node: &mut AstNode, from: &str, to: &str) {
-    let rec = |n: &mut AstNode| rename_calls(n, from, to);
-    match node {
-        AstNode::Function {
-            name,
-            args,
-            is_builtin,
-        } => {
+    visit_mut(node, &mut |n| {
+        if let AstNode::Function {
+            name, is_builtin, ..
+        } = n
+        {
             if *is_builtin && name == from {
                 *name = to.to_string();
             }
-            args.iter_mut().for_each(rec);
         }
+    });
+}
+
+/// Call `f` on `node` and then on every node below it, parents before their children.
+pub fn visit_mut(node: &mut AstNode, f: &mut impl FnMut(&mut AstNode)) {
+    grow(|| visit_mut_at(node, f))
+}
+
+fn visit_mut_at(node: &mut AstNode, f: &mut impl FnMut(&mut AstNode)) {
+    f(node);
+    let mut rec = |n: &mut AstNode| visit_mut(n, f);
+    match node {
+        AstNode::Function { args, .. } => args.iter_mut().for_each(rec),
         AstNode::Path { steps } => {
             for s in steps {
                 for st in &mut s.stages {

@@ -4,6 +4,7 @@
 //! Never does I/O; the only clock read is the engine's own evaluation-timeout guard.
 
 pub mod deps;
+pub mod guard;
 pub mod path;
 
 use std::collections::BTreeSet;
@@ -12,7 +13,7 @@ use std::sync::Arc;
 
 use indexmap::IndexMap;
 use jsonata_core::ast::AstNode;
-use jsonata_core::evaluator::{Context, Evaluator, EvaluatorError, EvaluatorOptions};
+use jsonata_core::evaluator::{CancelToken, Context, Evaluator, EvaluatorError, EvaluatorOptions};
 use jsonata_core::parser::{self, ParserError};
 use jsonata_core::value::{JArray, JValue};
 use serde_json::Value as Json;
@@ -35,6 +36,10 @@ pub struct Limits {
     /// Most values (each scalar, array and object) a result may hold once converted: an
     /// engine value shares its parts, so a small one can stand for a huge document.
     pub max_output_values: usize,
+    /// Memory one evaluation may hold beyond what its thread held when it started, in bytes:
+    /// past it the evaluation is stopped (counted by the binary's allocator,
+    /// [`crate::allocator::Counting`]; not enforced where that is not the global allocator).
+    pub memory_bytes: usize,
 }
 
 impl Default for Limits {
@@ -46,15 +51,16 @@ impl Default for Limits {
             max_expr_len: 100_000,
             max_string_bytes: 32 << 20,
             max_output_values: 4_000_000,
+            memory_bytes: 256 << 20,
         }
     }
 }
 
 impl Limits {
-    fn options(&self) -> EvaluatorOptions {
+    fn options(&self, cancel: CancelToken) -> EvaluatorOptions {
         EvaluatorOptions {
             timeout_ms: self.timeout_ms,
-            cancel: None,
+            cancel: Some(cancel),
             max_stack_depth: self.max_depth,
             max_sequence_length: self.max_sequence,
         }
@@ -162,6 +168,23 @@ pub struct Compiled {
     pub calls: BTreeSet<String>,
     /// Its `$round(...)` calls go to [`JS_ROUND`] (see [`js_round`]).
     js_round: bool,
+    /// What [`guard`] changed: see [`Guards`].
+    guards: Guards,
+}
+
+/// The checked built-ins of an expression ([`guard`]).
+#[derive(Clone, Debug, Default)]
+struct Guards {
+    /// The built-ins whose calls were rewritten to their checks.
+    calls: BTreeSet<&'static str>,
+    /// Some of those calls go to the checks' value forms (the right side of `~>`).
+    piped: bool,
+    /// The tree as parsed, kept when calls were rewritten: evaluated instead where the
+    /// environment binds one of those names (a library export named `pad` is not `$pad`).
+    unguarded: Option<Box<AstNode>>,
+    /// It refers to a checked built-in as a value (`$map(xs, $string)`) or calls `$eval`: the
+    /// names are bound to their checks while it runs.
+    values: bool,
 }
 
 /// The name `$round(...)` calls are renamed to: jsonata-core's own `$round` scales by a power of
@@ -191,11 +214,14 @@ pub struct Parsed {
     vars: BTreeSet<String>,
     calls: BTreeSet<String>,
     js_round: bool,
+    guards: Guards,
 }
 
 impl Parsed {
+    /// The tree as written (what the expression reads and calls), before the calls of
+    /// checked built-ins were rewritten ([`guard`]).
     pub fn ast(&self) -> &AstNode {
-        &self.ast
+        self.guards.unguarded.as_deref().unwrap_or(&self.ast)
     }
 
     /// Function names it calls as `$name(...)`.
@@ -210,6 +236,7 @@ impl Parsed {
             vars: self.vars,
             calls: self.calls,
             js_round: self.js_round,
+            guards: self.guards,
         }
     }
 }
@@ -245,25 +272,50 @@ impl Compiled {
         }
         let mut ast = parse_guarded(text).map_err(|e| ExprError::compile(text, &e))?;
         let (vars, calls) = deps::free_names(&ast);
-        let js_round = calls.contains("round") && !deps::assigned_names(&ast).contains("round");
+        let assigned = deps::assigned_names(&ast);
+        let js_round = calls.contains("round") && !assigned.contains("round");
         if js_round {
             deps::rename_calls(&mut ast, "round", JS_ROUND);
+        }
+        let mut guards = Guards {
+            values: guard::GUARDED.iter().any(|g| vars.contains(*g)),
+            ..Guards::default()
+        };
+        if guard::GUARDED.iter().any(|g| calls.contains(*g)) {
+            let original = ast.clone();
+            (guards.calls, guards.piped) = guard::rewrite_calls(&mut ast, &assigned);
+            if !guards.calls.is_empty() {
+                guards.unguarded = Some(Box::new(original));
+            }
         }
         Ok(Parsed {
             ast,
             vars,
             calls,
             js_round,
+            guards,
         })
     }
 
+    /// The tree as written (what the expression reads and calls), before the calls of
+    /// checked built-ins were rewritten ([`guard`]).
     pub fn ast(&self) -> &AstNode {
+        self.guards
+            .unguarded
+            .as_deref()
+            .unwrap_or_else(|| self.expression.ast())
+    }
+
+    /// The tree evaluated: [`Compiled::ast`] with the calls of checked built-ins rewritten.
+    pub fn evaluated_ast(&self) -> &AstNode {
         self.expression.ast()
     }
 
     /// Whether evaluation must bind anything from `env` (and so use the tree-walker).
     fn needs_env(&self, env: &Env) -> bool {
         self.js_round
+            || !self.guards.calls.is_empty()
+            || self.guards.values
             || self
                 .calls
                 .iter()
@@ -272,44 +324,137 @@ impl Compiled {
             || self.calls.iter().any(|c| env.binds(c))
     }
 
-    /// Evaluate against `input`. `Ok(None)` is JSONata's *undefined*.
+    /// Evaluate against `input`. `Ok(None)` is JSONata's *undefined*. The evaluation runs
+    /// under `limits`: its timeout, sequence length, output caps, the checks of [`guard`] and
+    /// its memory budget; a panic inside the engine is an error of this evaluation.
     pub fn eval(
         &self,
         input: &JValue,
         env: &Env,
         limits: &Limits,
     ) -> Result<Option<JValue>, ExprError> {
-        let result = if self.needs_env(env) {
-            let mut ctx = Context::new();
-            for name in self.vars.iter().chain(self.calls.iter()) {
-                if let Some(v) = env.lookup(name) {
-                    ctx.bind(name.clone(), v);
-                }
+        let (watch, token) = crate::allocator::watch(limits.memory_bytes);
+        let options = limits.options(token);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.evaluate(input, env, limits, options)
+        }));
+        let over = watch.tripped();
+        drop(watch);
+        let result = match result {
+            Ok(r) => r,
+            Err(panic) => {
+                return Err(ExprError::limit(format!(
+                    "the expression engine failed on this expression: {}",
+                    valem_sdk::shim::panic_message(&*panic)
+                )))
             }
-            let mut ev = Evaluator::with_options(ctx, limits.options());
-            // Always: a bound library lambda may call `$round` (renamed in its own body).
-            let _ = ev.register_fn(JS_ROUND, js_round);
-            if let Some(now) = env.now_ms {
-                if self.calls.contains("millis") {
-                    let _ = ev.register_fn_override("millis", move |_: &[JValue]| {
-                        Ok(JValue::Number(now as f64))
-                    });
-                }
-                if self.calls.contains("now") {
-                    let _ =
-                        ev.register_fn_override("now", move |args: &[JValue]| now_fn(now, args));
-                }
-            }
-            ev.evaluate(self.ast(), input)
-        } else {
-            self.expression
-                .evaluate_with_options(input, limits.options())
         };
+        if over {
+            return Err(ExprError::limit(format!(
+                "the evaluation held more than {} MiB of memory (the limit) and was stopped",
+                limits.memory_bytes >> 20
+            )));
+        }
         match result {
             Ok(JValue::Undefined) => Ok(None),
             Ok(v) => Ok(Some(v)),
             Err(e) => Err(ExprError::evaluate(&e)),
         }
+    }
+
+    fn evaluate(
+        &self,
+        input: &JValue,
+        env: &Env,
+        limits: &Limits,
+        options: EvaluatorOptions,
+    ) -> Result<JValue, EvaluatorError> {
+        if !self.needs_env(env) {
+            return self.expression.evaluate_with_options(input, options);
+        }
+        let mut ctx = Context::new();
+        for name in self.vars.iter().chain(self.calls.iter()) {
+            if let Some(v) = env.lookup(name) {
+                ctx.bind(name.clone(), v);
+            }
+        }
+        // A library export named like a checked built-in is that export, not the built-in.
+        let shadowed = self.guards.calls.iter().any(|g| env.binds(g));
+        let ast = match (&self.guards.unguarded, shadowed) {
+            (Some(original), true) => original,
+            _ => self.evaluated_ast(),
+        };
+        if self.guards.values {
+            guard::bind_values(&mut ctx, env);
+        }
+        let mut ev = Evaluator::with_options(ctx, options);
+        // Always: a bound library lambda may call `$round` (renamed in its own body).
+        let _ = ev.register_fn(JS_ROUND, js_round);
+        // A library lambda's body calls the checks of what it uses.
+        let library = self.calls.iter().any(|c| env.binds(c));
+        if library || !self.guards.calls.is_empty() || self.guards.values {
+            let scope = Rc::new(guard::Scope {
+                env: env.clone(),
+                limits: limits.clone(),
+            });
+            guard::install(
+                &mut ev,
+                &scope,
+                true,
+                library || self.guards.piped || self.guards.values,
+            );
+        }
+        if let Some(now) = env.now_ms {
+            if self.calls.contains("millis") {
+                let _ = ev.register_fn_override("millis", move |_: &[JValue]| {
+                    Ok(JValue::Number(now as f64))
+                });
+            }
+            if self.calls.contains("now") {
+                let _ = ev.register_fn_override("now", move |args: &[JValue]| now_fn(now, args));
+            }
+        }
+        ev.evaluate(ast, input)
+    }
+}
+
+/// Evaluate a syntax tree made from [`Compiled`] trees (a library definition's block) with
+/// every binding of `env`, under `limits` as [`Compiled::eval`] does: the memory budget, the
+/// checks of [`guard`] for the calls its parts had rewritten, a panic made an error.
+pub fn eval_tree(
+    ast: &AstNode,
+    input: &JValue,
+    env: &Env,
+    limits: &Limits,
+) -> Result<JValue, ExprError> {
+    let (watch, token) = crate::allocator::watch(limits.memory_bytes);
+    let options = limits.options(token);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut ctx = Context::new();
+        for (n, v) in &env.vars {
+            ctx.bind(n.to_string(), v.clone());
+        }
+        let mut ev = Evaluator::with_options(ctx, options);
+        let _ = ev.register_fn(JS_ROUND, js_round);
+        let scope = Rc::new(guard::Scope {
+            env: env.clone(),
+            limits: limits.clone(),
+        });
+        guard::install(&mut ev, &scope, true, true);
+        ev.evaluate(ast, input)
+    }));
+    let over = watch.tripped();
+    drop(watch);
+    match result {
+        Err(panic) => Err(ExprError::limit(format!(
+            "the expression engine failed on this expression: {}",
+            valem_sdk::shim::panic_message(&*panic)
+        ))),
+        Ok(_) if over => Err(ExprError::limit(format!(
+            "the evaluation held more than {} MiB of memory (the limit) and was stopped",
+            limits.memory_bytes >> 20
+        ))),
+        Ok(r) => r.map_err(|e| ExprError::evaluate(&e)),
     }
 }
 
