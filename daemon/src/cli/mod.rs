@@ -688,6 +688,9 @@ fn run(cli: Cli) -> Result<i32, String> {
                     &plugins,
                 ));
             }
+            // Warnings only (stdout is the protocol): a checkpoint refused on recovery, a
+            // checkpoint not written, a plugin that failed.
+            init_logging("warn");
             let (plugins, guidance) = match load_plugins("mcp", &plugins, store.data_dir.as_deref())
             {
                 Ok(g) => g,
@@ -798,7 +801,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             pairing_interval,
         } => {
             crate::engine::jit::set_enabled(jit);
-            init_logging();
+            init_logging("info");
             let (plugins, guidance) =
                 match load_plugins("serve", &plugins, store.data_dir.as_deref()) {
                     Ok(g) => g,
@@ -1330,10 +1333,10 @@ fn mcp_proxy(
     }
 }
 
-/// Structured logs to stderr; `RUST_LOG` sets the filter (default `info`).
-fn init_logging() {
+/// Structured logs to stderr; `RUST_LOG` sets the filter (default `default`).
+fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
