@@ -194,6 +194,7 @@ fn fill(dir: &std::path::Path, n: u64, every: Option<u64>) {
                 sequence: Some(i),
                 at_us: valem_benches::T0 + i as i64,
                 state,
+                kind: valem::store::CheckpointKind::Periodic,
             };
             w.submit(op, Box::new(|r| r.expect("checkpoint")));
         }

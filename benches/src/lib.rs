@@ -297,8 +297,9 @@ impl AuditChain {
         });
         let h = valem::store::record_hash(&self.prev, &r);
         r["hash"] = json!(h);
-        let op = valem::store::AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()])
-            .expect("a synthetic record is valid");
+        let op =
+            valem::store::AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()], None)
+                .expect("a synthetic record is valid");
         self.prev = h;
         self.next += 1;
         valem::store::Op::AppendAudit(op)

@@ -695,6 +695,9 @@ fn run(cli: Cli) -> Result<i32, String> {
                     &plugins,
                 ));
             }
+            // Warnings only (stdout is the protocol): a checkpoint refused on recovery, a
+            // checkpoint not written, a plugin that failed.
+            init_logging("warn");
             let (plugins, guidance) = match load_plugins("mcp", &plugins, store.data_dir.as_deref())
             {
                 Ok(g) => g,
@@ -809,7 +812,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             pairing_interval,
         } => {
             crate::engine::jit::set_enabled(jit);
-            init_logging();
+            init_logging("info");
             let (plugins, guidance) =
                 match load_plugins("serve", &plugins, store.data_dir.as_deref()) {
                     Ok(g) => g,
@@ -934,6 +937,13 @@ pub struct StoreArgs {
     /// space). Past it writes fail as on a full disk, and work again once there is room.
     #[arg(long, env = "VALEM_MAX_DB_BYTES")]
     pub max_db_bytes: Option<u64>,
+    /// With --data-dir: a file holding a 32-byte audit key, as 64 hex characters (`openssl rand
+    /// -hex 32 > FILE`) or 32 raw bytes. Audit record and checkpoint hashes become keyed blake3,
+    /// so verify_audit catches a rewrite of the log by anyone without the key. The store
+    /// remembers its key: later starts need the same key. An unkeyed store given a key keys
+    /// each model's chain from its next record on.
+    #[arg(long, env = "VALEM_AUDIT_KEY_FILE", value_name = "PATH")]
+    pub audit_key_file: Option<PathBuf>,
 }
 
 /// What one mutation may cost (`valem serve`, `valem mcp`, `valem console`).
@@ -1219,7 +1229,21 @@ fn open_service(
     args: &StoreArgs,
 ) -> Result<std::sync::Arc<crate::service::ModelService>, i32> {
     let Some(dir) = args.data_dir.as_deref() else {
+        if let Some(f) = &args.audit_key_file {
+            eprintln!(
+                "valem {cmd}: --audit-key-file {} needs --data-dir: the key protects the durable audit log",
+                f.display()
+            );
+            return Err(2);
+        }
         return Ok(crate::service::ModelService::new(shards, limits));
+    };
+    let audit_key = match &args.audit_key_file {
+        None => None,
+        Some(f) => Some(read_audit_key(f).map_err(|e| {
+            eprintln!("valem {cmd}: {e}");
+            2
+        })?),
     };
     let opts = crate::store::StoreOptions {
         durability: if args.durability == "relaxed" {
@@ -1228,6 +1252,7 @@ fn open_service(
             crate::store::Durability::Strict
         },
         max_db_bytes: args.max_db_bytes,
+        audit_key,
         ..Default::default()
     };
     let started = std::time::Instant::now();
@@ -1238,6 +1263,30 @@ fn open_service(
         );
         1
     })?;
+    if let Some(a) = store.key_adoption() {
+        if a.models.is_empty() {
+            eprintln!(
+                "valem {cmd}: the store in {} is keyed with this audit key; later starts need it",
+                dir.display()
+            );
+        } else {
+            let mut firsts: Vec<String> = a
+                .models
+                .iter()
+                .take(10)
+                .map(|(m, from)| format!("`{m}` from record {from}"))
+                .collect();
+            if a.models.len() > 10 {
+                firsts.push(format!("and {} more", a.models.len() - 10));
+            }
+            eprintln!(
+                "valem {cmd}: the store in {} had no audit key and adopts this one: audit records are keyed from now on ({}); {} checkpoint(s) rehashed. Later starts need this key.",
+                dir.display(),
+                firsts.join(", "),
+                a.checkpoints_rehashed
+            );
+        }
+    }
     let service = crate::service::ModelService::open(shards, limits, std::sync::Arc::new(store))
         .map_err(|e| {
             eprintln!(
@@ -1253,6 +1302,24 @@ fn open_service(
         "recovered the stored models"
     );
     Ok(service)
+}
+
+/// The audit key in `path` (see `--audit-key-file`); the error names the file and what is wrong.
+fn read_audit_key(path: &Path) -> Result<crate::store::AuditKey, String> {
+    const MAX: u64 = 4096;
+    let len = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read the audit key file {}: {e}", path.display()))?
+        .len();
+    if len > MAX {
+        return Err(format!(
+            "the audit key file {} is {len} bytes; a key is 64 hex characters or 32 raw bytes",
+            path.display()
+        ));
+    }
+    let bytes = std::fs::read(path)
+        .map_err(|e| format!("cannot read the audit key file {}: {e}", path.display()))?;
+    crate::store::AuditKey::parse(&bytes)
+        .map_err(|e| format!("the audit key file {} holds no key: {e}", path.display()))
 }
 
 fn mcp_proxy(
@@ -1316,10 +1383,10 @@ fn mcp_proxy(
     }
 }
 
-/// Structured logs to stderr; `RUST_LOG` sets the filter (default `info`).
-fn init_logging() {
+/// Structured logs to stderr; `RUST_LOG` sets the filter (default `default`).
+fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -1,6 +1,7 @@
 //! `/metrics`: Prometheus text exposition (format 0.0.4) of the daemon — HTTP requests by
 //! status class, errors by kind, reactive cycles and their latency histogram, live models and
-//! MCP sessions, sandbox pairings waiting and the mints refused or dropped.
+//! MCP sessions, sandbox pairings waiting and the mints refused or dropped, and with a store
+//! its writer counters and the checkpoints refused.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -155,6 +156,16 @@ pub async fn serve(State(st): State<AppState>) -> Response {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP valem_checkpoints_refused_total Checkpoints recovery or an ?at= read refused (they did not match their state or the audit chain), by what did not match.\n# TYPE valem_checkpoints_refused_total counter"
+        );
+        for (reason, v) in st.service.checkpoint_metrics().refused_counts() {
+            let _ = writeln!(
+                out,
+                "valem_checkpoints_refused_total{{reason=\"{reason}\"}} {v}"
             );
         }
     }

@@ -659,7 +659,16 @@ fn verify_schema() -> Json {
             "valid": {"type": "boolean"},
             "recordsChecked": {"type": "integer"},
             "firstBrokenSequence": {"type": ["integer", "null"]},
-            "detail": {"type": "string"}
+            "detail": {"type": "string"},
+            "checkpointsChecked": {"type": "integer"},
+            "brokenCheckpoint": {
+                "type": "object",
+                "properties": {
+                    "sequence": {"type": ["integer", "null"]},
+                    "detail": {"type": "string"}
+                },
+                "required": ["sequence", "detail"]
+            }
         },
         "required": ["valid", "recordsChecked", "firstBrokenSequence", "detail"]
     })
@@ -861,7 +870,7 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
         Tool {
             name: "verify_audit",
             title: "Verify the audit chain",
-            description: "Walk the audit trail's hash chain and report {valid, recordsChecked, firstBrokenSequence, detail}: the first altered, reordered or deleted record.",
+            description: "Walk the audit trail's hash chain and report {valid, recordsChecked, firstBrokenSequence, detail}: the first altered, reordered or deleted record. With a data directory the state checkpoints are checked too (checkpointsChecked); one that no longer matches its state or the chain makes it invalid and is named in brokenCheckpoint {sequence: the record it follows, null before the first; detail}.",
             input_schema: schema_of::<IdArgs>(),
             output_schema: Some(verify_schema()),
             annotations: ro.clone(),

@@ -1,7 +1,8 @@
 //! The audit trail kept in memory by the service: one record per committed cycle, chained as the
 //! store chains it (`store::record_hash`: blake3 over `prevHash` and the RFC 8785 form of the
-//! record without `hash`), so `verify_audit` means the same with and without a data directory. Bounded: the oldest
-//! records are dropped past the limit (verification then starts at the oldest kept record).
+//! record without `hash`, keyed with the store's audit key when it has one), so `verify_audit`
+//! means the same with and without a data directory. Bounded: the oldest records are dropped
+//! past the limit (verification then starts at the oldest kept record).
 
 use std::collections::VecDeque;
 
@@ -9,8 +10,9 @@ use serde_json::{json, Map, Value as Json};
 
 use super::time::iso;
 
-use crate::store::record_hash;
+use crate::store::chain::record_hash_keyed;
 pub use crate::store::GENESIS;
+use crate::store::{record_hash, AuditKey, ChainHasher};
 
 /// One committed cycle.
 #[derive(Clone, Debug)]
@@ -37,6 +39,8 @@ pub struct AuditTrail {
     next_seq: u64,
     last_hash: String,
     max: usize,
+    /// The store's audit key: every record appended is hashed with it.
+    key: Option<AuditKey>,
 }
 
 /// What one record says, before chaining.
@@ -50,12 +54,14 @@ pub struct Entry<'a> {
 }
 
 impl AuditTrail {
-    pub fn new(max: usize) -> AuditTrail {
+    /// A trail keeping the newest `max` records, hashing with `key` (a keyed store's key).
+    pub fn new(max: usize, key: Option<AuditKey>) -> AuditTrail {
         AuditTrail {
             records: VecDeque::new(),
             next_seq: 0,
             last_hash: GENESIS.to_string(),
             max: max.max(1),
+            key,
         }
     }
 
@@ -128,7 +134,11 @@ impl AuditTrail {
             "traces": r.traces,
             "prevHash": self.last_hash,
         });
-        let hash = record_hash(&self.last_hash, &rec);
+        // A keyed store's chains are keyed from their adoption on: new records always are.
+        let hash = match &self.key {
+            Some(k) => record_hash_keyed(k, &self.last_hash, &rec),
+            None => record_hash(&self.last_hash, &rec),
+        };
         if let Json::Object(m) = &mut rec {
             m.insert("hash".into(), Json::String(hash.clone()));
         }
@@ -171,13 +181,17 @@ impl AuditTrail {
 
     /// Walk the chain oldest first; report the first broken record.
     pub fn verify(&self) -> Json {
-        verify_records(self.records.iter().map(|r| &r.json))
+        let hasher = match self.key {
+            Some(k) => ChainHasher::keyed(k, 0),
+            None => ChainHasher::plain(),
+        };
+        verify_records(self.records.iter().map(|r| &r.json), &hasher)
     }
 }
 
 /// Verify a sequence of records (oldest first): each `prevHash` must be the previous record's
-/// `hash`, and each `hash` must be the hash of the record's content.
-pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>) -> Json {
+/// `hash`, and each `hash` must be the hash of the record's content, as `hasher` makes it.
+pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>, hasher: &ChainHasher) -> Json {
     let mut expected_prev: Option<String> = None;
     let mut checked = 0u64;
     for r in records {
@@ -197,8 +211,14 @@ pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>) -> Json {
                 );
             }
         }
-        if record_hash(prev, r) != hash {
-            return broken(checked, seq, "content hash mismatch (record was altered)");
+        let sequence = r.get("sequence").and_then(Json::as_u64).unwrap_or(0);
+        if hasher.record_hash(sequence, prev, r) != hash {
+            let detail = if hasher.key().is_some() && record_hash(prev, r) == hash {
+                "content hash mismatch (record was hashed without the audit key: rewritten)"
+            } else {
+                "content hash mismatch (record was altered)"
+            };
+            return broken(checked, seq, detail);
         }
         expected_prev = Some(hash.to_string());
         checked += 1;
@@ -206,9 +226,14 @@ pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>) -> Json {
     json!({"valid": true, "recordsChecked": checked, "firstBrokenSequence": null, "detail": "ok"})
 }
 
-/// Verify the chain an audit-store plugin returned: from genesis, linked, each hash right, and
-/// reaching the model's head (`head`: its newest sequence) so a truncated tail is caught.
-pub fn verify_stored(records: &[valem_sdk::AuditEntry], head: Option<u64>) -> Json {
+/// Verify the chain an audit-store plugin returned: from genesis, linked, each hash right (as
+/// `hasher` makes them: the model's chain in the store), and reaching the model's head (`head`:
+/// its newest sequence) so a truncated tail is caught.
+pub fn verify_stored(
+    records: &[valem_sdk::AuditEntry],
+    head: Option<u64>,
+    hasher: &ChainHasher,
+) -> Json {
     let broken = |checked: usize, seq: Json, detail: String| json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail});
     if let Some(first) = records.first() {
         if first.record.get("prevHash").and_then(|h| h.as_str()) != Some(GENESIS) {
@@ -220,7 +245,7 @@ pub fn verify_stored(records: &[valem_sdk::AuditEntry], head: Option<u64>) -> Js
             );
         }
     }
-    let v = verify_records(records.iter().map(|e| &e.record));
+    let v = verify_records(records.iter().map(|e| &e.record), hasher);
     if v["valid"] != Json::Bool(true) {
         return v;
     }
@@ -248,7 +273,11 @@ mod tests {
     use crate::engine::MutationResult;
 
     fn trail(n: usize) -> AuditTrail {
-        let mut t = AuditTrail::new(100);
+        trail_keyed(n, None)
+    }
+
+    fn trail_keyed(n: usize, key: Option<AuditKey>) -> AuditTrail {
+        let mut t = AuditTrail::new(100, key);
         let r = MutationResult {
             success: true,
             derived_updated: vec![std::sync::Arc::from("$.total")].into(),
@@ -276,15 +305,42 @@ mod tests {
         assert_eq!(t.verify()["recordsChecked"], 5);
         let mut recs: Vec<Json> = t.records.iter().map(|r| r.json.clone()).collect();
         recs[2]["mutations"]["$.qty"] = json!(99);
-        let v = verify_records(recs.iter());
+        let plain = ChainHasher::plain();
+        let v = verify_records(recs.iter(), &plain);
         assert_eq!(v["valid"], false);
         assert_eq!(v["firstBrokenSequence"], 2);
         assert!(v["detail"].as_str().unwrap().contains("altered"));
         let mut recs: Vec<Json> = t.records.iter().map(|r| r.json.clone()).collect();
         recs.remove(1);
-        let v = verify_records(recs.iter());
+        let v = verify_records(recs.iter(), &plain);
         assert_eq!(v["firstBrokenSequence"], 2);
         assert!(v["detail"].as_str().unwrap().contains("deletion"));
+    }
+
+    #[test]
+    fn a_keyed_trail_verifies_with_its_key_only() {
+        let key = AuditKey::from_bytes([7; 32]);
+        let t = trail_keyed(4, Some(key));
+        assert_eq!(t.verify()["valid"], true);
+        let recs: Vec<Json> = t.records.iter().map(|r| r.json.clone()).collect();
+        let v = verify_records(recs.iter(), &ChainHasher::plain());
+        assert_eq!(
+            (v["valid"].clone(), v["firstBrokenSequence"].clone()),
+            (json!(false), json!(0))
+        );
+        // Keyed from record 2 on: records 0 and 1 must be plain.
+        let v = verify_records(recs.iter(), &ChainHasher::keyed(key, 2));
+        assert_eq!(v["firstBrokenSequence"], 0, "{v}");
+        // A plain trail rewritten: the keyed verifier says it was made without the key.
+        let plain: Vec<Json> = trail(4).records.iter().map(|r| r.json.clone()).collect();
+        let v = verify_records(plain.iter(), &ChainHasher::keyed(key, 0));
+        assert!(
+            v["detail"]
+                .as_str()
+                .unwrap()
+                .contains("without the audit key"),
+            "{v}"
+        );
     }
 
     #[test]

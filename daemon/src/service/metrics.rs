@@ -1,5 +1,6 @@
-//! Lock-free counters of the reactive cycles, read by `/metrics`: committed and rejected
-//! cycles, and a latency histogram of committed ones (time on the shard, validation to commit).
+//! Lock-free counters read by `/metrics`: committed and rejected reactive cycles, a latency
+//! histogram of committed ones (time on the shard, validation to commit), and the checkpoints
+//! recovery or an `?at=` read refused.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -48,5 +49,31 @@ impl CycleMetrics {
             })
             .collect();
         (counts, self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9)
+    }
+}
+
+/// Checkpoints refused (recovery, `?at=` reads), by what did not match
+/// ([`CheckpointFault::label`](crate::store::CheckpointFault::label)).
+#[derive(Default)]
+pub struct CheckpointMetrics {
+    refused: [AtomicU64; crate::store::CheckpointFault::LABELS.len()],
+}
+
+impl CheckpointMetrics {
+    /// One refused checkpoint.
+    pub fn refused(&self, fault: &crate::store::CheckpointFault) {
+        let labels = crate::store::CheckpointFault::LABELS;
+        if let Some(i) = labels.iter().position(|l| *l == fault.label()) {
+            self.refused[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// `(reason, count)` for every reason, in a fixed order.
+    pub fn refused_counts(&self) -> Vec<(&'static str, u64)> {
+        crate::store::CheckpointFault::LABELS
+            .iter()
+            .zip(&self.refused)
+            .map(|(l, c)| (*l, c.load(Ordering::Relaxed)))
+            .collect()
     }
 }

@@ -343,6 +343,7 @@ pub struct ModelService {
     subscribers: Arc<Subscribers>,
     count: Arc<std::sync::atomic::AtomicUsize>,
     metrics: Arc<metrics::CycleMetrics>,
+    checkpoint_metrics: Arc<metrics::CheckpointMetrics>,
     /// Whether async callers may poll for an answer at all (see [`Pending`]).
     async_polling: std::sync::atomic::AtomicBool,
     store: Option<Arc<crate::store::Store>>,
@@ -520,6 +521,7 @@ impl ModelService {
         };
         let subscribers = Arc::new(Subscribers::default());
         let metrics = Arc::new(metrics::CycleMetrics::default());
+        let checkpoint_metrics = Arc::new(metrics::CheckpointMetrics::default());
         let audit_sink: Arc<std::sync::OnceLock<audit_sink::AuditSink>> = Arc::default();
         let mut senders = Vec::with_capacity(n);
         let mut threads = Vec::with_capacity(n);
@@ -529,12 +531,14 @@ impl ModelService {
             let subs = subscribers.clone();
             let lim = limits.clone();
             let cycle_metrics = metrics.clone();
+            let cp_metrics = checkpoint_metrics.clone();
             let shard_store = store.clone();
             let sink = audit_sink.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("valem-shard-{i}"))
                 .spawn(move || {
-                    let mut shard = Shard::new(lim, subs, cycle_metrics, shard_store, sink);
+                    let mut shard =
+                        Shard::new(lim, subs, cycle_metrics, cp_metrics, shard_store, sink);
                     while let Some(job) = next_job(&rx) {
                         job(&mut shard);
                     }
@@ -559,6 +563,7 @@ impl ModelService {
             subscribers,
             count: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             metrics,
+            checkpoint_metrics,
             async_polling: std::sync::atomic::AtomicBool::new(true),
             store,
             blob_plugin: std::sync::OnceLock::new(),
@@ -601,6 +606,11 @@ impl ModelService {
     /// Cycle counters and latency histogram.
     pub fn metrics(&self) -> &metrics::CycleMetrics {
         &self.metrics
+    }
+
+    /// Checkpoints refused by recovery and `?at=` reads.
+    pub fn checkpoint_metrics(&self) -> &metrics::CheckpointMetrics {
+        &self.checkpoint_metrics
     }
 
     /// Wait until every job queued so far on every shard has run (in-flight cycles finish).
@@ -867,7 +877,29 @@ impl ModelService {
             let owned = id.to_string();
             let head = self.on_model(id, move |s| s.audit_head(&owned))?;
             let records = self.plugin_audit(sink, id, AuditQuery::default())?;
-            return Ok(audit::verify_stored(&records, head));
+            let storage = |e: crate::store::StoreError| ServiceError::Storage(e.to_string());
+            let hasher = match &self.store {
+                Some(s) => s.record_hasher(id).map_err(storage)?,
+                None => crate::store::ChainHasher::plain(),
+            };
+            let mut report = audit::verify_stored(&records, head, &hasher);
+            // The plugin holds the records; the checkpoints stay in the store.
+            if let Some(store) = &self.store {
+                let (checked, broken) = store.verify_model_checkpoints(id).map_err(storage)?;
+                report["checkpointsChecked"] = Json::from(checked);
+                if let Some(b) = broken {
+                    if report["valid"] == Json::Bool(true) {
+                        report["valid"] = Json::Bool(false);
+                        report["detail"] = Json::String(format!(
+                            "{}: {}",
+                            crate::store::checkpoints::describe(b.sequence),
+                            b.detail
+                        ));
+                    }
+                    report["brokenCheckpoint"] = serde_json::to_value(b).unwrap_or(Json::Null);
+                }
+            }
+            return Ok(report);
         }
         let owned = id.to_string();
         self.on_model(id, move |s| s.verify_audit(&owned))

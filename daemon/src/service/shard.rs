@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value as Json};
 
 use super::audit::{AuditTrail, Entry as AuditEntry};
-use super::metrics::CycleMetrics;
+use super::metrics::{CheckpointMetrics, CycleMetrics};
 use super::time::{iso, now_us};
 use super::{
     AuditQuery, Event, ModelInfo, Reply, ServiceError, ServiceLimits, Source, Subscribers,
@@ -21,7 +21,7 @@ use crate::expr::path::{render, Address};
 use crate::spec::evolve;
 use crate::spec::validate::Finding;
 use crate::spec::{ModelSpec, SpecEvolution};
-use crate::store::{AuditAppend, Op, Store, StoredModel};
+use crate::store::{AuditAppend, CheckpointChoice, CheckpointKind, Op, Store, StoredModel};
 use crate::value::{Seg, Val};
 
 /// A live model and its rings.
@@ -113,6 +113,7 @@ pub(super) struct Shard {
     limits: ServiceLimits,
     subscribers: Arc<Subscribers>,
     metrics: Arc<CycleMetrics>,
+    checkpoint_metrics: Arc<CheckpointMetrics>,
     /// The audit-store plugin's feed, once one is attached.
     audit_sink: Arc<std::sync::OnceLock<super::audit_sink::AuditSink>>,
 }
@@ -166,7 +167,8 @@ fn put_model_op(spec: &ModelSpec, at_us: i64) -> Result<Op, ServiceError> {
 }
 
 /// A checkpoint of `e` as it is now: after its newest record (before any, when it has none).
-fn checkpoint_op(id: &str, e: &Entry) -> Op {
+/// `Base` when the state was set outside the records (a restore, an evolve).
+fn checkpoint_op(id: &str, e: &Entry, kind: CheckpointKind) -> Op {
     let st = e.model.state();
     let keys: Map<String, Json> = st
         .effect_keys
@@ -178,6 +180,7 @@ fn checkpoint_op(id: &str, e: &Entry) -> Op {
         sequence: e.audit.head(),
         at_us: e.last_us,
         state: json!({"base": st.base.to_json(), "effectKeys": keys}),
+        kind,
     }
 }
 
@@ -282,6 +285,7 @@ impl Shard {
         limits: ServiceLimits,
         subscribers: Arc<Subscribers>,
         metrics: Arc<CycleMetrics>,
+        checkpoint_metrics: Arc<CheckpointMetrics>,
         store: Option<Arc<Store>>,
         audit_sink: Arc<std::sync::OnceLock<super::audit_sink::AuditSink>>,
     ) -> Shard {
@@ -291,6 +295,7 @@ impl Shard {
             limits,
             subscribers,
             metrics,
+            checkpoint_metrics,
             audit_sink,
         }
     }
@@ -365,7 +370,10 @@ impl Shard {
                 model,
                 history: VecDeque::new(),
                 traces: VecDeque::new(),
-                audit: AuditTrail::new(self.limits.audit_entries),
+                audit: AuditTrail::new(
+                    self.limits.audit_entries,
+                    self.store.as_ref().and_then(|s| s.audit_key().copied()),
+                ),
                 last_us: t,
                 verification: None,
                 stale: Arc::default(),
@@ -452,7 +460,7 @@ impl Shard {
             return;
         }
         e.checkpointed = Some(seq);
-        let op = checkpoint_op(id, e);
+        let op = checkpoint_op(id, e, CheckpointKind::Periodic);
         let id = id.to_string();
         store.writer().submit(
             op,
@@ -487,7 +495,9 @@ impl Shard {
         })?;
         let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
         let storage = |x: crate::store::StoreError| ServiceError::Storage(x.to_string());
-        let checkpoint = store.latest_checkpoint(&id, None).map_err(storage)?;
+        let choice = store.usable_checkpoint(&id, None).map_err(storage)?;
+        self.report_refused(&id, &choice, "recovery");
+        let checkpoint = choice.checkpoint;
         let after = checkpoint.as_ref().and_then(|c| c.sequence);
         let e = match checkpoint {
             None => self.insert(spec, stored.created_us)?,
@@ -506,6 +516,25 @@ impl Shard {
         replay_stored(&store, &id, after, None, |rec| {
             replay(e, rec, history_max, explain_max)
         })
+    }
+
+    /// Log and count the checkpoints `choice` refused on its way (`purpose`: what reads it).
+    fn report_refused(&self, id: &str, choice: &CheckpointChoice, purpose: &str) {
+        let fallback = match &choice.checkpoint {
+            Some(cp) => crate::store::checkpoints::describe(cp.sequence),
+            None => "the spec's initial state".to_string(),
+        };
+        for r in &choice.refused {
+            self.checkpoint_metrics.refused(&r.fault);
+            tracing::warn!(
+                model = %id,
+                checkpoint = r.sequence.map_or(-1, |s| s as i64),
+                reason = r.fault.label(),
+                "model `{id}`: {} refused: {}; {purpose} starts from {fallback} instead and replays the records after it",
+                crate::store::checkpoints::describe(r.sequence),
+                r.fault,
+            );
+        }
     }
 
     /// Memory is ahead of the store (a write failed): wait for the writes in flight, then load
@@ -621,7 +650,9 @@ impl Shard {
         }
         let storage = |x: crate::store::StoreError| ServiceError::Storage(x.to_string());
         let limits = &self.limits.engine;
-        let checkpoint = store.latest_checkpoint(id, Some(at)).map_err(storage)?;
+        let choice = store.usable_checkpoint(id, Some(at)).map_err(storage)?;
+        self.report_refused(id, &choice, "the `?at=` read");
+        let checkpoint = choice.checkpoint;
         let mut model = match &checkpoint {
             Some(cp) => model_at(spec, &cp.state, cp.at_us, limits)?,
             None => {
@@ -867,6 +898,7 @@ impl Shard {
         source: Source,
     ) -> Result<(Arc<MutationResult>, Option<Op>), ServiceError> {
         let durable = self.store.is_some();
+        let key = self.store.as_ref().and_then(|s| s.audit_key().copied());
         let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
         let metrics = self.metrics.clone();
         let e = self.entry(id)?;
@@ -910,7 +942,7 @@ impl Shard {
             result: &result,
         });
         let op = if durable {
-            let a = AuditAppend::new(rec.at_us, &rec.json, rec.paths.clone())
+            let a = AuditAppend::new(rec.at_us, &rec.json, rec.paths.clone(), key.as_ref())
                 .map_err(|x| ServiceError::Storage(x.to_string()))?;
             Some(Op::AppendAudit(a))
         } else {
@@ -978,7 +1010,7 @@ impl Shard {
                 let op = match (&self.store, self.models.get_mut(id)) {
                     (Some(_), Some(e)) => {
                         e.checkpointed = e.audit.head();
-                        Some(checkpoint_op(id, e))
+                        Some(checkpoint_op(id, e, CheckpointKind::Base))
                     }
                     _ => None,
                 };
@@ -1061,7 +1093,10 @@ impl Shard {
                         e.checkpointed = e.audit.head();
                         e.evolved_us = e.last_us;
                         match put_model_op(&e.spec, e.last_us) {
-                            Ok(put) => Some(Op::Atomic(vec![put, checkpoint_op(id, e)])),
+                            Ok(put) => Some(Op::Atomic(vec![
+                                put,
+                                checkpoint_op(id, e, CheckpointKind::Base),
+                            ])),
                             Err(x) => {
                                 e.stale.store(true, std::sync::atomic::Ordering::Release);
                                 return reply.send(Err(x));

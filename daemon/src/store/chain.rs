@@ -6,6 +6,13 @@
 //! `hash = hex(blake3(prev_hash_bytes || canonical(record without its top-level "hash" key)))`,
 //! where `prev_hash_bytes` are the 64 ASCII hex characters of the previous record's `hash` (of
 //! [`GENESIS`] for sequence 0) and the canonical bytes include the record's own `prevHash` field.
+//! With an [`AuditKey`] the same bytes go through `blake3::keyed_hash` instead ([`ChainHasher`]:
+//! from the model's `keyed_from` record on), so nobody without the key can recompute the chain.
+//!
+//! Checkpoints are bound to the chain by [`checkpoint_hash`]: blake3 (keyed with the store's key,
+//! if any) over a domain tag and the canonical form of `{modelId, sequence, atUs, kind,
+//! headHash, stateHash}`, where `headHash` is the hash of the record the checkpoint follows
+//! ([`GENESIS`] before the first) and `stateHash` the blake3 of the stored state text.
 
 use serde::Serialize;
 use serde_json::Value as Json;
@@ -38,18 +45,204 @@ pub fn record_hash(prev_hash: &str, record: &Json) -> String {
     h.finalize().to_hex().to_string()
 }
 
-/// What `verify` reports: `{valid, recordsChecked, firstBrokenSequence, detail}`.
+/// The keyed form of [`record_hash`]: the same bytes through `blake3::keyed_hash`.
+pub fn record_hash_keyed(key: &AuditKey, prev_hash: &str, record: &Json) -> String {
+    let mut text = String::with_capacity(256);
+    write_value(record, &mut text, Some("hash"));
+    let mut h = blake3::Hasher::new_keyed(&key.0);
+    h.update(prev_hash.as_bytes());
+    h.update(text.as_bytes());
+    h.finalize().to_hex().to_string()
+}
+
+/// A 32-byte secret that makes record and checkpoint hashes keyed blake3. `Debug` shows only
+/// the start of its fingerprint.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct AuditKey([u8; 32]);
+
+impl std::fmt::Debug for AuditKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AuditKey({}…)", &self.fingerprint()[..16])
+    }
+}
+
+impl AuditKey {
+    /// A key from its 32 bytes.
+    pub fn from_bytes(bytes: [u8; 32]) -> AuditKey {
+        AuditKey(bytes)
+    }
+
+    /// A key file's content: 64 hex characters (surrounding whitespace, such as a final newline,
+    /// allowed) or exactly 32 raw bytes. The error says what was found instead.
+    pub fn parse(content: &[u8]) -> Result<AuditKey, String> {
+        let text = content.trim_ascii();
+        if text.len() == 64 && text.iter().all(u8::is_ascii_hexdigit) {
+            let mut key = [0u8; 32];
+            for (i, pair) in text.chunks(2).enumerate() {
+                let digit = |c: u8| (c as char).to_digit(16).unwrap_or(0) as u8;
+                key[i] = digit(pair[0]) << 4 | digit(pair[1]);
+            }
+            return Ok(AuditKey(key));
+        }
+        if content.len() == 32 {
+            if content.iter().all(u8::is_ascii_hexdigit) {
+                return Err("it holds 32 hex characters, a 16-byte key; an audit key is 64 hex characters (32 bytes)".into());
+            }
+            let mut key = [0u8; 32];
+            key.copy_from_slice(content);
+            return Ok(AuditKey(key));
+        }
+        Err(format!(
+            "expected 64 hex characters (e.g. `openssl rand -hex 32`) or exactly 32 raw bytes, found {} bytes{}",
+            content.len(),
+            if text.iter().all(u8::is_ascii_hexdigit) && !text.is_empty() {
+                format!(" ({} hex characters)", text.len())
+            } else {
+                String::new()
+            }
+        ))
+    }
+
+    /// What a keyed store records to recognise its key (64 hex characters; reveals nothing of
+    /// the key).
+    pub fn fingerprint(&self) -> String {
+        blake3::Hasher::new_derive_key("valem audit key fingerprint v1")
+            .update(&self.0)
+            .finalize()
+            .to_hex()
+            .to_string()
+    }
+}
+
+/// How one model's chain is hashed: plain blake3, or keyed blake3 from record `keyed_from` on
+/// (the records before it were written before the store had a key).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChainHasher {
+    key: Option<AuditKey>,
+    keyed_from: u64,
+}
+
+impl ChainHasher {
+    /// Plain blake3 for every record.
+    pub fn plain() -> ChainHasher {
+        ChainHasher::default()
+    }
+
+    /// Keyed with `key` from record `keyed_from` on.
+    pub fn keyed(key: AuditKey, keyed_from: u64) -> ChainHasher {
+        ChainHasher {
+            key: Some(key),
+            keyed_from,
+        }
+    }
+
+    /// The key, if the chain is keyed at all.
+    pub fn key(&self) -> Option<&AuditKey> {
+        self.key.as_ref()
+    }
+
+    /// The hash record `sequence` must carry.
+    pub fn record_hash(&self, sequence: u64, prev_hash: &str, record: &Json) -> String {
+        match &self.key {
+            Some(k) if sequence >= self.keyed_from => record_hash_keyed(k, prev_hash, record),
+            _ => record_hash(prev_hash, record),
+        }
+    }
+}
+
+/// The fields a checkpoint's hash covers.
+#[derive(Clone, Copy, Debug)]
+pub struct CheckpointHeader<'a> {
+    /// The model.
+    pub model_id: &'a str,
+    /// The last record applied (`None`: before the first).
+    pub sequence: Option<u64>,
+    /// Its commit time (epoch µs).
+    pub at_us: i64,
+    /// `periodic`, `base` or `legacy` (see `store::CheckpointKind`).
+    pub kind: &'a str,
+    /// The hash of record `sequence` ([`GENESIS`] before the first).
+    pub head_hash: &'a str,
+    /// [`state_hash`] of the stored state text.
+    pub state_hash: &'a str,
+}
+
+/// blake3 hex of a checkpoint's stored state text. The stored bytes are hashed rather than their
+/// RFC 8785 form: a document's member order is part of a model's state, and canonical JSON sorts
+/// it away (a reordering edit would pass), and the writer serializes the state only once.
+pub fn state_hash(state_text: &[u8]) -> String {
+    blake3::hash(state_text).to_hex().to_string()
+}
+
+/// A checkpoint's hash: blake3 (keyed when the store has a key) over
+/// `"valem checkpoint v1\n"` and the canonical JSON of its header. The tag keeps a checkpoint
+/// hash from ever equalling a record hash over the same bytes.
+pub fn checkpoint_hash(key: Option<&AuditKey>, h: &CheckpointHeader<'_>) -> String {
+    let header = serde_json::json!({
+        "modelId": h.model_id,
+        "sequence": h.sequence,
+        "atUs": h.at_us,
+        "kind": h.kind,
+        "headHash": h.head_hash,
+        "stateHash": h.state_hash,
+    });
+    tagged_hash(key, "valem checkpoint v1\n", &header)
+}
+
+/// The anchor of a keyed chain: a keyed hash over `{modelId, keyedFrom, prevHash}`, where
+/// `prevHash` is the hash of record `keyed_from - 1` ([`GENESIS`] when the chain is keyed from
+/// its start). Stored beside the model, it pins where keying starts and the plain records
+/// before it: moving `keyed_from`, or rewriting an earlier record, needs the key.
+pub fn key_anchor(key: &AuditKey, model_id: &str, keyed_from: u64, prev_hash: &str) -> String {
+    let body = serde_json::json!({
+        "modelId": model_id,
+        "keyedFrom": keyed_from,
+        "prevHash": prev_hash,
+    });
+    tagged_hash(Some(key), "valem key anchor v1\n", &body)
+}
+
+fn tagged_hash(key: Option<&AuditKey>, tag: &str, body: &Json) -> String {
+    let mut h = match key {
+        Some(k) => blake3::Hasher::new_keyed(&k.0),
+        None => blake3::Hasher::new(),
+    };
+    h.update(tag.as_bytes());
+    h.update(canonical(body).as_bytes());
+    h.finalize().to_hex().to_string()
+}
+
+/// A checkpoint that does not verify, as `verify` reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BrokenCheckpoint {
+    /// The last record it claims to follow (`None`: before the first record).
+    pub sequence: Option<u64>,
+    /// What does not match.
+    pub detail: String,
+}
+
+/// What `verify` reports: `{valid, recordsChecked, firstBrokenSequence, detail}`, and from the
+/// store also `checkpointsChecked` and, when one does not verify, `brokenCheckpoint`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ChainReport {
-    /// Whether every record links and hashes correctly up to the chain head.
+    /// Whether every record links and hashes correctly up to the chain head (and, from the
+    /// store, every checkpoint matches its state and the chain).
     pub valid: bool,
     /// Records verified before the first break (all of them when valid).
     pub records_checked: u64,
-    /// The sequence of the first broken (or missing) record; `None` when valid.
+    /// The sequence of the first broken (or missing) record; `None` when the records are sound.
     pub first_broken_sequence: Option<u64>,
-    /// `"ok"`, or what is wrong at `first_broken_sequence`.
+    /// `"ok"`, or what is wrong at `first_broken_sequence` (or, when only a checkpoint is
+    /// broken, at that checkpoint).
     pub detail: String,
+    /// Checkpoints verified (reports of the store only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoints_checked: Option<u64>,
+    /// The first checkpoint (by sequence) that does not verify.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broken_checkpoint: Option<BrokenCheckpoint>,
 }
 
 /// Walks a chain oldest first; stops at the first break.
@@ -59,6 +252,7 @@ pub struct ChainVerifier {
     prev_hash: String,
     checked: u64,
     broken: Option<(u64, String)>,
+    hasher: ChainHasher,
 }
 
 impl Default for ChainVerifier {
@@ -81,7 +275,19 @@ impl ChainVerifier {
             prev_hash: prev_hash.to_string(),
             checked: 0,
             broken: None,
+            hasher: ChainHasher::plain(),
         }
+    }
+
+    /// Check hashes as `hasher` makes them (a keyed chain).
+    pub fn with_hasher(mut self, hasher: ChainHasher) -> ChainVerifier {
+        self.hasher = hasher;
+        self
+    }
+
+    /// The hash of the last record checked ([`GENESIS`] or the starting `prevHash` before any).
+    pub fn prev_hash(&self) -> &str {
+        &self.prev_hash
     }
 
     /// Whether a break has been found (later calls are ignored).
@@ -154,11 +360,16 @@ impl ChainVerifier {
             );
             return false;
         }
-        let computed = record_hash(prev, record);
+        let computed = self.hasher.record_hash(expected, prev, record);
         if computed != hash {
+            let unkeyed = self.hasher.key().is_some() && record_hash(prev, record) == hash;
             self.fail(
                 expected,
-                "content hash mismatch: the record was altered or its hash edited",
+                if unkeyed {
+                    "content hash mismatch: the record was hashed without this store's audit key (rewritten by someone without it)"
+                } else {
+                    "content hash mismatch: the record was altered or its hash edited"
+                },
             );
             return false;
         }
@@ -213,12 +424,16 @@ impl ChainVerifier {
                 records_checked: self.checked,
                 first_broken_sequence: None,
                 detail: "ok".into(),
+                checkpoints_checked: None,
+                broken_checkpoint: None,
             },
             Some((seq, detail)) => ChainReport {
                 valid: false,
                 records_checked: self.checked,
                 first_broken_sequence: Some(seq),
                 detail,
+                checkpoints_checked: None,
+                broken_checkpoint: None,
             },
         }
     }

@@ -30,16 +30,30 @@
 //! What SQLite does not protect: the main database file has no page checksums. A truncated main
 //! file is refused by [`Store::open`] before SQLite sees it when the truncation is visible in the
 //! file header (see [`StoreError::Corrupt`]); a flipped byte in an audit record is caught by
-//! [`Store::verify_chain`]; a flipped byte elsewhere (checkpoint or snapshot JSON, b-tree
-//! structure) surfaces as `Corrupt` on the read that hits it or from [`Store::quick_check`].
+//! [`Store::verify_chain`], and one in a checkpoint by its hashes (see below); a flipped byte
+//! elsewhere (snapshot JSON, b-tree structure) surfaces as `Corrupt` on the read that hits it or
+//! from [`Store::quick_check`].
 //! A damaged frame in the *middle* of the WAL makes SQLite stop replaying there: later commits
 //! are lost silently (and consistently, so the chain still verifies).
 //!
 //! # Hash chain
 //! See [`chain`]: `hash = blake3(prevHash || RFC 8785 bytes of the record without "hash")`,
 //! genesis `prevHash` = [`GENESIS`] (64 zeros). The functions are pure and usable without a store.
+//!
+//! # Checkpoints
+//! Each checkpoint names the chain head it follows, the blake3 of its state text and its own
+//! hash over those ([`chain::checkpoint_hash`]), so an edited or damaged checkpoint is refused by
+//! [`Store::usable_checkpoint`] (which falls back to an older one, or to none) and reported by
+//! [`Store::verify_chain`]; see [`checkpoints`] for which fallbacks are sound.
+//!
+//! # Audit key
+//! Opened with [`StoreOptions::audit_key`], record and checkpoint hashes are keyed blake3; the
+//! store records the key's fingerprint and refuses to open without it or with another key. An
+//! unkeyed store given a key adopts it: see [`keys`].
 
 pub mod chain;
+pub mod checkpoints;
+pub mod keys;
 mod schema;
 mod writer;
 
@@ -60,7 +74,12 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use serde::Serialize;
 use serde_json::Value as Json;
 
-pub use chain::{canonical, record_hash, ChainReport, ChainVerifier, GENESIS};
+pub use chain::{
+    canonical, record_hash, AuditKey, BrokenCheckpoint, ChainHasher, ChainReport, ChainVerifier,
+    GENESIS,
+};
+pub use checkpoints::{CheckpointChoice, CheckpointFault, CheckpointKind, RefusedCheckpoint};
+pub use keys::KeyAdoption;
 pub use writer::{AuditAppend, Done, Op, Writer, WriterStats};
 
 /// File name of the database inside the data directory.
@@ -103,6 +122,8 @@ pub struct StoreOptions {
     pub max_blob_bytes: u64,
     /// Idle read connections kept open.
     pub read_pool: usize,
+    /// The audit key: record and checkpoint hashes are keyed blake3 (see [`keys`]).
+    pub audit_key: Option<AuditKey>,
 }
 
 impl Default for StoreOptions {
@@ -114,6 +135,7 @@ impl Default for StoreOptions {
             max_db_bytes: None,
             max_blob_bytes: 50 << 20,
             read_pool: 4,
+            audit_key: None,
         }
     }
 }
@@ -192,6 +214,24 @@ pub enum StoreError {
         sequence: u64,
         head: Option<u64>,
     },
+    /// A checkpoint recovery would have to start from does not verify, and no earlier one (or
+    /// replay from the spec) reproduces its state: it was set by a restore or an evolve.
+    #[error("model `{model_id}`: {} cannot be used ({detail}), and recovery cannot fall back past it: its state was set by a restore or a spec evolution (or written before schema v3), which no earlier checkpoint or replay of the records reproduces. Restore the data directory from a backup", checkpoints::describe(*sequence))]
+    CheckpointUnusable {
+        model_id: String,
+        sequence: Option<u64>,
+        detail: String,
+    },
+    /// The store is keyed and no key was given.
+    #[error("{} is keyed: its audit hashes need the key with fingerprint {}…; give the daemon that key (--audit-key-file)", path.display(), &fingerprint[..fingerprint.len().min(16)])]
+    AuditKeyRequired { path: PathBuf, fingerprint: String },
+    /// The store is keyed with another key.
+    #[error("{} is keyed with another audit key (fingerprint {}…; the key given has {}…); give the daemon the key the store was keyed with", path.display(), &expected[..expected.len().min(16)], &given[..given.len().min(16)])]
+    AuditKeyMismatch {
+        path: PathBuf,
+        expected: String,
+        given: String,
+    },
     /// An audit record or op payload is malformed.
     #[error("invalid audit record: {detail}")]
     InvalidRecord { detail: String },
@@ -267,6 +307,8 @@ pub struct StoredCheckpoint {
     pub at_us: i64,
     /// The state.
     pub state: Json,
+    /// Periodic, or a base set by a restore or an evolve.
+    pub kind: CheckpointKind,
 }
 
 /// One stored audit record.
@@ -327,6 +369,8 @@ pub struct Store {
     dir: PathBuf,
     db: PathBuf,
     opts: StoreOptions,
+    /// What adopting the audit key at this open did (`None`: nothing to adopt).
+    adoption: Option<KeyAdoption>,
     writer: Writer,
     thread: Option<JoinHandle<()>>,
     readers: Mutex<Vec<Connection>>,
@@ -388,6 +432,7 @@ impl Store {
             quick_check(&conn, &db)?;
         }
         schema::migrate(&mut conn, &db, schema::SCHEMA_VERSION)?;
+        let adoption = keys::settle(&mut conn, &db, opts.audit_key.as_ref())?;
         if !marker.exists() {
             write_marker(dir, &marker)?;
         }
@@ -397,10 +442,12 @@ impl Store {
             opts.durability,
             opts.queue_capacity,
             opts.max_batch_ops,
+            opts.audit_key,
         )?;
         Ok(Store {
             dir: dir.to_path_buf(),
             db,
+            adoption,
             opts,
             writer,
             thread: Some(thread),
@@ -416,6 +463,35 @@ impl Store {
     /// The database file.
     pub fn db_path(&self) -> &Path {
         &self.db
+    }
+
+    /// The audit key hashes are keyed with (`None`: plain blake3).
+    pub fn audit_key(&self) -> Option<&AuditKey> {
+        self.opts.audit_key.as_ref()
+    }
+
+    /// What this open did to adopt the audit key, when the store had none before.
+    pub fn key_adoption(&self) -> Option<&KeyAdoption> {
+        self.adoption.as_ref()
+    }
+
+    /// How model `model_id`'s records are hashed (keyed from its `key_from` record on, in a
+    /// keyed store; a model without one there is held to the key from its first record).
+    pub fn record_hasher(&self, model_id: &str) -> Result<ChainHasher, StoreError> {
+        let Some(key) = self.opts.audit_key else {
+            return Ok(ChainHasher::plain());
+        };
+        let from: Option<Option<i64>> = self.with_reader(|c| {
+            c.prepare_cached("SELECT key_from FROM models WHERE id = ?1")
+                .and_then(|mut s| s.query_row([model_id], |r| r.get(0)).optional())
+                .map_err(|e| sql_err(&self.db, e))
+        })?;
+        let Some(from) = from else {
+            return Err(StoreError::ModelNotFound {
+                model_id: model_id.to_string(),
+            });
+        };
+        Ok(ChainHasher::keyed(key, from.map_or(0, |f| f.max(0) as u64)))
     }
 
     /// A handle for submitting writes (cheap to clone, `Send + Sync`).
@@ -496,55 +572,6 @@ impl Store {
                 .map_err(|e| sql_err(&self.db, e))?;
             rows.collect::<Result<Vec<_>, _>>()
                 .map_err(|e| sql_err(&self.db, e))
-        })
-    }
-
-    /// The newest checkpoint of a model, or the newest taken at or before `at_or_before_us`.
-    pub fn latest_checkpoint(
-        &self,
-        model_id: &str,
-        at_or_before_us: Option<i64>,
-    ) -> Result<Option<StoredCheckpoint>, StoreError> {
-        self.with_reader(|c| {
-            let row: Option<(i64, i64, String)> = match at_or_before_us {
-                None => c
-                    .prepare_cached(
-                        "SELECT sequence, at_us, state FROM checkpoints WHERE model_id = ?1
-                         ORDER BY sequence DESC LIMIT 1",
-                    )
-                    .and_then(|mut s| {
-                        s.query_row([model_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                            .optional()
-                    }),
-                Some(t) => c
-                    .prepare_cached(
-                        "SELECT sequence, at_us, state FROM checkpoints
-                         WHERE model_id = ?1 AND at_us <= ?2
-                         ORDER BY at_us DESC, sequence DESC LIMIT 1",
-                    )
-                    .and_then(|mut s| {
-                        s.query_row(params![model_id, t], |r| {
-                            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                        })
-                        .optional()
-                    }),
-            }
-            .map_err(|e| sql_err(&self.db, e))?;
-            row.map(|(seq, at_us, text)| {
-                let sequence = if seq == -1 {
-                    None
-                } else {
-                    Some(self.stored_seq(seq, model_id)?)
-                };
-                let state =
-                    self.parse(&text, || format!("checkpoint {seq} of model `{model_id}`"))?;
-                Ok(StoredCheckpoint {
-                    sequence,
-                    at_us,
-                    state,
-                })
-            })
-            .transpose()
         })
     }
 
@@ -795,23 +822,39 @@ impl Store {
     }
 
     /// Walk a model's stored audit chain oldest first (one read snapshot) and check every link,
-    /// hash and sequence against the chain head recorded in `models`.
+    /// hash and sequence against the chain head recorded in `models` (in a keyed store, keyed
+    /// hashes from the model's `key_from` on, and the anchor that pins it); then every
+    /// checkpoint against its state and the chain ([`checkpoints`]).
     pub fn verify_chain(&self, model_id: &str) -> Result<ChainReport, StoreError> {
         self.with_reader(|c| {
             c.execute_batch("BEGIN").map_err(|e| sql_err(&self.db, e))?;
-            let head: Option<(Option<i64>, String)> = c
-                .prepare_cached("SELECT head_seq, head_hash FROM models WHERE id = ?1")
+            type Head = (Option<i64>, String, Option<i64>, Option<i64>, Option<String>);
+            let head: Option<Head> = c
+                .prepare_cached(
+                    "SELECT head_seq, head_hash, base_seq, key_from, key_anchor FROM models
+                     WHERE id = ?1",
+                )
                 .and_then(|mut s| {
-                    s.query_row([model_id], |r| Ok((r.get(0)?, r.get(1)?)))
-                        .optional()
+                    s.query_row([model_id], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+                    })
+                    .optional()
                 })
                 .map_err(|e| sql_err(&self.db, e))?;
-            let Some((head_seq, head_hash)) = head else {
+            let Some((head_seq, head_hash, base_seq, key_from, anchor)) = head else {
                 return Err(StoreError::ModelNotFound {
                     model_id: model_id.to_string(),
                 });
             };
-            let mut v = ChainVerifier::new();
+            let key = self.opts.audit_key;
+            // In a keyed store a model without an anchor is held to the key from record 0.
+            let keyed_from = key_from.map_or(0, |f| f.max(0) as u64);
+            let mut v = match key {
+                Some(k) => ChainVerifier::new().with_hasher(ChainHasher::keyed(k, keyed_from)),
+                None => ChainVerifier::new(),
+            };
+            // The hash of record `keyed_from - 1` as the walk verified it: what the anchor binds.
+            let mut anchored_prev: Option<String> = None;
             let mut st = c
                 .prepare_cached(
                     "SELECT sequence, prev_hash, hash, record FROM audit WHERE model_id = ?1
@@ -853,12 +896,51 @@ impl Store {
                     );
                     break;
                 }
+                if seq == keyed_from && seq == v.next_sequence() {
+                    anchored_prev = Some(v.prev_hash().to_string());
+                }
                 if !v.check(seq, &record) {
                     break;
                 }
             }
+            drop(rows);
+            if let Some(k) = key.filter(|_| !v.is_broken()) {
+                if anchored_prev.is_none() && v.next_sequence() == keyed_from {
+                    anchored_prev = Some(v.prev_hash().to_string());
+                }
+                match (anchor, anchored_prev) {
+                    (None, _) => v.fail(
+                        0,
+                        "the store is keyed but this model has no audit key anchor (removed)",
+                    ),
+                    (Some(_), None) => v.fail(
+                        keyed_from,
+                        format!("keying starts at record {keyed_from}, beyond the stored chain (edited)"),
+                    ),
+                    (Some(a), Some(prev)) => {
+                        if chain::key_anchor(&k, model_id, keyed_from, &prev) != a {
+                            v.fail(
+                                keyed_from,
+                                format!(
+                                    "the audit key anchor does not match the chain at record {keyed_from}: records before it were rewritten, or where keying starts was edited"
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
             let head_seq = head_seq.map(|s| s.max(0) as u64);
-            Ok(v.finish(head_seq.map(|s| (s, head_hash.as_str()))))
+            let mut report = v.finish(head_seq.map(|s| (s, head_hash.as_str())));
+            let (checked, broken) = self.verify_checkpoints(c, model_id, base_seq)?;
+            report.checkpoints_checked = Some(checked);
+            if let Some(b) = broken {
+                if report.valid {
+                    report.valid = false;
+                    report.detail = format!("{}: {}", checkpoints::describe(b.sequence), b.detail);
+                }
+                report.broken_checkpoint = Some(b);
+            }
+            Ok(report)
         })
     }
 

@@ -6,14 +6,35 @@ use std::fs;
 use std::io::Read;
 use std::path::Path;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, Transaction};
 
 use super::{sql_err, StoreError};
 
+/// One migration step: SQL, then (for what SQL cannot compute, such as hashes) a function run in
+/// the same transaction.
+pub(super) struct Step {
+    sql: &'static str,
+    then: Option<fn(&Transaction<'_>) -> rusqlite::Result<()>>,
+}
+
 /// Migration steps; step `i` takes `user_version` from `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[&str] = &[
-    // v1: the registry and the hash-chained audit log.
-    r#"
+pub(super) const MIGRATIONS: &[Step] = &[
+    Step {
+        sql: V1,
+        then: None,
+    },
+    Step {
+        sql: V2,
+        then: None,
+    },
+    Step {
+        sql: V3,
+        then: Some(hash_legacy_checkpoints),
+    },
+];
+
+// v1: the registry and the hash-chained audit log.
+const V1: &str = r#"
     CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
     INSERT INTO meta (key, value) VALUES ('format', 'valem-store');
     CREATE TABLE models (
@@ -35,10 +56,11 @@ pub(super) const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (model_id, sequence)
     );
     CREATE INDEX audit_at ON audit (model_id, at_us);
-    "#,
-    // v2: indexed pathPrefix queries (backfilled from the records: mutation keys, derived
-    // updates and trace targets, as the service indexes them), checkpoints, snapshots, blobs.
-    r#"
+    "#;
+
+// v2: indexed pathPrefix queries (backfilled from the records: mutation keys, derived updates
+// and trace targets, as the service indexes them), checkpoints, snapshots, blobs.
+const V2: &str = r#"
     CREATE TABLE audit_paths (
         model_id TEXT NOT NULL,
         path TEXT NOT NULL,
@@ -79,8 +101,70 @@ pub(super) const MIGRATIONS: &[&str] = &[
         created_us INTEGER NOT NULL
     );
     CREATE INDEX blobs_hash ON blobs (hash);
-    "#,
-];
+    "#;
+
+// v3: checkpoints bound to the chain (kind, the chain head they follow, the hash of their state,
+// their own hash over those); the model's newest base checkpoint (`base_seq`: recovery never
+// falls back below it) and, in a keyed store, where keying starts and its anchor. Checkpoints
+// written before v3 are hashed once by `hash_legacy_checkpoints` (trust on first use: they were
+// never verifiable, and skipping them would lose the states restores and evolves set) and kept
+// as kind `legacy`, which recovery treats as a base: the newest of them is the model's floor.
+const V3: &str = r#"
+    ALTER TABLE checkpoints ADD COLUMN kind TEXT NOT NULL DEFAULT 'legacy';
+    ALTER TABLE checkpoints ADD COLUMN head_hash TEXT;
+    ALTER TABLE checkpoints ADD COLUMN state_hash TEXT;
+    ALTER TABLE checkpoints ADD COLUMN hash TEXT;
+    ALTER TABLE models ADD COLUMN base_seq INTEGER;
+    ALTER TABLE models ADD COLUMN key_from INTEGER;
+    ALTER TABLE models ADD COLUMN key_anchor TEXT;
+    UPDATE models SET base_seq =
+        (SELECT max(c.sequence) FROM checkpoints c WHERE c.model_id = models.id);
+    "#;
+
+/// Hash every checkpoint as it stands (plain blake3: a store before v3 has no key). A checkpoint
+/// whose record is not stored keeps no hashes, so it is refused (and reported) like a tampered
+/// one.
+fn hash_legacy_checkpoints(tx: &Transaction<'_>) -> rusqlite::Result<()> {
+    let rows: Vec<(String, i64, i64, Vec<u8>)> = {
+        let mut st = tx.prepare("SELECT model_id, sequence, at_us, state FROM checkpoints")?;
+        let rows = st.query_map([], |r| {
+            let state = r.get_ref(3)?;
+            let bytes = state.as_bytes().map(<[u8]>::to_vec).unwrap_or_default();
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, bytes))
+        })?;
+        rows.collect::<Result<_, _>>()?
+    };
+    let mut record_hash =
+        tx.prepare("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?;
+    let mut update = tx.prepare(
+        "UPDATE checkpoints SET head_hash = ?3, state_hash = ?4, hash = ?5
+         WHERE model_id = ?1 AND sequence = ?2",
+    )?;
+    for (model_id, seq, at_us, state) in rows {
+        let head: Option<String> = if seq == -1 {
+            Some(super::GENESIS.to_string())
+        } else {
+            rusqlite::OptionalExtension::optional(
+                record_hash.query_row(rusqlite::params![model_id, seq], |r| r.get(0)),
+            )?
+        };
+        let Some(head) = head else { continue };
+        let state_hash = super::chain::state_hash(&state);
+        let hash = super::chain::checkpoint_hash(
+            None,
+            &super::chain::CheckpointHeader {
+                model_id: &model_id,
+                sequence: u64::try_from(seq).ok(),
+                at_us,
+                kind: super::CheckpointKind::Legacy.as_str(),
+                head_hash: &head,
+                state_hash: &state_hash,
+            },
+        );
+        update.execute(rusqlite::params![model_id, seq, head, state_hash, hash])?;
+    }
+    Ok(())
+}
 
 /// The schema version this build writes.
 pub(super) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
@@ -98,14 +182,17 @@ pub(super) fn migrate(conn: &mut Connection, db: &Path, target: i64) -> Result<(
         });
     }
     for version in found..target.min(SCHEMA_VERSION) {
-        let step = MIGRATIONS[version as usize];
+        let step = &MIGRATIONS[version as usize];
         let fail = |e: rusqlite::Error| StoreError::Migration {
             path: db.to_path_buf(),
             to_version: version + 1,
             detail: e.to_string(),
         };
         let tx = conn.transaction().map_err(fail)?;
-        tx.execute_batch(step).map_err(fail)?;
+        tx.execute_batch(step.sql).map_err(fail)?;
+        if let Some(then) = step.then {
+            then(&tx).map_err(fail)?;
+        }
         tx.pragma_update(None, "user_version", version + 1)
             .map_err(fail)?;
         tx.commit().map_err(fail)?;

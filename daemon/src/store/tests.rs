@@ -17,6 +17,8 @@ struct Chain {
     model: String,
     next: u64,
     prev: String,
+    /// Records are hashed with this key (a keyed store).
+    key: Option<AuditKey>,
 }
 
 impl Chain {
@@ -25,6 +27,7 @@ impl Chain {
             model: model.to_string(),
             next: 0,
             prev: GENESIS.to_string(),
+            key: None,
         }
     }
 
@@ -43,7 +46,10 @@ impl Chain {
                         "result": qty * 2, "constraintPassed": null, "errorMessage": null}],
             "prevHash": self.prev,
         });
-        let h = record_hash(&self.prev, &r);
+        let h = match &self.key {
+            Some(k) => chain::record_hash_keyed(k, &self.prev, &r),
+            None => record_hash(&self.prev, &r),
+        };
         r["hash"] = json!(h);
         self.prev = h;
         self.next += 1;
@@ -53,8 +59,13 @@ impl Chain {
     fn op(&mut self, at_us: i64, qty: i64) -> Op {
         let r = self.record(at_us, qty);
         Op::AppendAudit(
-            AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()])
-                .expect("valid record"),
+            AuditAppend::new(
+                at_us,
+                &r,
+                vec!["$.qty".into(), "$.total".into()],
+                self.key.as_ref(),
+            )
+            .expect("valid record"),
         )
     }
 }
@@ -185,6 +196,7 @@ fn everything_written_is_back_after_reopen() {
             sequence: Some(9),
             at_us: 1090,
             state: json!({"qty": 9}),
+            kind: CheckpointKind::Periodic,
         })
         .expect("checkpoint");
         w.apply(Op::Checkpoint {
@@ -192,6 +204,7 @@ fn everything_written_is_back_after_reopen() {
             sequence: Some(19),
             at_us: 1190,
             state: json!({"qty": 19}),
+            kind: CheckpointKind::Periodic,
         })
         .expect("checkpoint");
         w.apply(Op::PutSnapshot {
@@ -231,23 +244,19 @@ fn everything_written_is_back_after_reopen() {
     let empty = models.iter().find(|m| m.id == "empty").expect("empty");
     assert_eq!((empty.head_seq, empty.head_hash.as_str()), (None, GENESIS));
 
-    let cp = store
-        .latest_checkpoint("orders", None)
-        .expect("cp")
-        .expect("some");
+    let usable = |at| {
+        let choice = store.usable_checkpoint("orders", at).expect("cp");
+        assert!(choice.refused.is_empty(), "{:?}", choice.refused);
+        choice.checkpoint
+    };
+    let cp = usable(None).expect("some");
     assert_eq!(
-        (cp.sequence, cp.state.clone()),
-        (Some(19), json!({"qty": 19}))
+        (cp.sequence, cp.state.clone(), cp.kind),
+        (Some(19), json!({"qty": 19}), CheckpointKind::Periodic)
     );
-    let cp = store
-        .latest_checkpoint("orders", Some(1150))
-        .expect("cp")
-        .expect("some");
+    let cp = usable(Some(1150)).expect("some");
     assert_eq!(cp.sequence, Some(9));
-    assert!(store
-        .latest_checkpoint("orders", Some(10))
-        .expect("cp")
-        .is_none());
+    assert!(usable(Some(10)).is_none());
 
     // Replay after checkpoint 9 up to t=1125: records 10, 11, 12.
     let mut seen = Vec::new();
@@ -370,6 +379,7 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
         sequence: Some(9),
         at_us: 5,
         state: json!({}),
+        kind: CheckpointKind::Periodic,
     };
     let rx = submit_all(
         &w,
@@ -426,11 +436,11 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
     let mut bad = Chain::new("m").record(1, 0);
     bad["mutations"]["$.qty"] = json!(1);
     assert!(matches!(
-        AuditAppend::new(1, &bad, vec![]),
+        AuditAppend::new(1, &bad, vec![], None),
         Err(StoreError::InvalidRecord { .. })
     ));
     assert!(matches!(
-        AuditAppend::new(1, &json!({"modelId": "m"}), vec![]),
+        AuditAppend::new(1, &json!({"modelId": "m"}), vec![], None),
         Err(StoreError::InvalidRecord { .. })
     ));
 }
@@ -566,6 +576,7 @@ fn delete_model_removes_its_rows_from_every_table() {
             sequence: Some(2),
             at_us: 2,
             state: json!({}),
+            kind: CheckpointKind::Periodic,
         })
         .expect("cp");
         w.apply(Op::PutSnapshot {
@@ -743,7 +754,7 @@ fn ten_records() -> (tempfile::TempDir, Vec<Json>) {
         let r = chain.record(i, i);
         recs.push(r.clone());
         w.apply(Op::AppendAudit(
-            AuditAppend::new(i, &r, vec![]).expect("valid"),
+            AuditAppend::new(i, &r, vec![], None).expect("valid"),
         ))
         .expect("append");
     }
@@ -907,6 +918,7 @@ fn tamper_an_inserted_record() {
             model: "m".into(),
             next: 10,
             prev: recs[9]["hash"].as_str().expect("hash").into(),
+            key: None,
         };
         let forged = chain.record(10, 10);
         c.execute(
@@ -934,7 +946,605 @@ fn tamper_a_truncated_tail() {
     assert_broken(&r, 0, "truncated");
 }
 
-// --- migration -----------------------------------------------------------------------------
+// --- checkpoints ---------------------------------------------------------------------------
+
+fn checkpoint(
+    model: &str,
+    sequence: Option<u64>,
+    at_us: i64,
+    qty: i64,
+    kind: CheckpointKind,
+) -> Op {
+    Op::Checkpoint {
+        model_id: model.into(),
+        sequence,
+        at_us,
+        state: json!({"base": {"qty": qty, "note": "b"}, "effectKeys": {}}),
+        kind,
+    }
+}
+
+/// A closed store with model `m` holding records 0..10 (record i at time i) and periodic
+/// checkpoints after records 3, 6 and 9 (plus what `more` writes); opened with `key`.
+fn checkpointed(key: Option<AuditKey>, more: impl FnOnce(&Writer)) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = open_keyed(tmp.path(), key);
+    let w = store.writer();
+    w.apply(put_model("m")).expect("put");
+    let mut chain = Chain::new("m");
+    chain.key = key;
+    for i in 0..10 {
+        w.apply(chain.op(i, i)).expect("append");
+        if i % 3 == 0 && i > 0 {
+            w.apply(checkpoint(
+                "m",
+                Some(i as u64),
+                i,
+                i,
+                CheckpointKind::Periodic,
+            ))
+            .expect("checkpoint");
+        }
+    }
+    more(&w);
+    store.close().expect("close");
+    tmp
+}
+
+fn open_keyed(dir: &Path, key: Option<AuditKey>) -> Store {
+    Store::open(
+        dir,
+        StoreOptions {
+            audit_key: key,
+            ..Default::default()
+        },
+    )
+    .expect("store opens")
+}
+
+fn edit(dir: &Path, sql: &str) {
+    Connection::open(dir.join(DB_FILE))
+        .and_then(|c| c.execute_batch(sql))
+        .expect("tamper");
+}
+
+/// The checkpoint recovery picks (its sequence), and the refused ones (sequence, fault label).
+type Pick = (Option<Option<u64>>, Vec<(Option<u64>, &'static str)>);
+
+fn pick(store: &Store, at: Option<i64>) -> Pick {
+    let c = store
+        .usable_checkpoint("m", at)
+        .expect("a usable checkpoint");
+    (
+        c.checkpoint.map(|cp| cp.sequence),
+        c.refused
+            .iter()
+            .map(|r| (r.sequence, r.fault.label()))
+            .collect(),
+    )
+}
+
+fn assert_checkpoint_broken(r: &ChainReport, seq: Option<u64>, word: &str) {
+    assert!(!r.valid, "{r:?}");
+    assert_eq!(
+        r.first_broken_sequence, None,
+        "the records are sound: {r:?}"
+    );
+    assert_eq!(r.records_checked, 10, "{r:?}");
+    let b = r.broken_checkpoint.as_ref().expect("a broken checkpoint");
+    assert_eq!(b.sequence, seq, "{r:?}");
+    assert!(
+        b.detail.contains(word),
+        "expected {word:?} in {:?}",
+        b.detail
+    );
+    assert!(r.detail.contains(&checkpoints::describe(seq)), "{r:?}");
+}
+
+#[test]
+fn a_sound_checkpoint_names_its_record_and_its_state() {
+    let tmp = checkpointed(None, |_| {});
+    let store = open(tmp.path());
+    assert_eq!(pick(&store, None), (Some(Some(9)), vec![]));
+    let r = store.verify_chain("m").expect("verify");
+    assert!(r.valid, "{r:?}");
+    assert_eq!(r.checkpoints_checked, Some(3));
+    assert_eq!(
+        serde_json::to_value(&r).expect("serializes")["checkpointsChecked"],
+        json!(3)
+    );
+    let c = Connection::open(tmp.path().join(DB_FILE)).expect("direct");
+    let (head, state, state_hash, hash, kind): (String, String, String, String, String) = c
+        .query_row(
+            "SELECT head_hash, state, state_hash, hash, kind FROM checkpoints WHERE sequence = 6",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+        )
+        .expect("row");
+    let record6: String = c
+        .query_row("SELECT hash FROM audit WHERE sequence = 6", [], |r| {
+            r.get(0)
+        })
+        .expect("record");
+    assert_eq!(
+        head, record6,
+        "a checkpoint names the hash of the record it follows"
+    );
+    assert_eq!(state_hash, blake3::hash(state.as_bytes()).to_hex().as_str());
+    assert_eq!(kind, "periodic");
+    let header = chain::CheckpointHeader {
+        model_id: "m",
+        sequence: Some(6),
+        at_us: 6,
+        kind: "periodic",
+        head_hash: &head,
+        state_hash: &state_hash,
+    };
+    assert_eq!(hash, chain::checkpoint_hash(None, &header));
+    // Every field is covered.
+    for other in [
+        chain::CheckpointHeader {
+            sequence: Some(5),
+            ..header
+        },
+        chain::CheckpointHeader { at_us: 7, ..header },
+        chain::CheckpointHeader {
+            kind: "base",
+            ..header
+        },
+        chain::CheckpointHeader {
+            model_id: "n",
+            ..header
+        },
+        chain::CheckpointHeader {
+            head_hash: GENESIS,
+            ..header
+        },
+        chain::CheckpointHeader {
+            state_hash: GENESIS,
+            ..header
+        },
+    ] {
+        assert_ne!(chain::checkpoint_hash(None, &other), hash, "{other:?}");
+    }
+    let key = AuditKey::from_bytes([1; 32]);
+    assert_ne!(chain::checkpoint_hash(Some(&key), &header), hash);
+}
+
+#[test]
+fn a_tampered_checkpoint_is_refused_for_the_one_before_it_and_reported() {
+    // The state edited (a value that still parses).
+    let tmp = checkpointed(None, |_| {});
+    edit(tmp.path(), "UPDATE checkpoints SET state = replace(state, '\"qty\":9', '\"qty\":99') WHERE sequence = 9");
+    let store = open(tmp.path());
+    assert_eq!(
+        pick(&store, None),
+        (Some(Some(6)), vec![(Some(9), "state_hash")])
+    );
+    assert_checkpoint_broken(&store.verify_chain("m").expect("verify"), Some(9), "state");
+    drop(store);
+
+    // One flipped bit: the high bit of a character, so the text is not even UTF-8 any more.
+    let tmp = checkpointed(None, |_| {});
+    {
+        let c = Connection::open(tmp.path().join(DB_FILE)).expect("direct");
+        let mut bytes: Vec<u8> = c
+            .query_row(
+                "SELECT state FROM checkpoints WHERE sequence = 9",
+                [],
+                |r| r.get(0),
+            )
+            .map(|s: String| s.into_bytes())
+            .expect("state");
+        let at = bytes.iter().position(|b| *b == b'b').expect("a `b`");
+        bytes[at] ^= 0x80;
+        c.execute(
+            "UPDATE checkpoints SET state = CAST(?1 AS TEXT) WHERE sequence = 9",
+            [bytes],
+        )
+        .expect("flip");
+    }
+    let store = open(tmp.path());
+    assert_eq!(
+        pick(&store, None),
+        (Some(Some(6)), vec![(Some(9), "state_hash")])
+    );
+    assert_checkpoint_broken(&store.verify_chain("m").expect("verify"), Some(9), "state");
+    drop(store);
+
+    // The head hash edited: it must name record 9's hash.
+    let tmp = checkpointed(None, |_| {});
+    edit(
+        tmp.path(),
+        &format!(
+            "UPDATE checkpoints SET head_hash = '{}' WHERE sequence = 9",
+            "a".repeat(64)
+        ),
+    );
+    let store = open(tmp.path());
+    assert_eq!(
+        pick(&store, None),
+        (Some(Some(6)), vec![(Some(9), "head_hash")])
+    );
+    assert_checkpoint_broken(
+        &store.verify_chain("m").expect("verify"),
+        Some(9),
+        "record 9",
+    );
+    drop(store);
+
+    // Moved to another record (its head hash no longer fits), or its time edited (its hash).
+    let tmp = checkpointed(None, |_| {});
+    edit(
+        tmp.path(),
+        "UPDATE checkpoints SET sequence = 8 WHERE sequence = 9;
+                      UPDATE checkpoints SET at_us = 1 WHERE sequence = 6",
+    );
+    let store = open(tmp.path());
+    assert_eq!(
+        pick(&store, None),
+        (
+            Some(Some(3)),
+            vec![(Some(8), "head_hash"), (Some(6), "checkpoint_hash")]
+        )
+    );
+    assert_checkpoint_broken(&store.verify_chain("m").expect("verify"), Some(6), "hash");
+    // An `?at=` read refuses them too (by time: the moved one kept its time, 9).
+    assert_eq!(
+        pick(&store, Some(9)),
+        (Some(Some(3)), vec![(Some(8), "head_hash")])
+    );
+    assert_eq!(
+        pick(&store, Some(2)),
+        (None, vec![(Some(6), "checkpoint_hash")])
+    );
+    drop(store);
+
+    // Every checkpoint refused: replay from the spec's initial state.
+    let tmp = checkpointed(None, |_| {});
+    edit(tmp.path(), "UPDATE checkpoints SET state_hash = hash");
+    let store = open(tmp.path());
+    assert_eq!(
+        pick(&store, None),
+        (
+            None,
+            vec![
+                (Some(9), "state_hash"),
+                (Some(6), "state_hash"),
+                (Some(3), "state_hash")
+            ]
+        )
+    );
+}
+
+#[test]
+fn recovery_never_falls_back_past_a_restore_or_an_evolve() {
+    // A restore after record 4 (a base), periodic checkpoints before and after it.
+    let with_base = |w: &Writer| {
+        w.apply(checkpoint("m", Some(4), 40, 1000, CheckpointKind::Base))
+            .expect("base");
+        // A periodic checkpoint at the same record keeps the base.
+        w.apply(checkpoint("m", Some(4), 41, 4, CheckpointKind::Periodic))
+            .expect("periodic over base");
+    };
+    let tmp = checkpointed(None, with_base);
+    let store = open(tmp.path());
+    let cp = store
+        .usable_checkpoint("m", Some(40))
+        .expect("cp")
+        .checkpoint
+        .expect("some");
+    assert_eq!(
+        (cp.sequence, cp.kind, cp.state["base"]["qty"].clone()),
+        (Some(4), CheckpointKind::Base, json!(1000))
+    );
+    drop(store);
+    // A refused periodic checkpoint after the base falls back to the base.
+    edit(
+        tmp.path(),
+        "UPDATE checkpoints SET state = replace(state, '\"b\"', '\"c\"') WHERE sequence IN (6, 9)",
+    );
+    let store = open(tmp.path());
+    assert_eq!(
+        pick(&store, None),
+        (
+            Some(Some(4)),
+            vec![(Some(9), "state_hash"), (Some(6), "state_hash")]
+        )
+    );
+    drop(store);
+    // A refused base is an error, not a state without the restore: even with its kind edited
+    // to look periodic, the model's base_seq floor holds.
+    for sql in [
+        "UPDATE checkpoints SET state = replace(state, '1000', '1001') WHERE sequence = 4",
+        "UPDATE checkpoints SET kind = 'periodic' WHERE sequence = 4",
+        "DELETE FROM checkpoints WHERE sequence = 4",
+    ] {
+        let tmp = checkpointed(None, with_base);
+        // The periodic checkpoints after it are refused too, so recovery reaches it.
+        edit(tmp.path(), "UPDATE checkpoints SET state = replace(state, '\"b\"', '\"c\"') WHERE sequence IN (6, 9)");
+        edit(tmp.path(), sql);
+        let store = open(tmp.path());
+        let err = store.usable_checkpoint("m", None).expect_err(sql);
+        assert!(
+            matches!(
+                &err,
+                StoreError::CheckpointUnusable {
+                    sequence: Some(4),
+                    ..
+                }
+            ),
+            "{sql}: {err}"
+        );
+        assert!(err.to_string().contains("restore"), "{err}");
+        let r = store.verify_chain("m").expect("verify");
+        assert_checkpoint_broken(
+            &r,
+            Some(4),
+            if sql.starts_with("DELETE") {
+                "missing"
+            } else {
+                ""
+            },
+        );
+        assert_eq!(
+            r.checkpoints_checked,
+            Some(if sql.starts_with("DELETE") { 3 } else { 4 })
+        );
+        // Reads of instants before the restore do not need it (unless it is gone, and with
+        // it when it was taken).
+        if sql.starts_with("DELETE") {
+            assert!(store.usable_checkpoint("m", Some(3)).is_err());
+        } else {
+            assert_eq!(pick(&store, Some(3)).0, Some(Some(3)), "{sql}");
+        }
+    }
+    // A base before the first record (a restore onto a fresh model).
+    let tmp = tempfile::tempdir().expect("tempdir");
+    {
+        let store = open(tmp.path());
+        store.writer().apply(put_model("m")).expect("put");
+        store
+            .writer()
+            .apply(checkpoint("m", None, 5, 7, CheckpointKind::Base))
+            .expect("base");
+    }
+    let store = open(tmp.path());
+    let cp = store
+        .usable_checkpoint("m", None)
+        .expect("cp")
+        .checkpoint
+        .expect("some");
+    assert_eq!((cp.sequence, cp.kind), (None, CheckpointKind::Base));
+    drop(store);
+    edit(
+        tmp.path(),
+        &format!("UPDATE checkpoints SET head_hash = '{}'", "1".repeat(64)),
+    );
+    let store = open(tmp.path());
+    let err = store
+        .usable_checkpoint("m", None)
+        .expect_err("refused base");
+    assert!(err.to_string().contains("before the first record"), "{err}");
+    let r = store.verify_chain("m").expect("verify");
+    let b = r.broken_checkpoint.expect("broken");
+    assert_eq!(b.sequence, None);
+    assert!(b.detail.contains("genesis"), "{}", b.detail);
+}
+
+// --- audit key -------------------------------------------------------------------------------
+
+#[test]
+fn audit_key_files_are_64_hex_characters_or_32_raw_bytes() {
+    let hex = "00112233445566778899aabbccddeeff00112233445566778899AABBCCDDEEFF";
+    let k = AuditKey::parse(format!("{hex}\n").as_bytes()).expect("hex");
+    let mut raw = [0u8; 32];
+    for (i, b) in raw.iter_mut().enumerate() {
+        *b = [
+            0x00, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd,
+            0xee, 0xff,
+        ][i % 16];
+    }
+    assert_eq!(k, AuditKey::from_bytes(raw));
+    assert_eq!(AuditKey::parse(&raw).expect("raw"), k);
+    for (bad, word) in [
+        (&b""[..], "found 0 bytes"),
+        (&hex.as_bytes()[..62], "62 hex characters"),
+        (&b"0123456789abcdef0123456789abcdef"[..], "16-byte key"),
+        (&[0u8; 33][..], "33 bytes"),
+    ] {
+        let e = AuditKey::parse(bad).expect_err("refused");
+        assert!(e.contains(word), "{word:?} in {e}");
+    }
+    assert!(
+        !format!("{k:?}").contains("0011"),
+        "Debug does not show the key"
+    );
+    assert_ne!(k.fingerprint(), AuditKey::from_bytes([0; 32]).fingerprint());
+}
+
+#[test]
+fn a_keyed_store_needs_its_key_and_catches_a_rewrite_without_it() {
+    let key = AuditKey::from_bytes([9; 32]);
+    let tmp = checkpointed(Some(key), |_| {});
+    let store = open_keyed(tmp.path(), Some(key));
+    let r = store.verify_chain("m").expect("verify");
+    assert!(r.valid, "{r:?}");
+    assert_eq!(r.checkpoints_checked, Some(3));
+    assert_eq!(pick(&store, None), (Some(Some(9)), vec![]));
+    drop(store);
+    // Without the key, or with another, the store does not open.
+    let err = Store::open(tmp.path(), StoreOptions::default()).expect_err("no key");
+    assert!(matches!(err, StoreError::AuditKeyRequired { .. }), "{err}");
+    assert!(err.to_string().contains(&key.fingerprint()[..16]), "{err}");
+    let other = AuditKey::from_bytes([8; 32]);
+    let err = Store::open(
+        tmp.path(),
+        StoreOptions {
+            audit_key: Some(other),
+            ..Default::default()
+        },
+    )
+    .expect_err("another key");
+    assert!(matches!(err, StoreError::AuditKeyMismatch { .. }), "{err}");
+
+    // A consistent rewrite from record 3 on with plain blake3 (hash columns and head too).
+    let rewrite = |c: &Connection| {
+        let mut recs: Vec<Json> = {
+            let mut st = c
+                .prepare("SELECT record FROM audit ORDER BY sequence")
+                .expect("select");
+            st.query_map([], |r| r.get::<_, String>(0))
+                .expect("rows")
+                .map(|t| serde_json::from_str(&t.expect("text")).expect("json"))
+                .collect()
+        };
+        recs[3]["mutations"]["$.qty"] = json!(333);
+        let mut prev = recs[2]["hash"].as_str().expect("hash").to_string();
+        for (i, r) in recs.iter_mut().enumerate().skip(3) {
+            r["prevHash"] = json!(prev);
+            let h = record_hash(&prev, r);
+            r["hash"] = json!(h);
+            set_record(c, i as i64, r);
+            prev = h;
+        }
+        c.execute("UPDATE models SET head_hash = ?1", [&prev])
+            .expect("head");
+    };
+    {
+        let c = Connection::open(tmp.path().join(DB_FILE)).expect("direct");
+        rewrite(&c);
+    }
+    let store = open_keyed(tmp.path(), Some(key));
+    let r = store.verify_chain("m").expect("verify");
+    assert_eq!(r.first_broken_sequence, Some(3), "{r:?}");
+    assert!(r.detail.contains("without this store's audit key"), "{r:?}");
+    // The checkpoints after it no longer name their records' hashes.
+    assert_eq!(r.broken_checkpoint.map(|b| b.sequence), Some(Some(3)));
+    drop(store);
+
+    // A checkpoint rehashed with plain blake3 after an edit: refused, and said so.
+    let tmp = checkpointed(Some(key), |_| {});
+    {
+        let c = Connection::open(tmp.path().join(DB_FILE)).expect("direct");
+        let (head, state): (String, String) = c
+            .query_row(
+                "SELECT head_hash, state FROM checkpoints WHERE sequence = 9",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("row");
+        let state = state.replace("\"qty\":9", "\"qty\":99");
+        let state_hash = chain::state_hash(state.as_bytes());
+        let hash = chain::checkpoint_hash(
+            None,
+            &chain::CheckpointHeader {
+                model_id: "m",
+                sequence: Some(9),
+                at_us: 9,
+                kind: "periodic",
+                head_hash: &head,
+                state_hash: &state_hash,
+            },
+        );
+        c.execute(
+            "UPDATE checkpoints SET state = ?1, state_hash = ?2, hash = ?3 WHERE sequence = 9",
+            params![state, state_hash, hash],
+        )
+        .expect("rewrite");
+    }
+    let store = open_keyed(tmp.path(), Some(key));
+    assert_eq!(
+        pick(&store, None),
+        (Some(Some(6)), vec![(Some(9), "checkpoint_hash")])
+    );
+    let r = store.verify_chain("m").expect("verify");
+    assert_checkpoint_broken(&r, Some(9), "without this store's audit key");
+}
+
+#[test]
+fn an_unkeyed_store_adopts_a_key_from_each_models_next_record() {
+    let key = AuditKey::from_bytes([5; 32]);
+    let tmp = checkpointed(None, |w| {
+        w.apply(put_model("empty")).expect("put");
+    });
+    let store = open_keyed(tmp.path(), Some(key));
+    let adoption = store.key_adoption().expect("adopted").clone();
+    assert_eq!(
+        adoption.models,
+        vec![("empty".to_string(), 0), ("m".to_string(), 10)]
+    );
+    assert_eq!(adoption.checkpoints_rehashed, 3);
+    assert_eq!(
+        store.record_hasher("m").expect("hasher"),
+        ChainHasher::keyed(key, 10)
+    );
+    assert!(store.verify_chain("m").expect("verify").valid);
+    assert_eq!(pick(&store, None), (Some(Some(9)), vec![]));
+    // Appends go on keyed.
+    let mut chain = Chain::new("m");
+    for i in 0..10 {
+        chain.record(i, i);
+    }
+    chain.key = Some(key);
+    store
+        .writer()
+        .apply(chain.op(10, 10))
+        .expect("keyed append");
+    let r = store.verify_chain("m").expect("verify");
+    assert!(r.valid && r.records_checked == 11, "{r:?}");
+    drop(store);
+    assert!(
+        open_keyed(tmp.path(), Some(key)).key_adoption().is_none(),
+        "adopted once"
+    );
+
+    // The plain records before the key are pinned by the anchor: a consistent plain rewrite
+    // of records 3..9 (relinking record 10) is caught.
+    {
+        let c = Connection::open(tmp.path().join(DB_FILE)).expect("direct");
+        let mut recs: Vec<Json> = {
+            let mut st = c
+                .prepare("SELECT record FROM audit WHERE model_id = 'm' ORDER BY sequence")
+                .expect("select");
+            st.query_map([], |r| r.get::<_, String>(0))
+                .expect("rows")
+                .map(|t| serde_json::from_str(&t.expect("text")).expect("json"))
+                .collect()
+        };
+        recs[3]["mutations"]["$.qty"] = json!(333);
+        let mut prev = recs[2]["hash"].as_str().expect("hash").to_string();
+        for (i, r) in recs.iter_mut().enumerate().skip(3).take(7) {
+            r["prevHash"] = json!(prev);
+            let h = record_hash(&prev, r);
+            r["hash"] = json!(h);
+            set_record(&c, i as i64, r);
+            prev = h;
+        }
+        // Moving where keying starts needs the key too.
+        c.execute("UPDATE models SET key_from = 11 WHERE id = 'm'", [])
+            .expect("edit");
+    }
+    let store = open_keyed(tmp.path(), Some(key));
+    let r = store.verify_chain("m").expect("verify");
+    assert!(!r.valid, "{r:?}");
+    assert_eq!(r.first_broken_sequence, Some(10), "{r:?}");
+    drop(store);
+
+    // The key's marking removed: refused with or without the key (no silent re-adoption).
+    edit(tmp.path(), "DELETE FROM meta WHERE key = 'audit_key'");
+    for k in [None, Some(key)] {
+        let err = Store::open(
+            tmp.path(),
+            StoreOptions {
+                audit_key: k,
+                ..Default::default()
+            },
+        )
+        .expect_err("marking removed");
+        assert!(err.to_string().contains("anchors"), "{err}");
+    }
+}
 
 #[test]
 fn a_v1_database_migrates_and_its_records_become_path_queryable() {
@@ -995,6 +1605,111 @@ fn a_v1_database_migrates_and_its_records_become_path_queryable() {
     assert_eq!(store.verify_chain("m").expect("verify").records_checked, 4);
 }
 
+#[test]
+fn v2_checkpoints_are_hashed_once_on_migration_and_kept_as_bases() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let db = tmp.path().join(DB_FILE);
+    let mut chain = Chain::new("m");
+    {
+        let mut c = Connection::open(&db).expect("v2 db");
+        c.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
+            .expect("wal");
+        schema::migrate(&mut c, &db, 2).expect("v2 schema");
+        for id in ["m", "n"] {
+            c.execute(
+                "INSERT INTO models (id, spec, version, created_us, updated_us, head_seq, head_hash) VALUES (?1, '{}', '1', 0, 0, NULL, ?2)",
+                params![id, GENESIS],
+            )
+            .expect("model");
+        }
+        for i in 0..3 {
+            let r = chain.record(i, i);
+            c.execute(
+                "INSERT INTO audit (model_id, sequence, at_us, record, prev_hash, hash) VALUES ('m', ?1, ?1, ?2, ?3, ?4)",
+                params![i, r.to_string(), r["prevHash"].as_str(), r["hash"].as_str()],
+            )
+            .expect("record");
+            c.execute(
+                "UPDATE models SET head_seq = ?1, head_hash = ?2 WHERE id = 'm'",
+                params![i, r["hash"].as_str()],
+            )
+            .expect("head");
+        }
+        for (model, seq) in [("m", -1), ("m", 1), ("m", 2), ("n", 0)] {
+            c.execute(
+                "INSERT INTO checkpoints (model_id, sequence, at_us, state) VALUES (?1, ?2, ?2, ?3)",
+                params![model, seq, json!({"base": {"qty": seq}}).to_string()],
+            )
+            .expect("checkpoint");
+        }
+    }
+    let store = open(tmp.path());
+    let c = Connection::open(&db).expect("direct");
+    let rows: Vec<(String, i64, String, bool)> = {
+        let mut st = c
+            .prepare("SELECT model_id, sequence, kind, hash IS NOT NULL FROM checkpoints ORDER BY model_id, sequence")
+            .expect("select");
+        st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .expect("rows")
+            .collect::<Result<_, _>>()
+            .expect("read")
+    };
+    assert_eq!(
+        rows,
+        vec![
+            ("m".to_string(), -1, "legacy".to_string(), true),
+            ("m".to_string(), 1, "legacy".to_string(), true),
+            ("m".to_string(), 2, "legacy".to_string(), true),
+            // Its record is not stored: nothing to bind it to.
+            ("n".to_string(), 0, "legacy".to_string(), false),
+        ]
+    );
+    let base: Option<i64> = c
+        .query_row("SELECT base_seq FROM models WHERE id = 'm'", [], |r| {
+            r.get(0)
+        })
+        .expect("base");
+    assert_eq!(base, Some(2), "the newest legacy checkpoint is the floor");
+    let r = store.verify_chain("m").expect("verify");
+    assert!(r.valid && r.checkpoints_checked == Some(3), "{r:?}");
+    let cp = store
+        .usable_checkpoint("m", None)
+        .expect("cp")
+        .checkpoint
+        .expect("some");
+    assert_eq!((cp.sequence, cp.kind), (Some(2), CheckpointKind::Legacy));
+    let err = store
+        .usable_checkpoint("n", None)
+        .expect_err("unhashed legacy");
+    assert!(err.to_string().contains("no hashes"), "{err}");
+    let r = store.verify_chain("n").expect("verify");
+    assert_eq!(r.broken_checkpoint.map(|b| b.sequence), Some(Some(0)));
+    drop(store);
+    // A legacy checkpoint edited after the migration is refused, and recovery does not guess.
+    c.execute("UPDATE checkpoints SET state = replace(state, '2', '3') WHERE model_id = 'm' AND sequence = 2", [])
+        .expect("tamper");
+    let store = open(tmp.path());
+    assert!(matches!(
+        store.usable_checkpoint("m", None),
+        Err(StoreError::CheckpointUnusable {
+            sequence: Some(2),
+            ..
+        })
+    ));
+    // New checkpoints are periodic and hashed, above the floor.
+    store.writer().apply(chain.op(3, 3)).expect("append");
+    store
+        .writer()
+        .apply(checkpoint("m", Some(3), 3, 3, CheckpointKind::Periodic))
+        .expect("checkpoint");
+    let cp = store
+        .usable_checkpoint("m", None)
+        .expect("cp")
+        .checkpoint
+        .expect("some");
+    assert_eq!((cp.sequence, cp.kind), (Some(3), CheckpointKind::Periodic));
+}
+
 // --- torn writes -----------------------------------------------------------------------------
 
 const MODELS: [&str; 3] = ["m0", "m1", "m2"];
@@ -1013,7 +1728,7 @@ fn append_round(w: &Writer, chains: &mut [Chain], acked: &mut Acked, per_model: 
                 r["hash"].as_str().expect("hash").to_string(),
             ));
             ops.push(Op::AppendAudit(
-                AuditAppend::new(c.next as i64, &r, vec!["$.qty".into()]).expect("valid"),
+                AuditAppend::new(c.next as i64, &r, vec!["$.qty".into()], None).expect("valid"),
             ));
         }
     }

@@ -13,8 +13,8 @@ use std::thread::JoinHandle;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value as Json;
 
-use super::chain::{record_hash, GENESIS};
-use super::{sql_err, BlobMeta, Durability, StoreError};
+use super::chain::{self, record_hash, record_hash_keyed, AuditKey, CheckpointHeader, GENESIS};
+use super::{sql_err, BlobMeta, CheckpointKind, Durability, StoreError};
 
 /// Completion of one op: called exactly once, on the writer thread, with `Ok` after the op's batch
 /// committed (fsynced in strict mode) or with the error. It must not block or wait on the store.
@@ -35,12 +35,16 @@ pub enum Op {
     /// Append the next record of a model's chain.
     AppendAudit(AuditAppend),
     /// The model's state after applying record `sequence` (which must be committed), or before
-    /// its first record (`None`: a state set without a cycle, such as a restore).
+    /// its first record (`None`: a state set without a cycle, such as a restore). Stored with the
+    /// hash of that record, the hash of its state text and its own hash over those. A periodic
+    /// checkpoint never replaces a base one at the same sequence (they hold the same state, and
+    /// the base must stay recognisable); a base one becomes the model's recovery floor.
     Checkpoint {
         model_id: String,
         sequence: Option<u64>,
         at_us: i64,
         state: Json,
+        kind: CheckpointKind,
     },
     /// Store (or replace) a named snapshot of a model.
     PutSnapshot {
@@ -77,11 +81,12 @@ pub struct AuditAppend {
 impl AuditAppend {
     /// From the record as served (with `modelId`, `sequence`, `prevHash`, `hash`); `paths` are
     /// what a `pathPrefix` filter matches (duplicates are fine). Fails when a field is missing or
-    /// `hash` is not [`record_hash`] of the record.
+    /// `hash` is not [`record_hash`] of the record (keyed with `key`: the store's audit key).
     pub fn new(
         at_us: i64,
         record: &Json,
         mut paths: Vec<String>,
+        key: Option<&AuditKey>,
     ) -> Result<AuditAppend, StoreError> {
         // One index row per distinct path (a derived path is usually also a trace target).
         paths.sort_unstable();
@@ -106,10 +111,15 @@ impl AuditAppend {
             .get("hash")
             .and_then(Json::as_str)
             .ok_or_else(|| invalid("no string hash"))?;
-        if record_hash(prev_hash, record) != hash {
+        let expected = match key {
+            Some(k) => record_hash_keyed(k, prev_hash, record),
+            None => record_hash(prev_hash, record),
+        };
+        if expected != hash {
             return Err(StoreError::InvalidRecord {
                 detail: format!(
-                    "record {sequence} of model `{model_id}`: hash is not blake3(prevHash || RFC 8785 record without hash)"
+                    "record {sequence} of model `{model_id}`: hash is not {}blake3(prevHash || RFC 8785 record without hash)",
+                    if key.is_some() { "keyed " } else { "" }
                 ),
             });
         }
@@ -248,6 +258,7 @@ pub(super) fn spawn(
     durability: Durability,
     queue_capacity: usize,
     max_batch_ops: usize,
+    key: Option<AuditKey>,
 ) -> Result<(Writer, JoinHandle<()>), StoreError> {
     let (tx, rx) = mpsc::sync_channel(queue_capacity.max(1));
     let counters = Arc::new(Counters::default());
@@ -260,6 +271,7 @@ pub(super) fn spawn(
         durability,
         max_batch: max_batch_ops.max(1),
         counters: counters.clone(),
+        key,
     };
     let handle = std::thread::Builder::new()
         .name("valem-store-writer".into())
@@ -275,6 +287,7 @@ struct WriterThread {
     durability: Durability,
     max_batch: usize,
     counters: Arc<Counters>,
+    key: Option<AuditKey>,
 }
 
 /// How an op failed: alone (its savepoint is rolled back, the batch goes on) or the whole batch.
@@ -366,7 +379,7 @@ impl WriterThread {
             self.conn.execute_batch("BEGIN IMMEDIATE")?;
             for (op, _) in ops {
                 self.conn.prepare_cached("SAVEPOINT op")?.execute([])?;
-                match apply(&self.conn, op) {
+                match apply(&self.conn, op, self.key.as_ref()) {
                     Ok(()) => {
                         self.conn.prepare_cached("RELEASE op")?.execute([])?;
                         results.push(Ok(()));
@@ -437,11 +450,11 @@ fn to_text(v: &Json) -> Result<String, Failure> {
     })
 }
 
-fn apply(conn: &Connection, op: &Op) -> Result<(), Failure> {
+fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failure> {
     match op {
         Op::Atomic(ops) => {
             for o in ops {
-                apply(conn, o)?;
+                apply(conn, o, key)?;
             }
         }
         Op::PutModel {
@@ -450,13 +463,21 @@ fn apply(conn: &Connection, op: &Op) -> Result<(), Failure> {
             version,
             at_us,
         } => {
+            // In a keyed store a new model's chain is keyed from its first record.
+            let (key_from, anchor) = match key {
+                Some(k) => (Some(0i64), Some(chain::key_anchor(k, id, 0, GENESIS))),
+                None => (None, None),
+            };
             conn.prepare_cached(
-                "INSERT INTO models (id, spec, version, created_us, updated_us, head_seq, head_hash)
-                 VALUES (?1, ?2, ?3, ?4, ?4, NULL, ?5)
+                "INSERT INTO models (id, spec, version, created_us, updated_us, head_seq, head_hash,
+                     key_from, key_anchor)
+                 VALUES (?1, ?2, ?3, ?4, ?4, NULL, ?5, ?6, ?7)
                  ON CONFLICT (id) DO UPDATE SET spec = excluded.spec, version = excluded.version,
                      updated_us = excluded.updated_us",
             )?
-            .execute(params![id, spec_text, version, at_us, GENESIS])?;
+            .execute(params![
+                id, spec_text, version, at_us, GENESIS, key_from, anchor
+            ])?;
         }
         Op::DeleteModel { id } => {
             for sql in [
@@ -515,8 +536,10 @@ fn apply(conn: &Connection, op: &Op) -> Result<(), Failure> {
             sequence,
             at_us,
             state,
+            kind,
         } => {
-            let committed = head(conn, model_id)?.map(|(s, _)| s);
+            let head = head(conn, model_id)?;
+            let committed = head.as_ref().map(|(s, _)| *s);
             if let Some(seq) = *sequence {
                 if committed.is_none_or(|h| seq > h) {
                     return Err(Failure::Op(StoreError::CheckpointAhead {
@@ -531,11 +554,66 @@ fn apply(conn: &Connection, op: &Op) -> Result<(), Failure> {
                 Some(s) => seq_param(*s)?,
                 None => -1,
             };
+            if *kind == CheckpointKind::Periodic {
+                let existing: Option<String> = conn
+                    .prepare_cached(
+                        "SELECT kind FROM checkpoints WHERE model_id = ?1 AND sequence = ?2",
+                    )?
+                    .query_row(params![model_id, seq], |r| r.get(0))
+                    .optional()?;
+                if existing
+                    .is_some_and(|k| CheckpointKind::parse(&k) != Some(CheckpointKind::Periodic))
+                {
+                    return Ok(());
+                }
+            }
+            let head_hash = match (*sequence, head) {
+                (None, _) => GENESIS.to_string(),
+                (Some(s), Some((h, hash))) if s == h => hash,
+                (Some(s), _) => conn
+                    .prepare_cached("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?
+                    .query_row(params![model_id, seq], |r| r.get(0))
+                    .optional()?
+                    .ok_or_else(|| {
+                        Failure::Op(StoreError::InvalidRecord {
+                            detail: format!(
+                                "model `{model_id}`: checkpoint after record {s}, which is not stored"
+                            ),
+                        })
+                    })?,
+            };
+            let text = to_text(state)?;
+            let state_hash = chain::state_hash(text.as_bytes());
+            let hash = chain::checkpoint_hash(
+                key,
+                &CheckpointHeader {
+                    model_id,
+                    sequence: *sequence,
+                    at_us: *at_us,
+                    kind: kind.as_str(),
+                    head_hash: &head_hash,
+                    state_hash: &state_hash,
+                },
+            );
             conn.prepare_cached(
-                "INSERT OR REPLACE INTO checkpoints (model_id, sequence, at_us, state)
-                 VALUES (?1, ?2, ?3, ?4)",
+                "INSERT OR REPLACE INTO checkpoints
+                     (model_id, sequence, at_us, state, kind, head_hash, state_hash, hash)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?
-            .execute(params![model_id, seq, at_us, to_text(state)?])?;
+            .execute(params![
+                model_id,
+                seq,
+                at_us,
+                text,
+                kind.as_str(),
+                head_hash,
+                state_hash,
+                hash
+            ])?;
+            if kind.is_base() {
+                conn.prepare_cached("UPDATE models SET base_seq = ?2 WHERE id = ?1")?
+                    .execute(params![model_id, seq])?;
+            }
         }
         Op::PutSnapshot {
             model_id,

@@ -1,0 +1,466 @@
+//! Checkpoints bound to the chain: each row carries its kind, the hash of the record it follows
+//! (`head_hash`), the blake3 of its state text (`state_hash`) and its own hash over those
+//! ([`chain::checkpoint_hash`]). This module checks a row against the chain, chooses the
+//! checkpoint a recovery or an `?at=` read starts from, and verifies every checkpoint of a model
+//! for `verify_audit`. It never writes (the writer hashes what it stores).
+//!
+//! Which fallbacks are sound: a *periodic* checkpoint (every N records, at shutdown) holds the
+//! state a replay of its records gives, so a refused one is skipped for an older one, or for the
+//! spec's initial state. A *base* checkpoint (a restore, an evolve) holds a state no record
+//! reproduces: recovery never goes below the model's newest one (`models.base_seq`, written with
+//! it), and a refused base is an error ([`StoreError::CheckpointUnusable`]) rather than a wrong
+//! state. A row's kind is covered by its hash, but a refused row's kind cannot be trusted: the
+//! `base_seq` floor is what guards the newest base when a row was edited.
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::Value as Json;
+
+use super::chain::{self, AuditKey, BrokenCheckpoint, CheckpointHeader, GENESIS};
+use super::{sql_err, Store, StoreError, StoredCheckpoint};
+
+/// What a checkpoint's state is, and so whether recovery may fall back past it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckpointKind {
+    /// The state after its record, as a replay gives it (every N records, at shutdown).
+    Periodic,
+    /// A state set outside the records (a restore, an evolve): the records after it apply to it.
+    Base,
+    /// Written before schema v3: its kind is unknown, so it is treated as a base.
+    Legacy,
+}
+
+impl CheckpointKind {
+    /// The stored form.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckpointKind::Periodic => "periodic",
+            CheckpointKind::Base => "base",
+            CheckpointKind::Legacy => "legacy",
+        }
+    }
+
+    /// From the stored form (`None`: not a kind this build writes).
+    pub fn parse(s: &str) -> Option<CheckpointKind> {
+        match s {
+            "periodic" => Some(CheckpointKind::Periodic),
+            "base" => Some(CheckpointKind::Base),
+            "legacy" => Some(CheckpointKind::Legacy),
+            _ => None,
+        }
+    }
+
+    /// Whether no earlier checkpoint or replay reproduces its state.
+    pub fn is_base(self) -> bool {
+        self != CheckpointKind::Periodic
+    }
+}
+
+/// Why a checkpoint does not verify.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckpointFault {
+    /// It has no hashes (the v3 migration found no record to bind it to).
+    Unhashed,
+    /// Its state text does not hash to its `state_hash`.
+    StateHash,
+    /// The record it follows is not stored.
+    RecordMissing { sequence: u64 },
+    /// Its `head_hash` is not the hash of the record it follows (or not the genesis).
+    HeadHash { sequence: Option<u64> },
+    /// Its hash does not cover its fields; `unkeyed`: it is the plain hash, made without the key.
+    Hash { unkeyed: bool },
+    /// It verifies but its state is not JSON, or its row is not one this build wrote.
+    Unreadable(String),
+}
+
+impl CheckpointFault {
+    /// A short label (the `/metrics` reason).
+    pub fn label(&self) -> &'static str {
+        match self {
+            CheckpointFault::Unhashed => "unhashed",
+            CheckpointFault::StateHash => "state_hash",
+            CheckpointFault::RecordMissing { .. } => "record_missing",
+            CheckpointFault::HeadHash { .. } => "head_hash",
+            CheckpointFault::Hash { .. } => "checkpoint_hash",
+            CheckpointFault::Unreadable(_) => "unreadable",
+        }
+    }
+
+    /// Every label, in a fixed order.
+    pub const LABELS: [&'static str; 6] = [
+        "unhashed",
+        "state_hash",
+        "record_missing",
+        "head_hash",
+        "checkpoint_hash",
+        "unreadable",
+    ];
+}
+
+impl std::fmt::Display for CheckpointFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckpointFault::Unhashed => {
+                f.write_str("it has no hashes (the record it follows was missing when the store was migrated to schema v3)")
+            }
+            CheckpointFault::StateHash => {
+                f.write_str("its state does not match its state hash (the state was edited or damaged)")
+            }
+            CheckpointFault::RecordMissing { sequence } => {
+                write!(f, "record {sequence}, which it follows, is not stored")
+            }
+            CheckpointFault::HeadHash { sequence: Some(s) } => write!(
+                f,
+                "the chain head it names is not record {s}'s hash (its head hash was edited, or the record rewritten)"
+            ),
+            CheckpointFault::HeadHash { sequence: None } => {
+                f.write_str("the chain head it names is not the genesis (its head hash was edited)")
+            }
+            CheckpointFault::Hash { unkeyed: true } => f.write_str(
+                "its hash was made without this store's audit key (rewritten by someone without it)",
+            ),
+            CheckpointFault::Hash { unkeyed: false } => f.write_str(
+                "its hash does not cover its fields (its sequence, time, kind, head hash or state hash was edited)",
+            ),
+            CheckpointFault::Unreadable(why) => write!(f, "it cannot be read: {why}"),
+        }
+    }
+}
+
+/// A checkpoint skipped by [`Store::usable_checkpoint`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefusedCheckpoint {
+    /// The record it claims to follow (`None`: before the first).
+    pub sequence: Option<u64>,
+    /// What did not match.
+    pub fault: CheckpointFault,
+}
+
+/// The checkpoint to start from and the newer ones refused on the way to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointChoice {
+    /// The newest checkpoint that verifies (`None`: start from the spec's initial state).
+    pub checkpoint: Option<StoredCheckpoint>,
+    /// Refused checkpoints, newest first.
+    pub refused: Vec<RefusedCheckpoint>,
+}
+
+/// "the checkpoint after record N" / "the checkpoint before the first record".
+pub fn describe(sequence: Option<u64>) -> String {
+    match sequence {
+        Some(s) => format!("the checkpoint after record {s}"),
+        None => "the checkpoint before the first record".to_string(),
+    }
+}
+
+struct Row {
+    sequence: i64,
+    at_us: i64,
+    state: Vec<u8>,
+    kind: String,
+    head_hash: Option<String>,
+    state_hash: Option<String>,
+    hash: Option<String>,
+}
+
+impl Row {
+    fn sequence(&self) -> Option<u64> {
+        u64::try_from(self.sequence).ok()
+    }
+}
+
+const COLUMNS: &str = "sequence, at_us, state, kind, head_hash, state_hash, hash";
+
+fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
+    // Read as bytes: a flipped bit may leave the text invalid UTF-8, which is a refusal, not a
+    // read error.
+    let state = r
+        .get_ref(2)?
+        .as_bytes()
+        .map(<[u8]>::to_vec)
+        .unwrap_or_default();
+    let kind = r.get_ref(3)?.as_str().unwrap_or_default().to_string();
+    Ok(Row {
+        sequence: r.get(0)?,
+        at_us: r.get(1)?,
+        state,
+        kind,
+        head_hash: r.get(4)?,
+        state_hash: r.get(5)?,
+        hash: r.get(6)?,
+    })
+}
+
+/// Check `row` against its own hashes and the chain; its state parsed (when `parse`) if it
+/// verifies.
+fn verify_row(
+    c: &Connection,
+    key: Option<&AuditKey>,
+    model_id: &str,
+    row: &Row,
+    parse: bool,
+) -> rusqlite::Result<Result<Json, CheckpointFault>> {
+    if row.sequence < -1 {
+        return Ok(Err(CheckpointFault::Unreadable(format!(
+            "it is stored at invalid sequence {}",
+            row.sequence
+        ))));
+    }
+    let (Some(head), Some(state_hash), Some(hash)) = (&row.head_hash, &row.state_hash, &row.hash)
+    else {
+        return Ok(Err(CheckpointFault::Unhashed));
+    };
+    if chain::state_hash(&row.state) != *state_hash {
+        return Ok(Err(CheckpointFault::StateHash));
+    }
+    let sequence = row.sequence();
+    let actual: Option<String> = match sequence {
+        None => Some(GENESIS.to_string()),
+        Some(_) => c
+            .prepare_cached("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?
+            .query_row(params![model_id, row.sequence], |r| r.get(0))
+            .optional()?,
+    };
+    match (actual, sequence) {
+        (None, Some(s)) => return Ok(Err(CheckpointFault::RecordMissing { sequence: s })),
+        (Some(a), _) if a != *head => return Ok(Err(CheckpointFault::HeadHash { sequence })),
+        _ => {}
+    }
+    let header = CheckpointHeader {
+        model_id,
+        sequence,
+        at_us: row.at_us,
+        kind: &row.kind,
+        head_hash: head,
+        state_hash,
+    };
+    if chain::checkpoint_hash(key, &header) != *hash {
+        let unkeyed = key.is_some() && chain::checkpoint_hash(None, &header) == *hash;
+        return Ok(Err(CheckpointFault::Hash { unkeyed }));
+    }
+    if CheckpointKind::parse(&row.kind).is_none() {
+        return Ok(Err(CheckpointFault::Unreadable(format!(
+            "its kind `{}` is not one this build knows",
+            row.kind
+        ))));
+    }
+    if !parse {
+        return Ok(Ok(Json::Null));
+    }
+    Ok(serde_json::from_slice(&row.state)
+        .map_err(|e| CheckpointFault::Unreadable(format!("its state is not valid JSON: {e}"))))
+}
+
+/// Recompute the hash of every checkpoint whose plain hash verifies with `key` (a store adopting
+/// its key); the others stay as they are and are refused like tampered ones. Returns how many
+/// were rehashed.
+pub(super) fn rehash_keyed(c: &Connection, key: &AuditKey) -> rusqlite::Result<u64> {
+    let rows: Vec<(String, Row)> = {
+        let mut st = c.prepare(&format!("SELECT {COLUMNS}, model_id FROM checkpoints"))?;
+        let rows = st.query_map([], |r| Ok((r.get(7)?, read_row(r)?)))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    let mut n = 0;
+    for (model, row) in rows {
+        if verify_row(c, None, &model, &row, false)?.is_err() {
+            continue;
+        }
+        let (Some(head), Some(state_hash)) = (&row.head_hash, &row.state_hash) else {
+            continue;
+        };
+        let hash = chain::checkpoint_hash(
+            Some(key),
+            &CheckpointHeader {
+                model_id: &model,
+                sequence: row.sequence(),
+                at_us: row.at_us,
+                kind: &row.kind,
+                head_hash: head,
+                state_hash,
+            },
+        );
+        c.prepare_cached("UPDATE checkpoints SET hash = ?3 WHERE model_id = ?1 AND sequence = ?2")?
+            .execute(params![model, row.sequence, hash])?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+impl Store {
+    /// The checkpoint model `model_id` is recovered from: the newest that verifies against its
+    /// state and the chain (`at_or_before_us`: the newest taken at or before that instant, for
+    /// an `?at=` read), with the newer ones refused on the way (`checkpoint: None`: replay from
+    /// the spec's initial state). Never falls back past a base checkpoint (see the module doc):
+    /// a refused or missing one is [`StoreError::CheckpointUnusable`].
+    pub fn usable_checkpoint(
+        &self,
+        model_id: &str,
+        at_or_before_us: Option<i64>,
+    ) -> Result<CheckpointChoice, StoreError> {
+        let q = |e| sql_err(&self.db, e);
+        self.with_reader(|c| {
+            c.execute_batch("BEGIN").map_err(q)?;
+            let base: Option<Option<i64>> = c
+                .prepare_cached("SELECT base_seq FROM models WHERE id = ?1")
+                .and_then(|mut s| s.query_row([model_id], |r| r.get(0)).optional())
+                .map_err(q)?;
+            let Some(base) = base else {
+                return Err(StoreError::ModelNotFound {
+                    model_id: model_id.to_string(),
+                });
+            };
+            // The floor applies to an `?at=` read only at or after the base was taken.
+            let floor = match (base, at_or_before_us) {
+                (None, _) => None,
+                (Some(b), None) => Some(b),
+                (Some(b), Some(t)) => {
+                    let at: Option<i64> = c
+                        .prepare_cached(
+                            "SELECT at_us FROM checkpoints WHERE model_id = ?1 AND sequence = ?2",
+                        )
+                        .and_then(|mut s| {
+                            s.query_row(params![model_id, b], |r| r.get(0)).optional()
+                        })
+                        .map_err(q)?;
+                    match at {
+                        Some(a) if a > t => None,
+                        _ => Some(b),
+                    }
+                }
+            };
+            let missing_base = |f: i64| StoreError::CheckpointUnusable {
+                model_id: model_id.to_string(),
+                sequence: u64::try_from(f).ok(),
+                detail: "it is missing (deleted), although the model names it as its newest restore or evolve".into(),
+            };
+            let mut st = match at_or_before_us {
+                None => c.prepare_cached(&format!(
+                    "SELECT {COLUMNS} FROM checkpoints WHERE model_id = ?1
+                     ORDER BY sequence DESC"
+                )),
+                Some(_) => c.prepare_cached(&format!(
+                    "SELECT {COLUMNS} FROM checkpoints WHERE model_id = ?1 AND at_us <= ?2
+                     ORDER BY at_us DESC, sequence DESC"
+                )),
+            }
+            .map_err(q)?;
+            let mut rows = match at_or_before_us {
+                None => st.query(params![model_id]),
+                Some(t) => st.query(params![model_id, t]),
+            }
+            .map_err(q)?;
+            let mut refused = Vec::new();
+            while let Some(r) = rows.next().map_err(q)? {
+                let row = read_row(r).map_err(q)?;
+                if let Some(f) = floor.filter(|f| row.sequence < *f) {
+                    return Err(missing_base(f));
+                }
+                match verify_row(c, self.opts.audit_key.as_ref(), model_id, &row, true)
+                    .map_err(q)?
+                {
+                    Ok(state) => {
+                        return Ok(CheckpointChoice {
+                            checkpoint: Some(StoredCheckpoint {
+                                sequence: row.sequence(),
+                                at_us: row.at_us,
+                                state,
+                                kind: CheckpointKind::parse(&row.kind)
+                                    .unwrap_or(CheckpointKind::Legacy),
+                            }),
+                            refused,
+                        })
+                    }
+                    Err(fault) => {
+                        let base_kind =
+                            CheckpointKind::parse(&row.kind).is_none_or(CheckpointKind::is_base);
+                        if floor == Some(row.sequence) || base_kind {
+                            return Err(StoreError::CheckpointUnusable {
+                                model_id: model_id.to_string(),
+                                sequence: row.sequence(),
+                                detail: fault.to_string(),
+                            });
+                        }
+                        refused.push(RefusedCheckpoint {
+                            sequence: row.sequence(),
+                            fault,
+                        });
+                    }
+                }
+            }
+            if let Some(f) = floor {
+                return Err(missing_base(f));
+            }
+            Ok(CheckpointChoice {
+                checkpoint: None,
+                refused,
+            })
+        })
+    }
+
+    /// [`verify_checkpoints`](Self::verify_checkpoints) in a read snapshot of its own (the
+    /// checkpoints of a model whose records an audit-store plugin holds).
+    pub fn verify_model_checkpoints(
+        &self,
+        model_id: &str,
+    ) -> Result<(u64, Option<BrokenCheckpoint>), StoreError> {
+        self.with_reader(|c| {
+            c.execute_batch("BEGIN").map_err(|e| sql_err(&self.db, e))?;
+            let base: Option<Option<i64>> = c
+                .prepare_cached("SELECT base_seq FROM models WHERE id = ?1")
+                .and_then(|mut s| s.query_row([model_id], |r| r.get(0)).optional())
+                .map_err(|e| sql_err(&self.db, e))?;
+            let Some(base) = base else {
+                return Err(StoreError::ModelNotFound {
+                    model_id: model_id.to_string(),
+                });
+            };
+            self.verify_checkpoints(c, model_id, base)
+        })
+    }
+
+    /// Verify every checkpoint of a model (oldest first) and that its newest base is stored:
+    /// how many were checked and the first that does not verify.
+    pub(super) fn verify_checkpoints(
+        &self,
+        c: &Connection,
+        model_id: &str,
+        base_seq: Option<i64>,
+    ) -> Result<(u64, Option<BrokenCheckpoint>), StoreError> {
+        let q = |e| sql_err(&self.db, e);
+        let mut st = c
+            .prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM checkpoints WHERE model_id = ?1 ORDER BY sequence"
+            ))
+            .map_err(q)?;
+        let mut rows = st.query([model_id]).map_err(q)?;
+        let (mut checked, mut broken, mut base_seen) = (0u64, None, false);
+        while let Some(r) = rows.next().map_err(q)? {
+            let row = read_row(r).map_err(q)?;
+            checked += 1;
+            base_seen |= base_seq == Some(row.sequence);
+            if broken.is_some() {
+                continue;
+            }
+            let verdict =
+                verify_row(c, self.opts.audit_key.as_ref(), model_id, &row, false).map_err(q)?;
+            if let Err(fault) = verdict {
+                broken = Some(BrokenCheckpoint {
+                    sequence: row.sequence(),
+                    detail: fault.to_string(),
+                });
+            }
+        }
+        if let Some(b) = base_seq.filter(|_| !base_seen) {
+            let sequence = u64::try_from(b).ok();
+            let earlier = broken
+                .as_ref()
+                .is_none_or(|x: &BrokenCheckpoint| x.sequence.map_or(-1, |s| s as i64) > b);
+            if earlier {
+                broken = Some(BrokenCheckpoint {
+                    sequence,
+                    detail: "it is missing (deleted), although the model names it as its newest restore or evolve".into(),
+                });
+            }
+        }
+        Ok((checked, broken))
+    }
+}
