@@ -1,8 +1,8 @@
 //! Checkpoints and the audit key against the real binary and its real database: a checkpoint
 //! edited with rusqlite (its state, its head hash, one flipped bit) is refused on restart, the
 //! model comes back with its true state, the log and `/metrics` say so and `verify_audit` (REST
-//! and MCP) reports it; a refused restore checkpoint stops the start instead of losing the
-//! restore; with `--audit-key-file`, a consistent rewrite of the records with plain blake3 is
+//! and MCP) reports it; a refused restore checkpoint keeps that model aside (not served, its
+//! data untouched) instead of losing the restore, and the other models are served; with `--audit-key-file`, a consistent rewrite of the records with plain blake3 is
 //! caught, and a missing, wrong or malformed key is a clear start-up error.
 
 use std::path::{Path, PathBuf};
@@ -218,16 +218,23 @@ fn an_edited_checkpoint_is_refused_and_the_model_recovers_its_true_state() {
 }
 
 #[test]
-fn a_refused_restore_checkpoint_stops_the_start_rather_than_lose_the_restore() {
+fn a_refused_restore_checkpoint_keeps_that_model_aside_rather_than_lose_the_restore() {
     let dir = data_dir();
     let d = start(dir.path(), &[]);
     let http = Http::new(&d);
-    let r = http.post(
-        "/models",
-        &[("Content-Type", "application/json")],
-        DEMO.as_bytes(),
+    for spec in [DEMO, &DEMO.replace("\"demo\"", "\"other\"")] {
+        let r = http.post(
+            "/models",
+            &[("Content-Type", "application/json")],
+            spec.as_bytes(),
+        );
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    let r = http.post_json(
+        "/models/other/mutations",
+        &json!({"$.price": 7, "$.qty": 2}),
     );
-    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.status, 200, "{}", r.text());
     let r = http.post_json("/models/demo/mutations", &json!({"$.price": 3, "$.qty": 2}));
     assert_eq!(r.status, 200, "{}", r.text());
     let snap = http.post_json("/models/demo/snapshot", &json!({})).json();
@@ -245,7 +252,8 @@ fn a_refused_restore_checkpoint_stops_the_start_rather_than_lose_the_restore() {
         json!(3)
     );
     assert!(d.terminate().success());
-    // Edited, no replay can give its state back: the start fails and says why.
+    // Edited, no replay can give its state back: that model is kept aside, says why, and is
+    // never served a wrong state; the other model is served as it was.
     db(dir.path())
         .execute(
             "UPDATE checkpoints SET state = replace(state, '\"price\":3', '\"price\":4')
@@ -253,13 +261,38 @@ fn a_refused_restore_checkpoint_stops_the_start_rather_than_lose_the_restore() {
             [],
         )
         .expect("edit");
-    let err = refused_start(dir.path(), &[]);
+    let d = start(dir.path(), &[]);
+    let http = Http::new(&d);
+    let r = http.get("/models/demo/state");
+    assert_eq!(r.status, 503, "{}", r.text());
+    let msg = r.json()["message"].as_str().unwrap_or_default().to_string();
     assert!(
-        err.contains("demo")
-            && err.contains("the checkpoint after record 1")
-            && err.contains("restore"),
-        "{err}"
+        msg.contains("demo")
+            && msg.contains("the checkpoint after record 1")
+            && msg.contains("restore"),
+        "{msg}"
     );
+    assert_eq!(http.get("/models/other/state").json()["total"], json!(14));
+    assert_eq!(http.get("/healthz").json()["unrecovered"], json!(1));
+    assert_eq!(metric(&http, "valem_models_unrecovered"), Some(1.0));
+    // Its id stays taken: a create cannot overwrite what is stored.
+    let r = http.post(
+        "/models",
+        &[("Content-Type", "application/json")],
+        DEMO.as_bytes(),
+    );
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(d.stderr_with("could not be recovered").contains("demo"));
+    assert!(d.terminate().success());
+    // The edit is still there: nothing was rewritten over it.
+    let kept: String = db(dir.path())
+        .query_row(
+            "SELECT state FROM checkpoints WHERE kind = 'base'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("the base checkpoint");
+    assert!(kept.contains("\"price\":4"), "{kept}");
 }
 
 // --- the audit key ---------------------------------------------------------------------------

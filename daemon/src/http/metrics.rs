@@ -168,6 +168,11 @@ pub async fn serve(State(st): State<AppState>) -> Response {
                 "valem_checkpoints_refused_total{{reason=\"{reason}\"}} {v}"
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP valem_models_unrecovered Stored models that could not be recovered: kept in the store, not served (the log says why).\n# TYPE valem_models_unrecovered gauge\nvalem_models_unrecovered {}",
+            st.service.checkpoint_metrics().unrecovered_count()
+        );
     }
     let _ = writeln!(
         out,

@@ -215,7 +215,12 @@ pub fn router(state: AppState) -> Router {
 
 async fn healthz(State(st): State<AppState>) -> Response {
     let models = st.service.model_count();
-    axum::Json(json!({"status": "ok", "models": models})).into_response()
+    let mut body = json!({"status": "ok", "models": models});
+    let unrecovered = st.service.checkpoint_metrics().unrecovered_count();
+    if unrecovered > 0 {
+        body["unrecovered"] = json!(unrecovered);
+    }
+    axum::Json(body).into_response()
 }
 
 /// The loaded plugins (name, kind, version, SDK/rustc versions, path) and the libraries that

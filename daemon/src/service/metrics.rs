@@ -57,9 +57,25 @@ impl CycleMetrics {
 #[derive(Default)]
 pub struct CheckpointMetrics {
     refused: [AtomicU64; crate::store::CheckpointFault::LABELS.len()],
+    /// Stored models that could not be recovered (kept in the store, not served).
+    unrecovered: AtomicU64,
 }
 
 impl CheckpointMetrics {
+    /// A stored model could not be recovered (`true`), or one that could not now is (`false`).
+    pub fn unrecovered(&self, now_unrecovered: bool) {
+        if now_unrecovered {
+            self.unrecovered.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.unrecovered.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Stored models not served because they could not be recovered.
+    pub fn unrecovered_count(&self) -> u64 {
+        self.unrecovered.load(Ordering::Relaxed)
+    }
+
     /// One refused checkpoint.
     pub fn refused(&self, fault: &crate::store::CheckpointFault) {
         let labels = crate::store::CheckpointFault::LABELS;

@@ -165,6 +165,13 @@ pub enum ServiceError {
     BadRequest(String),
     #[error("the service is shutting down")]
     Unavailable,
+    /// A stored model that could not be recovered at start-up: kept in the store as it is,
+    /// not served; the other models are.
+    #[error(
+        "model `{id}` is in the store but could not be recovered ({why}); the daemon serves \
+         the other models, and keeps this one's stored data untouched until it is deleted"
+    )]
+    Unrecovered { id: String, why: String },
     /// The durable store refused or failed a write: nothing was acknowledged, and the model is
     /// reloaded from what the store holds before its next operation.
     #[error("storage: {0}")]
@@ -497,9 +504,19 @@ impl ModelService {
             })
             .collect();
         for (id, w) in waits {
-            w.wait()?
-                .map_err(|e| ServiceError::Storage(format!("recovering model `{id}`: {e}")))?;
-            svc.count.fetch_add(1, Ordering::SeqCst);
+            match w.wait()? {
+                Ok(()) => {
+                    svc.count.fetch_add(1, Ordering::SeqCst);
+                }
+                // One model that cannot be recovered must not keep the others from being
+                // served: it is kept aside (the shard answers for it) and reported.
+                Err(e) => tracing::error!(
+                    model = %id,
+                    error = %e,
+                    "a stored model could not be recovered: it is not served, its stored data \
+                     stays as it is, and the other models are served"
+                ),
+            }
         }
         Ok(svc)
     }

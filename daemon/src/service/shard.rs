@@ -109,6 +109,10 @@ impl Entry {
 
 pub(super) struct Shard {
     models: HashMap<String, Entry>,
+    /// Stored models whose recovery failed, with why: they stay in the store, untouched, and
+    /// every request for one answers that (see [`ServiceError::Unrecovered`]); deleting one
+    /// drops what is stored.
+    unrecovered: HashMap<String, String>,
     store: Option<Arc<Store>>,
     limits: ServiceLimits,
     subscribers: Arc<Subscribers>,
@@ -291,6 +295,7 @@ impl Shard {
     ) -> Shard {
         Shard {
             models: HashMap::new(),
+            unrecovered: HashMap::new(),
             store,
             limits,
             subscribers,
@@ -318,6 +323,12 @@ impl Shard {
     pub fn create(&mut self, spec: ModelSpec, reply: Reply<ModelInfo>) {
         if self.models.contains_key(&spec.id) {
             return reply.send(Err(ServiceError::Duplicate(spec.id)));
+        }
+        if let Some(why) = self.unrecovered.get(&spec.id) {
+            return reply.send(Err(ServiceError::Unrecovered {
+                id: spec.id,
+                why: why.clone(),
+            }));
         }
         let t = now_us();
         let persist = match &self.store {
@@ -388,6 +399,12 @@ impl Shard {
     }
 
     fn entry_raw(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
+        if let Some(why) = self.unrecovered.get(id) {
+            return Err(ServiceError::Unrecovered {
+                id: id.to_string(),
+                why: why.clone(),
+            });
+        }
         self.models
             .get_mut(id)
             .ok_or_else(|| ServiceError::NotFound(id.to_string()))
@@ -482,7 +499,25 @@ impl Shard {
     /// Rebuild a model from the store: its spec, then every stored record replayed in order
     /// (each cycle at its recorded time, so the state is the one that was acknowledged). A model
     /// the store does not hold is dropped.
+    /// Recover a stored model (see [`Shard::recover_model`]); one that cannot be is kept
+    /// aside as unrecovered, so that the shard serves the others and answers for it.
     pub fn recover(&mut self, stored: StoredModel) -> Result<(), ServiceError> {
+        let id = stored.id.clone();
+        let result = self.recover_model(stored);
+        let was = match &result {
+            Ok(()) => self.unrecovered.remove(&id).is_some(),
+            Err(e) => {
+                self.models.remove(&id);
+                self.unrecovered.insert(id, e.to_string()).is_some()
+            }
+        };
+        if was != result.is_err() {
+            self.checkpoint_metrics.unrecovered(result.is_err());
+        }
+        result
+    }
+
+    fn recover_model(&mut self, stored: StoredModel) -> Result<(), ServiceError> {
         let Some(store) = self.store.clone() else {
             return Ok(());
         };
@@ -561,7 +596,11 @@ impl Shard {
     }
 
     pub fn delete(&mut self, id: &str, reply: Reply<()>) {
-        if self.models.remove(id).is_none() {
+        let unrecovered = self.unrecovered.remove(id).is_some();
+        if unrecovered {
+            self.checkpoint_metrics.unrecovered(false);
+        }
+        if self.models.remove(id).is_none() && !unrecovered {
             return reply.send(Err(ServiceError::NotFound(id.to_string())));
         }
         let op = Op::DeleteModel { id: id.to_string() };

@@ -221,6 +221,11 @@ pub fn service_error(e: &ServiceError) -> ApiError {
             "storage",
             "Storage failure",
         ),
+        ServiceError::Unrecovered { .. } => plain(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unrecovered",
+            "Model not recovered",
+        ),
         ServiceError::Superseded(_) => plain(StatusCode::CONFLICT, "superseded", "Superseded"),
         ServiceError::Busy(queued) => {
             let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "busy", "Overloaded");
