@@ -970,16 +970,24 @@ pub struct CycleArgs {
         value_name = "N"
     )]
     pub max_instances: usize,
+    /// Memory one expression evaluation may hold, in MiB: past it the evaluation stops with an
+    /// error (a derivation then stores null with the error in its trace). Single calls that
+    /// would make a huge string or array (`$pad`, `$join`, `$split`, `$replace`, `$string`) are
+    /// refused before they allocate.
+    #[arg(long, env = "VALEM_EVAL_MEMORY_MB", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20), value_name = "MIB")]
+    pub eval_memory_mb: u64,
 }
 
 impl CycleArgs {
     /// The engine's limits with these.
     fn engine(&self) -> EngineLimits {
-        EngineLimits {
+        let mut limits = EngineLimits {
             cycle_budget_ms: (self.cycle_budget_ms > 0).then_some(self.cycle_budget_ms),
             max_instances: self.max_instances,
             ..EngineLimits::default()
-        }
+        };
+        limits.expr.memory_bytes = usize::try_from(self.eval_memory_mb << 20).unwrap_or(usize::MAX);
+        limits
     }
 }
 
