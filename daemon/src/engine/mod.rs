@@ -33,7 +33,7 @@ pub use trace::{Paths, Trace, TraceSource, TraceTable, Traces};
 use crate::expr::path::{render, Address};
 use crate::expr::Limits;
 use crate::spec::ModelSpec;
-use crate::value::{Seg, Val};
+use crate::value::{json_deeper_than, room_below, Seg, TooDeep, Val, MAX_DEPTH};
 use merged::{Cells, Merged};
 
 /// Start loading the cache line holding `p` without waiting for it (a hint: nothing happens
@@ -473,6 +473,24 @@ impl Model {
         if mutations.len() <= PREFETCH_WRITES {
             for (segs, _) in mutations {
                 self.prefetch_write(segs);
+            }
+        }
+        // Before anything walks a value (schema validation recurses as deep as it goes): an
+        // address and its value may nest at most `MAX_DEPTH` levels together, a scalar at an
+        // address of more segments than that included.
+        for (segs, v) in mutations {
+            if segs.len() > MAX_DEPTH {
+                return Err(MutationError::Invalid(format!(
+                    "address {} is {} levels deep; a document nests at most {MAX_DEPTH}",
+                    render(segs),
+                    segs.len()
+                )));
+            }
+            if json_deeper_than(J::borrow(v), room_below(segs.len())) {
+                return Err(MutationError::Invalid(format!(
+                    "the value written at {}: {TooDeep}",
+                    render(segs)
+                )));
             }
         }
         let mut violations = Vec::new();
