@@ -230,7 +230,12 @@ impl Compiled {
                     text.len(),
                     limits.max_expr_len
                 ),
-                position: Some(limits.max_expr_len),
+                // In characters, as every position is: where the limit falls in the text.
+                position: Some(
+                    text.char_indices()
+                        .take_while(|&(at, _)| at < limits.max_expr_len)
+                        .count(),
+                ),
             });
         }
         if let Some(at) = bracket_beyond(text, MAX_BRACKET_NESTING) {
@@ -784,6 +789,23 @@ mod tests {
         let e = ev("a b", json!({})).unwrap_err();
         assert_eq!(e.code.as_deref(), Some("S0201"));
         assert_eq!(e.position, Some(2));
+    }
+
+    /// A text over the length limit is refused where the limit falls, counted in characters
+    /// like every position (it was the limit in bytes: beyond the end of a text of multi-byte
+    /// characters).
+    #[test]
+    fn a_text_over_the_length_limit_is_refused_at_a_character_offset() {
+        let limits = Limits {
+            max_expr_len: 10,
+            ..Limits::default()
+        };
+        let e = Compiled::compile(&"€".repeat(4), &limits).unwrap_err();
+        assert_eq!(e.position, Some(4));
+        let e = Compiled::compile("ab€€€€", &limits).unwrap_err();
+        assert_eq!(e.position, Some(5));
+        let e = Compiled::compile(&"1".repeat(11), &limits).unwrap_err();
+        assert_eq!(e.position, Some(10));
     }
 
     #[test]
