@@ -378,3 +378,32 @@ fn writes_nest_at_most_max_depth_levels_with_their_address() {
         .unwrap();
     assert!(refused);
 }
+
+/// The document is an object whatever the schema: a write of anything else at `$`, or of an
+/// element of the root, is refused (with a schema of `{}` both were accepted, the model's state
+/// became `5` or `[1]`, its derived members were gone and its own snapshot could not be
+/// restored).
+#[test]
+fn the_document_stays_an_object_under_a_schema_that_allows_anything() {
+    let spec = parse_spec(&json!({"id": "root", "schema": {},
+        "derivations": [{"path": "$.d", "expr": "a + 1"}]}))
+    .unwrap();
+    let (mut m, _) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
+    m.mutate(&[("$".into(), json!({"a": 1}))], NOW).unwrap();
+    let before = m.state().fingerprint();
+    for (at, value) in [
+        ("$", json!(5)),
+        ("$", json!([1, 2])),
+        ("$", Value::Null),
+        ("$[0]", json!(1)),
+        ("$[0].a", json!(1)),
+    ] {
+        let e = m.mutate(&[(at.into(), value)], NOW);
+        assert!(
+            matches!(&e, Err(MutationError::Invalid(m)) if m.contains("object")),
+            "{at}: {e:?}"
+        );
+        assert_eq!(m.state().fingerprint(), before);
+    }
+    assert_eq!(m.merged_json(NOW), json!({"a": 1, "d": 2}));
+}

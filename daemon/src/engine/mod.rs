@@ -391,6 +391,18 @@ pub fn parse_writes<K: AsRef<str>, V>(
     Ok(parsed)
 }
 
+/// "an array", "a number", … for messages.
+fn kind_of(v: &Json) -> &'static str {
+    match v {
+        Json::Null => "null",
+        Json::Bool(_) => "a boolean",
+        Json::Number(_) => "a number",
+        Json::String(_) => "a string",
+        Json::Array(_) => "an array",
+        Json::Object(_) => "an object",
+    }
+}
+
 /// A live model: its compiled spec and its committed state.
 pub struct Model {
     pub compiled: Rc<CompiledModel>,
@@ -479,6 +491,18 @@ impl Model {
         // address and its value may nest at most `MAX_DEPTH` levels together, a scalar at an
         // address of more segments than that included.
         for (segs, v) in mutations {
+            // The document is an object whatever the schema says (a snapshot, a patch and the
+            // merged document's derived members need one).
+            let root = match (segs.first(), J::borrow(v)) {
+                (None, Json::Object(_)) | (Some(Seg::Field(_)), _) => None,
+                (None, other) => Some(format!("writes {} at $", kind_of(other))),
+                (Some(Seg::Index(_)), _) => Some(format!("indexes it at {}", render(segs))),
+            };
+            if let Some(what) = root {
+                return Err(MutationError::Invalid(format!(
+                    "the document is an object; this mutation {what}"
+                )));
+            }
             if segs.len() > MAX_DEPTH {
                 return Err(MutationError::Invalid(format!(
                     "address {} is {} levels deep; a document nests at most {MAX_DEPTH}",
