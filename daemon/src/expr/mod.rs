@@ -656,11 +656,22 @@ fn parse_guarded(text: &str) -> Result<AstNode, ParserError> {
 /// parser's own recursion, and its freeing of a deep tree when it fails, never runs short of
 /// stack.
 fn parse_nested(text: &str, deepest: usize) -> Result<AstNode, ParserError> {
+    PARSES.with(|n| n.set(n.get() + 1));
     if deepest < DEEP_BRACKETS {
         parser::parse(text)
     } else {
         stacker::grow(64 << 20, || parser::parse(text))
     }
+}
+
+thread_local! {
+    static PARSES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Expression texts (and prefixes of them, looking for an error's position) parsed on this
+/// thread so far: tests bound the work a compile does with it, without timing it.
+pub fn parses_on_this_thread() -> u64 {
+    PARSES.with(std::cell::Cell::get)
 }
 
 /// Errors of `text` that only say it ended too early: what the parser found was the end
