@@ -317,3 +317,93 @@ fn in_place_undo_restores_wide_documents_exactly() {
     assert_eq!(keys.first().map(String::as_str), Some("a0"));
     assert!(keys.iter().position(|k| k == "zz") > keys.iter().position(|k| k == "a59"));
 }
+
+/// An address and the value written there nest at most `MAX_DEPTH` levels together: a scalar
+/// at an address of more segments than that is refused too, before the schema is asked (it was
+/// accepted, and the document
+/// nested as deep as the address, past what a stored checkpoint parses back), and a value far
+/// deeper than the limit is refused before schema validation walks it (a recursive schema
+/// recursed as deep as the value went and overflowed the thread's stack).
+#[test]
+fn writes_nest_at_most_max_depth_levels_with_their_address() {
+    use valem::value::{json_deeper_than, MAX_DEPTH};
+    let spec = parse_spec(&json!({
+        "id": "deep", "schema": {
+            "type": "object",
+            "properties": {"t": {"$ref": "#/$defs/node"}},
+            "$defs": {"node": {"type": "object", "properties": {"c": {"$ref": "#/$defs/node"}}}}
+        }
+    }))
+    .unwrap();
+    let (mut m, _) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
+    let at = |segments: usize| format!("$.t{}", ".c".repeat(segments - 1));
+    let before = m.state().fingerprint();
+    for (segments, value) in [(MAX_DEPTH + 1, json!(1)), (MAX_DEPTH, json!({}))] {
+        let e = m.mutate(&[(at(segments), value)], NOW);
+        assert!(matches!(e, Err(MutationError::Invalid(_))), "{e:?}");
+        assert_eq!(m.state().fingerprint(), before);
+    }
+    m.mutate(&[(at(MAX_DEPTH - 1), json!({}))], NOW).unwrap();
+    m.mutate(&[(at(MAX_DEPTH - 2), json!({"c": {}}))], NOW)
+        .unwrap();
+    assert!(!json_deeper_than(&m.merged_json(NOW), MAX_DEPTH));
+
+    // 5,000 levels, on a thread of the daemon's stack size; the value is taken apart
+    // iteratively afterwards (serde_json's own drop recurses).
+    let refused = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || {
+            let (mut m, _) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
+            let mut v = json!(1);
+            for _ in 0..5_000 {
+                let mut o = serde_json::Map::new();
+                o.insert("c".into(), v);
+                v = Value::Object(o);
+            }
+            let writes = vec![("$.t".to_string(), v)];
+            let before = m.state().fingerprint();
+            let e = m.mutate(&writes, NOW);
+            let refused =
+                matches!(e, Err(MutationError::Invalid(_))) && m.state().fingerprint() == before;
+            let mut stack: Vec<Value> = writes.into_iter().map(|(_, v)| v).collect();
+            while let Some(v) = stack.pop() {
+                if let Value::Object(o) = v {
+                    stack.extend(o.into_iter().map(|(_, x)| x));
+                }
+            }
+            refused
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    assert!(refused);
+}
+
+/// The document is an object whatever the schema: a write of anything else at `$`, or of an
+/// element of the root, is refused (with a schema of `{}` both were accepted, the model's state
+/// became `5` or `[1]`, its derived members were gone and its own snapshot could not be
+/// restored).
+#[test]
+fn the_document_stays_an_object_under_a_schema_that_allows_anything() {
+    let spec = parse_spec(&json!({"id": "root", "schema": {},
+        "derivations": [{"path": "$.d", "expr": "a + 1"}]}))
+    .unwrap();
+    let (mut m, _) = Model::create(&spec, NOW, EngineLimits::default()).unwrap();
+    m.mutate(&[("$".into(), json!({"a": 1}))], NOW).unwrap();
+    let before = m.state().fingerprint();
+    for (at, value) in [
+        ("$", json!(5)),
+        ("$", json!([1, 2])),
+        ("$", Value::Null),
+        ("$[0]", json!(1)),
+        ("$[0].a", json!(1)),
+    ] {
+        let e = m.mutate(&[(at.into(), value)], NOW);
+        assert!(
+            matches!(&e, Err(MutationError::Invalid(m)) if m.contains("object")),
+            "{at}: {e:?}"
+        );
+        assert_eq!(m.state().fingerprint(), before);
+    }
+    assert_eq!(m.merged_json(NOW), json!({"a": 1, "d": 2}));
+}

@@ -17,7 +17,7 @@ use crate::expr::deps::{self, ReadPath, Reads, Root};
 use crate::expr::path::{Address, PathSeg};
 use crate::expr::{json_to_jvalue, Compiled, Env, ExprError, Limits, Parsed, Value as JValue};
 use crate::spec::{MetaProp, ModelSpec, Policy};
-use crate::value::Key;
+use crate::value::{Key, MAX_DEPTH};
 use std::collections::HashSet;
 use valem_jit::ir::{self, Program};
 
@@ -769,6 +769,16 @@ fn prepare<'a>(
     shapes: &mut Shapes,
 ) -> Result<Prepared<'a>, CompileError> {
     let target = parse_address(|| format!("derivations[{i}].path"), &d.path)?;
+    // Its value goes that deep into the document: even a scalar there nests a level a segment.
+    if target.segs.len() > MAX_DEPTH {
+        return Err(CompileError {
+            location: format!("derivations[{i}].path"),
+            message: format!(
+                "the path is {} levels deep; a document nests at most {MAX_DEPTH}",
+                target.segs.len()
+            ),
+        });
+    }
     // A text shaped like one analysed before is analysed from that one (`shapes.rs`); with
     // the JIT tier off every text keeps its parsed form, so each is parsed.
     let sk = (!keep_parsed && d.expr.len() <= limits.max_expr_len)
@@ -1925,6 +1935,33 @@ mod tests {
 
     fn c(j: Json) -> Result<CompiledModel, Vec<CompileError>> {
         compile(Arc::new(parse_spec(&j).unwrap()), &Limits::default())
+    }
+
+    /// A derivation's value nests as deep as its path before it holds anything: a path of
+    /// more segments than `MAX_DEPTH` does not compile (it did, and its null made the merged
+    /// document that deep), one of `MAX_DEPTH` does.
+    #[test]
+    fn a_derivation_path_deeper_than_a_document_may_be_does_not_compile() {
+        let spec = |segments: usize| {
+            json!({"id": "deep", "schema": {}, "derivations": [
+                {"path": "$.ok", "expr": "1"},
+                {"path": format!("${}", ".a".repeat(segments)), "expr": "x + 1"}
+            ]})
+        };
+        let errs = c(spec(MAX_DEPTH + 1)).unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].location, "derivations[1].path");
+        assert!(
+            errs[0].message.contains("101 levels deep"),
+            "{}",
+            errs[0].message
+        );
+        assert!(c(spec(MAX_DEPTH)).is_ok());
+        let shaped = json!({"id": "deep", "schema": {}, "derivations": [
+            {"path": "$.a", "expr": "x_1 + y_1"},
+            {"path": format!("$.b{}", "[*]".repeat(MAX_DEPTH)), "expr": "x_2 + y_2"}
+        ]});
+        assert_eq!(c(shaped).unwrap_err()[0].location, "derivations[1].path");
     }
 
     /// A large spec is prepared in parts by other threads while this one drafts: every node

@@ -33,7 +33,7 @@ pub use trace::{Paths, Trace, TraceSource, TraceTable, Traces};
 use crate::expr::path::{render, Address};
 use crate::expr::Limits;
 use crate::spec::ModelSpec;
-use crate::value::{Seg, Val};
+use crate::value::{json_deeper_than, room_below, Seg, TooDeep, Val, MAX_DEPTH};
 use merged::{Cells, Merged};
 
 /// Start loading the cache line holding `p` without waiting for it (a hint: nothing happens
@@ -391,6 +391,18 @@ pub fn parse_writes<K: AsRef<str>, V>(
     Ok(parsed)
 }
 
+/// "an array", "a number", … for messages.
+fn kind_of(v: &Json) -> &'static str {
+    match v {
+        Json::Null => "null",
+        Json::Bool(_) => "a boolean",
+        Json::Number(_) => "a number",
+        Json::String(_) => "a string",
+        Json::Array(_) => "an array",
+        Json::Object(_) => "an object",
+    }
+}
+
 /// A live model: its compiled spec and its committed state.
 pub struct Model {
     pub compiled: Rc<CompiledModel>,
@@ -473,6 +485,36 @@ impl Model {
         if mutations.len() <= PREFETCH_WRITES {
             for (segs, _) in mutations {
                 self.prefetch_write(segs);
+            }
+        }
+        // Before anything walks a value (schema validation recurses as deep as it goes): an
+        // address and its value may nest at most `MAX_DEPTH` levels together, a scalar at an
+        // address of more segments than that included.
+        for (segs, v) in mutations {
+            // The document is an object whatever the schema says (a snapshot, a patch and the
+            // merged document's derived members need one).
+            let root = match (segs.first(), J::borrow(v)) {
+                (None, Json::Object(_)) | (Some(Seg::Field(_)), _) => None,
+                (None, other) => Some(format!("writes {} at $", kind_of(other))),
+                (Some(Seg::Index(_)), _) => Some(format!("indexes it at {}", render(segs))),
+            };
+            if let Some(what) = root {
+                return Err(MutationError::Invalid(format!(
+                    "the document is an object; this mutation {what}"
+                )));
+            }
+            if segs.len() > MAX_DEPTH {
+                return Err(MutationError::Invalid(format!(
+                    "address {} is {} levels deep; a document nests at most {MAX_DEPTH}",
+                    render(segs),
+                    segs.len()
+                )));
+            }
+            if json_deeper_than(J::borrow(v), room_below(segs.len())) {
+                return Err(MutationError::Invalid(format!(
+                    "the value written at {}: {TooDeep}",
+                    render(segs)
+                )));
             }
         }
         let mut violations = Vec::new();

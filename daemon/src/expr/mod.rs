@@ -8,6 +8,7 @@ pub mod guard;
 pub mod path;
 
 use std::collections::BTreeSet;
+use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -257,20 +258,23 @@ impl Compiled {
                     text.len(),
                     limits.max_expr_len
                 ),
-                position: Some(limits.max_expr_len),
-            });
-        }
-        if let Some(at) = bracket_beyond(text, MAX_BRACKET_NESTING) {
-            return Err(ExprError {
-                phase: Phase::Compile,
-                code: None,
-                message: format!(
-                    "brackets nest more than {MAX_BRACKET_NESTING} levels deep (the limit)"
+                // In characters, as every position is: where the limit falls in the text.
+                position: Some(
+                    text.char_indices()
+                        .take_while(|&(at, _)| at < limits.max_expr_len)
+                        .count(),
                 ),
-                position: Some(at),
             });
         }
-        let mut ast = parse_guarded(text).map_err(|e| ExprError::compile(text, &e))?;
+        let deepest = bracket_scan(text, MAX_BRACKET_NESTING).map_err(|at| ExprError {
+            phase: Phase::Compile,
+            code: None,
+            message: format!(
+                "brackets nest more than {MAX_BRACKET_NESTING} levels deep (the limit)"
+            ),
+            position: Some(at),
+        })?;
+        let mut ast = parse_nested(text, deepest).map_err(|e| ExprError::compile(text, &e))?;
         let (vars, calls) = deps::free_names(&ast);
         let assigned = deps::assigned_names(&ast);
         let js_round = calls.contains("round") && !assigned.contains("round");
@@ -704,7 +708,7 @@ pub fn eval_once(
 
 fn error_position(text: &str, e: &ParserError) -> usize {
     let len = text.chars().count();
-    if incomplete(e) {
+    if incomplete(e, text) {
         return len;
     }
     let tokens = token_starts(text);
@@ -716,7 +720,7 @@ fn error_position(text: &str, e: &ParserError) -> usize {
     let fails = |i: usize| {
         let end = tokens.get(i + 1).copied().unwrap_or(len);
         let prefix: String = chars[..end].iter().collect();
-        matches!(parse_guarded(&prefix), Err(e) if !incomplete(&e))
+        matches!(parse_guarded(&prefix), Err(e) if !incomplete(&e, &prefix))
     };
     let Some(last) = tokens.len().checked_sub(1) else {
         return len;
@@ -761,70 +765,72 @@ pub const MAX_BRACKET_NESTING: usize = 100;
 /// mapping) rather than on what is left of the thread's stack.
 const DEEP_BRACKETS: usize = 24;
 
-/// The character offset of the first bracket opened deeper than `limit` (strings and comments
-/// skipped), if any.
-fn bracket_beyond(text: &str, limit: usize) -> Option<usize> {
-    bracket_scan(text, limit).err()
-}
-
 /// The deepest bracket nesting of `text`, or `Err(offset)` of the first bracket past `limit`.
 fn bracket_scan(text: &str, limit: usize) -> Result<usize, usize> {
     let mut depth = 0usize;
     let mut deepest = 0;
-    let mut chars = text.chars().enumerate().peekable();
-    while let Some((i, c)) = chars.next() {
-        match c {
-            '"' | '\'' | '`' => {
-                while let Some((_, d)) = chars.next() {
-                    if d == '\\' {
-                        chars.next();
-                    } else if d == c {
-                        break;
-                    }
-                }
-            }
-            '/' if chars.peek().is_some_and(|&(_, d)| d == '*') => {
-                chars.next();
-                let mut star = false;
-                for (_, d) in chars.by_ref() {
-                    if star && d == '/' {
-                        break;
-                    }
-                    star = d == '*';
-                }
-            }
-            '(' | '[' | '{' => {
+    let mut beyond = None;
+    lex(text, |at, token| {
+        match token {
+            Token::Open => {
                 depth += 1;
                 if depth > limit {
-                    return Err(i);
+                    beyond = Some(at);
+                    return ControlFlow::Break(());
                 }
                 deepest = deepest.max(depth);
             }
-            ')' | ']' | '}' => depth = depth.saturating_sub(1),
-            _ => {}
+            Token::Close => depth = depth.saturating_sub(1),
+            Token::Other => {}
         }
-    }
-    Ok(deepest)
+        ControlFlow::Continue(())
+    });
+    beyond.map_or(Ok(deepest), Err)
 }
 
-/// Parse `text`; one with deeply nested brackets on a fresh 64 MiB stack segment (mapped,
-/// touched only as far as the parse goes), so that the parser's own recursion, and its freeing
-/// of a deep tree when it fails, never runs short of stack.
+/// Parse `text` (see [`parse_nested`]).
 fn parse_guarded(text: &str) -> Result<AstNode, ParserError> {
-    match bracket_scan(text, MAX_BRACKET_NESTING) {
-        Ok(deepest) if deepest < DEEP_BRACKETS => parser::parse(text),
-        _ => stacker::grow(64 << 20, || parser::parse(text)),
+    parse_nested(
+        text,
+        bracket_scan(text, MAX_BRACKET_NESTING).unwrap_or(usize::MAX),
+    )
+}
+
+/// Parse `text`, whose brackets nest `deepest` levels; one with deeply nested brackets on a
+/// fresh 64 MiB stack segment (mapped, touched only as far as the parse goes), so that the
+/// parser's own recursion, and its freeing of a deep tree when it fails, never runs short of
+/// stack.
+fn parse_nested(text: &str, deepest: usize) -> Result<AstNode, ParserError> {
+    PARSES.with(|n| n.set(n.get() + 1));
+    if deepest < DEEP_BRACKETS {
+        parser::parse(text)
+    } else {
+        stacker::grow(64 << 20, || parser::parse(text))
     }
 }
 
-/// Errors that only say "the text ended too early".
-fn incomplete(e: &ParserError) -> bool {
+thread_local! {
+    static PARSES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Expression texts (and prefixes of them, looking for an error's position) parsed on this
+/// thread so far: tests bound the work a compile does with it, without timing it.
+pub fn parses_on_this_thread() -> u64 {
+    PARSES.with(std::cell::Cell::get)
+}
+
+/// Errors of `text` that only say it ended too early: what the parser found was the end
+/// (`function(` expects a parameter: S0208 found the end), or `#`/`@` ends it (S0214 says
+/// only that no variable follows).
+fn incomplete(e: &ParserError, text: &str) -> bool {
     match e {
         ParserError::UnexpectedEnd
         | ParserError::UnclosedString
         | ParserError::UnclosedComment
         | ParserError::UnclosedBacktick => true,
         ParserError::UnexpectedToken(t) => t == "Eof",
+        ParserError::Expected { found, .. } => found == "Eof",
+        ParserError::Coded { code: "S0214", .. } => text.trim_end().ends_with(['#', '@']),
         other => {
             let m = other.to_string();
             m.contains("end of expression") || m.contains("Eof")
@@ -832,11 +838,47 @@ fn incomplete(e: &ParserError) -> bool {
     }
 }
 
-/// Character offsets where tokens start (a simplified JSONata lexer, enough for positions).
+/// Character offsets where tokens start.
 fn token_starts(text: &str) -> Vec<usize> {
-    let c: Vec<char> = text.chars().collect();
     let mut out = Vec::new();
+    lex(text, |at, _| {
+        out.push(at);
+        ControlFlow::Continue(())
+    });
+    out
+}
+
+/// What [`lex`] tells of a token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Token {
+    /// `(`, `[` or `{`.
+    Open,
+    /// `)`, `]` or `}`.
+    Close,
+    Other,
+}
+
+/// Operators of two characters (one token each).
+const TWO_CHAR_OPS: [&str; 9] = [":=", "!=", "<=", ">=", "**", "..", "~>", "??", "?:"];
+
+/// Operators after which jsonata-core's lexer reads a `/` as the start of a regular
+/// expression (a value may follow them), not as a division.
+const BEFORE_A_VALUE: [&str; 20] = [
+    ",", ";", ":", "=", "!=", "<", "<=", ">", ">=", "+", "-", "&", "?", "~>", ":=", "??", "?:",
+    "and", "or", "in",
+];
+
+/// Tokenise `text` as jsonata-core's lexer does, as far as where each token starts and ends:
+/// strings with their escapes, names in backquotes (which have none), numbers as
+/// `(0|[1-9][0-9]*)(\.[0-9]+)?([Ee][-+]?[0-9]+)?` reads them, a `/` where a value may start as
+/// a regular expression (with its escapes and flags), elsewhere as a division; comments are
+/// skipped. `token` hears each token's character offset and kind, and may stop the scan.
+fn lex(text: &str, mut token: impl FnMut(usize, Token) -> ControlFlow<()>) {
+    let c: Vec<char> = text.chars().collect();
+    let digit = |i: usize| c.get(i).is_some_and(char::is_ascii_digit);
     let mut i = 0;
+    // Whether a value may start here: at the start, after an opening bracket or an operator.
+    let mut value_next = true;
     while i < c.len() {
         let ch = c[i];
         if ch.is_whitespace() {
@@ -851,48 +893,96 @@ fn token_starts(text: &str) -> Vec<usize> {
             i += 2;
             continue;
         }
-        out.push(i);
-        match ch {
-            '"' | '\'' | '`' => {
+        let start = i;
+        let mut kind = Token::Other;
+        value_next = match ch {
+            '"' | '\'' => {
                 i += 1;
                 while i < c.len() && c[i] != ch {
-                    if c[i] == '\\' {
-                        i += 1;
-                    }
+                    i += if c[i] == '\\' { 2 } else { 1 };
+                }
+                i += 1;
+                false
+            }
+            '`' => {
+                i += 1;
+                while i < c.len() && c[i] != '`' {
                     i += 1;
                 }
                 i += 1;
+                false
             }
-            '0'..='9' => {
-                while i < c.len() && (c[i].is_ascii_alphanumeric() || c[i] == '.') {
-                    if c[i] == '.' && c.get(i + 1) == Some(&'.') {
-                        break;
-                    }
+            '/' if value_next => {
+                i += 1;
+                while i < c.len() && c[i] != '/' {
+                    i += if c[i] == '\\' { 2 } else { 1 };
+                }
+                i += 1;
+                while c.get(i).is_some_and(|f| f.is_alphabetic()) {
                     i += 1;
                 }
+                false
+            }
+            '0'..='9' => {
+                i += 1;
+                if ch != '0' {
+                    while digit(i) {
+                        i += 1;
+                    }
+                }
+                if c.get(i) == Some(&'.') && digit(i + 1) {
+                    i += 1;
+                    while digit(i) {
+                        i += 1;
+                    }
+                }
+                if matches!(c.get(i), Some('e' | 'E')) {
+                    let sign = usize::from(matches!(c.get(i + 1), Some('+' | '-')));
+                    if digit(i + 1 + sign) {
+                        i += 1 + sign;
+                        while digit(i) {
+                            i += 1;
+                        }
+                    }
+                }
+                false
+            }
+            '(' | '[' | '{' => {
+                i += 1;
+                kind = Token::Open;
+                true
+            }
+            ')' | ']' | '}' => {
+                i += 1;
+                kind = Token::Close;
+                false
             }
             c0 if c0.is_alphanumeric() || c0 == '_' || c0 == '$' => {
                 i += 1;
-                if c0 == '$' && c.get(i) == Some(&'$') {
+                while c
+                    .get(i)
+                    .is_some_and(|&n| n.is_alphanumeric() || n == '_' || n == '$')
+                {
                     i += 1;
                 }
-                while i < c.len() && (c[i].is_alphanumeric() || c[i] == '_') {
-                    i += 1;
-                }
+                let word: String = c[start..i].iter().collect();
+                BEFORE_A_VALUE.contains(&word.as_str())
             }
             _ => {
                 let two: String = c[i..(i + 2).min(c.len())].iter().collect();
-                i += if [":=", "!=", "<=", ">=", "**", "..", "~>", "??", "?:"]
-                    .contains(&two.as_str())
-                {
-                    2
+                let op = if TWO_CHAR_OPS.contains(&two.as_str()) {
+                    two
                 } else {
-                    1
+                    ch.to_string()
                 };
+                i += op.chars().count();
+                BEFORE_A_VALUE.contains(&op.as_str())
             }
+        };
+        if token(start, kind).is_break() {
+            return;
         }
     }
-    out
 }
 
 #[cfg(test)]
@@ -929,6 +1019,75 @@ mod tests {
         let e = ev("a b", json!({})).unwrap_err();
         assert_eq!(e.code.as_deref(), Some("S0201"));
         assert_eq!(e.position, Some(2));
+    }
+
+    /// A text over the length limit is refused where the limit falls, counted in characters
+    /// like every position (it was the limit in bytes: beyond the end of a text of multi-byte
+    /// characters).
+    #[test]
+    fn a_text_over_the_length_limit_is_refused_at_a_character_offset() {
+        let limits = Limits {
+            max_expr_len: 10,
+            ..Limits::default()
+        };
+        let e = Compiled::compile(&"€".repeat(4), &limits).unwrap_err();
+        assert_eq!(e.position, Some(4));
+        let e = Compiled::compile("ab€€€€", &limits).unwrap_err();
+        assert_eq!(e.position, Some(5));
+        let e = Compiled::compile(&"1".repeat(11), &limits).unwrap_err();
+        assert_eq!(e.position, Some(10));
+    }
+
+    /// Tokens are read as jsonata-core reads them, and prefixes that end early are told from
+    /// wrong ones. Numbers with a signed exponent are one
+    /// token (`1.5e+3` was cut at the `+`, and its prefix `1.5e` failed: an error after it was
+    /// placed at 0); names in backquotes have no escapes (`` `a\` `` hid every bracket up to
+    /// the next backquote from the nesting limit); brackets in a regular expression are not
+    /// brackets (`(/\)/ and …` nested without counting), a `/` after a value divides.
+    #[test]
+    fn positions_and_bracket_nesting_follow_the_engine_lexer() {
+        let at = |t: &str| {
+            Compiled::compile(t, &Limits::default())
+                .unwrap_err()
+                .position
+        };
+        assert_eq!(at("1.5e+3 )"), Some(7));
+        // `01` is two numbers, as the engine reads it: the second is the error.
+        assert_eq!(at("2E-2 + 01 )"), Some(8));
+        assert_eq!(at("`a\\` )"), Some(5));
+        assert_eq!(at("$x$y )"), Some(5));
+        // Prefixes ending in a lambda's parameters, or after `#`, are cut short, not wrong.
+        assert_eq!(
+            at("($f := function($a, $b) { $a + $b }; $f(1, 2)) )"),
+            Some(47)
+        );
+        assert_eq!(at("items#$i.x )"), Some(11));
+        assert_eq!(at("items#1"), Some(6));
+        assert_eq!(at("items#"), Some(6));
+        assert_eq!(bracket_scan("(a / 2) / ((b) / 2)", 100), Ok(2));
+        assert_eq!(bracket_scan("$match(s, /[(]/) + (1)", 100), Ok(1));
+        assert_eq!(bracket_scan("a and /(((/", 100), Ok(0));
+        assert_eq!(bracket_scan("`x\\` + ((`y`))", 100), Ok(2));
+        assert_eq!(bracket_scan("'a\\'(' + [\"]\"]", 100), Ok(1));
+        assert_eq!(bracket_scan("/* ( */ (1)", 100), Ok(1));
+
+        let levels = MAX_BRACKET_NESTING + 1;
+        let nest =
+            |open: &str, close: &str| format!("{}1{}", open.repeat(levels), close.repeat(levels));
+        for text in [
+            format!("`a\\` + {}", nest("(", ")")),
+            nest("(/\\)/ and ", ")"),
+            nest("[/\\]/ ~> $f(), ", "]"),
+        ] {
+            let e = Compiled::compile(&text, &Limits::default()).unwrap_err();
+            assert!(e.message.contains("brackets nest"), "{text}: {e}");
+        }
+        // A regular expression's brackets do not count against the limit either.
+        let inside = format!(
+            "$match('', /[(]/) + {}",
+            "(".repeat(MAX_BRACKET_NESTING) + "1" + &")".repeat(MAX_BRACKET_NESTING)
+        );
+        assert!(Compiled::compile(&inside, &Limits::default()).is_ok());
     }
 
     #[test]
