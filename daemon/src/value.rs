@@ -2,7 +2,6 @@
 //! snapshot or a rollback point is O(1), and one write costs O(log N) even in a 300k-key object.
 //! Never does I/O; conversion to and from `serde_json::Value` happens only at the edges.
 
-use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use imbl::{OrdMap, Vector};
@@ -19,7 +18,9 @@ const INTERN_FIRST_CAP: usize = 1 << 16;
 const INTERN_MAX_KEYS: usize = 1 << 22;
 
 /// A thread's table of shared keys: each with its hash, so that growing the table and
-/// looking a name up compare and move hashes, not the names' text (a cache miss each).
+/// looking a name up compare and move hashes, not the names' text (a cache miss each). The
+/// names come from clients, so the hash is keyed ([`crate::hash`]): crafted names cannot all
+/// land in one bucket.
 #[derive(Default)]
 struct Interner {
     set: hashbrown::HashTable<(u64, Key)>,
@@ -29,7 +30,7 @@ struct Interner {
 }
 
 fn name_hash(s: &str) -> u64 {
-    rustc_hash::FxBuildHasher.hash_one(s)
+    crate::hash::str_hash(s)
 }
 
 thread_local! {
@@ -377,15 +378,15 @@ impl PartialEq for ObjMap {
 
 // ---------------------------------------------------------------------------------------------
 // Wide objects: a persistent hash array mapped trie, up to 32 slots per branch, keyed by a 64-bit
-// FxHash of the key. Keys whose whole hashes are equal share one slot, an ordered map by key text,
-// so even keys made to collide cost O(log n) each. A branch stores only its occupied slots (a
-// bitmap says which), so the sparse bottom branches of a wide object cost tens of bytes, not 32
-// slots. 32 rather than 16: a 200k-member object is a level shallower (3–4 levels, not 4–5), one
-// cache miss less on every read and write of it (fan-out 100k one mutation ~5% faster). A member
-// is kept in its slot, not behind a pointer of its own: reaching it is one cache miss less, and a
-// 200k-member object is 6 MB smaller. A write copies only the branches on one hash path (a few
-// levels deep), so snapshots stay cheap at any width. Insertion order is kept by a sequence number
-// per entry.
+// keyed hash of the key ([`crate::hash`]: secret per process). Keys whose whole hashes are equal
+// share one slot, an ordered map by key text, so even keys made to collide cost O(log n) each. A
+// branch stores only its occupied slots (a bitmap says which), so the sparse bottom branches of a
+// wide object cost tens of bytes, not 32 slots. 32 rather than 16: a 200k-member object is a level
+// shallower (3–4 levels, not 4–5), one cache miss less on every read and write of it (fan-out 100k
+// one mutation ~5% faster). A member is kept in its slot, not behind a pointer of its own:
+// reaching it is one cache miss less, and a 200k-member object is 6 MB smaller. A write copies
+// only the branches on one hash path (a few levels deep), so snapshots stay cheap at any width.
+// Insertion order is kept by a sequence number per entry.
 
 const FANOUT_BITS: u32 = 5;
 const FANOUT: usize = 1 << FANOUT_BITS;
@@ -443,8 +444,9 @@ fn same_hash(e: &Entry, hash: u64) -> bool {
 
 /// The members of one slot whose keys' whole 64-bit hashes are equal (two or more), by key
 /// text: finding, adding or removing one is O(log n) string comparisons, and a write to a
-/// shared one copies one path of it, not all of it: the map stays O(log n) per write whatever
-/// the keys. Its methods are out of line: no ordinary map has such a slot, and the lookups and writes every
+/// shared one copies one path of it, not all of it. Crafting such keys takes the process's
+/// secret seed; this keeps the map O(log n) per write even for someone who has it. Its
+/// methods are out of line: no ordinary map has such a slot, and the lookups and writes every
 /// map makes stay small enough to inline.
 #[derive(Clone, Debug)]
 struct Collisions(OrdMap<Key, Entry>);
@@ -639,8 +641,9 @@ impl Default for WideMap {
 }
 
 #[cfg(not(test))]
+#[inline]
 fn hash_key(key: &str) -> u64 {
-    rustc_hash::FxBuildHasher.hash_one(key)
+    crate::hash::str_hash(key)
 }
 
 /// Tests choose the hashes of some keys, to build deep branches and collisions on purpose.
@@ -648,7 +651,7 @@ fn hash_key(key: &str) -> u64 {
 fn hash_key(key: &str) -> u64 {
     tests::CHOSEN
         .with(|c| c.borrow().get(key).copied())
-        .unwrap_or_else(|| rustc_hash::FxBuildHasher.hash_one(key))
+        .unwrap_or_else(|| crate::hash::str_hash(key))
 }
 
 fn slot_index(hash: u64, shift: u32) -> usize {
