@@ -1,8 +1,9 @@
 //! valem: reactive JSON models for AI agents. The library behind the `valem` binary: the spec
 //! types and validator (`spec`), the JSONata wrapper and address dialect (`expr`), the reactive
-//! engine (`engine`), the persistent state value (`value`), the model service (`service`), the
-//! durable store (`store`), the surfaces (`mcp`, `http`, `console`) and the command line (`cli`).
-//! See ARCHITECTURE.md for the code map and invariants.
+//! engine (`engine`), the persistent state value (`value`) and the keyed hashing of client names
+//! (`hash`), the model service (`service`), the durable store (`store`), the surfaces (`mcp`,
+//! `http`, `console`) and the command line (`cli`). See ARCHITECTURE.md for the code map and
+//! invariants.
 
 pub mod allocator;
 pub mod bench;
@@ -11,6 +12,7 @@ pub mod console;
 pub mod engine;
 pub mod examples;
 pub mod expr;
+pub mod hash;
 pub mod http;
 pub mod mcp;
 pub mod plugins;

@@ -2,10 +2,9 @@
 //! snapshot or a rollback point is O(1), and one write costs O(log N) even in a 300k-key object.
 //! Never does I/O; conversion to and from `serde_json::Value` happens only at the edges.
 
-use std::hash::BuildHasher;
 use std::sync::Arc;
 
-use imbl::Vector;
+use imbl::{OrdMap, Vector};
 use serde_json::Value as Json;
 
 /// Object keys are shared strings: the same key text is stored once per object entry.
@@ -19,7 +18,9 @@ const INTERN_FIRST_CAP: usize = 1 << 16;
 const INTERN_MAX_KEYS: usize = 1 << 22;
 
 /// A thread's table of shared keys: each with its hash, so that growing the table and
-/// looking a name up compare and move hashes, not the names' text (a cache miss each).
+/// looking a name up compare and move hashes, not the names' text (a cache miss each). The
+/// names come from clients, so the hash is keyed ([`crate::hash`]): crafted names cannot all
+/// land in one bucket.
 #[derive(Default)]
 struct Interner {
     set: hashbrown::HashTable<(u64, Key)>,
@@ -29,7 +30,7 @@ struct Interner {
 }
 
 fn name_hash(s: &str) -> u64 {
-    rustc_hash::FxBuildHasher.hash_one(s)
+    crate::hash::str_hash(s)
 }
 
 thread_local! {
@@ -376,15 +377,16 @@ impl PartialEq for ObjMap {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Wide objects: a persistent hash array mapped trie, up to 32 slots per branch, keyed by a
-// 64-bit FxHash of the key. A branch stores only its occupied slots (a bitmap says which), so
-// the sparse bottom branches of a wide object cost tens of bytes, not 32 slots. 32 rather than
-// 16: a 200k-member object is a level shallower (3–4 levels, not 4–5), one cache miss less on
-// every read and write of it (fan-out 100k one mutation ~5% faster). A member is kept in its
-// slot, not behind a pointer of its own: reaching it is one cache miss less, and a 200k-member
-// object is 6 MB smaller. A write copies only the branches on one hash path (a few levels
-// deep), so snapshots stay cheap at any width. Insertion order is kept by a sequence number
-// per entry.
+// Wide objects: a persistent hash array mapped trie, up to 32 slots per branch, keyed by a 64-bit
+// keyed hash of the key ([`crate::hash`]: secret per process). Keys whose whole hashes are equal
+// share one slot, an ordered map by key text, so even keys made to collide cost O(log n) each. A
+// branch stores only its occupied slots (a bitmap says which), so the sparse bottom branches of a
+// wide object cost tens of bytes, not 32 slots. 32 rather than 16: a 200k-member object is a level
+// shallower (3–4 levels, not 4–5), one cache miss less on every read and write of it (fan-out 100k
+// one mutation ~5% faster). A member is kept in its slot, not behind a pointer of its own:
+// reaching it is one cache miss less, and a 200k-member object is 6 MB smaller. A write copies
+// only the branches on one hash path (a few levels deep), so snapshots stay cheap at any width.
+// Insertion order is kept by a sequence number per entry.
 
 const FANOUT_BITS: u32 = 5;
 const FANOUT: usize = 1 << FANOUT_BITS;
@@ -393,13 +395,28 @@ const FANOUT: usize = 1 << FANOUT_BITS;
 /// keeps the low half of its key's hash, which is what the first six levels index by and
 /// rejects almost every other key without reading its text; the whole hash is computed again
 /// from the key when a collision needs it.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct Entry {
     hash: u32,
     /// Its insertion rank in the map (see [`WideMap::insert`] for when ranks run out).
     seq: u32,
     key: Key,
     val: Val,
+}
+
+impl Clone for Entry {
+    #[inline]
+    fn clone(&self) -> Self {
+        // Tests count copies of members (a write to a shared map copies what it changes).
+        #[cfg(test)]
+        tests::ENTRY_COPIES.with(|c| c.set(c.get() + 1));
+        Entry {
+            hash: self.hash,
+            seq: self.seq,
+            key: self.key.clone(),
+            val: self.val.clone(),
+        }
+    }
 }
 
 /// The part of a key's hash an entry keeps.
@@ -425,11 +442,68 @@ fn same_hash(e: &Entry, hash: u64) -> bool {
     e.hash == low(hash) && hash_key(&e.key) == hash
 }
 
+/// The members of one slot whose keys' whole 64-bit hashes are equal (two or more), by key
+/// text: finding, adding or removing one is O(log n) string comparisons, and a write to a
+/// shared one copies one path of it, not all of it. Crafting such keys takes the process's
+/// secret seed; this keeps the map O(log n) per write even for someone who has it. Its
+/// methods are out of line: no ordinary map has such a slot, and the lookups and writes every
+/// map makes stay small enough to inline.
+#[derive(Clone, Debug)]
+struct Collisions(OrdMap<Key, Entry>);
+
+impl Collisions {
+    #[cold]
+    #[inline(never)]
+    fn of(entries: impl Iterator<Item = Entry>) -> Collisions {
+        Collisions(entries.map(|e| (e.key.clone(), e)).collect())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn get(&self, key: &str) -> Option<&Entry> {
+        self.0.get(key)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn get_mut(&mut self, key: &str) -> Option<&mut Entry> {
+        self.0.get_mut(key)
+    }
+
+    /// A member (they all have the group's hash).
+    #[cold]
+    #[inline(never)]
+    fn any(&self) -> Option<&Entry> {
+        self.0.get_min().map(|(_, e)| e)
+    }
+
+    /// Add a member whose key is not in the group yet.
+    #[cold]
+    #[inline(never)]
+    fn add(&mut self, e: Entry) {
+        self.0.insert(e.key.clone(), e);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn remove(&mut self, key: &str) -> Option<Entry> {
+        self.0.remove(key)
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.0.values()
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Slot {
     One(Entry),
     /// Keys whose full 64-bit hashes collide.
-    Many(Arc<Vec<Entry>>),
+    Many(Collisions),
     /// A branch: which of its `FANOUT` slots are occupied (bit `i` for slot `i`), and those
     /// slots in order. The bitmap sits here, in the parent, and the slots in one shared
     /// allocation, so a step down the trie is one cache miss (not a branch record and then
@@ -567,8 +641,9 @@ impl Default for WideMap {
 }
 
 #[cfg(not(test))]
+#[inline]
 fn hash_key(key: &str) -> u64 {
-    rustc_hash::FxBuildHasher.hash_one(key)
+    crate::hash::str_hash(key)
 }
 
 /// Tests choose the hashes of some keys, to build deep branches and collisions on purpose.
@@ -576,7 +651,7 @@ fn hash_key(key: &str) -> u64 {
 fn hash_key(key: &str) -> u64 {
     tests::CHOSEN
         .with(|c| c.borrow().get(key).copied())
-        .unwrap_or_else(|| rustc_hash::FxBuildHasher.hash_one(key))
+        .unwrap_or_else(|| crate::hash::str_hash(key))
 }
 
 fn slot_index(hash: u64, shift: u32) -> usize {
@@ -601,7 +676,7 @@ fn find_entry<'a>(
         };
         match slot {
             Slot::One(e) => return Some((e.hash == low(hash) && key_eq(&e.key, key)).then_some(e)),
-            Slot::Many(es) => return Some(es.iter().find(|e| &*e.key == key)),
+            Slot::Many(es) => return Some(es.get(key)),
             Slot::Branch { .. } => (bitmap, slots) = slot.branch()?,
             Slot::Vacant => return Some(None),
         }
@@ -658,12 +733,7 @@ impl WideMap {
                     }
                     return Some(&mut e.val);
                 }
-                Slot::Many(es) => {
-                    return Arc::make_mut(es)
-                        .iter_mut()
-                        .find(|e| &*e.key == key)
-                        .map(|e| &mut e.val)
-                }
+                Slot::Many(es) => return es.get_mut(key).map(|e| &mut e.val),
                 Slot::Branch { .. } => {
                     branch = BranchMut::of(slot)?;
                     shift += FANOUT_BITS;
@@ -803,9 +873,9 @@ fn build_branch(
         let slot = if let [(_, i)] = group {
             take(*i).map(Slot::One)
         } else if first == last {
-            // One whole hash: a collision list, in insertion order (sorted by position).
-            Some(Slot::Many(Arc::new(
-                group.iter().filter_map(|&(_, i)| take(i)).collect(),
+            // One whole hash: the keys that share it.
+            Some(Slot::Many(Collisions::of(
+                group.iter().filter_map(|&(_, i)| take(i)),
             )))
         } else {
             let (bitmap, slots) = build_branch(group, shift + FANOUT_BITS, take);
@@ -822,7 +892,7 @@ fn build_branch(
 fn slot_hash(slot: &Slot, shift: u32) -> Option<u64> {
     let e = match slot {
         Slot::One(e) => e,
-        Slot::Many(es) => es.first()?,
+        Slot::Many(es) => es.any()?,
         Slot::Branch { .. } | Slot::Vacant => return None,
     };
     Some(if shift + FANOUT_BITS <= u32::BITS {
@@ -858,16 +928,15 @@ fn insert_at(
             if e.key == key {
                 return Some(std::mem::replace(&mut e.val, val));
             }
-            let old = e.clone();
-            *slot = Slot::Many(Arc::new(vec![old, new(key, val)]));
+            let (old, added) = (e.clone(), new(key, val));
+            *slot = Slot::Many(Collisions::of([old, added].into_iter()));
             None
         }
-        Slot::Many(es) if same_hash(&es[0], hash) => {
-            let es = Arc::make_mut(es);
-            if let Some(e) = es.iter_mut().find(|e| e.key == key) {
+        Slot::Many(es) if es.any().is_some_and(|e| same_hash(e, hash)) => {
+            if let Some(e) = es.get_mut(&key) {
                 return Some(std::mem::replace(&mut e.val, val));
             }
-            es.push(new(key, val));
+            es.add(new(key, val));
             None
         }
         Slot::Branch { bitmap, slots } => {
@@ -910,12 +979,11 @@ fn remove_at(mut branch: BranchMut<'_>, hash: u64, shift: u32, key: &str) -> Opt
             Some(e.val)
         }
         Slot::Many(es) => {
-            let pos = es.iter().position(|e| &*e.key == key)?;
-            let es = Arc::make_mut(es);
-            let removed = es.remove(pos);
+            let removed = es.remove(key)?;
             if es.len() == 1 {
-                let last = es.pop().expect("one left");
-                *slot = Slot::One(last);
+                if let Some(last) = es.any() {
+                    *slot = Slot::One(last.clone());
+                }
             }
             Some(removed.val)
         }
@@ -939,7 +1007,7 @@ fn collect_entries<'a>(slots: &'a [Slot], out: &mut Vec<&'a Entry>) {
     for s in slots {
         match s {
             Slot::One(e) => out.push(e),
-            Slot::Many(es) => out.extend(es.iter()),
+            Slot::Many(es) => out.extend(es.entries()),
             Slot::Branch { slots, .. } => collect_entries(slots, out),
             Slot::Vacant => {}
         }
@@ -1233,6 +1301,8 @@ mod tests {
         /// Keys whose hash a test chose (see `hash_key`).
         pub(super) static CHOSEN: std::cell::RefCell<std::collections::HashMap<String, u64>> =
             std::cell::RefCell::default();
+        /// Members copied on this thread (see `Entry::clone`).
+        pub(super) static ENTRY_COPIES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     }
 
     /// Ranks run out after 2^32 new keys: the map numbers its entries again, in order.
@@ -1541,6 +1611,154 @@ mod tests {
         let small = json!({"a": 1, "b": {"c": [1, 2]}});
         assert!(matches!(Val::from_json(&small), Val::Obj(ObjMap::Small(_))));
         assert_eq!(Val::from_json(&small).to_json(), small);
+    }
+
+    /// Give `keys` the hash `h` (see `hash_key`).
+    fn choose(keys: &[String], h: u64) {
+        CHOSEN.with(|c| {
+            let mut c = c.borrow_mut();
+            for k in keys {
+                c.insert(k.clone(), h);
+            }
+        });
+    }
+
+    /// Thousands of keys with one whole hash (what crafted keys would be, had they the seed):
+    /// found, replaced, removed and kept in insertion order like any others, snapshots
+    /// untouched by later writes, and the map built at once from JSON the same as insertions.
+    #[test]
+    fn keys_sharing_one_hash_behave_like_any_others() {
+        let n = 3000;
+        let same: Vec<String> = (0..n).map(|i| format!("same_{i:05}_{}", n - i)).collect();
+        // A second group sharing the low half of the first one's hash, and plain keys between.
+        let low_only: Vec<String> = (0..50).map(|i| format!("low_{i}")).collect();
+        choose(&same, 0x0123_4567_89AB_CDEF);
+        choose(&low_only, 0x7654_3210_89AB_CDEF);
+        let mut order = Vec::new();
+        for i in 0..n {
+            order.push(same[i].clone());
+            if i % 60 == 0 {
+                order.push(low_only[i / 60].clone());
+                order.push(format!("plain_{i}"));
+            }
+        }
+        let mut m = ObjMap::new();
+        for (i, k) in order.iter().enumerate() {
+            assert_eq!(m.insert(Arc::from(k.as_str()), Val::num(i as f64)), None);
+        }
+        let snapshot = m.clone();
+        let keys: Vec<&str> = m.iter().map(|(k, _)| &**k).collect();
+        assert_eq!(keys, order.iter().map(String::as_str).collect::<Vec<_>>());
+        for (i, k) in order.iter().enumerate() {
+            assert_eq!(m.get(k), Some(&Val::num(i as f64)), "{k}");
+            assert_eq!(m.get_hashed(member_hash(k), k), Some(&Val::num(i as f64)));
+            assert_eq!(m.rank(k), Some(i as u64));
+        }
+        choose(&["same_absent".to_string()], 0x0123_4567_89AB_CDEF);
+        assert_eq!(m.get("same_absent"), None);
+        // The same map when built at once from JSON.
+        let json = Json::Object(
+            order
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.clone(), json!(i)))
+                .collect(),
+        );
+        let (Val::Obj(ObjMap::Large(at_once)), ObjMap::Large(one_by_one)) =
+            (Val::from_json(&json), &m)
+        else {
+            panic!("wide objects");
+        };
+        assert_eq!(format!("{at_once:?}"), format!("{one_by_one:?}"));
+        // Replace every third, remove every fifth; the rest keep their place.
+        for (i, k) in order.iter().enumerate() {
+            if i % 3 == 0 {
+                let old = m.insert(Arc::from(k.as_str()), Val::num(-(i as f64)));
+                assert_eq!(old, Some(Val::num(i as f64)));
+            }
+            if let Some(v) = m.get_mut(k).filter(|_| i % 7 == 0) {
+                *v = Val::str("edited");
+            }
+        }
+        for (i, k) in order.iter().enumerate().filter(|(i, _)| i % 5 == 0) {
+            assert!(m.remove(k).is_some(), "{i}");
+            assert!(m.remove(k).is_none());
+        }
+        let kept: Vec<(usize, &String)> = order
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 5 != 0)
+            .collect();
+        assert_eq!(m.len(), kept.len());
+        let keys: Vec<&str> = m.iter().map(|(k, _)| &**k).collect();
+        assert_eq!(
+            keys,
+            kept.iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>()
+        );
+        for &(i, k) in &kept {
+            let want = match (i % 7, i % 3) {
+                (0, _) => Val::str("edited"),
+                (_, 0) => Val::num(-(i as f64)),
+                _ => Val::num(i as f64),
+            };
+            assert_eq!(m.get(k), Some(&want), "{k}");
+        }
+        for (i, k) in order.iter().enumerate() {
+            assert_eq!(snapshot.get(k), Some(&Val::num(i as f64)), "snapshot {k}");
+        }
+        // Down to one of the group: it is a plain slot again, and still found.
+        for k in &same[..n - 1] {
+            m.remove(k);
+        }
+        let last = order.iter().position(|k| *k == same[n - 1]).unwrap_or(0);
+        assert_eq!(last % 3, 0, "replaced above");
+        assert_eq!(m.get(&same[n - 1]), Some(&Val::num(-(last as f64))));
+        let ObjMap::Large(w) = &m else {
+            panic!("still wide");
+        };
+        // Only the `low_` keys, which share a whole hash of their own, are a group.
+        let mut groups = Vec::new();
+        let mut slots = vec![(w.bitmap, &w.slots[..])];
+        while let Some((_, slots_here)) = slots.pop() {
+            for s in slots_here {
+                if let Slot::Many(es) = s {
+                    groups.push(es.len());
+                }
+                slots.extend(s.branch());
+            }
+        }
+        let low_kept = kept.iter().filter(|(_, k)| k.starts_with("low_")).count();
+        assert_eq!(groups, [low_kept]);
+    }
+
+    /// Inserting keys that share one whole hash, each write on a map shared with a snapshot
+    /// (so what the write changes is copied), copies O(log n) members per insert: about 12 at
+    /// 1k keys and at 16k alike, where a group copied whole copies 8,000 per insert at 16k.
+    #[test]
+    fn colliding_inserts_copy_o_log_n_members() {
+        fn copies_per_insert(n: usize) -> f64 {
+            let keys: Vec<String> = (0..n).map(|i| format!("{i:0>64}")).collect();
+            choose(&keys, 0xDEAD_BEEF_0000_0001);
+            let keys: Vec<Key> = keys.iter().map(|k| Arc::from(k.as_str())).collect();
+            let mut m = ObjMap::new();
+            let mut snapshot = m.clone();
+            let before = ENTRY_COPIES.with(|c| c.get());
+            for (i, k) in keys.iter().enumerate() {
+                snapshot = m.clone();
+                m.insert_shared(k.clone(), Val::num(i as f64));
+            }
+            let copies = ENTRY_COPIES.with(|c| c.get()) - before;
+            assert_eq!((m.len(), snapshot.len()), (n, n - 1));
+            for k in keys.iter().step_by(97) {
+                assert!(m.get(k).is_some());
+            }
+            copies as f64 / n as f64
+        }
+        let (small, large) = (copies_per_insert(1000), copies_per_insert(16_000));
+        assert!(
+            large < 2.0 * small && large < 64.0,
+            "members copied per insert: {small:.1} at 1k, {large:.1} at 16k"
+        );
     }
 
     #[test]

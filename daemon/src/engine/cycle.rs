@@ -20,6 +20,7 @@ use super::{
 };
 use crate::expr::path::{render, render_into, Address, PathSeg};
 use crate::expr::{from_jvalue, jvalue_to_json, to_jvalue, Env, ExprError, Value as JValue};
+use crate::hash::KeyedSet;
 use crate::spec::Policy;
 use crate::value::{room_below, ObjMap, Seg, Val, MAX_DEPTH};
 use valem_jit::interp;
@@ -186,8 +187,8 @@ impl std::ops::DerefMut for ScratchRef<'_> {
 struct Journal {
     base: Vec<TreeUndo>,
     merged: Vec<TreeUndo>,
-    base_seen: HashSet<crate::value::Key>,
-    merged_seen: HashSet<crate::value::Key>,
+    base_seen: KeyedSet<crate::value::Key>,
+    merged_seen: KeyedSet<crate::value::Key>,
     base_root: bool,
     merged_root: bool,
     meta: Vec<(Arc<str>, Option<MetaEntry>)>,
@@ -287,9 +288,9 @@ fn recycle<T>(v: &mut Vec<T>) {
     }
 }
 
-fn recycle_set<T>(s: &mut HashSet<T>) {
+fn recycle_set<T, S: Default>(s: &mut std::collections::HashSet<T, S>) {
     if oversized(s.capacity(), s.len()) {
-        *s = HashSet::default();
+        *s = Default::default();
     } else {
         s.clear();
     }
@@ -323,7 +324,7 @@ fn save(
     doc: &Val,
     path: &[Seg],
     log: &mut Vec<TreeUndo>,
-    seen: &mut HashSet<crate::value::Key>,
+    seen: &mut KeyedSet<crate::value::Key>,
     root_saved: &mut bool,
 ) {
     match (path.first(), doc) {
@@ -1439,7 +1440,7 @@ impl<'a> Cycle<'a> {
             let full = self.sc.bound(id).is_none();
             let insts = self.instances(id, pattern);
             self.sc.clean(id);
-            let mut keys = HashSet::default();
+            let mut keys = KeyedSet::default();
             for inst in insts.iter() {
                 if self.abort.is_some() {
                     break;

@@ -8,7 +8,6 @@
 //! base values are stored once. [`Merged`] reads the two as one document: a cell that holds a
 //! value shadows the tree's member of the same name.
 
-use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -30,8 +29,9 @@ pub struct CellLayout {
     keys: Vec<Key>,
 }
 
+/// Keyed ([`crate::hash`]): the names are a spec's.
 fn name_hash(name: &str) -> u64 {
-    rustc_hash::FxBuildHasher.hash_one(name)
+    crate::hash::str_hash(name)
 }
 
 impl CellLayout {

@@ -3,13 +3,14 @@
 //! (where derivations write). Arrays are mapped implicitly, as JSONata navigation does: a read of
 //! `$.items.total` matches a write of `$.items[3].total`.
 
-use rustc_hash::{FxBuildHasher, FxHashMap as HashMap};
-use std::hash::BuildHasher;
+use std::collections::HashMap;
 
+use crate::hash::{pair_hash, str_hash, Keyed};
 use crate::value::{Key, Seg};
 
 /// A field edge of the trie: from `parent` through member `key` to `child` (24 bytes; the
-/// table hashes `(parent, key)` itself, so a lookup borrows the name and clones nothing).
+/// table hashes `(parent, key)` itself, so a lookup borrows the name and clones nothing). The
+/// names are a spec's, so the hash is keyed ([`crate::hash`]).
 #[derive(Debug)]
 struct FieldEdge {
     key: Key,
@@ -18,7 +19,7 @@ struct FieldEdge {
 }
 
 fn edge_hash(parent: u32, key: &str) -> u64 {
-    FxBuildHasher.hash_one((parent, key))
+    pair_hash(parent, key)
 }
 
 /// A field edge from the root: to `child` through top-level member `key` (24 bytes). When
@@ -35,7 +36,7 @@ struct RootEdge {
 }
 
 fn root_hash(key: &str) -> u64 {
-    FxBuildHasher.hash_one(key)
+    str_hash(key)
 }
 
 /// The bit of `RootEdge::child` that marks the edge.
@@ -146,7 +147,8 @@ pub struct Trie {
     more: Vec<More>,
     fields: hashbrown::HashTable<FieldEdge>,
     roots: hashbrown::HashTable<RootEdge>,
-    indices: HashMap<(u32, usize), u32>,
+    /// Index edges: (parent, concrete index in a pattern) → child.
+    indices: HashMap<(u32, usize), u32, Keyed>,
 }
 
 impl Default for Trie {
