@@ -32,7 +32,7 @@ pub use trace::{Paths, Trace, TraceSource, TraceTable, Traces};
 
 use crate::expr::path::{render, Address};
 use crate::expr::Limits;
-use crate::spec::ModelSpec;
+use crate::spec::{kind_of, ModelSpec};
 use crate::value::{json_deeper_than, room_below, Seg, TooDeep, Val, MAX_DEPTH};
 use merged::{Cells, Merged};
 
@@ -389,18 +389,6 @@ pub fn parse_writes<K: AsRef<str>, V>(
         parsed.push((segs, v));
     }
     Ok(parsed)
-}
-
-/// "an array", "a number", … for messages.
-fn kind_of(v: &Json) -> &'static str {
-    match v {
-        Json::Null => "null",
-        Json::Bool(_) => "a boolean",
-        Json::Number(_) => "a number",
-        Json::String(_) => "a string",
-        Json::Array(_) => "an array",
-        Json::Object(_) => "an object",
-    }
 }
 
 /// A live model: its compiled spec and its committed state.
