@@ -914,6 +914,7 @@ impl<'a> Cycle<'a> {
         })))
     }
 
+    #[inline]
     fn evaluate(&mut self, node: &Node, inst: &[Seg]) -> Result<Option<JValue>, ExprError> {
         self.jit_hit = false;
         if node.jit.lowered() {
@@ -1124,11 +1125,17 @@ impl<'a> Cycle<'a> {
 
     /// Count evaluation work (see [`WORK_PER_CHECK`]) and stop the cycle once its time budget
     /// has run out.
+    #[inline]
     fn spend(&mut self, units: u32) {
         self.work = self.work.saturating_add(units);
-        if self.work < WORK_PER_CHECK {
-            return;
+        if self.work >= WORK_PER_CHECK {
+            self.check_clock();
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn check_clock(&mut self) {
         self.work = 0;
         if let (Some(deadline), Some(budget)) = (self.deadline, self.limits.cycle_budget_ms) {
             if coarse_ms() > deadline {

@@ -660,7 +660,18 @@ impl Output<'_> {
 /// room [`crate::value::MAX_DEPTH`] leaves below where it goes), within `limits`' output caps.
 /// Functions and regexes have no JSON form and become `null`; *undefined* inside an array is
 /// dropped and inside an object omits the key.
+#[inline]
 pub fn from_jvalue(v: &JValue, levels: usize, limits: &Limits) -> Result<Val, ExprError> {
+    // The common results, a number or a short string, need no counting.
+    match v {
+        JValue::Number(n) => return Ok(Val::num(*n)),
+        JValue::Null | JValue::Undefined => return Ok(Val::Null),
+        JValue::Bool(b) => return Ok(Val::Bool(*b)),
+        JValue::String(s) if s.len() <= limits.max_string_bytes => {
+            return Ok(Val::Str(Arc::from(&**s)))
+        }
+        _ => {}
+    }
     Output {
         limits,
         values: 0,
