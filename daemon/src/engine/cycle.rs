@@ -1322,12 +1322,11 @@ impl<'a> Cycle<'a> {
         again: bool,
         result: Result<Option<JValue>, ExprError>,
     ) {
-        let converted = result.and_then(|r| {
-            r.map(|v| from_jvalue(&v, room_below(inst.len()), &self.limits.expr))
-                .transpose()
-        });
-        let (value, error) = match converted {
-            Ok(Some(v)) => (v, None),
+        let (value, error) = match result {
+            Ok(Some(v)) => match from_jvalue(&v, room_below(inst.len()), &self.limits.expr) {
+                Ok(v) => (v, None),
+                Err(e) => (Val::Null, Some(e.message)),
+            },
             Ok(None) => (Val::Null, None),
             Err(e) => (Val::Null, Some(e.message)),
         };
