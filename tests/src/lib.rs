@@ -334,6 +334,13 @@ impl Daemon {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
         loop {
             if let Ok(Some(s)) = self.child.try_wait() {
+                if !s.success() {
+                    // The caller asserts on the status; this says why.
+                    eprintln!(
+                        "valem serve exited with {s} after SIGTERM; its stderr:\n{}",
+                        self.stderr()
+                    );
+                }
                 return s;
             }
             if std::time::Instant::now() > deadline {

@@ -419,6 +419,17 @@ fn sigterm_stops_cleanly_with_open_streams() {
     assert!(status.success(), "exit status {status:?}");
 }
 
+#[test]
+fn sigterm_as_soon_as_the_address_is_announced_still_stops_gracefully() {
+    // The handlers are installed before the listening line; a service manager that stops
+    // the daemon right after starting it gets the graceful path, not the default action.
+    for _ in 0..5 {
+        let d = Daemon::start(&[]);
+        let status = d.terminate();
+        assert!(status.success(), "exit status {status:?}");
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -370,6 +370,9 @@ async fn run(
     let stop_rx = state.shutdown.clone();
     mcp::spawn_reaper(state.sessions.clone(), stop_rx.clone());
     let app = router(state);
+    // The handlers are installed before the address is announced: a SIGTERM sent as soon as
+    // the listening line appears must stop the daemon gracefully, not by the default action.
+    let mut signal = std::pin::pin!(shutdown_signal()?);
     ready(addr);
     tracing::info!(%addr, "listening");
 
@@ -383,7 +386,6 @@ async fn run(
     let slots = Arc::new(tokio::sync::Semaphore::new(config.max_connections.max(1)));
     let open_conns = Arc::new(AtomicUsize::new(0));
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let mut signal = std::pin::pin!(shutdown_signal());
     loop {
         let permit = tokio::select! {
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
@@ -466,23 +468,24 @@ async fn run(
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// SIGINT or SIGTERM, whichever comes first. The handlers are registered here, not when the
+/// future is first polled.
+#[cfg(unix)]
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => {},
+            _ = term.recv() => {},
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
+    })
+}
+
+#[cfg(not(unix))]
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }
