@@ -8,8 +8,8 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode};
-use valem::engine::Model;
 use valem_benches::*;
+use valem_engine::Model;
 
 // The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
 // the engine costs here what it costs in the daemon.

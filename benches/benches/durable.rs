@@ -174,7 +174,7 @@ fn main() {
 /// A store holding the demo model and `n` records of it (`$.qty` writes), with a checkpoint of
 /// the state every `every` records.
 fn fill(dir: &std::path::Path, n: u64, every: Option<u64>) {
-    use valem::store::{Op, Store, StoreOptions};
+    use valem_store::{Op, Store, StoreOptions};
     let store = Store::open(dir, StoreOptions::default()).expect("open the store");
     let w = store.writer();
     w.apply(Op::PutModel {
@@ -194,7 +194,7 @@ fn fill(dir: &std::path::Path, n: u64, every: Option<u64>) {
                 sequence: Some(i),
                 at_us: valem_benches::T0 + i as i64,
                 state,
-                kind: valem::store::CheckpointKind::Periodic,
+                kind: valem_store::CheckpointKind::Periodic,
             };
             w.submit(op, Box::new(|r| r.expect("checkpoint")));
         }

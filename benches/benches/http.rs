@@ -20,9 +20,9 @@ use axum::Router;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use serde_json::json;
 use tower::ServiceExt;
-use valem::http::{router, AppState, Config};
-use valem::mcp::{guidance::Catalog, Mode, Server};
-use valem::service::{ModelService, ServiceLimits};
+use valem_http::{router, AppState, Config};
+use valem_mcp::{guidance::Catalog, Mode, Server};
+use valem_service::{ModelService, ServiceLimits};
 use valem_tests::load::{self, Surface};
 
 // The allocator of the `valem` binary, so the in-process server time is the daemon's.

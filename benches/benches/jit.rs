@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode};
 use serde_json::{json, Value};
-use valem::engine::jit;
-use valem::engine::Model;
-use valem::expr::{to_jvalue, Compiled, Env, Limits};
-use valem::value::{Seg, Val};
 use valem_benches::*;
+use valem_core::expr::{to_jvalue, Compiled, Env, Limits};
+use valem_core::value::{Seg, Val};
+use valem_engine::jit;
+use valem_engine::Model;
 use valem_jit::codegen::{CodeSet, Shapes};
 use valem_jit::ir;
 
@@ -117,9 +117,9 @@ fn eval(c: &mut Criterion) {
             jit::Read::Numbers
         );
         let got = code.call(0, &slots).expect("finite");
-        let want = valem::expr::from_jvalue(
+        let want = valem_core::expr::from_jvalue(
             &want.expect("defined"),
-            valem::value::MAX_DEPTH,
+            valem_core::value::MAX_DEPTH,
             &Limits::default(),
         )
         .expect("a number");
@@ -199,7 +199,7 @@ fn recompute(c: &mut Criterion) {
     off_and_on(c, "jit_chain", &mut model, &mut pool, n);
     drop(model);
 
-    let spec = valem::spec::parse_spec(&json!({
+    let spec = valem_core::spec::parse_spec(&json!({
         "id": "items-rate",
         "schema": {"type": "object"},
         "derivations": [

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use serde_json::{json, Value};
-use valem::mcp::{guidance::Catalog, Mode, Server, Session};
-use valem::service::{ModelService, ServiceLimits};
+use valem_mcp::{guidance::Catalog, Mode, Server, Session};
+use valem_service::{ModelService, ServiceLimits};
 
 // The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
 // the engine costs here what it costs in the daemon.

@@ -7,8 +7,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use serde_json::json;
-use valem::engine::Model;
 use valem_benches::*;
+use valem_engine::Model;
 
 // The daemon's allocator with its settings (`valem::allocator::configure`, called first), so
 // the engine costs here what it costs in the daemon.

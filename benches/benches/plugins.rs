@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use serde_json::json;
-use valem::plugins::{Kind, Options, Plugins};
+use valem_service::plugins::{Kind, Options, Plugins};
 
 // The daemon's allocator, so the host side costs what it costs in the daemon.
 #[global_allocator]

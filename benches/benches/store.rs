@@ -18,8 +18,8 @@ use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
 use serde_json::json;
-use valem::store::{Op, Store, StoreOptions, Writer};
 use valem_benches::AuditChain as Chain;
+use valem_store::{Op, Store, StoreOptions, Writer};
 
 use valem_benches::T0;
 
@@ -127,7 +127,7 @@ fn reads(c: &mut Criterion) {
                     sequence: Some(i),
                     at_us: T0 + i as i64,
                     state,
-                    kind: valem::store::CheckpointKind::Periodic,
+                    kind: valem_store::CheckpointKind::Periodic,
                 },
                 Box::new(|r| r.expect("checkpoint")),
             );

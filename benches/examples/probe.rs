@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use serde_json::json;
-use valem::engine::Model;
 use valem_benches::*;
+use valem_engine::Model;
 
 /// Counts live heap bytes, so `mem` can attribute memory to each construction step.
 struct Counting;
@@ -77,7 +77,7 @@ fn main() {
             } else {
                 let strs: Vec<(String, serde_json::Value)> = muts
                     .iter()
-                    .map(|(s, v)| (valem::expr::path::render(s), v.clone()))
+                    .map(|(s, v)| (valem_core::expr::path::render(s), v.clone()))
                     .collect();
                 lap("render", &mut t, 1);
                 for x in &strs {
@@ -118,7 +118,7 @@ fn main() {
         "items-rate" => {
             // A 100k-row `[*]` recompute per write (the JIT bench's `jit_items`); VALEM_JIT
             // picks the tier.
-            let spec = valem::spec::parse_spec(&json!({
+            let spec = valem_core::spec::parse_spec(&json!({
                 "id": "items-rate",
                 "schema": {"type": "object"},
                 "derivations": [
@@ -129,9 +129,9 @@ fn main() {
             let (mut m, _) = Model::create(&spec, NOW_MS, limits()).unwrap();
             seed(&mut m, items_data(n));
             seed(&mut m, vec![(segs("$.rate"), json!(1))]);
-            valem::engine::jit::set_tier_after(0);
+            valem_engine::jit::set_tier_after(0);
             seed(&mut m, vec![(segs("$.rate"), json!(2))]);
-            valem::engine::jit::flush(std::time::Duration::from_secs(60));
+            valem_engine::jit::flush(std::time::Duration::from_secs(60));
             lap("setup", &mut t, 1);
             write_counts(&mut m, "$.rate", 3, iters);
             lap("recompute", &mut t, iters);
@@ -148,19 +148,19 @@ fn main() {
             };
             println!(
                 "sizes: Val {} B, Seg {} B, Json {} B",
-                std::mem::size_of::<valem::value::Val>(),
-                std::mem::size_of::<valem::value::Seg>(),
+                std::mem::size_of::<valem_core::value::Val>(),
+                std::mem::size_of::<valem_core::value::Seg>(),
                 std::mem::size_of::<serde_json::Value>()
             );
             println!(
                 "Node {} B, NodeJit {} B, JitCell {} B, Projection {} B, Address {} B, NodeExpr {} B, Location {} B",
-                std::mem::size_of::<valem::engine::compile::Node>(),
-                std::mem::size_of::<valem::engine::jit::NodeJit>(),
-                std::mem::size_of::<valem::engine::jit::JitCell>(),
-                std::mem::size_of::<valem::engine::compile::Projection>(),
-                std::mem::size_of::<valem::expr::path::Address>(),
-                std::mem::size_of::<valem::engine::compile::NodeExpr>(),
-                std::mem::size_of::<valem::engine::compile::Location>(),
+                std::mem::size_of::<valem_engine::compile::Node>(),
+                std::mem::size_of::<valem_engine::jit::NodeJit>(),
+                std::mem::size_of::<valem_engine::jit::JitCell>(),
+                std::mem::size_of::<valem_engine::compile::Projection>(),
+                std::mem::size_of::<valem_core::expr::path::Address>(),
+                std::mem::size_of::<valem_engine::compile::NodeExpr>(),
+                std::mem::size_of::<valem_engine::compile::Location>(),
             );
             rss("start");
             let spec = fanout_spec(n);
@@ -181,7 +181,7 @@ fn main() {
                 return;
             }
             let st = m.state().clone();
-            m.restore(valem::engine::State::default());
+            m.restore(valem_engine::State::default());
             rss("model state cleared (compiled model only)");
             drop(st);
             rss("state dropped");
@@ -204,7 +204,7 @@ fn write_counts(m: &mut Model, addr: &str, from: usize, count: usize) {
 }
 
 fn sizes_probe(n: usize) {
-    use valem::expr::{Compiled, Limits};
+    use valem_core::expr::{Compiled, Limits};
     let before = live_mb();
     let v: Vec<Compiled> = (0..n)
         .map(|i| Compiled::compile(&format!("price_{i} * qty_{i}"), &Limits::default()).unwrap())
@@ -217,7 +217,7 @@ fn sizes_probe(n: usize) {
     drop(v);
     println!(
         "Node {} B, Trace {} B",
-        std::mem::size_of::<valem::engine::compile::Node>(),
-        std::mem::size_of::<valem::engine::Trace>()
+        std::mem::size_of::<valem_engine::compile::Node>(),
+        std::mem::size_of::<valem_engine::Trace>()
     );
 }

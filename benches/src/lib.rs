@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use valem::engine::{EngineLimits, Model, MutationResult};
-use valem::expr::path::Address;
-use valem::spec::ModelSpec;
-use valem::value::Seg;
+use valem_core::expr::path::Address;
+use valem_core::spec::ModelSpec;
+use valem_core::value::Seg;
+use valem_engine::{EngineLimits, Model, MutationResult};
 
 /// A fixed clock for every cycle.
 pub const NOW_MS: i64 = 1_700_000_000_000;
@@ -125,8 +125,8 @@ pub fn items_model(n: usize) -> Model {
 }
 
 /// Compile without the per-thread cache.
-pub fn compile_uncached(spec: &ModelSpec) -> valem::engine::CompiledModel {
-    valem::engine::compile::compile(Arc::new(spec.clone()), &valem::expr::Limits::default())
+pub fn compile_uncached(spec: &ModelSpec) -> valem_engine::CompiledModel {
+    valem_engine::compile::compile(Arc::new(spec.clone()), &valem_core::expr::Limits::default())
         .unwrap_or_else(|e| panic!("spec compiles: {e:?}"))
 }
 
@@ -279,12 +279,12 @@ impl AuditChain {
         AuditChain {
             model: model.to_string(),
             next: 0,
-            prev: valem::store::GENESIS.to_string(),
+            prev: valem_store::GENESIS.to_string(),
         }
     }
 
     /// The next record's append (committed at `T0 + sequence` µs).
-    pub fn next_op(&mut self) -> valem::store::Op {
+    pub fn next_op(&mut self) -> valem_store::Op {
         let at_us = T0 + self.next as i64;
         let qty = (self.next % 1000) as i64;
         let mut r: Value = json!({
@@ -295,13 +295,13 @@ impl AuditChain {
                         "result": qty * 3, "constraintPassed": null, "errorMessage": null}],
             "prevHash": self.prev,
         });
-        let h = valem::store::record_hash(&self.prev, &r);
+        let h = valem_store::record_hash(&self.prev, &r);
         r["hash"] = json!(h);
         let op =
-            valem::store::AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()], None)
+            valem_store::AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()], None)
                 .expect("a synthetic record is valid");
         self.prev = h;
         self.next += 1;
-        valem::store::Op::AppendAudit(op)
+        valem_store::Op::AppendAudit(op)
     }
 }

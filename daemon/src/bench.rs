@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::{json, Map, Value as Json};
 
-use crate::engine::{jit, EngineLimits, Model};
-use crate::expr::path::Address;
-use crate::spec::{parse_spec, ModelSpec};
-use crate::value::Seg;
+use valem_core::expr::path::Address;
+use valem_core::spec::{parse_spec, ModelSpec};
+use valem_core::value::Seg;
+use valem_engine::{jit, EngineLimits, Model};
 
 /// The clock every cycle of a run sees.
 const NOW_MS: i64 = 1_700_000_000_000;
@@ -301,7 +301,7 @@ impl Engine {
         let spec = Arc::new(spec);
         let t = Instant::now();
         let compiled =
-            crate::engine::compile::compile(spec.clone(), &crate::expr::Limits::default())
+            valem_engine::compile::compile(spec.clone(), &valem_core::expr::Limits::default())
                 .map_err(|errs| {
                     let first = errs
                         .first()
@@ -345,7 +345,7 @@ impl Target for Engine {
 /// The service with one shard, in memory or over a strict store in a temporary directory
 /// (removed after).
 struct Service {
-    service: Arc<crate::service::ModelService>,
+    service: Arc<valem_service::ModelService>,
     id: String,
     built: (f64, f64, usize),
     _dir: Option<tempfile::TempDir>,
@@ -359,7 +359,7 @@ impl Service {
         durable: bool,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Service, String> {
-        let limits = crate::service::ServiceLimits {
+        let limits = valem_service::ServiceLimits {
             engine,
             ..Default::default()
         };
@@ -368,14 +368,13 @@ impl Service {
                 .prefix("valem-bench-")
                 .tempdir()
                 .map_err(|e| format!("cannot create a temporary data directory: {e}"))?;
-            let store =
-                crate::store::Store::open(dir.path(), crate::store::StoreOptions::default())
-                    .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
-            let service = crate::service::ModelService::open(1, limits, Arc::new(store))
+            let store = valem_store::Store::open(dir.path(), valem_store::StoreOptions::default())
+                .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
+            let service = valem_service::ModelService::open(1, limits, Arc::new(store))
                 .map_err(|e| format!("the service does not start: {e}"))?;
             (service, Some(dir))
         } else {
-            (crate::service::ModelService::new(1, limits), None)
+            (valem_service::ModelService::new(1, limits), None)
         };
         let id = spec.id.clone();
         let nodes = spec_nodes(&spec);
@@ -711,7 +710,7 @@ fn writable_fields(spec: &ModelSpec, seed_data: &[(String, Json)]) -> Vec<Field>
 }
 
 fn matches_concrete(pattern: &Address, c: &[Seg]) -> bool {
-    use crate::expr::path::PathSeg;
+    use valem_core::expr::path::PathSeg;
     pattern.segs.len() == c.len()
         && pattern.segs.iter().zip(c).all(|(p, s)| match (p, s) {
             (PathSeg::Wild, Seg::Index(_)) => true,

@@ -2,9 +2,10 @@
 
 // The daemon allocates per request from several threads (reactor, shards); mimalloc is
 // measurably cheaper there than glibc malloc (see the http bench in ARCHITECTURE.md). Counted
-// per thread, for the memory budget of an evaluation (`valem::allocator::watch`).
+// per thread, for the memory budget of an evaluation (`valem_core::budget::watch`).
 #[global_allocator]
-static GLOBAL: valem::allocator::Counting = valem::allocator::Counting;
+static GLOBAL: valem_core::budget::Counting<mimalloc::MiMalloc> =
+    valem_core::budget::Counting(mimalloc::MiMalloc);
 
 fn main() {
     valem::allocator::configure();

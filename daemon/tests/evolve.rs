@@ -2,12 +2,12 @@
 //! wholesale fields, the targeted schema/view/constants tiers, and the strand check.
 
 use serde_json::{json, Value};
-use valem::engine::testrun::run_tests;
-use valem::engine::{EngineLimits, Model};
-use valem::expr::path::Address;
-use valem::spec::evolve::{apply, strand_check, EvolveError, Incompatibility};
-use valem::spec::validate::validate;
-use valem::spec::{parse_evolution, parse_spec, ModelSpec};
+use valem_core::expr::path::Address;
+use valem_core::spec::evolve::{apply, strand_check, EvolveError, Incompatibility};
+use valem_core::spec::{parse_evolution, parse_spec, ModelSpec};
+use valem_engine::testrun::run_tests;
+use valem_engine::validate::validate;
+use valem_engine::{EngineLimits, Model};
 
 const NOW: i64 = 1_700_000_000_000;
 
@@ -832,8 +832,8 @@ fn strand_check_after_a_retyping_evolution() {
 
 #[test]
 fn evolving_the_order_invoice_example_validates_and_runs() {
-    let text = valem::examples::get("order-invoice").unwrap();
-    let b = valem::spec::parse_spec_text(text).unwrap();
+    let text = valem_core::examples::get("order-invoice").unwrap();
+    let b = valem_core::spec::parse_spec_text(text).unwrap();
     let limits = EngineLimits::default();
     assert!(validate(&b, &limits).valid);
     let evo = json!({
@@ -915,8 +915,8 @@ fn evolving_the_order_invoice_example_validates_and_runs() {
 #[test]
 fn every_bundled_example_survives_an_empty_and_a_version_evolution() {
     let limits = EngineLimits::default();
-    for (name, text) in valem::examples::ALL {
-        let b = valem::spec::parse_spec_text(text).unwrap();
+    for (name, text) in valem_core::examples::ALL {
+        let b = valem_core::spec::parse_spec_text(text).unwrap();
         assert_eq!(ok(&b, json!({})), b, "{name}");
         let s = ok(&b, json!({"newVersion": "9.9.9"}));
         assert!(validate(&s, &limits).valid, "{name}");

@@ -17,12 +17,12 @@ use std::time::{Duration, Instant};
 use indexmap::IndexMap;
 use proptest::prelude::*;
 use serde_json::{json, Map, Number, Value};
-use valem::engine::{parse_writes, EngineLimits, Model};
-use valem::expr::{self, Compiled, Limits, Phase};
-use valem::service::{ModelService, ServiceLimits};
-use valem::spec::parse_spec;
-use valem::store::{canonical, record_hash};
-use valem::value::{json_deeper_than, member_hash, ObjMap, Seg, Val, MAX_DEPTH};
+use valem_core::expr::{self, Compiled, Limits, Phase};
+use valem_core::spec::parse_spec;
+use valem_core::value::{json_deeper_than, member_hash, ObjMap, Seg, Val, MAX_DEPTH};
+use valem_engine::{parse_writes, EngineLimits, Model};
+use valem_service::{ModelService, ServiceLimits};
+use valem_store::{canonical, record_hash};
 
 // ---------------------------------------------------------------------------------------------
 // Bounds and helpers

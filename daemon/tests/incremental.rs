@@ -5,11 +5,11 @@
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
-use valem::engine::{jit, EngineLimits, Model, MutationError, State, Undo};
-use valem::spec::parse_spec;
+use valem_core::spec::parse_spec;
+use valem_engine::{jit, EngineLimits, Model, MutationError, State, Undo};
 
 /// A result's derived paths as plain strings, for comparisons.
-fn strs(v: &valem::engine::Paths) -> Vec<&str> {
+fn strs(v: &valem_engine::Paths) -> Vec<&str> {
     v.iter().collect()
 }
 
@@ -193,7 +193,7 @@ fn limits() -> EngineLimits {
 
 /// The state a fresh model computes for `base` in one cycle, by the interpreter alone (the
 /// live model runs with the JIT tier on, compiling from the first run).
-fn scratch(spec: &valem::spec::ModelSpec, base: &Value) -> (Value, Map<String, Value>) {
+fn scratch(spec: &valem_core::spec::ModelSpec, base: &Value) -> (Value, Map<String, Value>) {
     // A global switch: other tests of this binary may see it off for a moment, which cannot
     // change their answers (that is the JIT's contract, checked here).
     jit::set_enabled(false);
@@ -202,7 +202,10 @@ fn scratch(spec: &valem::spec::ModelSpec, base: &Value) -> (Value, Map<String, V
     out
 }
 
-fn scratch_interpreted(spec: &valem::spec::ModelSpec, base: &Value) -> (Value, Map<String, Value>) {
+fn scratch_interpreted(
+    spec: &valem_core::spec::ModelSpec,
+    base: &Value,
+) -> (Value, Map<String, Value>) {
     let (mut m, _) = Model::create(spec, NOW, limits()).expect("spec compiles");
     let writes: Vec<(String, Value)> = base
         .as_object()
@@ -419,8 +422,8 @@ fn a_sum_over_items_is_kept_by_delta_while_exact() {
     assert_eq!(memo(&m), before);
 }
 
-fn seg(a: &str) -> Vec<valem::value::Seg> {
-    valem::expr::path::Address::parse(a)
+fn seg(a: &str) -> Vec<valem_core::value::Seg> {
+    valem_core::expr::path::Address::parse(a)
         .unwrap()
         .concrete()
         .unwrap()

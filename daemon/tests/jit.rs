@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value as Json};
-use valem::engine::jit::{read_doc_slots, slot_inputs, type_error, Read};
-use valem::expr::{from_jvalue, to_jvalue, Compiled, Env, Limits, Value as JValue};
-use valem::value::Val;
+use valem_core::expr::{from_jvalue, to_jvalue, Compiled, Env, Limits, Value as JValue};
+use valem_core::value::Val;
+use valem_engine::jit::{read_doc_slots, slot_inputs, type_error, Read};
 use valem_jit::codegen::{CodeSet, Shapes};
 use valem_jit::interp;
 use valem_jit::ir::{self, Ty};
@@ -155,7 +155,8 @@ fn interpreted(c: &Compiled, env: &Env, d: &Json) -> Out {
     match c.eval(&to_jvalue(&Val::from_json(d)), env, &Limits::default()) {
         Ok(Some(JValue::Number(n))) if n.is_finite() => Out::Bits(n.to_bits()),
         Ok(Some(v)) => Out::Other(
-            from_jvalue(&v, valem::value::MAX_DEPTH, &Limits::default()).expect("a small result"),
+            from_jvalue(&v, valem_core::value::MAX_DEPTH, &Limits::default())
+                .expect("a small result"),
         ),
         Ok(None) => Out::Undefined,
         Err(e) => Out::Error(e.message),
@@ -459,9 +460,9 @@ fn lowered(text: &str) -> ir::Program {
     .unwrap()
 }
 
-fn model(spec: Json) -> valem::engine::Model {
-    let spec = valem::spec::parse_spec(&spec).expect("spec");
-    let (m, _) = valem::engine::Model::create(&spec, 0, valem::engine::EngineLimits::default())
+fn model(spec: Json) -> valem_engine::Model {
+    let spec = valem_core::spec::parse_spec(&spec).expect("spec");
+    let (m, _) = valem_engine::Model::create(&spec, 0, valem_engine::EngineLimits::default())
         .expect("creates");
     m
 }
@@ -471,7 +472,7 @@ fn model(spec: Json) -> valem::engine::Model {
 /// the batched entry; a non-number input goes back to the interpreter for that instance only.
 #[test]
 fn the_engine_answers_from_compiled_code_once_it_is_hot() {
-    valem::engine::jit::set_tier_after(0);
+    valem_engine::jit::set_tier_after(0);
     let mut m = model(json!({
         "id": "jit-engine",
         "schema": {"type": "object"},
@@ -497,9 +498,7 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
     m.mutate(&[("$.price".to_string(), json!(11))], 0)
         .expect("mutates");
     m.mutate(&items_write, 0).expect("mutates");
-    assert!(valem::engine::jit::flush(std::time::Duration::from_secs(
-        10
-    )));
+    assert!(valem_engine::jit::flush(std::time::Duration::from_secs(10)));
     let mut writes = items_write.clone();
     for w in &mut writes {
         w.1 = json!(4);
@@ -523,11 +522,11 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
     assert_eq!(doc["items"][7]["line"], json!(28));
     assert_eq!(doc["items"][5]["line"], Json::Null);
     // With the tier off, the same answers from the interpreter.
-    valem::engine::jit::set_enabled(false);
+    valem_engine::jit::set_enabled(false);
     let r = m
         .mutate(&[("$.qty".to_string(), json!(4))], 0)
         .expect("mutates");
-    valem::engine::jit::set_enabled(true);
+    valem_engine::jit::set_enabled(true);
     assert!(r.traces.iter().all(|t| !t.jit));
     assert_eq!(m.merged_json(0)["total"], json!(51.6));
 }
@@ -570,7 +569,7 @@ fn a_fallback_sees_what_the_expression_reads() {
             let err = t.error_message.as_deref().unwrap_or("");
             assert!(err.contains("T2001"), "round {round} {target}: {t:?}");
         }
-        valem::engine::jit::flush(std::time::Duration::from_secs(10));
+        valem_engine::jit::flush(std::time::Duration::from_secs(10));
     }
 }
 
@@ -586,14 +585,14 @@ fn a_chain_over_an_empty_document_errs_as_the_interpreter_does() {
     }
     derivations.push(json!({"path": "$.g", "expr": "name - 1"}));
     derivations.push(json!({"path": "$.h", "expr": "3 / flag"}));
-    let spec = valem::spec::parse_spec(&json!({
+    let spec = valem_core::spec::parse_spec(&json!({
         "id": "chain-errors",
         "schema": {"type": "object"},
         "derivations": derivations,
     }))
     .expect("spec");
     type Seen = Vec<(String, Json, Option<String>)>;
-    let seen = |r: &valem::engine::MutationResult| -> Seen {
+    let seen = |r: &valem_engine::MutationResult| -> Seen {
         let mut v: Seen = r
             .traces
             .iter()
@@ -610,9 +609,9 @@ fn a_chain_over_an_empty_document_errs_as_the_interpreter_does() {
     };
     let run = |tier: bool| {
         // A global switch; other tests of this binary cannot see their answers change.
-        valem::engine::jit::set_enabled(tier);
-        let limits = valem::engine::EngineLimits::default();
-        let (mut m, created) = valem::engine::Model::create(&spec, 0, limits).expect("creates");
+        valem_engine::jit::set_enabled(tier);
+        let limits = valem_engine::EngineLimits::default();
+        let (mut m, created) = valem_engine::Model::create(&spec, 0, limits).expect("creates");
         let written = m
             .mutate(
                 &[
@@ -625,7 +624,7 @@ fn a_chain_over_an_empty_document_errs_as_the_interpreter_does() {
         let seeded = m
             .mutate(&[("$.seed".to_string(), json!(1))], 0)
             .expect("mutates");
-        valem::engine::jit::set_enabled(true);
+        valem_engine::jit::set_enabled(true);
         (
             seen(&created),
             seen(&written),

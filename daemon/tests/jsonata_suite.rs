@@ -1,4 +1,4 @@
-//! The official JSONata test suite, run case by case through our wrapper (`valem::expr::eval_once`).
+//! The official JSONata test suite, run case by case through our wrapper (`valem_core::expr::eval_once`).
 //!
 //! The suite is a required yardstick: a missing suite directory fails the test. It is read from
 //! `JSONATA_SUITE_DIR` (a relative value is taken from the workspace root), by default from
@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value as Json};
-use valem::expr::{eval_once, ExprError, Limits};
+use valem_core::expr::{eval_once, ExprError, Limits};
 
 /// Exactly the number of cases passing at the last measurement. Raise it when cases are fixed.
 const PASS_FLOOR: usize = 1681;
@@ -530,9 +530,9 @@ fn jsonata_suite() {
 /// `jsonata_suite` checks.
 #[test]
 fn jsonata_suite_through_the_jit() {
-    use valem::engine::jit::{read_doc_slots, slot_inputs, Read};
-    use valem::expr::Compiled;
-    use valem::value::Val;
+    use valem_core::expr::Compiled;
+    use valem_core::value::Val;
+    use valem_engine::jit::{read_doc_slots, slot_inputs, Read};
     use valem_jit::codegen::{CodeSet, Shapes};
     use valem_jit::ir::{self, Ty};
 

@@ -3,10 +3,10 @@
 
 use proptest::prelude::*;
 use serde_json::{json, Value};
-use valem::engine::{EngineLimits, Model, MutationError};
-use valem::expr::path::Address;
-use valem::spec::validate::validate_json;
-use valem::spec::{parse_spec, parse_spec_text};
+use valem_core::expr::path::Address;
+use valem_core::spec::{parse_spec, parse_spec_text};
+use valem_engine::validate::validate_json;
+use valem_engine::{EngineLimits, Model, MutationError};
 
 const NOW: i64 = 1_700_000_000_000;
 
@@ -326,7 +326,7 @@ fn in_place_undo_restores_wide_documents_exactly() {
 /// recursed as deep as the value went and overflowed the thread's stack).
 #[test]
 fn writes_nest_at_most_max_depth_levels_with_their_address() {
-    use valem::value::{json_deeper_than, MAX_DEPTH};
+    use valem_core::value::{json_deeper_than, MAX_DEPTH};
     let spec = parse_spec(&json!({
         "id": "deep", "schema": {
             "type": "object",

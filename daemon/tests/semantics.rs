@@ -3,14 +3,14 @@
 //! undefined and error results, effects.
 
 use serde_json::{json, Value};
-use valem::engine::{EngineLimits, Model, MutationError};
-use valem::expr::path::Address;
-use valem::spec::{parse_spec, MetaProp};
+use valem_core::expr::path::Address;
+use valem_core::spec::{parse_spec, MetaProp};
+use valem_engine::{EngineLimits, Model, MutationError};
 
 const NOW: i64 = 1_700_000_000_000;
 
 /// A result's derived paths as plain strings, for comparisons.
-fn strs(v: &valem::engine::Paths) -> Vec<&str> {
+fn strs(v: &valem_engine::Paths) -> Vec<&str> {
     v.iter().collect()
 }
 
@@ -21,7 +21,7 @@ fn model(spec: Value) -> Model {
         .0
 }
 
-fn set(m: &mut Model, pairs: &[(&str, Value)]) -> valem::engine::MutationResult {
+fn set(m: &mut Model, pairs: &[(&str, Value)]) -> valem_engine::MutationResult {
     let muts: Vec<(String, Value)> = pairs
         .iter()
         .map(|(k, v)| (k.to_string(), v.clone()))
@@ -112,7 +112,7 @@ fn creation_marks_only_the_addresses_the_defaults_filled() {
     set(&mut m, &[("$.q.c", json!(2))]);
     // Its embedded tests pass (each case creates the model first).
     let report =
-        valem::engine::testrun::run_tests(&spec, None, NOW, &EngineLimits::default()).unwrap();
+        valem_engine::testrun::run_tests(&spec, None, NOW, &EngineLimits::default()).unwrap();
     assert_eq!(
         (report.passed, report.failed),
         (2, 0),
@@ -428,7 +428,7 @@ fn effects_fire_on_edges_with_payloads() {
 
 #[test]
 fn initial_state_and_actions_are_rejected_with_a_pointer() {
-    let report = valem::spec::validate::validate_json(
+    let report = valem_engine::validate::validate_json(
         &json!({"id": "old", "schema": {}, "initialState": {"$.a": 1}, "actions": [{"id": "x"}]}),
         &EngineLimits::default(),
     );

@@ -8,7 +8,7 @@
 use serde_json::{json, Value};
 use valem_tests::{Daemon, Http, Mcp};
 
-/// The depth limit of a kept value (`valem::value::MAX_DEPTH`), counting its address.
+/// The depth limit of a kept value (`valem_core::value::MAX_DEPTH`), counting its address.
 const MAX_DEPTH: usize = 100;
 
 /// `{"x": {"x": … 0}}` holding `levels` objects within one another (0: the number itself).

@@ -8,11 +8,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use clap::{Parser, Subcommand};
 use serde_json::{json, Value as Json};
 
-use crate::engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
-use crate::engine::EngineLimits;
-use crate::expr::{eval_once, Limits};
-use crate::spec::validate::{validate_json, Report};
-use crate::spec::{parse_spec, ModelSpec};
+use valem_core::expr::{eval_once, Limits};
+use valem_core::spec::{parse_spec, ModelSpec};
+use valem_engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
+use valem_engine::validate::{validate_json, Report};
+use valem_engine::EngineLimits;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -74,7 +74,7 @@ pub enum Command {
         #[arg(long, requires = "url")]
         browser: bool,
         /// Largest accepted message in bytes; longer lines are refused with -32600 and skipped.
-        #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = crate::mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
+        #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = valem_mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
         max_message_bytes: usize,
         /// Shard threads running the models (0: one per core).
         #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
@@ -372,7 +372,7 @@ fn read_arg(arg: &str) -> Result<String, String> {
         return Ok(s);
     }
     if let Some(name) = arg.strip_prefix("example:") {
-        return crate::examples::get(name)
+        return valem_core::examples::get(name)
             .map(str::to_string)
             .ok_or_else(|| format!("no bundled example `{name}`; `valem examples` lists them"));
     }
@@ -557,7 +557,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                     Ok(j) => validate_json(&j, &limits),
                     Err(m) => Report {
                         valid: false,
-                        errors: vec![crate::spec::validate::Finding {
+                        errors: vec![valem_engine::validate::Finding {
                             location: file.clone(),
                             message: m,
                         }],
@@ -685,7 +685,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             plugins,
             effects,
         } => {
-            crate::engine::jit::set_enabled(jit);
+            valem_engine::jit::set_enabled(jit);
             if let Some(url) = url {
                 return Ok(mcp_proxy(
                     &url,
@@ -703,7 +703,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Ok(g) => g,
                 Err(code) => return Ok(code),
             };
-            let limits = crate::service::ServiceLimits {
+            let limits = valem_service::ServiceLimits {
                 engine: cycle.engine(),
                 max_models,
                 checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
@@ -718,11 +718,11 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Ok(r) => r,
                 Err(code) => return Ok(code),
             };
-            let server = crate::mcp::Server::with_plugins(
+            let server = valem_mcp::Server::with_plugins(
                 service.clone(),
                 guidance,
                 plugins,
-                crate::mcp::Mode::Embedded,
+                valem_mcp::Mode::Embedded,
             );
             eprintln!(
                 "valem mcp {}: embedded engine ({}); reading JSON-RPC on stdin",
@@ -733,7 +733,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 }
             );
             let stdin = std::io::stdin().lock();
-            match crate::mcp::stdio::serve(server, stdin, std::io::stdout(), max_message_bytes) {
+            match valem_mcp::stdio::serve(server, stdin, std::io::stdout(), max_message_bytes) {
                 Ok(()) => Ok(0),
                 Err(e) => {
                     eprintln!("valem mcp: {e}");
@@ -750,7 +750,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             jit,
             cycle,
         } => {
-            crate::engine::jit::set_enabled(jit);
+            valem_engine::jit::set_enabled(jit);
             let url = url.filter(|u| !u.trim().is_empty());
             let mut backend: Box<dyn crate::console::Backend> = match url {
                 Some(u) => match crate::console::remote::Remote::new(&u, api_key) {
@@ -761,12 +761,12 @@ fn run(cli: Cli) -> Result<i32, String> {
                     }
                 },
                 None => {
-                    let limits = crate::service::ServiceLimits {
+                    let limits = valem_service::ServiceLimits {
                         engine: cycle.engine(),
                         max_models,
                         ..Default::default()
                     };
-                    let service = crate::service::ModelService::new(shards, limits);
+                    let service = valem_service::ModelService::new(shards, limits);
                     Box::new(crate::console::embedded::Embedded::new(service))
                 }
             };
@@ -811,14 +811,14 @@ fn run(cli: Cli) -> Result<i32, String> {
             pairing_ttl,
             pairing_interval,
         } => {
-            crate::engine::jit::set_enabled(jit);
+            valem_engine::jit::set_enabled(jit);
             init_logging("info");
             let (plugins, guidance) =
                 match load_plugins("serve", &plugins, store.data_dir.as_deref()) {
                     Ok(g) => g,
                     Err(code) => return Ok(code),
                 };
-            let limits = crate::service::ServiceLimits {
+            let limits = valem_service::ServiceLimits {
                 engine: cycle.engine(),
                 max_models,
                 checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
@@ -830,17 +830,17 @@ fn run(cli: Cli) -> Result<i32, String> {
                 Err(code) => return Ok(code),
             };
             let mode = if conformance_fixtures {
-                crate::mcp::Mode::DaemonWithFixtures
+                valem_mcp::Mode::DaemonWithFixtures
             } else {
-                crate::mcp::Mode::Daemon
+                valem_mcp::Mode::Daemon
             };
             attach_plugins("serve", &service, &plugins);
             let _effects = match effects.start("serve", &service) {
                 Ok(r) => r,
                 Err(code) => return Ok(code),
             };
-            let server = crate::mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
-            let config = crate::http::Config {
+            let server = valem_mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
+            let config = valem_http::Config {
                 listen,
                 api_key: api_key.filter(|k| !k.is_empty()),
                 allowed_origins: allowed_origins
@@ -869,7 +869,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 ),
                 None => "in-memory models".to_string(),
             };
-            let result = crate::http::serve(config, service, server, |addr| {
+            let result = valem_http::serve(config, service, server, |addr| {
                 // The one line on stdout: scripts and tests read the bound address from it.
                 println!("valem serve: listening on http://{addr}");
                 let _ = std::io::stdout().flush();
@@ -898,11 +898,11 @@ fn run(cli: Cli) -> Result<i32, String> {
         Command::Examples { name } => {
             match name {
                 None => {
-                    for (n, _) in crate::examples::ALL {
+                    for (n, _) in valem_core::examples::ALL {
                         println!("{n}");
                     }
                 }
-                Some(n) => match crate::examples::get(&n) {
+                Some(n) => match valem_core::examples::get(&n) {
                     Some(text) => print!("{text}"),
                     None => {
                         return Err(format!(
@@ -1026,10 +1026,10 @@ impl EffectsArgs {
     fn start(
         &self,
         cmd: &str,
-        service: &std::sync::Arc<crate::service::ModelService>,
-    ) -> Result<std::sync::Arc<crate::service::effects::Runner>, i32> {
+        service: &std::sync::Arc<valem_service::ModelService>,
+    ) -> Result<std::sync::Arc<valem_service::effects::Runner>, i32> {
         match self.config() {
-            Ok(c) => Ok(crate::service::effects::Runner::start(service, c)),
+            Ok(c) => Ok(valem_service::effects::Runner::start(service, c)),
             Err(e) => {
                 eprintln!("valem {cmd}: --effects-ca-file: {e}");
                 Err(2)
@@ -1038,12 +1038,12 @@ impl EffectsArgs {
     }
 
     /// The executors' configuration; a CA file that cannot be read is an error.
-    pub fn config(&self) -> Result<crate::service::effects::EffectsConfig, String> {
+    pub fn config(&self) -> Result<valem_service::effects::EffectsConfig, String> {
         let ca_certs = match &self.effects_ca_file {
-            Some(p) => Some(crate::service::effects::load_ca_file(p)?),
+            Some(p) => Some(valem_service::effects::load_ca_file(p)?),
             None => None,
         };
-        Ok(crate::service::effects::EffectsConfig {
+        Ok(valem_service::effects::EffectsConfig {
             ca_certs,
             allowed_hosts: self
                 .effects_allowed_hosts
@@ -1092,8 +1092,8 @@ fn plugin_config(s: &str) -> Result<(String, serde_json::Value), String> {
 }
 
 impl PluginArgs {
-    fn options(&self, data_dir: Option<&std::path::Path>) -> crate::plugins::Options {
-        crate::plugins::Options {
+    fn options(&self, data_dir: Option<&std::path::Path>) -> valem_service::plugins::Options {
+        valem_service::plugins::Options {
             paths: self.plugin.clone(),
             dir: self
                 .plugin_dir
@@ -1115,12 +1115,12 @@ fn load_plugins(
     data_dir: Option<&std::path::Path>,
 ) -> Result<
     (
-        std::sync::Arc<crate::plugins::Plugins>,
-        crate::mcp::guidance::Catalog,
+        std::sync::Arc<valem_service::plugins::Plugins>,
+        valem_mcp::guidance::Catalog,
     ),
     i32,
 > {
-    let plugins = crate::plugins::Plugins::load(&args.options(data_dir));
+    let plugins = valem_service::plugins::Plugins::load(&args.options(data_dir));
     for f in plugins.failures() {
         eprintln!(
             "valem {cmd}: plugin {} not loaded: {}",
@@ -1128,7 +1128,7 @@ fn load_plugins(
             f.error
         );
     }
-    let guidance = crate::mcp::guidance::Catalog::from_plugins(&plugins).map_err(|e| {
+    let guidance = valem_mcp::guidance::Catalog::from_plugins(&plugins).map_err(|e| {
         eprintln!("valem {cmd}: {e}");
         2
     })?;
@@ -1140,10 +1140,10 @@ fn load_plugins(
 /// second one of either kind is reported and not used).
 fn attach_plugins(
     cmd: &str,
-    service: &crate::service::ModelService,
-    plugins: &crate::plugins::Plugins,
+    service: &valem_service::ModelService,
+    plugins: &valem_service::plugins::Plugins,
 ) {
-    let mut audit = plugins.of_kind(crate::plugins::Kind::AuditStore);
+    let mut audit = plugins.of_kind(valem_service::plugins::Kind::AuditStore);
     if let Some(first) = audit.next() {
         service.set_audit_plugin(first.clone());
         for p in audit {
@@ -1153,7 +1153,10 @@ fn attach_plugins(
             );
         }
     }
-    for (i, p) in plugins.of_kind(crate::plugins::Kind::BlobStore).enumerate() {
+    for (i, p) in plugins
+        .of_kind(valem_service::plugins::Kind::BlobStore)
+        .enumerate()
+    {
         if i == 0 {
             service.set_blob_plugin(p.clone());
         } else {
@@ -1161,7 +1164,7 @@ fn attach_plugins(
                 "valem {cmd}: blob store plugin `{}` not used: `{}` was loaded first and keeps the blobs",
                 p.name,
                 plugins
-                    .of_kind(crate::plugins::Kind::BlobStore)
+                    .of_kind(valem_service::plugins::Kind::BlobStore)
                     .next()
                     .map(|f| f.name.as_str())
                     .unwrap_or("")
@@ -1172,16 +1175,16 @@ fn attach_plugins(
 
 /// `valem plugins list`.
 fn plugins_list(args: &PluginArgs, data_dir: Option<&std::path::Path>, as_json: bool) -> i32 {
-    use crate::plugins::Kind;
-    let plugins = crate::plugins::Plugins::load(&args.options(data_dir));
+    use valem_service::plugins::Kind;
+    let plugins = valem_service::plugins::Plugins::load(&args.options(data_dir));
     let mut info = plugins.info();
     for (i, p) in plugins.loaded().iter().enumerate() {
         // What the daemon would make of it, with the daemon's own checks.
         let provides = match p.kind {
-            Kind::Tool => crate::mcp::tools::plugin_tools(p)
+            Kind::Tool => valem_mcp::tools::plugin_tools(p)
                 .map(|t| serde_json::json!(t.iter().map(|t| t.name).collect::<Vec<_>>())),
             Kind::Guidance => {
-                let mut c = crate::mcp::guidance::Catalog::default();
+                let mut c = valem_mcp::guidance::Catalog::default();
                 c.extend_from_plugin(p).map(|_| serde_json::json!(c.ids()))
             }
             Kind::BlobStore | Kind::AuditStore => Ok(serde_json::Value::Null),
@@ -1233,9 +1236,9 @@ fn plugins_list(args: &PluginArgs, data_dir: Option<&std::path::Path>, as_json: 
 fn open_service(
     cmd: &str,
     shards: usize,
-    limits: crate::service::ServiceLimits,
+    limits: valem_service::ServiceLimits,
     args: &StoreArgs,
-) -> Result<std::sync::Arc<crate::service::ModelService>, i32> {
+) -> Result<std::sync::Arc<valem_service::ModelService>, i32> {
     let Some(dir) = args.data_dir.as_deref() else {
         if let Some(f) = &args.audit_key_file {
             eprintln!(
@@ -1244,7 +1247,7 @@ fn open_service(
             );
             return Err(2);
         }
-        return Ok(crate::service::ModelService::new(shards, limits));
+        return Ok(valem_service::ModelService::new(shards, limits));
     };
     let audit_key = match &args.audit_key_file {
         None => None,
@@ -1253,18 +1256,18 @@ fn open_service(
             2
         })?),
     };
-    let opts = crate::store::StoreOptions {
+    let opts = valem_store::StoreOptions {
         durability: if args.durability == "relaxed" {
-            crate::store::Durability::Relaxed
+            valem_store::Durability::Relaxed
         } else {
-            crate::store::Durability::Strict
+            valem_store::Durability::Strict
         },
         max_db_bytes: args.max_db_bytes,
         audit_key,
         ..Default::default()
     };
     let started = std::time::Instant::now();
-    let store = crate::store::Store::open(dir, opts).map_err(|e| {
+    let store = valem_store::Store::open(dir, opts).map_err(|e| {
         eprintln!(
             "valem {cmd}: cannot open the data directory {}: {e}",
             dir.display()
@@ -1295,7 +1298,7 @@ fn open_service(
             );
         }
     }
-    let service = crate::service::ModelService::open(shards, limits, std::sync::Arc::new(store))
+    let service = valem_service::ModelService::open(shards, limits, std::sync::Arc::new(store))
         .map_err(|e| {
             eprintln!(
                 "valem {cmd}: cannot recover the models in {}: {e}",
@@ -1313,7 +1316,7 @@ fn open_service(
 }
 
 /// The audit key in `path` (see `--audit-key-file`); the error names the file and what is wrong.
-fn read_audit_key(path: &Path) -> Result<crate::store::AuditKey, String> {
+fn read_audit_key(path: &Path) -> Result<valem_store::AuditKey, String> {
     const MAX: u64 = 4096;
     let len = std::fs::metadata(path)
         .map_err(|e| format!("cannot read the audit key file {}: {e}", path.display()))?
@@ -1326,7 +1329,7 @@ fn read_audit_key(path: &Path) -> Result<crate::store::AuditKey, String> {
     }
     let bytes = std::fs::read(path)
         .map_err(|e| format!("cannot read the audit key file {}: {e}", path.display()))?;
-    crate::store::AuditKey::parse(&bytes)
+    valem_store::AuditKey::parse(&bytes)
         .map_err(|e| format!("the audit key file {} holds no key: {e}", path.display()))
 }
 
@@ -1351,7 +1354,7 @@ fn mcp_proxy(
     if let Some(p) = plugins
         .loaded()
         .iter()
-        .find(|p| p.kind != crate::plugins::Kind::Guidance)
+        .find(|p| p.kind != valem_service::plugins::Kind::Guidance)
     {
         eprintln!(
             "valem mcp --url: plugin `{}` is a {} plugin; those load in the daemon (`valem serve --plugin`), the proxy loads guidance plugins only",
@@ -1361,13 +1364,13 @@ fn mcp_proxy(
         return 2;
     }
     // Authoring tools only: they never touch this service's registry.
-    let service = crate::service::ModelService::new(1, Default::default());
+    let service = valem_service::ModelService::new(1, Default::default());
     let mode = if browser {
-        crate::mcp::Mode::ProxyWithBrowser
+        valem_mcp::Mode::ProxyWithBrowser
     } else {
-        crate::mcp::Mode::Proxy
+        valem_mcp::Mode::Proxy
     };
-    let server = crate::mcp::Server::new(service, guidance, mode);
+    let server = valem_mcp::Server::new(service, guidance, mode);
     eprintln!(
         "valem mcp {}: proxy to {url}; reading JSON-RPC on stdin",
         env!("CARGO_PKG_VERSION")
@@ -1375,9 +1378,9 @@ fn mcp_proxy(
     let key = api_key.filter(|k| !k.is_empty());
     let url = url.to_string();
     let stdin = std::io::stdin().lock();
-    match crate::mcp::stdio::serve_with(
-        move |out| -> std::sync::Arc<dyn crate::mcp::Handler> {
-            crate::mcp::proxy::Proxy::new(server, &url, key, out, browser)
+    match valem_mcp::stdio::serve_with(
+        move |out| -> std::sync::Arc<dyn valem_mcp::Handler> {
+            valem_mcp::proxy::Proxy::new(server, &url, key, out, browser)
         },
         stdin,
         std::io::stdout(),

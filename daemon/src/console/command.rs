@@ -306,7 +306,7 @@ struct Args {
     map: Map<String, Json>,
 }
 
-use crate::spec::kind_of;
+use valem_core::spec::kind_of;
 
 impl Args {
     /// The argument, `None` when absent or null.

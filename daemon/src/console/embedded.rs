@@ -1,15 +1,15 @@
 //! The embedded backend: commands run on an in-process, in-memory
-//! [`ModelService`](crate::service::ModelService) through the same operations as the MCP tools
-//! ([`crate::mcp::ops`]), so results and failure messages are the tools' own.
+//! [`ModelService`](valem_service::ModelService) through the same operations as the MCP tools
+//! ([`valem_mcp::ops`]), so results and failure messages are the tools' own.
 
 use std::sync::Arc;
 
 use serde_json::{Map, Value as Json};
 
 use super::{Backend, Command};
-use crate::mcp::ops;
-use crate::mcp::tools::ToolError;
-use crate::service::ModelService;
+use valem_mcp::ops;
+use valem_mcp::tools::ToolError;
+use valem_service::ModelService;
 
 /// Commands against an in-process service.
 pub struct Embedded {

@@ -1,7 +1,7 @@
 //! `valem console`: the reference's console JSON protocol on stdin/stdout. One command object
 //! per line in, `{"ok":true,"result":…}` or `{"ok":false,"error":"…"}` per line out (nothing
 //! else is written to stdout). Commands are parsed once ([`command`]) and run by a [`Backend`]:
-//! an in-process [`ModelService`](crate::service::ModelService) ([`embedded`]) or a daemon's
+//! an in-process [`ModelService`](valem_service::ModelService) ([`embedded`]) or a daemon's
 //! REST API ([`remote`]). A bad line is answered with an error and the console keeps reading;
 //! it ends at `exit` or end of input. Never holds model state of its own.
 
@@ -13,8 +13,8 @@ use std::io::{BufRead, Write};
 
 use serde_json::{json, Value as Json};
 
-use crate::mcp::stdio::{Line, LineReader};
 pub use command::Command;
+use valem_mcp::stdio::{Line, LineReader};
 
 /// Default largest accepted line: a 50 MiB blob, base64-encoded, plus its command.
 pub const DEFAULT_MAX_LINE_BYTES: usize = 96 << 20;

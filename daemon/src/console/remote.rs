@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Map, Value as Json};
 
 use super::{Backend, Command};
-use crate::mcp::ops::blob_json;
+use valem_mcp::ops::blob_json;
 
 /// Time to open the connection to the daemon.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,0 +1,628 @@
+//! Path tries over address segments: the reader index (written path → nodes that read it, its
+//! ancestors or its descendants, with the `[*]` indices the match binds) and the producer index
+//! (where derivations write). Arrays are mapped implicitly, as JSONata navigation does: a read of
+//! `$.items.total` matches a write of `$.items[3].total`.
+
+use std::collections::HashMap;
+
+use valem_core::hash::{pair_hash, str_hash, Keyed};
+use valem_core::value::{Key, Seg};
+
+/// A field edge of the trie: from `parent` through member `key` to `child` (24 bytes; the
+/// table hashes `(parent, key)` itself, so a lookup borrows the name and clones nothing). The
+/// names are a spec's, so the hash is keyed ([`valem_core::hash`]).
+#[derive(Debug)]
+struct FieldEdge {
+    key: Key,
+    parent: u32,
+    child: u32,
+}
+
+fn edge_hash(parent: u32, key: &str) -> u64 {
+    pair_hash(parent, key)
+}
+
+/// A field edge from the root: to `child` through top-level member `key` (24 bytes). When
+/// `child` is a plain leaf (one entry, nothing below) the edge holds that entry too, so a
+/// write of the member finds its reader without visiting the node. Large flat models are
+/// almost all root edges.
+#[derive(Debug)]
+struct RootEdge {
+    key: Key,
+    /// The child node; the top bit is the edge's mark ([`Trie::mark_member`], [`Trie::mark_all_members`]).
+    child: u32,
+    /// The child's only entry when it is a plain leaf (set by [`Trie::shrink`]), or `NONE`.
+    leaf: u32,
+}
+
+fn root_hash(key: &str) -> u64 {
+    str_hash(key)
+}
+
+/// The bit of `RootEdge::child` that marks the edge.
+const MARKED: u32 = 1 << 31;
+
+/// The node a root edge's `child` (mark and all) leads to.
+fn unmarked(child: u32) -> usize {
+    (child & !MARKED) as usize
+}
+
+/// A top-level member's place in the index (see [`Trie::member`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Member {
+    child: u32,
+    leaf: u32,
+}
+
+impl Member {
+    /// Whether the member is marked ([`Trie::mark_member`]).
+    pub fn marked(&self) -> bool {
+        self.child & MARKED != 0
+    }
+
+    /// The only entry of a member that is a plain leaf (one reader, nothing below).
+    pub fn leaf(&self) -> Option<u32> {
+        (self.leaf != NONE).then_some(self.leaf)
+    }
+}
+
+/// One segment of an indexed pattern.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum TSeg {
+    Field(Key),
+    Index(usize),
+    /// `[*]`: in a reader path it binds the node's wildcard of the same ordinal.
+    Wild,
+}
+
+impl TSeg {
+    pub fn as_ref(&self) -> TSegRef<'_> {
+        match self {
+            TSeg::Field(k) => TSegRef::Field(k),
+            TSeg::Index(i) => TSegRef::Index(*i),
+            TSeg::Wild => TSegRef::Wild,
+        }
+    }
+}
+
+/// A [`TSeg`] borrowed: what [`Trie::insert_refs`] indexes a pattern by (its names are cloned
+/// only for the edges it adds).
+#[derive(Clone, Copy, Debug)]
+pub enum TSegRef<'a> {
+    Field(&'a Key),
+    Index(usize),
+    Wild,
+}
+
+impl TSegRef<'_> {
+    pub fn owned(self) -> TSeg {
+        match self {
+            TSegRef::Field(k) => TSeg::Field(k.clone()),
+            TSegRef::Index(i) => TSeg::Index(i),
+            TSegRef::Wild => TSeg::Wild,
+        }
+    }
+}
+
+const NONE: u32 = u32::MAX;
+
+/// A trie node: its first entries. Child lookup goes through the trie-wide maps, and a node's
+/// later entries and its child list (for subtree walks) sit in a side table that most nodes
+/// never use (a leaf holds one entry), so a node costs 16 bytes.
+#[derive(Debug)]
+struct TNode {
+    first: u32,
+    wild: u32,
+    /// Its [`More`] in `Trie::more`, or `NONE`.
+    more: u32,
+    /// Reached through an index segment (rather than a field).
+    index_child: bool,
+    /// Has children reached through index segments (rare: concrete indices in patterns).
+    has_index_children: bool,
+}
+
+impl Default for TNode {
+    fn default() -> Self {
+        TNode {
+            first: NONE,
+            wild: NONE,
+            more: NONE,
+            index_child: false,
+            has_index_children: false,
+        }
+    }
+}
+
+/// A node's second and later entries, and its field and index children.
+#[derive(Debug, Default)]
+struct More {
+    rest: Vec<u32>,
+    children: Vec<u32>,
+}
+
+/// A trie whose entries are node ids.
+#[derive(Debug)]
+pub struct Trie {
+    nodes: Vec<TNode>,
+    more: Vec<More>,
+    fields: hashbrown::HashTable<FieldEdge>,
+    roots: hashbrown::HashTable<RootEdge>,
+    /// Index edges: (parent, concrete index in a pattern) → child.
+    indices: HashMap<(u32, usize), u32, Keyed>,
+}
+
+impl Default for Trie {
+    fn default() -> Self {
+        Trie {
+            nodes: vec![TNode::default()],
+            more: Vec::new(),
+            fields: hashbrown::HashTable::new(),
+            roots: hashbrown::HashTable::new(),
+            indices: HashMap::default(),
+        }
+    }
+}
+
+/// A node reached by a write, with the array indices bound to its first wildcards (fewer than
+/// its wildcard count means "every instance below this prefix").
+pub type Hit = (u32, Vec<usize>);
+
+impl Trie {
+    fn more(&self, t: usize) -> Option<&More> {
+        self.more.get(self.nodes[t].more as usize)
+    }
+
+    fn more_mut(&mut self, t: usize) -> &mut More {
+        if self.nodes[t].more == NONE {
+            self.nodes[t].more = self.more.len() as u32;
+            self.more.push(More::default());
+        }
+        let i = self.nodes[t].more as usize;
+        &mut self.more[i]
+    }
+
+    fn entries(&self, t: usize) -> impl Iterator<Item = u32> + '_ {
+        let first = self.nodes[t].first;
+        (first != NONE)
+            .then_some(first)
+            .into_iter()
+            .chain(self.more(t).map_or(&[][..], |m| &m.rest).iter().copied())
+    }
+
+    fn children(&self, t: usize) -> &[u32] {
+        self.more(t).map_or(&[], |m| &m.children)
+    }
+
+    fn add(&mut self, t: usize, e: u32) {
+        let first = self.nodes[t].first;
+        if first == NONE {
+            self.nodes[t].first = e;
+        } else if first != e && !self.more(t).is_some_and(|m| m.rest.contains(&e)) {
+            self.more_mut(t).rest.push(e);
+        }
+    }
+
+    fn root(&self, k: &str) -> Option<&RootEdge> {
+        self.roots
+            .find(root_hash(k), |e| valem_core::value::key_eq(&e.key, k))
+    }
+
+    fn field(&self, t: usize, k: &Key) -> Option<usize> {
+        if t == 0 {
+            return self.root(k).map(|e| unmarked(e.child));
+        }
+        let t = t as u32;
+        self.fields
+            .find(edge_hash(t, k), |e| {
+                e.parent == t && valem_core::value::key_eq(&e.key, k)
+            })
+            .map(|e| e.child as usize)
+    }
+
+    fn index(&self, t: usize, i: usize) -> Option<usize> {
+        self.indices.get(&(t as u32, i)).map(|&c| c as usize)
+    }
+
+    fn wild(&self, t: usize) -> Option<usize> {
+        let w = self.nodes[t].wild;
+        (w != NONE).then_some(w as usize)
+    }
+
+    /// Room for `n` more top-level members: a large flat model's index is then built without
+    /// growing its table step by step (each step hashes every member's name again, reading
+    /// its text).
+    pub fn reserve_members(&mut self, n: usize) {
+        self.roots.reserve(n, |e| root_hash(&e.key));
+    }
+
+    pub fn insert(&mut self, path: &[TSeg], entry: u32) {
+        self.insert_refs(path.iter().map(TSeg::as_ref), entry);
+    }
+
+    pub fn insert_refs<'a>(&mut self, path: impl Iterator<Item = TSegRef<'a>>, entry: u32) {
+        let mut t = 0usize;
+        for seg in path {
+            let next = match seg {
+                TSegRef::Field(k) => self.field(t, k),
+                TSegRef::Index(i) => self.index(t, i),
+                TSegRef::Wild => self.wild(t),
+            };
+            t = match next {
+                Some(n) => n,
+                None => {
+                    let n = self.nodes.len() as u32;
+                    self.nodes.push(TNode::default());
+                    match seg {
+                        TSegRef::Field(k) if t == 0 => {
+                            let edge = RootEdge {
+                                key: k.clone(),
+                                child: n,
+                                leaf: NONE,
+                            };
+                            self.roots
+                                .insert_unique(root_hash(k), edge, |e| root_hash(&e.key));
+                            self.more_mut(t).children.push(n);
+                        }
+                        TSegRef::Field(k) => {
+                            let edge = FieldEdge {
+                                key: k.clone(),
+                                parent: t as u32,
+                                child: n,
+                            };
+                            self.fields
+                                .insert_unique(edge_hash(t as u32, k), edge, |e| {
+                                    edge_hash(e.parent, &e.key)
+                                });
+                            self.more_mut(t).children.push(n);
+                        }
+                        TSegRef::Index(i) => {
+                            self.indices.insert((t as u32, i), n);
+                            self.more_mut(t).children.push(n);
+                            self.nodes[n as usize].index_child = true;
+                            self.nodes[t].has_index_children = true;
+                        }
+                        TSegRef::Wild => self.nodes[t].wild = n,
+                    }
+                    n as usize
+                }
+            };
+        }
+        self.add(t, entry);
+    }
+
+    /// Release spare capacity once the trie is complete (nothing is inserted after), and note
+    /// the plain leaves below root edges in the edges.
+    pub fn shrink(&mut self) {
+        for e in self.roots.iter_mut() {
+            let n = &self.nodes[unmarked(e.child)];
+            e.leaf = if n.wild == NONE && n.more == NONE {
+                n.first
+            } else {
+                NONE
+            };
+        }
+        self.roots.shrink_to_fit(|e| root_hash(&e.key));
+        self.nodes.shrink_to_fit();
+        self.more.shrink_to_fit();
+        for m in &mut self.more {
+            m.children.shrink_to_fit();
+            m.rest.shrink_to_fit();
+        }
+        self.fields.shrink_to_fit(|e| edge_hash(e.parent, &e.key));
+        self.indices.shrink_to_fit();
+    }
+
+    /// The key and trie node of top-level member `k`, when an entry is at or below it: the
+    /// key is the one the index shares (a write can store it without interning `k`).
+    pub fn member(&self, k: &str) -> Option<(&Key, Member)> {
+        self.root(k).map(|e| {
+            (
+                &e.key,
+                Member {
+                    child: e.child,
+                    leaf: e.leaf,
+                },
+            )
+        })
+    }
+
+    /// Mark every top-level member (what a [`Member`] then tells).
+    pub fn mark_all_members(&mut self) {
+        for e in self.roots.iter_mut() {
+            e.child |= MARKED;
+        }
+    }
+
+    /// Mark top-level member `k`, when it is one.
+    pub fn mark_member(&mut self, k: &str) {
+        let found = self
+            .roots
+            .find_mut(root_hash(k), |e| valem_core::value::key_eq(&e.key, k));
+        if let Some(e) = found {
+            e.child |= MARKED;
+        }
+    }
+
+    /// The names of the top-level members (in no particular order).
+    pub fn members(&self) -> impl Iterator<Item = &Key> + '_ {
+        self.roots.iter().map(|e| &e.key)
+    }
+
+    /// Whether an entry is at the root (a pattern of the whole document).
+    pub fn has_root_entries(&self) -> bool {
+        self.entries(0).next().is_some()
+    }
+
+    /// [`Trie::hits`] for a write of a top-level member, given what [`Trie::member`] found
+    /// for it (`None`: nothing at or below it, only readers of the whole document).
+    pub fn member_hits(&self, member: Option<Member>, out: &mut Vec<Hit>) {
+        for e in self.entries(0) {
+            out.push((e, Vec::new()));
+        }
+        match member {
+            Some(Member { leaf, .. }) if leaf != NONE => out.push((leaf, Vec::new())),
+            Some(Member { child, .. }) => {
+                self.walk(unmarked(child), &[], &mut Vec::new(), false, out)
+            }
+            None => {}
+        }
+    }
+
+    /// Readers affected by a write at the concrete path `w`: those reading `w`, an ancestor of
+    /// it, or something below it.
+    pub fn hits(&self, w: &[Seg], out: &mut Vec<Hit>) {
+        let mut bind = Vec::new();
+        self.walk(0, w, &mut bind, false, out);
+    }
+
+    fn walk(&self, t: usize, w: &[Seg], bind: &mut Vec<usize>, skipped: bool, out: &mut Vec<Hit>) {
+        if !skipped {
+            for e in self.entries(t) {
+                out.push((e, bind.clone()));
+            }
+        }
+        match w.split_first() {
+            None => self.subtree(t, bind, skipped, out),
+            Some((Seg::Field(k), rest)) => {
+                if let Some(c) = self.field(t, k) {
+                    self.walk(c, rest, bind, false, out);
+                }
+            }
+            Some((Seg::Index(i), rest)) => {
+                if let Some(c) = self.wild(t) {
+                    bind.push(*i);
+                    self.walk(c, rest, bind, false, out);
+                    bind.pop();
+                }
+                if let Some(c) = self.index(t, *i) {
+                    self.walk(c, rest, bind, false, out);
+                }
+                // Implicit mapping: field reads below this node see through the index.
+                self.walk(t, rest, bind, true, out);
+            }
+        }
+    }
+
+    /// Everything indexed strictly below `t`. After an implicitly skipped index, array children
+    /// were already visited with their binding and are left out.
+    fn subtree(&self, t: usize, bind: &[usize], skip_arrays: bool, out: &mut Vec<Hit>) {
+        let node = &self.nodes[t];
+        for &c in self.children(t) {
+            if skip_arrays && node.has_index_children && self.nodes[c as usize].index_child {
+                continue;
+            }
+            self.all(c as usize, bind, out);
+        }
+        if !skip_arrays {
+            if let Some(c) = self.wild(t) {
+                self.all(c, bind, out);
+            }
+        }
+    }
+
+    fn all(&self, t: usize, bind: &[usize], out: &mut Vec<Hit>) {
+        for e in self.entries(t) {
+            out.push((e, bind.to_vec()));
+        }
+        self.subtree(t, bind, false, out);
+    }
+
+    /// Entries whose pattern overlaps the pattern `r` (compile-time edges): at or above `r`,
+    /// or below it; a field segment of `r` also passes through array levels of the index.
+    pub fn overlapping(&self, r: &[TSeg], out: &mut Vec<u32>) {
+        self.overlap(0, r, out, 0);
+    }
+
+    fn index_children(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
+        let scan: &[u32] = if self.nodes[t].has_index_children {
+            self.children(t)
+        } else {
+            &[]
+        };
+        scan.iter()
+            .map(|&c| c as usize)
+            .filter(|&c| self.nodes[c].index_child)
+    }
+
+    fn overlap(&self, t: usize, r: &[TSeg], out: &mut Vec<u32>, depth: usize) {
+        if depth > 512 {
+            return;
+        }
+        out.extend(self.entries(t));
+        match r.split_first() {
+            None => {
+                let mut hits = Vec::new();
+                self.subtree(t, &[], false, &mut hits);
+                out.extend(hits.into_iter().map(|(e, _)| e));
+            }
+            Some((TSeg::Field(k), rest)) => {
+                if let Some(c) = self.field(t, k) {
+                    self.overlap(c, rest, out, depth + 1);
+                }
+                if let Some(c) = self.wild(t) {
+                    self.overlap(c, r, out, depth + 1);
+                }
+                for c in self.index_children(t) {
+                    self.overlap(c, r, out, depth + 1);
+                }
+            }
+            Some((TSeg::Wild, rest)) => {
+                if let Some(c) = self.wild(t) {
+                    self.overlap(c, rest, out, depth + 1);
+                }
+                for c in self.index_children(t) {
+                    self.overlap(c, rest, out, depth + 1);
+                }
+            }
+            Some((TSeg::Index(i), rest)) => {
+                if let Some(c) = self.wild(t) {
+                    self.overlap(c, rest, out, depth + 1);
+                }
+                if let Some(c) = self.index(t, *i) {
+                    self.overlap(c, rest, out, depth + 1);
+                }
+            }
+        }
+    }
+
+    /// The first entry whose pattern is at or above the concrete path `w` (is `w` inside a
+    /// value an entry owns?).
+    pub fn above(&self, w: &[Seg]) -> Option<u32> {
+        self.above_walk(0, w)
+    }
+
+    fn above_walk(&self, t: usize, w: &[Seg]) -> Option<u32> {
+        if let Some(e) = self.entries(t).next() {
+            return Some(e);
+        }
+        match w.split_first()? {
+            (Seg::Field(k), rest) => self.above_walk(self.field(t, k)?, rest),
+            (Seg::Index(i), rest) => self
+                .wild(t)
+                .and_then(|c| self.above_walk(c, rest))
+                .or_else(|| self.above_walk(self.index(t, *i)?, rest)),
+        }
+    }
+
+    /// The entries indexed exactly at the concrete path `w` (through field and index
+    /// segments, not wildcards).
+    pub fn at(&self, w: &[Seg]) -> Option<impl Iterator<Item = u32> + '_> {
+        let mut t = 0usize;
+        for seg in w {
+            t = match seg {
+                Seg::Field(k) => self.field(t, k)?,
+                Seg::Index(i) => self.index(t, *i)?,
+            };
+        }
+        Some(self.entries(t))
+    }
+
+    /// Entries strictly below the concrete path `w`, with the indices `w` binds.
+    pub fn below(&self, w: &[Seg], out: &mut Vec<Hit>) {
+        let mut bind = Vec::new();
+        self.below_walk(0, w, &mut bind, out);
+    }
+
+    fn below_walk(&self, t: usize, w: &[Seg], bind: &mut Vec<usize>, out: &mut Vec<Hit>) {
+        match w.split_first() {
+            None => self.subtree(t, bind, false, out),
+            Some((Seg::Field(k), rest)) => {
+                if let Some(c) = self.field(t, k) {
+                    self.below_walk(c, rest, bind, out);
+                }
+            }
+            Some((Seg::Index(i), rest)) => {
+                if let Some(c) = self.wild(t) {
+                    bind.push(*i);
+                    self.below_walk(c, rest, bind, out);
+                    bind.pop();
+                }
+                if let Some(c) = self.index(t, *i) {
+                    self.below_walk(c, rest, bind, out);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn f(k: &str) -> TSeg {
+        TSeg::Field(Arc::from(k))
+    }
+    fn sf(k: &str) -> Seg {
+        Seg::Field(Arc::from(k))
+    }
+
+    #[test]
+    fn implicit_mapping_and_bindings() {
+        let mut t = Trie::default();
+        t.insert(&[f("items"), f("total")], 1); // $sum(items.total)
+        t.insert(&[f("items"), TSeg::Wild, f("price")], 2); // $parent.price
+        t.insert(&[f("other")], 3);
+        let mut out = Vec::new();
+        t.hits(&[sf("items"), Seg::Index(3), sf("price")], &mut out);
+        assert_eq!(out, vec![(2, vec![3])]);
+        out.clear();
+        t.hits(&[sf("items"), Seg::Index(3), sf("total")], &mut out);
+        assert_eq!(out, vec![(1, vec![])]);
+        out.clear();
+        t.hits(&[sf("items"), Seg::Index(3)], &mut out);
+        out.sort();
+        assert_eq!(out, vec![(1, vec![]), (2, vec![3])]);
+        out.clear();
+        t.hits(&[sf("items")], &mut out);
+        out.sort();
+        assert_eq!(out, vec![(1, vec![]), (2, vec![])]);
+    }
+
+    /// A write of a top-level member finds the same readers through its root edge (a plain
+    /// leaf's entry kept in the edge, or the node below) as through the walk.
+    #[test]
+    fn member_hits_are_the_walk_hits() {
+        let mut t = Trie::default();
+        t.insert(&[f("a")], 1); // a plain leaf
+        t.insert(&[f("b")], 2); // two entries
+        t.insert(&[f("b")], 3);
+        t.insert(&[f("c"), f("x")], 4); // below
+        t.insert(&[f("d")], 5); // at and below
+        t.insert(&[f("d"), TSeg::Wild, f("y")], 6);
+        t.insert(&[], 7); // the whole document
+        for shrunk in [false, true] {
+            if shrunk {
+                t.shrink();
+            }
+            for k in ["a", "b", "c", "d", "e"] {
+                let mut walk = Vec::new();
+                t.hits(&[sf(k)], &mut walk);
+                let mut member = Vec::new();
+                t.member_hits(t.member(k).map(|(_, m)| m), &mut member);
+                walk.sort();
+                member.sort();
+                assert_eq!(member, walk, "{k}");
+                assert!(walk.contains(&(7, vec![])), "{k}");
+            }
+        }
+        assert_eq!(t.member("a").map(|(k, _)| &**k), Some("a"));
+        assert!(t.member("e").is_none());
+    }
+
+    #[test]
+    fn overlap_passes_through_arrays() {
+        let mut p = Trie::default();
+        p.insert(&[f("items"), TSeg::Wild, f("total")], 7);
+        p.insert(&[f("sum")], 8);
+        let mut out = Vec::new();
+        p.overlapping(&[f("items"), f("total")], &mut out);
+        assert_eq!(out, vec![7]);
+        out.clear();
+        p.overlapping(&[f("items")], &mut out);
+        assert_eq!(out, vec![7]);
+        out.clear();
+        p.overlapping(&[f("sum"), f("x")], &mut out);
+        assert_eq!(out, vec![8]);
+    }
+}

@@ -1,0 +1,611 @@
+//! Streamable HTTP transport of the MCP core at `/mcp` (revisions 2025-03-26 … 2025-11-25; the
+//! 2024-11-05 HTTP+SSE transport is not served).
+//!
+//! - `POST /mcp`: one JSON-RPC message (or a batch where the revision allows it). `initialize`
+//!   opens a session and the reply carries `Mcp-Session-Id`; every later request must carry it
+//!   (400 without, 404 for an unknown or ended one). A body of notifications and responses
+//!   only gets 202. Requests are answered with `application/json`, or with a one-event
+//!   `text/event-stream` when the client accepts only that.
+//! - `GET /mcp` (`Accept: text/event-stream`): the session's stream of server messages
+//!   (`notifications/resources/updated`, log messages). Several streams may be open; each
+//!   message goes to exactly one. Messages sent while none is open wait (up to 1,000).
+//! - `DELETE /mcp`: ends the session.
+//!
+//! `MCP-Protocol-Version`, when sent, must be a revision we speak (400 otherwise).
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{json, Value as Json};
+use tokio::sync::mpsc;
+
+use super::sandbox::Scoped;
+use super::AppState;
+use valem_mcp::{code, Outbox, Session, PROTOCOL_VERSIONS};
+
+pub const SESSION_HEADER: &str = "mcp-session-id";
+pub const VERSION_HEADER: &str = "mcp-protocol-version";
+
+/// Server messages kept for a session while no stream is open.
+const PENDING_MAX: usize = 1000;
+
+pub fn routes(st: &AppState) -> Router<AppState> {
+    Router::new()
+        .route("/mcp", post(post_mcp).get(get_mcp).delete(delete_mcp))
+        .layer(DefaultBodyLimit::max(st.config.max_body_bytes))
+}
+
+/// Where a session's server messages go: its open GET streams, else a bounded queue.
+#[derive(Default)]
+struct Outbound {
+    streams: Vec<mpsc::UnboundedSender<Json>>,
+    pending: VecDeque<Json>,
+}
+
+pub struct HttpSession {
+    session: Arc<Session>,
+    /// The sandbox session it was opened in (with `X-Session-Token`): every message of it is
+    /// scoped to that session's models.
+    scope: Option<Scoped>,
+    out: Arc<Mutex<Outbound>>,
+    last_used: Mutex<Instant>,
+}
+
+impl HttpSession {
+    fn touch(&self) {
+        if let Ok(mut t) = self.last_used.lock() {
+            *t = Instant::now();
+        }
+    }
+
+    fn idle_for(&self) -> Duration {
+        self.last_used
+            .lock()
+            .map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    fn open_streams(&self) -> usize {
+        self.out
+            .lock()
+            .map_or(0, |o| o.streams.iter().filter(|s| !s.is_closed()).count())
+    }
+}
+
+/// The live sessions of the daemon.
+pub struct Sessions {
+    map: Mutex<HashMap<String, Arc<HttpSession>>>,
+    max: usize,
+    idle: Duration,
+}
+
+impl Sessions {
+    pub fn new(max: usize, idle: Duration) -> Sessions {
+        Sessions {
+            map: Mutex::new(HashMap::new()),
+            max,
+            idle,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().map_or(0, |m| m.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<HttpSession>> {
+        self.map.lock().ok()?.get(id).cloned()
+    }
+
+    fn remove(&self, id: &str) -> Option<Arc<HttpSession>> {
+        self.map.lock().ok()?.remove(id)
+    }
+
+    /// Drop sessions idle past the limit with no open stream.
+    fn reap(&self) -> usize {
+        let Ok(mut m) = self.map.lock() else {
+            return 0;
+        };
+        let before = m.len();
+        m.retain(|_, s| s.open_streams() > 0 || s.idle_for() < self.idle);
+        before - m.len()
+    }
+}
+
+pub fn spawn_reaper(sessions: Arc<Sessions>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(30));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    let n = sessions.reap();
+                    if n > 0 {
+                        tracing::info!(dropped = n, "idle MCP sessions dropped");
+                    }
+                }
+                _ = stop.changed() => break,
+            }
+        }
+    });
+}
+
+/// 128 random bits, hex.
+fn new_session_id() -> Option<String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).ok()?;
+    Some(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn rpc_error(status: StatusCode, code: i64, message: impl Into<String>) -> Response {
+    let body =
+        json!({"jsonrpc": "2.0", "id": null, "error": {"code": code, "message": message.into()}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn accepts(headers: &HeaderMap, what: &str) -> bool {
+    let Some(a) = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    a.split(',').any(|part| {
+        let t = part.split(';').next().unwrap_or("").trim();
+        t.eq_ignore_ascii_case(what) || t == "*/*"
+    })
+}
+
+fn is_json_content(headers: &HeaderMap) -> bool {
+    super::rest::extract::media_type(headers).as_deref() == Some("application/json")
+}
+
+fn check_version(headers: &HeaderMap) -> Result<(), Response> {
+    match headers.get(VERSION_HEADER).map(|v| v.to_str()) {
+        None => Ok(()),
+        Some(Ok(v)) if PROTOCOL_VERSIONS.contains(&v) => Ok(()),
+        Some(v) => Err(rpc_error(
+            StatusCode::BAD_REQUEST,
+            code::INVALID_REQUEST,
+            format!(
+                "unsupported MCP-Protocol-Version `{}`; this server speaks {}",
+                v.unwrap_or("?"),
+                PROTOCOL_VERSIONS.join(", ")
+            ),
+        )),
+    }
+}
+
+fn session_of(st: &AppState, headers: &HeaderMap) -> Result<(String, Arc<HttpSession>), Response> {
+    let Some(id) = headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok()) else {
+        return Err(rpc_error(
+            StatusCode::BAD_REQUEST,
+            code::INVALID_REQUEST,
+            "Bad Request: no Mcp-Session-Id header; send `initialize` first and pass the id it returns",
+        ));
+    };
+    match st.sessions.get(id) {
+        Some(s) => {
+            s.touch();
+            Ok((id.to_string(), s))
+        }
+        None => Err(rpc_error(
+            StatusCode::NOT_FOUND,
+            code::INVALID_REQUEST,
+            "Session not found: it ended or never existed; send `initialize` to start a new one",
+        )),
+    }
+}
+
+/// Is this message (or every member of this batch) something that gets no reply?
+fn is_initialize(msg: &Json) -> bool {
+    msg.get("method").and_then(|m| m.as_str()) == Some("initialize")
+}
+
+async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
+    let headers = req.headers().clone();
+    let scoped = req.extensions().get::<Scoped>().cloned();
+    let limit = st.config.max_body_bytes;
+    let too_large = || {
+        rpc_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            code::INVALID_REQUEST,
+            format!("Request body too large: the limit is {limit} bytes (--max-body-bytes)"),
+        )
+    };
+    if super::rest::extract::declares_over(&headers, limit) {
+        return too_large();
+    }
+    // The body is read before the headers are judged, so that a refusal on them (a client
+    // probing with a protocol version we do not speak, say) leaves the connection reusable.
+    let body = match Bytes::from_request(req, &st).await {
+        Ok(b) => b,
+        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large(),
+        Err(r) => {
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::PARSE_ERROR,
+                format!("Unreadable request body: {}", r.body_text()),
+            )
+        }
+    };
+    if let Err(r) = check_version(&headers) {
+        return r;
+    }
+    let json_ok = accepts(&headers, "application/json");
+    let sse_ok = accepts(&headers, "text/event-stream");
+    if !json_ok && !sse_ok {
+        return rpc_error(
+            StatusCode::NOT_ACCEPTABLE,
+            code::INVALID_REQUEST,
+            "Not Acceptable: the client must accept application/json and text/event-stream",
+        );
+    }
+    if !is_json_content(&headers) {
+        return rpc_error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            code::INVALID_REQUEST,
+            "Unsupported Media Type: the body must be application/json",
+        );
+    }
+    let mut msg: Json = match valem_mcp::wire::parse(&body) {
+        Ok(m) => m,
+        Err(e) => {
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::PARSE_ERROR,
+                format!("Parse error: {e}"),
+            )
+        }
+    };
+    let (sid, hs, created) = if is_initialize(&msg) {
+        if headers.contains_key(SESSION_HEADER) {
+            // Re-initializing inside a session is refused; a client starts a new one without the header.
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::INVALID_REQUEST,
+                "initialize must be sent without Mcp-Session-Id (it opens a new session)",
+            );
+        }
+        match open_session(&st, scoped.clone()) {
+            Ok((sid, hs)) => (sid, hs, true),
+            Err(r) => return r,
+        }
+    } else {
+        match session_of(&st, &headers) {
+            Ok((sid, hs)) => (sid, hs, false),
+            Err(r) => return r,
+        }
+    };
+    // A sandbox session is used with its own token only, and an operator's session never with one.
+    match (&hs.scope, &scoped) {
+        (None, None) => {}
+        (Some(a), Some(b)) if a.ns == b.ns => {}
+        (Some(_), _) => {
+            return rpc_error(
+                StatusCode::FORBIDDEN,
+                code::INVALID_REQUEST,
+                "this MCP session belongs to a sandbox session: send its X-Session-Token",
+            )
+        }
+        (None, Some(_)) => {
+            return rpc_error(
+                StatusCode::FORBIDDEN,
+                code::INVALID_REQUEST,
+                "this MCP session was opened without a session token; a token cannot join it",
+            )
+        }
+    }
+    if let Some(s) = &hs.scope {
+        if let Some(r) = refuse_scoped(s, &msg) {
+            return with_session_header(plain_reply(&st, created, &sid, r, json_ok), created, &sid);
+        }
+    }
+    let request = msg.clone();
+    let scope = hs.scope.clone();
+    if let Some(s) = &scope {
+        s.inbound_rpc(&mut msg);
+    }
+    let out = move |mut r: Json| {
+        if let Some(s) = &scope {
+            s.outbound_rpc(&request, &mut r);
+        }
+        r
+    };
+    if !valem_mcp::owes_reply(&msg) {
+        let session = hs.session.clone();
+        let _ = st
+            .blocking(move |_| {
+                if !session.intercept(&msg) {
+                    session.handle(msg);
+                }
+            })
+            .await;
+        return StatusCode::ACCEPTED.into_response();
+    }
+    let session = hs.session.clone();
+    if let Some(call) = session.call_deferred(&msg) {
+        // A cycle: await the shard; the worker serves other connections meanwhile.
+        let reply = call.await.map(&out);
+        return with_session_header(
+            plain_reply(&st, created, &sid, reply, json_ok),
+            created,
+            &sid,
+        );
+    }
+    if runs_inline(&st, &msg) {
+        // Nothing in this request waits on the client or reports progress: run it in place
+        // (no hop to the blocking pool) and send what it emitted (logs) before the reply.
+        let emitted: Arc<Mutex<Vec<Json>>> = Arc::default();
+        let sink = emitted.clone();
+        let io: Option<Outbox> = sse_ok.then(|| {
+            Arc::new(move |m: &Json| {
+                if let Ok(mut e) = sink.lock() {
+                    e.push(m.clone());
+                }
+            }) as Outbox
+        });
+        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tokio::task::block_in_place(|| session.handle_in(msg, io.as_ref()))
+        }));
+        let Ok(reply) = reply else {
+            return rpc_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                code::INTERNAL_ERROR,
+                "the request's worker failed",
+            );
+        };
+        let reply = reply.map(&out);
+        let emitted: Vec<Json> = emitted
+            .lock()
+            .map(|mut e| std::mem::take(&mut *e))
+            .unwrap_or_default()
+            .into_iter()
+            .map(&out)
+            .collect();
+        let res = if emitted.is_empty() {
+            plain_reply(&st, created, &sid, reply, json_ok)
+        } else {
+            let all = emitted.into_iter().chain(reply);
+            Sse::new(stream::iter(
+                all.map(|m| Ok::<_, Infallible>(message_event(&m))),
+            ))
+            .into_response()
+        };
+        return with_session_header(res, created, &sid);
+    }
+    // Messages the request emits while it runs (progress, logs, requests to the client) need a
+    // stream: the reply switches to SSE at the first one; a plain call stays JSON.
+    let (tx, mut rx) = mpsc::unbounded_channel::<Json>();
+    let io: Option<Outbox> = sse_ok.then(|| {
+        Arc::new(move |m: &Json| {
+            let _ = tx.send(m.clone());
+        }) as Outbox
+    });
+    let task = tokio::task::spawn_blocking(move || session.handle_in(msg, io.as_ref()));
+    let first = rx.recv().await;
+    let res = match first {
+        None => {
+            let reply = match task.await {
+                Ok(r) => r,
+                Err(_) => {
+                    return rpc_error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        code::INTERNAL_ERROR,
+                        "the request's worker failed",
+                    )
+                }
+            };
+            plain_reply(&st, created, &sid, reply.map(&out), json_ok)
+        }
+        Some(first) => {
+            let rest = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+            let reply = stream::once(async move { task.await.ok().flatten() })
+                .filter_map(|r| async move { r });
+            let all = stream::once(async move { first })
+                .chain(rest)
+                .chain(reply)
+                .map(move |m| Ok::<_, Infallible>(message_event(&out(m))));
+            Sse::new(all).into_response()
+        }
+    };
+    with_session_header(res, created, &sid)
+}
+
+/// A sandbox session's call it may not make ([`Scoped::refused_call`]), answered here: an
+/// `isError` tool result naming why (nothing for a notification); a batch holding one is
+/// refused whole. `None` lets the message through.
+fn refuse_scoped(s: &Scoped, msg: &Json) -> Option<Option<Json>> {
+    if let Json::Array(items) = msg {
+        let why = items.iter().find_map(|m| s.refused_call(m))?;
+        return Some(Some(json!({"jsonrpc": "2.0", "id": null,
+            "error": {"code": code::INVALID_REQUEST, "message": format!("the batch was refused: {why}")}})));
+    }
+    let why = s.refused_call(msg)?;
+    Some(msg.get("id").map(|id| {
+        json!({"jsonrpc": "2.0", "id": id, "result": {
+            "content": [{"type": "text", "text": why}], "isError": true}})
+    }))
+}
+
+/// A reply to the `initialize` that opened a session names it in `Mcp-Session-Id`.
+fn with_session_header(mut res: Response, created: bool, sid: &str) -> Response {
+    if created {
+        if let Ok(v) = HeaderValue::from_str(sid) {
+            res.headers_mut().insert(SESSION_HEADER, v);
+        }
+    }
+    res
+}
+
+/// Whether a request can run in place on the reactor's worker: only when no tool may ask the
+/// client something mid-call (the conformance fixtures do) and no progress is to be streamed.
+fn runs_inline(st: &AppState, msg: &Json) -> bool {
+    fn progress(m: &Json) -> bool {
+        m.pointer("/params/_meta/progressToken").is_some()
+    }
+    let wants_progress = match msg {
+        Json::Array(items) => items.iter().any(progress),
+        m => progress(m),
+    };
+    !st.config.conformance_fixtures
+        && !wants_progress
+        && tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread
+}
+
+/// The answer to a request that emitted nothing: JSON (or one SSE event), 202 for no reply.
+fn plain_reply(
+    st: &AppState,
+    created: bool,
+    sid: &str,
+    reply: Option<Json>,
+    json_ok: bool,
+) -> Response {
+    if created && reply.as_ref().is_none_or(|r| r.get("error").is_some()) {
+        // A failed initialize opens nothing.
+        st.sessions.remove(sid);
+    }
+    match reply {
+        None => StatusCode::ACCEPTED.into_response(),
+        Some(r) if json_ok => (
+            [(header::CONTENT_TYPE, "application/json")],
+            valem_mcp::wire::to_string(&r),
+        )
+            .into_response(),
+        Some(r) => Sse::new(stream::iter([Ok::<_, Infallible>(message_event(&r))])).into_response(),
+    }
+}
+
+fn open_session(
+    st: &AppState,
+    scope: Option<Scoped>,
+) -> Result<(String, Arc<HttpSession>), Response> {
+    if st.sessions.len() >= st.sessions.max {
+        st.sessions.reap();
+        if st.sessions.len() >= st.sessions.max {
+            return Err(rpc_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                code::INTERNAL_ERROR,
+                format!(
+                    "too many MCP sessions ({}); end unused sessions with DELETE /mcp",
+                    st.sessions.max
+                ),
+            ));
+        }
+    }
+    let Some(sid) = new_session_id() else {
+        return Err(rpc_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            code::INTERNAL_ERROR,
+            "no randomness available for a session id",
+        ));
+    };
+    let out: Arc<Mutex<Outbound>> = Arc::default();
+    let sink = out.clone();
+    let strip = scope.clone();
+    let outbox: Outbox = Arc::new(move |msg: &Json| {
+        let msg = &match &strip {
+            Some(s) => {
+                let mut m = msg.clone();
+                s.strip(&mut m);
+                m
+            }
+            None => msg.clone(),
+        };
+        let Ok(mut o) = sink.lock() else { return };
+        o.streams.retain(|s| !s.is_closed());
+        // Round-robin: the first live stream takes it, then goes to the back.
+        if !o.streams.is_empty() {
+            let s = o.streams.remove(0);
+            let ok = s.send(msg.clone()).is_ok();
+            o.streams.push(s);
+            if ok {
+                return;
+            }
+        }
+        if o.pending.len() >= PENDING_MAX {
+            o.pending.pop_front();
+        }
+        o.pending.push_back(msg.clone());
+    });
+    let session = Session::new(st.mcp.clone(), outbox);
+    let hs = Arc::new(HttpSession {
+        session,
+        scope,
+        out,
+        last_used: Mutex::new(Instant::now()),
+    });
+    if let Ok(mut m) = st.sessions.map.lock() {
+        m.insert(sid.clone(), hs.clone());
+    }
+    Ok((sid, hs))
+}
+
+async fn get_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(r) = check_version(&headers) {
+        return r;
+    }
+    if !accepts(&headers, "text/event-stream") {
+        return rpc_error(
+            StatusCode::NOT_ACCEPTABLE,
+            code::INVALID_REQUEST,
+            "Not Acceptable: GET /mcp opens a text/event-stream",
+        );
+    }
+    let (_, hs) = match session_of(&st, &headers) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let (tx, rx) = mpsc::unbounded_channel::<Json>();
+    if let Ok(mut o) = hs.out.lock() {
+        while let Some(m) = o.pending.pop_front() {
+            let _ = tx.send(m);
+        }
+        o.streams.push(tx);
+    }
+    let stop = st.shutdown.clone();
+    Sse::new(event_stream(rx, stop))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+fn message_event(m: &Json) -> SseEvent {
+    SseEvent::default()
+        .event("message")
+        .data(valem_mcp::wire::to_string(m))
+}
+
+/// Messages as SSE `message` events until the session, the client or the daemon goes away.
+fn event_stream(
+    rx: mpsc::UnboundedReceiver<Json>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    stream::unfold((rx, stop), |(mut rx, mut stop)| async move {
+        if *stop.borrow() {
+            return None;
+        }
+        tokio::select! {
+            m = rx.recv() => m.map(|m| (m, (rx, stop))),
+            _ = stop.changed() => None,
+        }
+    })
+    .map(|m| Ok(message_event(&m)))
+}
+
+async fn delete_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    let (sid, _) = match session_of(&st, &headers) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    st.sessions.remove(&sid);
+    StatusCode::OK.into_response()
+}

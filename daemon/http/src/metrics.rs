@@ -1,0 +1,194 @@
+//! `/metrics`: Prometheus text exposition (format 0.0.4) of the daemon — HTTP requests by
+//! status class, errors by kind, reactive cycles and their latency histogram, live models and
+//! MCP sessions, sandbox pairings waiting and the mints refused or dropped, and with a store
+//! its writer counters and the checkpoints refused.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+
+use super::AppState;
+use valem_service::metrics::BUCKETS;
+
+#[derive(Default)]
+pub struct Metrics {
+    requests: [AtomicU64; 6],
+    errors: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        Metrics::default()
+    }
+
+    /// One answered request (counted by status class 1xx … 5xx).
+    pub fn request(&self, status: u16) {
+        let class = usize::from(status / 100).min(5);
+        if let Some(c) = self.requests.get(class) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A request refused by the guard.
+    pub fn rejected(&self, status: u16) {
+        self.error(match status {
+            401 => "unauthorized",
+            403 => "forbidden",
+            _ => "rejected",
+        });
+    }
+
+    /// One failure of the given kind (`not_found`, `schema_violation`, …).
+    pub fn error(&self, kind: &'static str) {
+        if let Ok(mut m) = self.errors.lock() {
+            *m.entry(kind).or_default() += 1;
+        }
+    }
+}
+
+pub async fn serve(State(st): State<AppState>) -> Response {
+    let mut out = String::with_capacity(4096);
+    let cm = st.service.metrics();
+    let _ = writeln!(
+        out,
+        "# HELP valem_cycles_total Reactive cycles, by outcome.\n# TYPE valem_cycles_total counter"
+    );
+    for (outcome, v) in [
+        ("committed", &cm.committed),
+        ("rejected_schema", &cm.rejected_schema),
+        ("rejected_constraint", &cm.rejected_constraint),
+        ("rejected_other", &cm.rejected_other),
+    ] {
+        let _ = writeln!(
+            out,
+            "valem_cycles_total{{outcome=\"{outcome}\"}} {}",
+            v.load(Ordering::Relaxed)
+        );
+    }
+    let (counts, sum) = cm.histogram();
+    let _ = writeln!(out, "# HELP valem_cycle_duration_seconds Time of committed cycles on their shard.\n# TYPE valem_cycle_duration_seconds histogram");
+    for (i, c) in counts.iter().enumerate() {
+        let le = BUCKETS
+            .get(i)
+            .map_or_else(|| "+Inf".to_string(), |b| format!("{b}"));
+        let _ = writeln!(
+            out,
+            "valem_cycle_duration_seconds_bucket{{le=\"{le}\"}} {c}"
+        );
+    }
+    let total = counts.last().copied().unwrap_or(0);
+    let _ = writeln!(out, "valem_cycle_duration_seconds_sum {sum}");
+    let _ = writeln!(out, "valem_cycle_duration_seconds_count {total}");
+    let _ = writeln!(
+        out,
+        "# HELP valem_models Live models.\n# TYPE valem_models gauge\nvalem_models {}",
+        st.service.model_count()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_mcp_sessions Live Streamable HTTP MCP sessions.\n# TYPE valem_mcp_sessions gauge\nvalem_mcp_sessions {}",
+        st.sessions.len()
+    );
+    let p = st.pairings.stats();
+    let _ = writeln!(
+        out,
+        "# HELP valem_pairings_pending Sandbox pairings waiting for approval.\n# TYPE valem_pairings_pending gauge\nvalem_pairings_pending {}",
+        p.pending
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_pairings_refused_total Sandbox pairing mints refused (429), by reason.\n# TYPE valem_pairings_refused_total counter"
+    );
+    for (reason, v) in [
+        ("rate_limited", p.refused_rate_limited),
+        ("capacity", p.refused_capacity),
+    ] {
+        let _ = writeln!(
+            out,
+            "valem_pairings_refused_total{{reason=\"{reason}\"}} {v}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP valem_pairings_evicted_total Waiting pairings dropped for a newer one minted by the same client.\n# TYPE valem_pairings_evicted_total counter\nvalem_pairings_evicted_total {}",
+        p.evicted
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_http_requests_total HTTP requests answered, by status class.\n# TYPE valem_http_requests_total counter"
+    );
+    for (i, c) in st.metrics.requests.iter().enumerate().skip(1) {
+        let _ = writeln!(
+            out,
+            "valem_http_requests_total{{code=\"{i}xx\"}} {}",
+            c.load(Ordering::Relaxed)
+        );
+    }
+    if let Some(store) = st.service.store() {
+        let w = store.stats();
+        for (name, help, v) in [
+            (
+                "valem_store_batches_total",
+                "Write batches committed (one transaction each).",
+                w.batches_committed,
+            ),
+            (
+                "valem_store_ops_total",
+                "Writes committed (audit records, models, checkpoints…).",
+                w.ops_committed,
+            ),
+            (
+                "valem_store_fsyncs_total",
+                "fsyncs of the database (strict: one per batch).",
+                w.fsyncs,
+            ),
+            (
+                "valem_store_failed_batches_total",
+                "Write batches that failed and were rolled back.",
+                w.batches_failed,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP valem_checkpoints_refused_total Checkpoints recovery or an ?at= read refused (they did not match their state or the audit chain), by what did not match.\n# TYPE valem_checkpoints_refused_total counter"
+        );
+        for (reason, v) in st.service.checkpoint_metrics().refused_counts() {
+            let _ = writeln!(
+                out,
+                "valem_checkpoints_refused_total{{reason=\"{reason}\"}} {v}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP valem_models_unrecovered Stored models that could not be recovered: kept in the store, not served (the log says why).\n# TYPE valem_models_unrecovered gauge\nvalem_models_unrecovered {}",
+            st.service.checkpoint_metrics().unrecovered_count()
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP valem_errors_total Failed requests and tool calls, by kind.\n# TYPE valem_errors_total counter"
+    );
+    if let Ok(m) = st.metrics.errors.lock() {
+        for (k, v) in m.iter() {
+            let _ = writeln!(out, "valem_errors_total{{kind=\"{k}\"}} {v}");
+        }
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
+}

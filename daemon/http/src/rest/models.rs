@@ -1,0 +1,310 @@
+//! `/models…` handlers: translate the request into one ModelService call (on the blocking
+//! pool) and its result into the reference's response.
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value as Json};
+
+use super::extract::{wrong_shape, JsonBody, Params, PatchBody, P};
+use super::{call, ok, ApiError};
+use crate::AppState;
+use valem_core::spec::{parse_evolution_checked, parse_spec, SpecParseError};
+use valem_engine::validate::Finding;
+use valem_engine::{MutationError, MutationResult};
+use valem_service::{mutation_list, AuditQuery, ModelService, ServiceError};
+
+/// The header naming the view whose evaluated components a mutation response carries.
+const VIEW_HEADER: &str = "x-view";
+
+fn parse_finding(e: &SpecParseError) -> Finding {
+    Finding {
+        location: e.location(),
+        message: e.message(),
+    }
+}
+
+pub async fn list(State(st): State<AppState>) -> Result<Response, ApiError> {
+    Ok(ok(call(&st, |svc| svc.list()).await?))
+}
+
+pub async fn create(State(st): State<AppState>, JsonBody(body): JsonBody) -> Response {
+    let spec = match parse_spec(&body) {
+        Ok(s) => s,
+        Err(e) => {
+            let f = parse_finding(&e);
+            let message = format!("invalid spec at {}: {}", f.location, f.message);
+            return ApiError::findings("Invalid spec", message, &[f]).into_response();
+        }
+    };
+    match call(&st, move |svc| svc.create(spec)).await {
+        Ok(info) => {
+            let mut r = (
+                StatusCode::CREATED,
+                axum::Json(json!({"id": info.id, "status": "created"})),
+            )
+                .into_response();
+            // Ids are `[namespace/]name`: the namespace separator is the only character to escape.
+            let location = format!("/models/{}", info.id.replace('/', "%2F"));
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                r.headers_mut().insert(header::LOCATION, v);
+            }
+            r
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn info(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    Ok(ok(call(&st, move |svc| svc.info(&id)).await?))
+}
+
+pub async fn delete(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    let owned = id.clone();
+    call(&st, move |svc| svc.delete(&owned)).await?;
+    Ok(ok(json!({"deleted": true, "id": id})))
+}
+
+pub async fn spec(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    let spec = call(&st, move |svc| svc.spec(&id)).await?;
+    Ok(ok(&*spec))
+}
+
+pub async fn library(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    let owned = id.clone();
+    match call(&st, move |svc| svc.library(&owned)).await? {
+        Some(lib) => Ok(ok(lib)),
+        None => Err(ApiError::not_found(format!("model `{id}` has no library"))),
+    }
+}
+
+/// The pinned ancestor chain of a branch; `[]` for a model that is not one.
+pub async fn lineage(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    let spec = call(&st, move |svc| svc.spec(&id)).await?;
+    Ok(ok(&spec.lineage))
+}
+
+/// The `X-View` header, when sent.
+fn view_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    match headers.get(VIEW_HEADER) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .map(|s| Some(s.trim().to_string()))
+            .map_err(|_| ApiError::bad_request("the X-View header is not valid text")),
+    }
+}
+
+/// Every component of an evaluated view keyed by its id, nested ones included (the
+/// reference's `Map<String, EvaluatedComponent>`).
+fn components_by_id(view: &Json) -> Map<String, Json> {
+    fn walk(list: Option<&Json>, out: &mut Map<String, Json>) {
+        for c in list.and_then(Json::as_array).into_iter().flatten() {
+            if let Some(id) = c.get("id").and_then(Json::as_str) {
+                out.insert(id.to_string(), c.clone());
+            }
+            walk(c.get("components"), out);
+        }
+    }
+    let mut out = Map::new();
+    walk(view.get("components"), &mut out);
+    out
+}
+
+/// Run one cycle (`op`) and answer the MutationResponse; with `X-View`, the view (checked to
+/// exist before anything is written) is evaluated after the commit into `viewDelta`.
+async fn mutation_response(
+    st: &AppState,
+    id: String,
+    headers: &HeaderMap,
+    op: impl FnOnce(&ModelService, &str) -> Result<std::sync::Arc<MutationResult>, ServiceError>
+        + Send
+        + 'static,
+) -> Result<Response, ApiError> {
+    let view_id = view_header(headers)?;
+    let (result, view) = call(st, move |svc| {
+        if let Some(v) = &view_id {
+            if !svc.info(&id)?.views.iter().any(|x| x == v) {
+                return Err(ServiceError::ViewNotFound(format!(
+                    "model `{id}` has no view `{v}` (X-View)"
+                )));
+            }
+        }
+        let r = op(svc, &id)?;
+        let view = view_id.map(|v| svc.view(&id, Some(&v)));
+        Ok((r, view))
+    })
+    .await?;
+    let mut body = result.to_json(true);
+    match view {
+        None => {}
+        Some(Ok(v)) => body["viewDelta"] = Json::Object(components_by_id(&v)),
+        // The cycle committed; a view that fails to evaluate does not undo it.
+        Some(Err(e)) => body["viewError"] = json!(e.to_string()),
+    }
+    Ok(ok(body))
+}
+
+pub async fn mutate(
+    State(st): State<AppState>,
+    P(id): P<String>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let Json::Object(m) = body else {
+        return Err(wrong_shape(
+            "a flat JSON object of `\"$.path\": value` mutations",
+        ));
+    };
+    let mutations = mutation_list(&m);
+    if view_header(&headers)?.is_none() {
+        // The common case awaits the shard: the worker serves other connections meanwhile.
+        let r = st.service.mutate_async(&id, mutations).await?;
+        return Ok(ok(r.to_json(true)));
+    }
+    mutation_response(&st, id, &headers, move |svc, id| svc.mutate(id, mutations)).await
+}
+
+pub async fn patch(
+    State(st): State<AppState>,
+    P(id): P<String>,
+    headers: HeaderMap,
+    PatchBody(body): PatchBody,
+) -> Result<Response, ApiError> {
+    let patch: json_patch::Patch = serde_path_to_error::deserialize(body).map_err(|e| {
+        ApiError::from(ServiceError::Mutation(MutationError::Invalid(format!(
+            "invalid JSON Patch at `{}`: {}",
+            e.path(),
+            e.inner()
+        ))))
+    })?;
+    mutation_response(&st, id, &headers, move |svc, id| svc.patch(id, patch)).await
+}
+
+pub async fn state(
+    State(st): State<AppState>,
+    P(id): P<String>,
+    q: Params,
+) -> Result<Response, ApiError> {
+    let at = q.instant("at")?;
+    Ok(ok(call(&st, move |svc| svc.state(&id, at)).await?))
+}
+
+pub async fn field(
+    State(st): State<AppState>,
+    P((id, path)): P<(String, String)>,
+) -> Result<Response, ApiError> {
+    let (i, p) = (id.clone(), path.clone());
+    match call(&st, move |svc| svc.field(&i, &p)).await? {
+        Some(v) => Ok(ok(v)),
+        None => Err(ApiError::not_found(format!(
+            "`{path}` has no value in model `{id}`"
+        ))),
+    }
+}
+
+pub async fn history(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    Ok(ok(call(&st, move |svc| svc.history(&id)).await?))
+}
+
+pub async fn schema(
+    State(st): State<AppState>,
+    P((id, path)): P<(String, String)>,
+) -> Result<Response, ApiError> {
+    Ok(ok(
+        call(&st, move |svc| svc.effective_schema(&id, &path)).await?
+    ))
+}
+
+pub async fn explain(
+    State(st): State<AppState>,
+    P((id, path)): P<(String, String)>,
+    q: Params,
+) -> Result<Response, ApiError> {
+    let limit = q.positive("limit")?;
+    Ok(ok(
+        call(&st, move |svc| svc.explain(&id, &path, limit)).await?
+    ))
+}
+
+pub async fn graph(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    Ok(ok(call(&st, move |svc| svc.graph(&id)).await?))
+}
+
+pub async fn verification(
+    State(st): State<AppState>,
+    P(id): P<String>,
+) -> Result<Response, ApiError> {
+    let report = call(&st, move |svc| svc.verification(&id)).await?;
+    Ok(ok(&*report))
+}
+
+pub async fn audit(
+    State(st): State<AppState>,
+    P(id): P<String>,
+    q: Params,
+) -> Result<Response, ApiError> {
+    let query = AuditQuery {
+        path_prefix: q.get("path").map(String::from),
+        from_us: q.instant("from")?,
+        to_us: q.instant("to")?,
+        limit: q.positive("limit")?,
+    };
+    Ok(ok(call(&st, move |svc| svc.audit(&id, query)).await?))
+}
+
+pub async fn verify_audit(
+    State(st): State<AppState>,
+    P(id): P<String>,
+) -> Result<Response, ApiError> {
+    Ok(ok(call(&st, move |svc| svc.verify_audit(&id)).await?))
+}
+
+pub async fn snapshot(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    Ok(ok(call(&st, move |svc| svc.snapshot(&id)).await?))
+}
+
+pub async fn restore(
+    State(st): State<AppState>,
+    P(id): P<String>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    if !body.is_object() {
+        return Err(wrong_shape(
+            "a Snapshot object, as POST /snapshot returned it",
+        ));
+    }
+    Ok(ok(call(&st, move |svc| svc.restore(&id, body)).await?))
+}
+
+pub async fn evolve(
+    State(st): State<AppState>,
+    P(id): P<String>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let (evo, warnings) = parse_evolution_checked(&body).map_err(|e| {
+        let f = parse_finding(&e);
+        let message = format!("invalid evolution at {}: {}", f.location, f.message);
+        ApiError::findings("Invalid evolution", message, &[f])
+    })?;
+    let info = call(&st, move |svc| svc.evolve(&id, evo)).await?;
+    if warnings.is_empty() {
+        return Ok(ok(info));
+    }
+    let mut body = serde_json::json!(info);
+    body["warnings"] = serde_json::json!(warnings);
+    Ok(ok(body))
+}
+
+pub async fn view(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+    Ok(ok(call(&st, move |svc| svc.view(&id, None)).await?))
+}
+
+pub async fn named_view(
+    State(st): State<AppState>,
+    P((id, view_id)): P<(String, String)>,
+) -> Result<Response, ApiError> {
+    Ok(ok(
+        call(&st, move |svc| svc.view(&id, Some(&view_id))).await?
+    ))
+}

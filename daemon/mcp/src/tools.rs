@@ -1,0 +1,1283 @@
+//! The MCP tool catalog: every tool's name, title, description, annotations, input schema
+//! (generated from the argument types below, so it is what the handler accepts), output schema,
+//! and its handler. Handlers only translate arguments into ModelService / authoring calls and
+//! results into the result envelope; they hold no state.
+
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Map, Value as Json};
+
+use std::sync::Arc;
+
+use super::guidance::Catalog as Guidance;
+use super::ops;
+use super::Server;
+use valem_core::spec::{parse_spec, TestCase};
+use valem_engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
+use valem_engine::{CreateError, MutationError};
+use valem_service::plugins::{Kind, Plugin, Plugins};
+use valem_service::time::{now_us, parse_iso};
+use valem_service::{mutation_list, AuditQuery, BlobRef, ModelInfo, ServiceError};
+
+/// The tools that never touch the registry (the proxy runs them locally).
+pub const AUTHORING: &[&str] = &[
+    "get_domain_guidance",
+    "validate_spec",
+    "eval_expression",
+    "test_spec",
+    "dry_run",
+];
+
+/// Pretty-printed results longer than this many characters are withheld.
+pub const RESULT_LIMIT_CHARS: usize = 50_000;
+
+/// What a handler sees.
+pub struct Ctx<'a> {
+    pub server: &'a Server,
+}
+
+/// A tool-level failure (an `isError: true` result).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolError {
+    /// One of the contract's structured failures: the body is both text and structuredContent.
+    Structured(Json),
+    /// Anything else: a message for the agent.
+    Message(String),
+}
+
+pub type Outcome = Result<Json, ToolError>;
+
+type Handler = fn(&Ctx<'_>, Json) -> Outcome;
+
+/// A tool call in flight.
+pub type Deferred = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
+
+type DeferredHandler = fn(&Ctx<'_>, Json) -> Deferred;
+
+/// One tool.
+pub struct Tool {
+    pub name: &'static str,
+    pub title: &'static str,
+    pub description: &'static str,
+    pub input_schema: Json,
+    pub output_schema: Option<Json>,
+    pub annotations: Json,
+    handler: Handler,
+    /// A tool plugin's tool: the plugin and the tool's own (un-namespaced) name.
+    plugin: Option<(Arc<Plugin>, String)>,
+    /// The async form of a tool whose work is one shard call: `/mcp` awaits it without
+    /// holding a reactor thread (threads call `handler`).
+    deferred: Option<DeferredHandler>,
+}
+
+impl Tool {
+    pub fn call(&self, ctx: &Ctx<'_>, args: Json) -> Outcome {
+        match &self.plugin {
+            Some((p, name)) => p
+                .call("tools.call", json!({"name": name, "arguments": args}))
+                .map_err(|e| ToolError::Message(e.to_string())),
+            None => (self.handler)(ctx, args),
+        }
+    }
+
+    /// Whether the tool comes from a plugin.
+    pub fn is_plugin(&self) -> bool {
+        self.plugin.is_some()
+    }
+
+    /// Whether the tool has an async form.
+    pub fn is_deferred(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// The call as a future, for tools that have an async form.
+    pub fn call_deferred(&self, ctx: &Ctx<'_>, args: Json) -> Option<Deferred> {
+        self.deferred.map(|d| d(ctx, args))
+    }
+
+    fn json(&self) -> Json {
+        let mut t = json!({
+            "name": self.name,
+            "title": self.title,
+            "description": self.description,
+            "inputSchema": self.input_schema,
+        });
+        if let Some(o) = &self.output_schema {
+            t["outputSchema"] = o.clone();
+        }
+        t["annotations"] = self.annotations.clone();
+        t
+    }
+}
+
+/// All tools, in a stable order.
+pub struct Catalog {
+    pub tools: Vec<Tool>,
+    list: Json,
+}
+
+impl Catalog {
+    pub fn new(guidance: &Guidance, plugins: &Plugins) -> Catalog {
+        let mut tools = all_tools(guidance);
+        for p in plugins.of_kind(Kind::Tool) {
+            match plugin_tools(p) {
+                Ok(t) => {
+                    for t in t {
+                        if tools.iter().any(|x| x.name == t.name) {
+                            tracing::error!(plugin = %p.name, tool = t.name, "tool not added: the name is taken");
+                        } else {
+                            tools.push(t);
+                        }
+                    }
+                }
+                Err(e) => tracing::error!(plugin = %p.name, "tools not loaded: {e}"),
+            }
+        }
+        let list = json!({"tools": tools.iter().map(Tool::json).collect::<Vec<_>>()});
+        Catalog { tools, list }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tool> {
+        self.tools.iter().find(|t| t.name == name)
+    }
+
+    pub fn list_json(&self) -> Json {
+        self.list.clone()
+    }
+}
+
+/// The MCP name of a plugin's tool: `<plugin>__<tool>`, `-` in the plugin's name as `_`.
+pub fn plugin_tool_name(plugin: &str, tool: &str) -> String {
+    format!("{}__{tool}", plugin.replace('-', "_"))
+}
+
+/// A tool plugin's tools (`tools.list`), namespaced and checked. Their texts are leaked: plugins
+/// load once per process.
+pub fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, String> {
+    let list = p.call("tools.list", json!({})).map_err(|e| e.to_string())?;
+    let defs: Vec<valem_sdk::ToolDef> = serde_json::from_value(list).map_err(|e| {
+        format!(
+            "plugin `{}` listed tools this daemon cannot read: {e}",
+            p.name
+        )
+    })?;
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let mut out = Vec::new();
+    for d in defs {
+        let name = plugin_tool_name(&p.name, &d.name);
+        let ok = !d.name.is_empty()
+            && name.len() <= 64
+            && d.name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !ok {
+            return Err(format!(
+                "plugin `{}` has a tool named {:?}: tool names are letters, digits, `_` and `-` \
+                 (at most 64 characters with the plugin's prefix)",
+                p.name, d.name
+            ));
+        }
+        let mut input = d.input_schema;
+        if !input.is_object() {
+            return Err(format!(
+                "plugin `{}` tool `{}`: inputSchema must be a JSON object schema",
+                p.name, d.name
+            ));
+        }
+        if input.get("type").is_none() {
+            input["type"] = json!("object");
+        }
+        out.push(Tool {
+            name: leak(name),
+            title: leak(d.title.unwrap_or_else(|| d.name.clone())),
+            description: leak(d.description),
+            input_schema: input,
+            output_schema: d.output_schema,
+            annotations: annotations(d.read_only, false, false),
+            handler: |_, _| Err(ToolError::Message("not a built-in tool".into())),
+            plugin: Some((p.clone(), d.name)),
+            deferred: None,
+        });
+    }
+    Ok(out)
+}
+
+/// `mutate`: one reactive cycle; the MutationResult (traces on request).
+fn mutate(c: &Ctx<'_>, a: Json) -> Deferred {
+    let a: MutateArgs = match args("mutate", a) {
+        Ok(a) => a,
+        Err(e) => return Box::pin(std::future::ready(Err(e))),
+    };
+    let traces = a.include_traces.unwrap_or(false);
+    let cycle = c
+        .server
+        .service
+        .mutate_async(&a.id, mutation_list(&a.mutations));
+    Box::pin(async move { Ok(cycle.await?.to_json(traces)) })
+}
+
+// --- the result envelope --------------------------------------------------------------------
+
+fn pretty(v: &Json) -> String {
+    serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string())
+}
+
+/// The tools whose success means a committed write: over the size guard their result is the
+/// committed-write note, not a failure (an agent told it failed would send the write again).
+const COMMITTED_WRITES: &[&str] = &["mutate", "patch_model"];
+
+/// The `tools/call` result for an outcome: a pretty text block, plus structuredContent for
+/// objects; the size guard; `isError` for failures.
+pub fn envelope(outcome: Outcome) -> Json {
+    envelope_for("", outcome)
+}
+
+/// [`envelope`] for the tool `name`: a committed write over the size guard answers
+/// `isError: false` with a note saying it committed (its counts, and what must be acted on
+/// when it fits), also as structuredContent so that clients validating the output accept it;
+/// any other result over the guard is withheld as an `isError` note.
+pub fn envelope_for(name: &str, outcome: Outcome) -> Json {
+    match outcome {
+        Ok(v) => {
+            let text = pretty(&v);
+            let chars = text.chars().count();
+            if chars > RESULT_LIMIT_CHARS {
+                if COMMITTED_WRITES.contains(&name) {
+                    let note = committed_note(&v, chars);
+                    return json!({
+                        "content": [{"type": "text", "text": pretty(&note)}],
+                        "structuredContent": note,
+                        "isError": false,
+                    });
+                }
+                let note = json!({
+                    "error": "Result too large",
+                    "resultChars": chars,
+                    "limitChars": RESULT_LIMIT_CHARS,
+                    "hint": "Narrow the read: get_state with `paths` (e.g. [\"$.order\"]) and/or `depth`, \
+                             get_field for one value, explain with `limit`, get_audit with `limit`/`pathPrefix`.",
+                });
+                return json!({
+                    "content": [{"type": "text", "text": pretty(&note)}],
+                    "isError": true,
+                });
+            }
+            let mut r = json!({"content": [{"type": "text", "text": text}]});
+            if v.is_object() {
+                r["structuredContent"] = v;
+            }
+            r["isError"] = json!(false);
+            r
+        }
+        Err(ToolError::Structured(v)) => json!({
+            "content": [{"type": "text", "text": pretty(&v)}],
+            "structuredContent": v,
+            "isError": true,
+        }),
+        Err(ToolError::Message(m)) => json!({
+            "content": [{"type": "text", "text": m}],
+            "isError": true,
+        }),
+    }
+}
+
+/// What stands in for a committed write's summary `v` of `chars` characters: that it
+/// committed, the length of each of its lists, and its flagged constraints and dispatched
+/// effects (a caller effect is only ever announced here) as long as the note stays within the
+/// guard; the paths and traces are read with the tools the hint names.
+fn committed_note(v: &Json, chars: usize) -> Json {
+    let count = |k: &str| v.get(k).and_then(Json::as_array).map_or(0, Vec::len);
+    let mut counts = Map::new();
+    for k in [
+        "mutatedPaths",
+        "derivedUpdated",
+        "metaUpdated",
+        "flaggedConstraints",
+        "dispatchedEffects",
+    ] {
+        counts.insert(k.into(), json!(count(k)));
+    }
+    if v.get("traces").is_some() {
+        counts.insert("traces".into(), json!(count("traces")));
+    }
+    let hint = format!(
+        "The write committed: {} paths written, {} derived and {} meta values updated, {} flag \
+         constraints violated, {} effects dispatched. Only this summary was withheld for its \
+         size; do not send the write again. Read what it changed with get_state (`paths`, \
+         `depth`) or get_field, its traces with explain (`limit`), its audit record with \
+         get_audit (`limit`, `pathPrefix`); leave includeTraces off for large writes.",
+        count("mutatedPaths"),
+        count("derivedUpdated"),
+        count("metaUpdated"),
+        count("flaggedConstraints"),
+        count("dispatchedEffects"),
+    );
+    let mut note = json!({
+        "error": "Result too large",
+        "committed": true,
+        "success": v.get("success").cloned().unwrap_or(json!(true)),
+        "resultChars": chars,
+        "limitChars": RESULT_LIMIT_CHARS,
+        "counts": counts,
+    });
+    for k in ["flaggedConstraints", "dispatchedEffects"] {
+        let Some(list) = v
+            .get(k)
+            .filter(|l| l.as_array().is_some_and(|a| !a.is_empty()))
+        else {
+            continue;
+        };
+        note[k] = list.clone();
+        // Room is kept for the hint, added last.
+        if pretty(&note).chars().count() + hint.len() + 16 > RESULT_LIMIT_CHARS {
+            if let Json::Object(m) = &mut note {
+                m.shift_remove(k);
+            }
+        }
+    }
+    note["hint"] = json!(hint);
+    note
+}
+
+impl From<ServiceError> for ToolError {
+    fn from(e: ServiceError) -> ToolError {
+        match e.structured() {
+            Some(body) => ToolError::Structured(body),
+            None => ToolError::Message(e.to_string()),
+        }
+    }
+}
+
+// --- argument parsing and schemas -----------------------------------------------------------
+
+fn args<T: DeserializeOwned>(tool: &str, v: Json) -> Result<T, ToolError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let at = if path == "." || path.is_empty() {
+            String::new()
+        } else {
+            format!(" at `{path}`")
+        };
+        ToolError::Message(format!("invalid arguments for `{tool}`{at}: {}", e.inner()))
+    })
+}
+
+/// A tool's input schema: `T` as it is deserialized.
+pub fn schema_of<T: JsonSchema>() -> Json {
+    valem_core::spec::schema::input_schema::<T>()
+}
+
+/// The output schema of an always-object result `T` as it is serialized.
+fn output_of<T: JsonSchema>() -> Json {
+    let mut v = valem_core::spec::schema::output_schema::<T>();
+    if let Json::Object(m) = &mut v {
+        m.shift_remove("$schema");
+    }
+    v
+}
+
+/// An output schema that also admits the contract's structured failures (`isError` results
+/// carry them as structuredContent, and clients validate that too).
+fn or_structured_error(result: Json) -> Json {
+    json!({
+        "type": "object",
+        "anyOf": [
+            result,
+            {
+                "type": "object",
+                "description": "A structured failure (isError: true): Schema violation, Constraint violation, Version conflict or Invalid mutation.",
+                "properties": {
+                    "error": {"enum": ["Schema violation", "Constraint violation", "Version conflict", "Invalid mutation"]},
+                    "message": {"type": "string"},
+                    "violations": {"type": "array", "items": {"type": "object"}},
+                    "expected": {"type": "string"},
+                    "actual": {"type": "string"},
+                    "batch": {"type": "integer"}
+                },
+                "required": ["error"]
+            }
+        ]
+    })
+}
+
+fn object_schema(props: Json, required: &[&str]) -> Json {
+    json!({"type": "object", "properties": props, "required": required, "additionalProperties": false})
+}
+
+fn annotations(read_only: bool, destructive: bool, idempotent: bool) -> Json {
+    let mut a = json!({"readOnlyHint": read_only});
+    if !read_only {
+        a["destructiveHint"] = json!(destructive);
+    }
+    a["idempotentHint"] = json!(idempotent);
+    a["openWorldHint"] = json!(false);
+    a
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct NoArgs {}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct IdArgs {
+    /// The model id.
+    id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct StateArgs {
+    /// The model id.
+    id: String,
+    /// Read the state as of this ISO-8601 instant (the most recent commit at or before it).
+    at: Option<String>,
+    /// Return only these subtrees (canonical addresses such as "$.order"), spliced into a
+    /// pruned document at their addresses; absent addresses are skipped.
+    paths: Option<Vec<String>>,
+    /// Cap nesting: containers deeper than this collapse to "<object: N fields>" /
+    /// "<array: N items>" (applied after `paths`).
+    #[schemars(range(min = 0))]
+    depth: Option<usize>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct PathArgs {
+    /// The model id.
+    id: String,
+    /// A canonical address, e.g. "$.order.items[0].qty".
+    path: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MutateArgs {
+    /// The model id.
+    id: String,
+    /// Writes as {"$.path": value}, applied in order in one reactive cycle.
+    mutations: Map<String, Json>,
+    /// Include the derivation and constraint traces of the cycle (default false).
+    include_traces: Option<bool>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PatchArgs {
+    /// The model id.
+    id: String,
+    /// An RFC 6902 JSON Patch of the base document; paths are RFC 6901 JSON Pointers
+    /// ("/items/0", "/items/-" to append).
+    #[schemars(schema_with = "patch_schema")]
+    patch: Json,
+    /// Include the derivation and constraint traces of the cycle (default false).
+    include_traces: Option<bool>,
+}
+
+fn patch_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let s = json!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "op": {"enum": ["add", "remove", "replace", "move", "copy", "test"]},
+                "path": {"type": "string", "description": "RFC 6901 JSON Pointer"},
+                "from": {"type": "string", "description": "RFC 6901 JSON Pointer (move, copy)"},
+                "value": {"description": "The value (add, replace, test)"}
+            },
+            "required": ["op", "path"]
+        }
+    });
+    schemars::Schema::try_from(s).unwrap_or_default()
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ExplainArgs {
+    /// The model id.
+    id: String,
+    /// Traces whose target address starts with this path ("$" for all).
+    path: String,
+    /// Only the most recent N traces.
+    #[schemars(range(min = 1))]
+    limit: Option<usize>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AuditArgs {
+    /// The model id.
+    id: String,
+    /// Records whose mutations, derived updates or trace targets start with this address.
+    path_prefix: Option<String>,
+    /// Records at or after this ISO-8601 instant.
+    from: Option<String>,
+    /// Records at or before this ISO-8601 instant.
+    to: Option<String>,
+    /// At most this many records, newest first (default 100).
+    #[schemars(range(min = 1))]
+    limit: Option<usize>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct RestoreArgs {
+    /// The model id.
+    id: String,
+    /// A snapshot exactly as `snapshot` returned it.
+    snapshot: Map<String, Json>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ViewArgs {
+    /// The model id.
+    id: String,
+    /// The view to evaluate (default: the definition's defaultView).
+    view_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct UploadArgs {
+    /// The content, base64-encoded.
+    data: String,
+    /// Its media type (default application/octet-stream).
+    media_type: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct DownloadArgs {
+    /// The blob id (the blake3 hash upload_blob returned).
+    blob_id: String,
+    /// Only if this model's state references the blob.
+    model_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct GuidanceArgs {
+    /// Topic ids matching the model being authored.
+    topics: Vec<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct SpecArg {
+    /// A candidate ModelSpec.
+    spec: Map<String, Json>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct EvalArgs {
+    /// One JSONata expression.
+    expr: String,
+    /// The input document (`$`); absent means undefined input.
+    input: Option<Json>,
+    /// A library to bind: a definition string `( $f := function($x){…}; ["f"] )`, a layer
+    /// object {define, …}, or an array of layers.
+    library: Option<Json>,
+    /// Bound as `$const`.
+    constants: Option<Map<String, Json>>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct TestArgs {
+    /// The ModelSpec under test.
+    spec: Map<String, Json>,
+    /// Ad-hoc cases [{description?, given: {"$.path": value}, expect: {"$.path": value}}]
+    /// that replace the spec's embedded tests.
+    tests: Option<Vec<Json>>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct DryRunArgs {
+    /// The candidate ModelSpec.
+    spec: Map<String, Json>,
+    /// One {"$.path": value} map, or an array of them applied as successive cycles.
+    mutations: Option<Json>,
+}
+
+// --- output schemas -------------------------------------------------------------------------
+
+fn any_object() -> Json {
+    json!({"type": "object"})
+}
+
+fn mutation_result_schema() -> Json {
+    let mut s = or_structured_error(output_of::<valem_engine::MutationResult>());
+    if let Some(Json::Array(any)) = s.get_mut("anyOf") {
+        any.push(json!({
+            "type": "object",
+            "description": "The size guard's note for a write that committed but whose summary is over ~50 KB (isError: false): its counts, and its flaggedConstraints and dispatchedEffects when they fit.",
+            "properties": {
+                "error": {"const": "Result too large"},
+                "committed": {"const": true},
+                "success": {"type": "boolean"},
+                "resultChars": {"type": "integer"},
+                "limitChars": {"type": "integer"},
+                "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "flaggedConstraints": {"type": "array", "items": {"type": "object"}},
+                "dispatchedEffects": {"type": "array", "items": {"type": "object"}},
+                "hint": {"type": "string"}
+            },
+            "required": ["error", "committed", "counts", "hint"]
+        }));
+    }
+    s
+}
+
+/// The model info, with the evolution's `warnings` when it had any.
+fn evolve_result_schema() -> Json {
+    let mut s = output_of::<ModelInfo>();
+    if let Some(Json::Object(props)) = s.get_mut("properties") {
+        props.insert(
+            "warnings".into(),
+            json!({
+                "type": "array",
+                "description": "Keys of the evolution that were ignored, or that it changed nothing.",
+                "items": {
+                    "type": "object",
+                    "properties": {"location": {"type": "string"}, "message": {"type": "string"}},
+                    "required": ["location", "message"]
+                }
+            }),
+        );
+    }
+    s
+}
+
+fn verify_schema() -> Json {
+    json!({
+        "type": "object",
+        "properties": {
+            "valid": {"type": "boolean"},
+            "recordsChecked": {"type": "integer"},
+            "firstBrokenSequence": {"type": ["integer", "null"]},
+            "detail": {"type": "string"},
+            "checkpointsChecked": {"type": "integer"},
+            "brokenCheckpoint": {
+                "type": "object",
+                "properties": {
+                    "sequence": {"type": ["integer", "null"]},
+                    "detail": {"type": "string"}
+                },
+                "required": ["sequence", "detail"]
+            }
+        },
+        "required": ["valid", "recordsChecked", "firstBrokenSequence", "detail"]
+    })
+}
+
+// --- the catalog ----------------------------------------------------------------------------
+
+fn all_tools(guidance: &Guidance) -> Vec<Tool> {
+    let ro = annotations(true, false, true);
+    let mut guidance_schema = schema_of::<GuidanceArgs>();
+    if !guidance.ids().is_empty() {
+        guidance_schema["properties"]["topics"]["items"] = json!({
+            "type": "string",
+            "enum": guidance.ids(),
+        });
+    }
+    guidance_schema["properties"]["topics"]["description"] = json!(format!(
+        "Topic ids matching the model being authored: {}",
+        guidance.menu()
+    ));
+    vec![
+        Tool {
+            name: "list_models",
+            title: "List models",
+            description: "The ids of every live model, alphabetical.",
+            input_schema: schema_of::<NoArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                args::<NoArgs>("list_models", a)?;
+                ops::list_models(&c.server.service)
+            },
+        },
+        Tool {
+            name: "create_model",
+            title: "Create a model",
+            description: "Validate, compile and register a model from a full ModelSpec (id, version, schema, derivations, metaDerivations, constraints, effects, tests, viewDefinition…). Returns the model info: id, version and section counts. Validate first with validate_spec; a spec with errors is refused with every finding listed.",
+            input_schema: object_schema(
+                json!({"spec": valem_core::spec::schema::model_spec_schema()}),
+                &["spec"],
+            ),
+            output_schema: Some(output_of::<ModelInfo>()),
+            annotations: annotations(false, false, false),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: SpecArg = args("create_model", a)?;
+                ops::create_model(&c.server.service, a.spec)
+            },
+        },
+        Tool {
+            name: "get_model_info",
+            title: "Model info",
+            description: "A model's id, version and section counts.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(output_of::<ModelInfo>()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: IdArgs = args("get_model_info", a)?;
+                ops::model_info(&c.server.service, &a.id)
+            },
+        },
+        Tool {
+            name: "get_spec",
+            title: "Get a model's spec",
+            description: "The model's current ModelSpec, verbatim.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: IdArgs = args("get_spec", a)?;
+                ops::model_spec(&c.server.service, &a.id)
+            },
+        },
+        Tool {
+            name: "get_state",
+            title: "Get a model's state",
+            description: "The merged state (base values plus derived values). On large models pass `paths` to return only some subtrees and/or `depth` to collapse deep containers; `at` reads the state as of an ISO-8601 instant.",
+            input_schema: schema_of::<StateArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: get_state,
+        },
+        Tool {
+            name: "get_field",
+            title: "Get one field",
+            description: "The merged value at one canonical address, e.g. \"$.order.total\".",
+            input_schema: schema_of::<PathArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: PathArgs = args("get_field", a)?;
+                ops::field(&c.server.service, &a.id, &a.path)
+            },
+        },
+        Tool {
+            name: "get_effective_schema",
+            title: "Effective schema of a field",
+            description: "The JSON Schema of the field at `path` overlaid with its live meta (current minimum/maximum/required/readOnly/relevant…): what a write there must satisfy now. An address the schema does not declare answers {} with a `$comment` saying so and naming the fields declared there (check the path's spelling).",
+            input_schema: schema_of::<PathArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: PathArgs = args("get_effective_schema", a)?;
+                ops::effective_schema(&c.server.service, &a.id, &a.path)
+            },
+        },
+        Tool {
+            name: "mutate",
+            title: "Mutate a model",
+            description: "Write values ({\"$.path\": value}) in one reactive cycle: validate against the effective schema, apply, recompute what depends on the change, check constraints (a rollback constraint refuses the whole write), request effects. Returns mutatedPaths, derivedUpdated, metaUpdated, flaggedConstraints, dispatchedEffects (traces with includeTraces); a summary over ~50 KB comes as a note with `committed: true` and its counts (the write is done: do not send it again).",
+            input_schema: schema_of::<MutateArgs>(),
+            output_schema: Some(mutation_result_schema()),
+            annotations: annotations(false, false, false),
+            deferred: Some(mutate),
+            plugin: None,
+            handler: |c, a| {
+                let a: MutateArgs = args("mutate", a)?;
+                ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false))
+            },
+        },
+        Tool {
+            name: "patch_model",
+            title: "Patch a model (RFC 6902)",
+            description: "Apply an RFC 6902 JSON Patch (add/remove/replace/move/copy/test) to the base document as one reactive cycle: insert, remove or reorder array elements. Paths are JSON Pointers (\"/items/0\", \"/items/-\" appends), not $-addresses. Returns the mutate summary (a note with `committed: true` over ~50 KB).",
+            input_schema: schema_of::<PatchArgs>(),
+            output_schema: Some(mutation_result_schema()),
+            annotations: annotations(false, false, false),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: PatchArgs = args("patch_model", a)?;
+                ops::patch(&c.server.service, &a.id, a.patch, a.include_traces.unwrap_or(false))
+            },
+        },
+        Tool {
+            name: "explain",
+            title: "Explain a value",
+            description: "The recent derivation/constraint traces (expression, inputs, result, error) whose target starts with `path`, oldest first; `limit` keeps only the most recent N.",
+            input_schema: schema_of::<ExplainArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: ExplainArgs = args("explain", a)?;
+                ops::explain(&c.server.service, &a.id, &a.path, a.limit)
+            },
+        },
+        Tool {
+            name: "get_history",
+            title: "Commit history",
+            description: "The commit times (ISO-8601) of the model's recent states, oldest first; pass one as get_state `at` to read that state.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: IdArgs = args("get_history", a)?;
+                ops::history(&c.server.service, &a.id)
+            },
+        },
+        Tool {
+            name: "get_audit",
+            title: "Audit trail",
+            description: "Audit records (one per committed cycle: mutations, derivedUpdated, traces, flagged constraints, dispatched effects, source, sequence, hashes), newest first, filtered by pathPrefix and an ISO-8601 from/to window; limit defaults to 100.",
+            input_schema: schema_of::<AuditArgs>(),
+            output_schema: None,
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: AuditArgs = args("get_audit", a)?;
+                let instant = |s: Option<String>| -> Result<Option<i64>, ToolError> {
+                    s.map(|s| parse_iso(&s).map_err(ToolError::Message)).transpose()
+                };
+                let q = AuditQuery {
+                    path_prefix: a.path_prefix,
+                    from_us: instant(a.from)?,
+                    to_us: instant(a.to)?,
+                    limit: a.limit,
+                };
+                Ok(json!(c.server.service.audit(&a.id, q)?))
+            },
+        },
+        Tool {
+            name: "verify_audit",
+            title: "Verify the audit chain",
+            description: "Walk the audit trail's hash chain and report {valid, recordsChecked, firstBrokenSequence, detail}: the first altered, reordered or deleted record. With a data directory the state checkpoints are checked too (checkpointsChecked); one that no longer matches its state or the chain makes it invalid and is named in brokenCheckpoint {sequence: the record it follows, null before the first; detail}.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(verify_schema()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: IdArgs = args("verify_audit", a)?;
+                Ok(c.server.service.verify_audit(&a.id)?)
+            },
+        },
+        Tool {
+            name: "snapshot",
+            title: "Snapshot a model",
+            description: "An immutable point-in-time copy of the model's state {modelId, modelVersion, baseDoc, derivedCache, metaCache}; hand it back verbatim to restore.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "modelId": {"type": "string"},
+                    "modelVersion": {"type": "string"},
+                    "takenAt": {"type": "string"},
+                    "baseDoc": {"type": "object"},
+                    "derivedCache": {"type": "object"},
+                    "metaCache": {"type": "object"}
+                },
+                "required": ["modelId", "modelVersion", "baseDoc", "derivedCache", "metaCache"]
+            })),
+            annotations: annotations(false, false, true),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: IdArgs = args("snapshot", a)?;
+                ops::snapshot(&c.server.service, &a.id)
+            },
+        },
+        Tool {
+            name: "restore",
+            title: "Restore a snapshot",
+            description: "Roll the model's state back to a snapshot (as `snapshot` returned it). The base document is schema-checked, everything derived is recomputed, and the history and explain rings restart.",
+            input_schema: schema_of::<RestoreArgs>(),
+            output_schema: Some(any_object()),
+            annotations: annotations(false, false, true),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: RestoreArgs = args("restore", a)?;
+                ops::restore(&c.server.service, &a.id, a.snapshot)
+            },
+        },
+        Tool {
+            name: "evolve_spec",
+            title: "Evolve a model's spec",
+            description: "Change a live model's spec with a SpecEvolution (keyed upserts/removes, wholesale or targeted schema/view/constants edits, backfill). Pass expectedVersion to guard against concurrent changes (a mismatch returns a Version conflict). The state is kept, checked against the new schema (stranding evolutions are refused) and recomputed. The version changes only with newVersion. Returns the new model info. Keys a SpecEvolution does not have are refused when nothing else changes (named, with the key meant) and returned as `warnings` beside a change; an evolution that changes nothing leaves the model (and its history) as it was.",
+            input_schema: object_schema(
+                json!({
+                    "id": {"type": "string", "description": "The model id."},
+                    "evolution": valem_core::spec::schema::spec_evolution_schema(),
+                }),
+                &["id", "evolution"],
+            ),
+            output_schema: Some(or_structured_error(evolve_result_schema())),
+            annotations: annotations(false, true, false),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct A {
+                    id: String,
+                    evolution: Json,
+                }
+                let a: A = args("evolve_spec", a)?;
+                ops::evolve(&c.server.service, &a.id, &a.evolution)
+            },
+        },
+        Tool {
+            name: "delete_model",
+            title: "Delete a model",
+            description: "Remove a model and its state from the registry.",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {"deleted": {"type": "boolean"}, "id": {"type": "string"}},
+                "required": ["deleted", "id"]
+            })),
+            annotations: annotations(false, true, true),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: IdArgs = args("delete_model", a)?;
+                ops::delete(&c.server.service, &a.id)
+            },
+        },
+        Tool {
+            name: "get_view",
+            title: "Evaluate a view",
+            description: "The model's view definition evaluated against its current state: the component tree with bound values, labels, visibility, read-only and required flags and resolved options.",
+            input_schema: schema_of::<ViewArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: ViewArgs = args("get_view", a)?;
+                ops::view(&c.server.service, &a.id, a.view_id.as_deref())
+            },
+        },
+        Tool {
+            name: "get_library",
+            title: "A model's library",
+            description: "The JSONata function library the model binds: its layers and exports (name, kind, signature, arity).",
+            input_schema: schema_of::<IdArgs>(),
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: IdArgs = args("get_library", a)?;
+                c.server.service.library(&a.id)?.ok_or_else(|| {
+                    ToolError::Message(format!("model `{}` has no library", a.id))
+                })
+            },
+        },
+        Tool {
+            name: "upload_blob",
+            title: "Upload a blob",
+            description: "Store binary content (base64 in `data`) in the content-addressed blob store; returns {blobId, bytes, mediaType}. For small binaries: results over ~50 KB are withheld.",
+            input_schema: schema_of::<UploadArgs>(),
+            output_schema: Some(output_of::<BlobRef>()),
+            annotations: annotations(false, false, true),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: UploadArgs = args("upload_blob", a)?;
+                ops::upload_blob(&c.server.service, &a.data, a.media_type)
+            },
+        },
+        Tool {
+            name: "download_blob",
+            title: "Download a blob",
+            description: "A blob's content as base64 {blobId, bytes, mediaType, data}; with modelId, only if that model's state references the blob.",
+            input_schema: schema_of::<DownloadArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "blobId": {"type": "string"},
+                    "bytes": {"type": "integer"},
+                    "mediaType": {"type": "string"},
+                    "data": {"type": "string"}
+                },
+                "required": ["blobId", "bytes", "mediaType", "data"]
+            })),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: DownloadArgs = args("download_blob", a)?;
+                ops::download_blob(&c.server.service, &a.blob_id, a.model_id.as_deref())
+            },
+        },
+        // --- authoring: never touch the registry ---------------------------------------------
+        Tool {
+            name: "get_domain_guidance",
+            title: "Domain guidance for authoring",
+            description: "Vetted instructions for modelling common domains (amortization, progressive charges, classification, date math, percentages, unit conversion, proration, …). Read the model's description, pick the matching topic ids, and call this before authoring the spec.",
+            input_schema: guidance_schema,
+            output_schema: Some(any_object()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: GuidanceArgs = args("get_domain_guidance", a)?;
+                Ok(c.server.guidance.guidance(&a.topics))
+            },
+        },
+        Tool {
+            name: "validate_spec",
+            title: "Validate a spec",
+            description: "Check a candidate ModelSpec without creating it: {valid, errors: [{location, message}], warnings}. Draft → validate → fix → repeat.",
+            input_schema: schema_of::<SpecArg>(),
+            output_schema: Some(output_of::<valem_engine::validate::Report>()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: SpecArg = args("validate_spec", a)?;
+                let report = valem_engine::validate::validate_json(
+                    &Json::Object(a.spec),
+                    &c.server.service.limits().engine,
+                );
+                Ok(json!(report))
+            },
+        },
+        Tool {
+            name: "eval_expression",
+            title: "Evaluate a JSONata expression",
+            description: "Evaluate one JSONata expression against a sample input (with optional library and $const constants): {ok: true, undefined, result} or {ok: false, error: \"compile\"|\"evaluation\"|\"library\", message}. Check a derivation or constraint before committing it.",
+            input_schema: schema_of::<EvalArgs>(),
+            output_schema: Some(json!({
+                "type": "object",
+                "properties": {
+                    "ok": {"type": "boolean"},
+                    "undefined": {"type": "boolean"},
+                    "result": {},
+                    "libraryExports": {"type": "array", "items": {"type": "string"}},
+                    "error": {"enum": ["compile", "evaluation", "library"]},
+                    "message": {"type": "string"},
+                    "code": {"type": ["string", "null"]},
+                    "position": {"type": ["integer", "null"]}
+                },
+                "required": ["ok"]
+            })),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: eval_expression,
+        },
+        Tool {
+            name: "test_spec",
+            title: "Run a spec's tests",
+            description: "Run the spec's embedded tests (or ad-hoc `tests` cases given → expect, keyed by canonical address, which replace them) in throwaway models: {total, passed, failed, results: [{description, passed, failures: [{path, expected, actual, message}]}]}.",
+            input_schema: schema_of::<TestArgs>(),
+            output_schema: Some(output_of::<valem_engine::testrun::TestReport>()),
+            annotations: ro.clone(),
+            plugin: None,
+            deferred: None,
+            handler: test_spec,
+        },
+        Tool {
+            name: "dry_run",
+            title: "Dry-run a spec",
+            description: "Compile a candidate spec in a throwaway model, apply optional sample mutations (one {\"$.path\": value} map or an array of them), and return the resulting merged state. Nothing is registered.",
+            input_schema: schema_of::<DryRunArgs>(),
+            output_schema: Some(or_structured_error(any_object())),
+            annotations: ro,
+            plugin: None,
+            deferred: None,
+            handler: |c, a| {
+                let a: DryRunArgs = args("dry_run", a)?;
+                let spec = parse_spec(&Json::Object(a.spec))
+                    .map_err(|e| ToolError::Message(format!("invalid spec at {}: {}", e.location(), e.message())))?;
+                let batches = match &a.mutations {
+                    None | Some(Json::Null) => Vec::new(),
+                    Some(m) => parse_batches(m).map_err(ToolError::Message)?,
+                };
+                let limits = &c.server.service.limits().engine;
+                dry_run(&spec, &batches, now_us() / 1000, limits).map_err(|e| match e {
+                    DryRunError::Mutation { index, error: m @ (MutationError::Schema(_) | MutationError::Constraint { .. }) } => {
+                        let mut body = m.to_json();
+                        body["batch"] = json!(index);
+                        ToolError::Structured(body)
+                    }
+                    other => ToolError::Message(other.to_string()),
+                })
+            },
+        },
+    ]
+}
+
+fn get_state(c: &Ctx<'_>, a: Json) -> Outcome {
+    let a: StateArgs = args("get_state", a)?;
+    ops::state(
+        &c.server.service,
+        &a.id,
+        a.at.as_deref(),
+        a.paths.as_deref(),
+        a.depth,
+    )
+}
+
+fn eval_expression(c: &Ctx<'_>, a: Json) -> Outcome {
+    use std::rc::Rc;
+    use valem_core::expr::{json_to_jvalue, jvalue_to_json, Compiled, Env, Phase};
+    let a: EvalArgs = args("eval_expression", a)?;
+    let limits = &c.server.service.limits().engine.expr;
+    let mut env = Env {
+        now_ms: Some(now_us() / 1000),
+        ..Env::default()
+    };
+    if let Some(k) = &a.constants {
+        env.vars
+            .push((Rc::from("const"), json_to_jvalue(&Json::Object(k.clone()))));
+    }
+    let mut exports = Vec::new();
+    if let Some(lib) = &a.library {
+        let lib: valem_core::spec::LibrarySpec = match serde_json::from_value(lib.clone()) {
+            Ok(l) => l,
+            Err(e) => {
+                return Ok(
+                    json!({"ok": false, "error": "library", "message": format!("`library` is not a library definition: {e}")}),
+                )
+            }
+        };
+        for layer in lib.layers() {
+            match valem_engine::compile::eval_library_layer(&layer.define, &env, limits) {
+                Ok(bound) => {
+                    for (name, v) in bound {
+                        exports.push(name.clone());
+                        env.vars.push((Rc::from(name.as_str()), v));
+                    }
+                }
+                Err(m) => return Ok(json!({"ok": false, "error": "library", "message": m})),
+            }
+        }
+    }
+    let fail = |e: valem_core::expr::ExprError| {
+        let kind = if e.phase == Phase::Compile {
+            "compile"
+        } else {
+            "evaluation"
+        };
+        json!({"ok": false, "error": kind, "message": e.message, "code": e.code, "position": e.position})
+    };
+    let compiled = match Compiled::compile(&a.expr, limits) {
+        Ok(c) => c,
+        Err(e) => return Ok(fail(e)),
+    };
+    let input = a
+        .input
+        .as_ref()
+        .map_or(valem_core::expr::Value::Undefined, json_to_jvalue);
+    let mut out = match compiled
+        .eval(&input, &env, limits)
+        .and_then(|v| v.map(|v| jvalue_to_json(&v, limits)).transpose())
+    {
+        Ok(Some(v)) => json!({"ok": true, "undefined": false, "result": v}),
+        Ok(None) => json!({"ok": true, "undefined": true, "result": null}),
+        Err(e) => return Ok(fail(e)),
+    };
+    if a.library.is_some() {
+        out["libraryExports"] = json!(exports);
+    }
+    Ok(out)
+}
+
+fn test_spec(c: &Ctx<'_>, a: Json) -> Outcome {
+    let a: TestArgs = args("test_spec", a)?;
+    let spec = parse_spec(&Json::Object(a.spec)).map_err(|e| {
+        ToolError::Message(format!("invalid spec at {}: {}", e.location(), e.message()))
+    })?;
+    let tests: Option<Vec<TestCase>> = match a.tests {
+        None => None,
+        Some(t) => Some(
+            serde_path_to_error::deserialize(Json::Array(t)).map_err(|e| {
+                ToolError::Message(format!(
+                    "invalid test case at `tests{}`: {}",
+                    e.path(),
+                    e.inner()
+                ))
+            })?,
+        ),
+    };
+    let limits = &c.server.service.limits().engine;
+    match run_tests(&spec, tests.as_deref(), now_us() / 1000, limits) {
+        Ok(report) => Ok(json!(report)),
+        Err(CreateError::Compile(errs)) => Err(ToolError::Message(format!(
+            "the spec does not compile: {}",
+            errs.iter()
+                .map(|e| format!("{}: {}", e.location, e.message))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ))),
+        Err(e) => Err(ToolError::Message(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid(schema: &Json, v: &Json) -> bool {
+        jsonschema::validator_for(schema).is_ok_and(|s| s.is_valid(v))
+    }
+
+    #[test]
+    fn a_committed_write_over_the_guard_is_a_note_its_output_schema_admits() {
+        let paths: Vec<String> = (0..3000).map(|i| format!("$.rows[{i}].label")).collect();
+        let summary = json!({"success": true, "mutatedPaths": paths, "derivedUpdated": ["$.n"],
+            "metaUpdated": [], "flaggedConstraints": [], "dispatchedEffects": []});
+        let r = envelope_for("mutate", Ok(summary.clone()));
+        assert_eq!(r["isError"], false);
+        let note = &r["structuredContent"];
+        assert_eq!(note["counts"]["mutatedPaths"], 3000);
+        assert!(valid(&mutation_result_schema(), note), "{note}");
+        // Not one of the structured failures either.
+        assert!(!valid(
+            &or_structured_error(json!({"type": "object", "required": ["x"]})),
+            note
+        ));
+        // Any other tool's result over the guard is withheld as an error.
+        let r = envelope_for("get_state", Ok(summary));
+        assert_eq!(r["isError"], true);
+        assert!(r.get("structuredContent").is_none());
+    }
+
+    #[test]
+    fn lists_that_would_pass_the_guard_are_counted_not_carried() {
+        let flags: Vec<Json> = (0..3000)
+            .map(|i| json!({"constraintId": format!("c{i}"), "message": "m", "policy": "flag"}))
+            .collect();
+        let summary = json!({"success": true, "mutatedPaths": ["$.a"], "derivedUpdated": [],
+            "metaUpdated": [], "flaggedConstraints": flags,
+            "dispatchedEffects": [{"effectId": "e", "emit": "x"}]});
+        let note = &envelope_for("patch_model", Ok(summary))["structuredContent"];
+        assert_eq!(note["counts"]["flaggedConstraints"], 3000);
+        assert!(note.get("flaggedConstraints").is_none());
+        assert_eq!(note["dispatchedEffects"][0]["emit"], "x");
+        assert!(pretty(note).chars().count() <= RESULT_LIMIT_CHARS);
+    }
+}

@@ -1,0 +1,1152 @@
+//! Effect executors: what runs the effect requests committed cycles emit. The engine only
+//! *requests* effects (`dispatchedEffects`); this runner hears each committed cycle (a service
+//! subscriber, so nothing runs inside a cycle), runs the durable executors on its own threads,
+//! and folds their outcome back as ordinary `foldback` cycles (audited with `source: "foldback"`).
+//!
+//! - `caller`: returned to the mutating caller only; never run here.
+//! - `server`: one HTTP request (`request: {method, url, headers, body}`; `{ expr }` segments of
+//!   the url and headers interpolate JSONata over the merged document, `body` is JSONata) behind
+//!   the egress guard: https (Mozilla's roots, or `--effects-ca-file`) or plain http, the host must be on
+//!   `--effects-allowed-hosts` (none by default: every call refused; `*` = any host), every
+//!   resolved address must be public (`egress.rs`; an IPv6 address embedding an IPv4 one is
+//!   judged by it) unless `--effects-allow-private-ips`, no redirects, a
+//!   response over `--effects-max-response-bytes` fails, `policy.timeoutMs` (default 5 s). A
+//!   failure is retried `policy.retries` times (default 0), waiting `policy.backoff` ms (default
+//!   500; or `{delayMs, factor}`) doubled per attempt. `response.set` sees the parsed body as
+//!   `$response`. Every request carries `Idempotency-Key: <model>/<effect>/<key>`. Plain http
+//!   connects to the very address the guard checked; https connects by name (the certificate
+//!   names the host), re-resolved right after the check, so a DNS-rebinding window of
+//!   microseconds remains there, as in the reference.
+//! - `server` with a `target` link to another model of this daemon: a write-link (`{ref, path}`
+//!   and `body`) mutates it (audited `source: "link"`), `$response` being its mutation result; a
+//!   read-link (`{ref, read}`) reads a field into `$response`. A missing target fails the effect.
+//! - `server` with `requests`: JSONata producing an array of descriptors `{method, url, headers,
+//!   body}` (values, not templates; at most 64), sent in order; `$response` is the array of
+//!   their responses, and one failure fails the attempt (a retry sends them all again, each
+//!   with its own `Idempotency-Key: …/<index>`).
+//! - `timer`: fires at `at` (epoch ms or ISO-8601) or `afterMs` after the dispatch; at fire time
+//!   a trigger no longer true cancels it, else `response.set` is evaluated on the current state.
+//! - `llm`: parsed, then reported `failed`: no LLM provider can be configured in this build.
+//!
+//! **Lifecycle** at `statusPath`: `{phase, key, at, error?, attempts?, fireAt?}` with phases
+//! `pending → in_flight → applied | failed | cancelled`. Each phase is a committed (durable)
+//! cycle before the next step: `in_flight` is stored before the request leaves. A fold-back is
+//! applied only while the effect's dedupe key is still the one it ran for (checked on the
+//! shard); otherwise it is superseded and dropped.
+//!
+//! **Restarts** (`recover`): the status and the engine's last fired keys are part of the
+//! recovered state. A `pending` server effect runs; a `pending` timer is rescheduled at its
+//! `fireAt` (at once when past due); an effect whose key fired but whose status never got
+//! written (a crash right after the dispatch) runs as if just dispatched; an `in_flight` call
+//! is marked `failed` and **not** re-sent — it may have reached the destination, and a key
+//! fires at most once. Exactly-once therefore needs a `dedupeKey` and a `statusPath`; without
+//! them an effect interrupted by a crash is lost.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::rc::Rc;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+use serde_json::{json, Map, Value as Json};
+
+use super::{Event, EventFilter, ModelService, ServiceError};
+use valem_core::expr::{json_to_jvalue, jvalue_to_json, Compiled, Env, Limits, Value as JValue};
+use valem_core::spec::{EffectSpec, ModelSpec};
+use valem_engine::EffectRequest;
+
+/// What the operator allowed (`valem serve --effects-…`).
+#[derive(Clone, Debug)]
+pub struct EffectsConfig {
+    /// Hosts `server` effects may call; empty refuses every call, `*` allows any host.
+    pub allowed_hosts: Vec<String>,
+    /// Let `server` effects reach loopback, private, link-local and other non-public addresses.
+    pub allow_private_ips: bool,
+    /// Largest response body folded back.
+    pub max_response_bytes: usize,
+    /// Timeout of a call whose policy names none.
+    pub default_timeout: Duration,
+    /// Longest timeout a policy may ask for.
+    pub max_timeout: Duration,
+    /// Calls running at once (more wait).
+    pub max_in_flight: usize,
+    /// Trust only these CA certificates for https (default: Mozilla's roots).
+    pub ca_certs: Option<Vec<ureq::tls::Certificate<'static>>>,
+}
+
+/// The certificates of a PEM file (`--effects-ca-file`).
+pub fn load_ca_file(
+    path: &std::path::Path,
+) -> Result<Vec<ureq::tls::Certificate<'static>>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut certs = Vec::new();
+    for item in ureq::tls::parse_pem(&pem) {
+        match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
+            Ok(_) => {}
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        }
+    }
+    if certs.is_empty() {
+        return Err(format!("{} holds no PEM certificate", path.display()));
+    }
+    Ok(certs)
+}
+
+impl Default for EffectsConfig {
+    fn default() -> Self {
+        EffectsConfig {
+            allowed_hosts: Vec::new(),
+            allow_private_ips: false,
+            max_response_bytes: 1 << 20,
+            default_timeout: Duration::from_secs(5),
+            max_in_flight: 16,
+            max_timeout: Duration::from_secs(60),
+            ca_certs: None,
+        }
+    }
+}
+
+/// What one execution of an effect works on.
+struct Job<'a> {
+    svc: &'a ModelService,
+    model: &'a str,
+    spec: &'a ModelSpec,
+    effect: &'a EffectSpec,
+    req: &'a EffectRequest,
+}
+
+/// A timer waiting to fire.
+#[derive(Clone, Debug)]
+struct Timer {
+    fire_at_ms: i64,
+    model: String,
+    req: EffectRequest,
+}
+
+pub struct Runner {
+    svc: Weak<ModelService>,
+    cfg: EffectsConfig,
+    timers: Mutex<Vec<Timer>>,
+    wake: Condvar,
+    slots: (Mutex<usize>, Condvar),
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+fn iso(ms: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        .unwrap_or_default()
+}
+
+/// The status sub-document of one phase.
+fn status(phase: &str, key: &Option<Json>, extra: &[(&str, Json)]) -> Json {
+    let mut m = Map::new();
+    m.insert("phase".into(), json!(phase));
+    m.insert("key".into(), key.clone().unwrap_or(Json::Null));
+    m.insert("at".into(), json!(iso(now_ms())));
+    for (k, v) in extra {
+        m.insert((*k).to_string(), v.clone());
+    }
+    Json::Object(m)
+}
+
+impl Runner {
+    /// Start the runner for `svc`: recover what a previous run left, then serve new dispatches.
+    pub fn start(svc: &Arc<ModelService>, cfg: EffectsConfig) -> Arc<Runner> {
+        let runner = Arc::new(Runner {
+            svc: Arc::downgrade(svc),
+            cfg,
+            timers: Mutex::new(Vec::new()),
+            wake: Condvar::new(),
+            slots: (Mutex::new(0), Condvar::new()),
+        });
+        let filter: EventFilter = Arc::new(|e: &Event| {
+            matches!(e, Event::Mutation { result, .. }
+                if result.dispatched_effects.iter().any(|d| d.executor != "caller"))
+        });
+        let events = svc.subscribe(filter);
+        runner.recover();
+        let r = runner.clone();
+        let _ = std::thread::Builder::new()
+            .name("valem-effects".into())
+            .spawn(move || {
+                while let Ok(ev) = events.recv() {
+                    if let Event::Mutation { model_id, result } = ev {
+                        for req in &result.dispatched_effects {
+                            r.dispatch(&model_id, req.clone());
+                        }
+                    }
+                }
+            });
+        let r = runner.clone();
+        let _ = std::thread::Builder::new()
+            .name("valem-timers".into())
+            .spawn(move || r.timer_loop());
+        runner
+    }
+
+    fn service(&self) -> Option<Arc<ModelService>> {
+        self.svc.upgrade()
+    }
+
+    /// Write `status` at the effect's status path (if it has one), under the key CAS.
+    fn set_status(&self, model: &str, req: &EffectRequest, st: Json) -> Result<(), ServiceError> {
+        let (Some(path), Some(svc)) = (&req.status_path, self.service()) else {
+            return Ok(());
+        };
+        svc.foldback(
+            model,
+            &req.effect_id,
+            req.dedupe_key.clone(),
+            vec![(path.clone(), st)],
+        )
+        .map(|_| ())
+    }
+
+    fn report(&self, model: &str, req: &EffectRequest, r: Result<(), ServiceError>) {
+        match r {
+            Ok(()) => {}
+            Err(ServiceError::Superseded(_)) => {
+                tracing::info!(model, effect = %req.effect_id, "effect superseded: its key changed")
+            }
+            Err(e) => {
+                tracing::warn!(model, effect = %req.effect_id, error = %e, "effect status could not be written")
+            }
+        }
+    }
+
+    fn fail(&self, model: &str, req: &EffectRequest, error: String, extra: &[(&str, Json)]) {
+        tracing::warn!(model, effect = %req.effect_id, %error, "effect failed");
+        let mut x: Vec<(&str, Json)> = vec![("error", json!(error))];
+        x.extend_from_slice(extra);
+        let r = self.set_status(model, req, status("failed", &req.dedupe_key, &x));
+        self.report(model, req, r);
+    }
+
+    /// A committed cycle requested `req`.
+    fn dispatch(self: &Arc<Self>, model: &str, req: EffectRequest) {
+        match req.executor.as_str() {
+            "caller" => {}
+            "server" => {
+                let r = self.set_status(model, &req, status("pending", &req.dedupe_key, &[]));
+                if r.is_ok() {
+                    self.spawn_call(model.to_string(), req, 0);
+                } else {
+                    self.report(model, &req, r);
+                }
+            }
+            "timer" => match fire_time(&req, now_ms()) {
+                Ok(at) => {
+                    let r = self.set_status(
+                        model,
+                        &req,
+                        status("pending", &req.dedupe_key, &[("fireAt", json!(at))]),
+                    );
+                    if r.is_ok() {
+                        self.schedule(Timer {
+                            fire_at_ms: at,
+                            model: model.to_string(),
+                            req,
+                        });
+                    } else {
+                        self.report(model, &req, r);
+                    }
+                }
+                Err(e) => self.fail(model, &req, e, &[]),
+            },
+            "llm" => self.fail(
+                model,
+                &req,
+                "llm effects are not executable here: no LLM provider is configured".into(),
+                &[],
+            ),
+            other => self.fail(
+                model,
+                &req,
+                format!("no executor for effect kind `{other}` is installed"),
+                &[],
+            ),
+        }
+    }
+
+    // --- recovery -----------------------------------------------------------------------
+
+    /// Resume what a previous run of the daemon left in flight (see the module doc).
+    pub fn recover(self: &Arc<Self>) {
+        let Some(svc) = self.service() else { return };
+        let Ok(ids) = svc.list() else { return };
+        let mut resumed = 0usize;
+        for id in ids {
+            let Ok(spec) = svc.spec(&id) else { continue };
+            if !spec
+                .effects
+                .iter()
+                .any(|e| e.status_path.is_some() && matches!(e.executor(), "server" | "timer"))
+            {
+                continue;
+            }
+            let keys = svc.effect_keys(&id).unwrap_or_default();
+            for e in &spec.effects {
+                let (Some(path), "server" | "timer") = (&e.status_path, e.executor()) else {
+                    continue;
+                };
+                let key = keys.get(&e.id).cloned();
+                let st = svc.field(&id, path).ok().flatten().unwrap_or(Json::Null);
+                let phase = st.get("phase").and_then(|p| p.as_str()).unwrap_or("");
+                let same_key = st.get("key") == Some(key.as_ref().unwrap_or(&Json::Null));
+                let req = EffectRequest {
+                    effect_id: e.id.clone(),
+                    executor: e.executor().to_string(),
+                    emit: None,
+                    payload: None,
+                    dedupe_key: key.clone(),
+                    status_path: Some(path.clone()),
+                    at: None,
+                    after_ms: None,
+                };
+                if same_key && phase == "pending" {
+                    resumed += 1;
+                    if e.executor() == "server" {
+                        let attempts = st.get("attempts").and_then(|a| a.as_u64()).unwrap_or(0);
+                        self.spawn_call(id.clone(), req, attempts as u32);
+                    } else {
+                        let at = st
+                            .get("fireAt")
+                            .and_then(|a| a.as_i64())
+                            .unwrap_or_else(now_ms);
+                        self.schedule(Timer {
+                            fire_at_ms: at,
+                            model: id.clone(),
+                            req,
+                        });
+                    }
+                } else if same_key && phase == "in_flight" {
+                    resumed += 1;
+                    self.fail(
+                        &id,
+                        &req,
+                        "interrupted by a daemon restart while the call was in flight; not re-sent (it may have reached the destination)".into(),
+                        &[],
+                    );
+                } else if key.is_some() && !same_key && !matches!(phase, "pending" | "in_flight") {
+                    // The key fired but its status was never written: the daemon stopped right
+                    // after the dispatch. Run it now, re-evaluating a timer's time.
+                    resumed += 1;
+                    let mut req = req;
+                    if e.executor() == "timer" {
+                        let (at, after) = self.timer_exprs(&svc, &id, &spec, e);
+                        req.at = at;
+                        req.after_ms = after;
+                    }
+                    self.dispatch(&id, req);
+                }
+            }
+        }
+        if resumed > 0 {
+            tracing::info!(effects = resumed, "effects resumed after the restart");
+        }
+    }
+
+    fn timer_exprs(
+        &self,
+        svc: &ModelService,
+        id: &str,
+        spec: &ModelSpec,
+        e: &EffectSpec,
+    ) -> (Option<Json>, Option<Json>) {
+        let limits = &svc.limits().engine.expr;
+        let Ok((input, env)) = model_input(svc, id, spec) else {
+            return (None, None);
+        };
+        let ev = |t: &Option<String>| {
+            t.as_deref()
+                .and_then(|t| eval(t, &input, &env, limits).ok().flatten())
+        };
+        (ev(&e.at), ev(&e.after_ms))
+    }
+
+    // --- server calls ---------------------------------------------------------------------
+
+    fn spawn_call(self: &Arc<Self>, model: String, req: EffectRequest, attempts: u32) {
+        let r = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("valem-effect".into())
+            .spawn(move || {
+                r.acquire();
+                r.call(&model, &req, attempts);
+                r.release();
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "an effect thread did not start");
+        }
+    }
+
+    fn acquire(&self) {
+        let (m, cv) = &self.slots;
+        let mut n = m.lock().unwrap_or_else(|p| p.into_inner());
+        while *n >= self.cfg.max_in_flight.max(1) {
+            n = cv.wait(n).unwrap_or_else(|p| p.into_inner());
+        }
+        *n += 1;
+    }
+
+    fn release(&self) {
+        let (m, cv) = &self.slots;
+        let mut n = m.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        cv.notify_one();
+    }
+
+    /// Run one server effect to its end: attempts, retries, fold-back.
+    fn call(&self, model: &str, req: &EffectRequest, mut attempts: u32) {
+        let Some(svc) = self.service() else { return };
+        let Ok(spec) = svc.spec(model) else { return };
+        let Some(e) = spec.effects.iter().find(|e| e.id == req.effect_id) else {
+            return;
+        };
+        let policy = Policy::of(e, &self.cfg);
+        let job = Job {
+            svc: &svc,
+            model,
+            spec: &spec,
+            effect: e,
+            req,
+        };
+        loop {
+            attempts += 1;
+            let r = self.set_status(
+                model,
+                req,
+                status(
+                    "in_flight",
+                    &req.dedupe_key,
+                    &[("attempts", json!(attempts))],
+                ),
+            );
+            if r.is_err() {
+                return self.report(model, req, r);
+            }
+            let outcome = self.http(&job, &policy);
+            match outcome {
+                Ok(response) => {
+                    let r = self.apply(&job, Some(response), attempts);
+                    return self.report(model, req, r);
+                }
+                Err(Failure::Refused(why)) => {
+                    return self.fail(model, req, why, &[("attempts", json!(attempts))]);
+                }
+                Err(Failure::Failed(why)) if attempts > policy.retries => {
+                    return self.fail(model, req, why, &[("attempts", json!(attempts))]);
+                }
+                Err(Failure::Failed(why)) => {
+                    let wait = policy.backoff(attempts);
+                    tracing::info!(model, effect = %req.effect_id, attempt = attempts, error = %why, wait_ms = wait.as_millis() as u64, "effect failed; retrying");
+                    let r = self.set_status(
+                        model,
+                        req,
+                        status(
+                            "pending",
+                            &req.dedupe_key,
+                            &[("attempts", json!(attempts)), ("error", json!(why))],
+                        ),
+                    );
+                    if r.is_err() {
+                        return self.report(model, req, r);
+                    }
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+    }
+
+    /// `response.set` evaluated (with `$response`) on the current state, plus the `applied`
+    /// status, as one fold-back cycle.
+    fn apply(&self, job: &Job, response: Option<Json>, attempts: u32) -> Result<(), ServiceError> {
+        let Job {
+            svc,
+            model,
+            spec,
+            effect: e,
+            req,
+        } = *job;
+        let limits = &svc.limits().engine.expr;
+        let (input, mut env) = model_input(svc, model, spec)?;
+        if let Some(r) = &response {
+            env.vars.push((Rc::from("response"), json_to_jvalue(r)));
+        }
+        let mut writes = Vec::new();
+        if let Some(resp) = &e.response {
+            for (target, ex) in &resp.set {
+                let text = match ex {
+                    Json::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                match eval(&text, &input, &env, limits) {
+                    Ok(Some(v)) => writes.push((target.clone(), v)),
+                    Ok(None) => {}
+                    Err(m) => {
+                        let why = format!("response.set `{target}`: {m}");
+                        self.fail(model, req, why.clone(), &[]);
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        if let Some(path) = &req.status_path {
+            let mut extra = vec![];
+            if attempts > 0 {
+                extra.push(("attempts", json!(attempts)));
+            }
+            writes.push((path.clone(), status("applied", &req.dedupe_key, &extra)));
+        }
+        if writes.is_empty() {
+            return Ok(());
+        }
+        match svc.foldback(model, &req.effect_id, req.dedupe_key.clone(), writes) {
+            Ok(_) => Ok(()),
+            Err(ServiceError::Mutation(m)) => {
+                // The fold-back itself was refused (schema, constraint): say so at the status.
+                self.fail(model, req, format!("the fold-back was refused: {m}"), &[]);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The effect's HTTP call(s): one `request`, or each descriptor a `requests` fan-out
+    /// produced, in order (`$response` is then the array of their responses).
+    fn http(&self, job: &Job, policy: &Policy) -> Result<Json, Failure> {
+        let Job {
+            svc,
+            model,
+            spec,
+            effect: e,
+            req,
+        } = *job;
+        if let Some(target) = &e.target {
+            return self.link(job, target);
+        }
+        let limits = &svc.limits().engine.expr;
+        let (input, env) = model_input(svc, model, spec).map_err(Failure::from)?;
+        let key = req
+            .dedupe_key
+            .as_ref()
+            .map_or_else(String::new, |k| k.to_string());
+        if let Some(request) = e.request.as_ref().and_then(|r| r.as_object()) {
+            let one = prepare(request, &input, &env, limits, true)?;
+            return self.send(&one, policy, &format!("{model}/{}/{key}", req.effect_id));
+        }
+        let Some(fan) = &e.requests else {
+            return Err(Failure::Refused(
+                "a server effect needs request, requests or target".into(),
+            ));
+        };
+        let list = match eval(fan, &input, &env, limits)
+            .map_err(|m| Failure::Refused(format!("requests: {m}")))?
+        {
+            Some(Json::Array(a)) => a,
+            Some(one @ Json::Object(_)) => vec![one],
+            None => Vec::new(),
+            Some(other) => {
+                return Err(Failure::Refused(format!(
+                    "requests must produce an array of request descriptors, not {other}"
+                )))
+            }
+        };
+        if list.len() > MAX_FAN_OUT {
+            return Err(Failure::Refused(format!(
+                "requests produced {} descriptors; at most {MAX_FAN_OUT} run per effect",
+                list.len()
+            )));
+        }
+        // Descriptors are values already (their strings are not templates).
+        let prepared = list
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let d = d.as_object().ok_or_else(|| {
+                    Failure::Refused(format!("requests[{i}] is not an object: {d}"))
+                })?;
+                prepare(d, &input, &env, limits, false).map_err(|f| f.at(&format!("requests[{i}]")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = Vec::with_capacity(prepared.len());
+        for (i, p) in prepared.iter().enumerate() {
+            let idem = format!("{model}/{}/{key}/{i}", req.effect_id);
+            out.push(
+                self.send(p, policy, &idem)
+                    .map_err(|f| f.at(&format!("requests[{i}]")))?,
+            );
+        }
+        Ok(Json::Array(out))
+    }
+
+    /// One prepared request through the egress guard; its parsed response.
+    fn send(&self, p: &Prepared, policy: &Policy, idem: &str) -> Result<Json, Failure> {
+        let Prepared {
+            method,
+            url,
+            headers,
+            body,
+        } = p;
+        let target = self.guard(url).map_err(Failure::Refused)?;
+        let mut config = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_redirects(0)
+            .proxy(None)
+            .timeout_global(Some(policy.timeout));
+        if let Some(certs) = &self.cfg.ca_certs {
+            config = config.tls_config(
+                ureq::tls::TlsConfig::builder()
+                    .root_certs(ureq::tls::RootCerts::new_with_certs(certs))
+                    .build(),
+            );
+        }
+        let agent = config.build().new_agent();
+        // Plain http connects to the address the guard checked; https must name the host for
+        // its certificate, so it is re-resolved (and was re-checked just above).
+        let pinned = if target.tls {
+            url.clone()
+        } else {
+            format!("http://{}{}", target.addr, target.path_and_query)
+        };
+        let result = {
+            let mut b = ureq::http::Request::builder()
+                .method(method.as_str())
+                .uri(&pinned)
+                .header("Host", &target.host_header)
+                .header("Idempotency-Key", idem)
+                .header("User-Agent", concat!("valem/", env!("CARGO_PKG_VERSION")));
+            for (k, v) in headers {
+                b = b.header(k.as_str(), v.as_str());
+            }
+            let bytes = match body {
+                Some(v) => {
+                    b = b.header("Content-Type", "application/json");
+                    v.to_string().into_bytes()
+                }
+                None => Vec::new(),
+            };
+            let request = b
+                .body(bytes)
+                .map_err(|e| Failure::Refused(format!("the request is malformed: {e}")))?;
+            agent.run(request)
+        };
+        let res = result.map_err(|e| Failure::Failed(format!("{method} {url}: {e}")))?;
+        let status = res.status().as_u16();
+        let max = self.cfg.max_response_bytes;
+        let text = res
+            .into_body()
+            .with_config()
+            .limit(max as u64 + 1)
+            .read_to_vec()
+            .map_err(|e| Failure::Failed(format!("reading the response of {url}: {e}")))?;
+        if text.len() > max {
+            return Err(Failure::Failed(format!(
+                "the response of {url} is over {max} bytes (--effects-max-response-bytes)"
+            )));
+        }
+        if !(200..300).contains(&status) {
+            return Err(Failure::Failed(format!("{method} {url}: HTTP {status}")));
+        }
+        Ok(serde_json::from_slice(&text)
+            .unwrap_or_else(|_| Json::String(String::from_utf8_lossy(&text).into_owned())))
+    }
+
+    /// A link to another model of this daemon: a write-link (`{ref, path}` + `body`) mutates it
+    /// and `$response` is its mutation result; a read-link (`{ref, read}`) reads a field and
+    /// `$response` is the value. A model of a sandbox session links within its session.
+    fn link(&self, job: &Job, target: &Json) -> Result<Json, Failure> {
+        let Job {
+            svc,
+            model,
+            spec,
+            effect: e,
+            ..
+        } = *job;
+        let reference = target
+            .get("ref")
+            .and_then(|r| r.as_str())
+            .ok_or_else(|| Failure::Refused("target.ref is missing".into()))?;
+        let linked = super::scope::resolve(model, reference);
+        if linked == model {
+            return Err(Failure::Refused("a model cannot link to itself".into()));
+        }
+        let missing = |err: ServiceError| match err {
+            ServiceError::NotFound(_) => Failure::Refused(format!(
+                "link target `{reference}` is not a model of this daemon"
+            )),
+            ServiceError::Mutation(m) => {
+                Failure::Refused(format!("link target `{reference}` refused the write: {m}"))
+            }
+            other => Failure::Failed(format!("link target `{reference}`: {other}")),
+        };
+        if let Some(read) = target.get("read").and_then(|r| r.as_str()) {
+            return svc
+                .field(&linked, read)
+                .map(|v| v.unwrap_or(Json::Null))
+                .map_err(missing);
+        }
+        let path = target
+            .get("path")
+            .and_then(|p| p.as_str())
+            .ok_or_else(|| Failure::Refused("a target needs `path` (write) or `read`".into()))?;
+        let limits = &svc.limits().engine.expr;
+        let (input, env) = model_input(svc, model, spec).map_err(Failure::from)?;
+        let body = match &e.body {
+            Some(ex) => eval(ex, &input, &env, limits)
+                .map_err(|m| Failure::Refused(format!("body: {m}")))?
+                .unwrap_or(Json::Null),
+            None => Json::Null,
+        };
+        let r = svc
+            .mutate_linked(&linked, vec![(path.to_string(), body)])
+            .map_err(missing)?;
+        let mut out = r.to_json(false);
+        if let Some(p) = super::scope::session_prefix(model) {
+            super::scope::strip(&mut out, p);
+        }
+        Ok(out)
+    }
+
+    /// The egress guard: where `url` may be sent, or why not.
+    fn guard(&self, url: &str) -> Result<Target, String> {
+        let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
+            (true, r)
+        } else if let Some(r) = url.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err(format!("`{url}` is not an http:// or https:// URL"));
+        };
+        let (authority, path) = match rest.find(['/', '?']) {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/"),
+        };
+        if authority.contains('@') {
+            return Err(format!("`{url}`: credentials in the URL are refused"));
+        }
+        let host = crate::egress::host_name(authority)
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_ascii_lowercase();
+        let port: u16 = authority
+            .strip_prefix(&format!("[{host}]"))
+            .or_else(|| authority.strip_prefix(host.as_str()))
+            .and_then(|p| p.strip_prefix(':'))
+            .map_or(Ok(if tls { 443 } else { 80 }), |p| p.parse())
+            .map_err(|_| format!("`{url}`: the port is not a number"))?;
+        let listed = self
+            .cfg
+            .allowed_hosts
+            .iter()
+            .any(|a| a == "*" || a.eq_ignore_ascii_case(&host));
+        if !listed {
+            return Err(format!(
+                "host `{host}` is not on the effects allow-list (--effects-allowed-hosts / VALEM_EFFECTS_ALLOWED_HOSTS; none are allowed by default)"
+            ));
+        }
+        let addrs: Vec<SocketAddr> = (host.as_str(), port)
+            .to_socket_addrs()
+            .map_err(|e| format!("host `{host}` does not resolve: {e}"))?
+            .collect();
+        if addrs.is_empty() {
+            return Err(format!("host `{host}` does not resolve"));
+        }
+        if !self.cfg.allow_private_ips {
+            if let Some(bad) = addrs.iter().find(|a| !super::egress::is_public(a.ip())) {
+                return Err(format!(
+                    "host `{host}` resolves to the non-public address {} (allow with --effects-allow-private-ips / VALEM_EFFECTS_ALLOW_PRIVATE_IPS)",
+                    bad.ip()
+                ));
+            }
+        }
+        Ok(Target {
+            tls,
+            addr: addrs[0],
+            host_header: authority.to_string(),
+            path_and_query: path.to_string(),
+        })
+    }
+
+    // --- timers ---------------------------------------------------------------------------
+
+    fn schedule(&self, t: Timer) {
+        if let Ok(mut ts) = self.timers.lock() {
+            ts.push(t);
+        }
+        self.wake.notify_all();
+    }
+
+    fn timer_loop(self: &Arc<Self>) {
+        loop {
+            let due = {
+                let mut ts = self.timers.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if self.svc.strong_count() == 0 {
+                        return;
+                    }
+                    let now = now_ms();
+                    if let Some(i) = ts.iter().position(|t| t.fire_at_ms <= now) {
+                        break ts.swap_remove(i);
+                    }
+                    let next = ts.iter().map(|t| t.fire_at_ms).min();
+                    let wait = next.map_or(Duration::from_secs(1), |n| {
+                        Duration::from_millis((n - now).clamp(1, 1000) as u64)
+                    });
+                    ts = self
+                        .wake
+                        .wait_timeout(ts, wait)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                }
+            };
+            self.fire(&due);
+        }
+    }
+
+    fn fire(&self, t: &Timer) {
+        let Some(svc) = self.service() else { return };
+        let Ok(spec) = svc.spec(&t.model) else { return };
+        let Some(e) = spec.effects.iter().find(|e| e.id == t.req.effect_id) else {
+            return;
+        };
+        let limits = &svc.limits().engine.expr;
+        let still = model_input(&svc, &t.model, &spec)
+            .ok()
+            .and_then(|(input, env)| eval(&e.trigger, &input, &env, limits).ok());
+        let holds = matches!(still, Some(Some(ref v)) if trigger_holds(v));
+        let r = if holds {
+            let job = Job {
+                svc: &svc,
+                model: &t.model,
+                spec: &spec,
+                effect: e,
+                req: &t.req,
+            };
+            self.apply(&job, None, 0)
+        } else {
+            self.set_status(
+                &t.model,
+                &t.req,
+                status(
+                    "cancelled",
+                    &t.req.dedupe_key,
+                    &[("error", json!("the trigger no longer holds"))],
+                ),
+            )
+        };
+        self.report(&t.model, &t.req, r);
+    }
+}
+
+/// Most requests one `requests` fan-out may produce.
+const MAX_FAN_OUT: usize = 64;
+
+/// One HTTP request ready to go.
+struct Prepared {
+    method: String,
+    url: String,
+    headers: Vec<(String, String)>,
+    body: Option<Json>,
+}
+
+/// A request descriptor made ready. In `request` (`templates`), url and header values
+/// interpolate `{ expr }` and `body` is JSONata; in a `requests` descriptor they are values.
+fn prepare(
+    d: &Map<String, Json>,
+    input: &JValue,
+    env: &Env,
+    limits: &Limits,
+    templates: bool,
+) -> Result<Prepared, Failure> {
+    let method = d
+        .get("method")
+        .and_then(|m| m.as_str())
+        .unwrap_or("GET")
+        .to_ascii_uppercase();
+    let url_t = d
+        .get("url")
+        .and_then(|u| u.as_str())
+        .ok_or_else(|| Failure::Refused("request.url is missing".into()))?;
+    let url = if templates {
+        interpolate(url_t, input, env, limits, true).map_err(Failure::Refused)?
+    } else {
+        url_t.to_string()
+    };
+    let mut headers = Vec::new();
+    if let Some(h) = d.get("headers").and_then(|h| h.as_object()) {
+        for (k, v) in h {
+            let t = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+            let value = if templates {
+                interpolate(&t, input, env, limits, false).map_err(Failure::Refused)?
+            } else {
+                t
+            };
+            headers.push((k.clone(), value));
+        }
+    }
+    let body = match d.get("body") {
+        Some(Json::String(ex)) if templates => eval(ex, input, env, limits)
+            .map_err(|m| Failure::Refused(format!("request.body: {m}")))?,
+        Some(Json::Null) | None => None,
+        Some(other) => Some(other.clone()),
+    };
+    Ok(Prepared {
+        method,
+        url,
+        headers,
+        body,
+    })
+}
+
+impl Failure {
+    /// The same failure, said of one part (`requests[2]`).
+    fn at(self, what: &str) -> Failure {
+        match self {
+            Failure::Refused(m) => Failure::Refused(format!("{what}: {m}")),
+            Failure::Failed(m) => Failure::Failed(format!("{what}: {m}")),
+        }
+    }
+}
+
+struct Target {
+    tls: bool,
+    addr: SocketAddr,
+    host_header: String,
+    path_and_query: String,
+}
+
+enum Failure {
+    /// Not attempted (guard, bad request): no retry.
+    Refused(String),
+    /// Attempted and failed: retried per the policy.
+    Failed(String),
+}
+
+struct Policy {
+    timeout: Duration,
+    retries: u32,
+    delay: Duration,
+    factor: f64,
+}
+
+impl Policy {
+    fn of(e: &EffectSpec, cfg: &EffectsConfig) -> Policy {
+        let p = e.policy.as_ref();
+        let num = |k: &str| p.and_then(|p| p.get(k)).and_then(|v| v.as_f64());
+        let timeout = num("timeoutMs")
+            .filter(|t| *t > 0.0)
+            .map_or(cfg.default_timeout, |t| Duration::from_millis(t as u64))
+            .min(cfg.max_timeout);
+        let retries = num("retries").map_or(0, |r| r.clamp(0.0, 10.0) as u32);
+        let (delay, factor) = match p.and_then(|p| p.get("backoff")) {
+            Some(Json::Number(n)) => (n.as_f64().unwrap_or(500.0), 2.0),
+            Some(Json::Object(b)) => (
+                b.get("delayMs").and_then(|v| v.as_f64()).unwrap_or(500.0),
+                b.get("factor").and_then(|v| v.as_f64()).unwrap_or(2.0),
+            ),
+            _ => (500.0, 2.0),
+        };
+        Policy {
+            timeout,
+            retries,
+            delay: Duration::from_millis(delay.clamp(0.0, 60_000.0) as u64),
+            factor: factor.clamp(1.0, 10.0),
+        }
+    }
+
+    /// The wait before the attempt after `attempt`.
+    fn backoff(&self, attempt: u32) -> Duration {
+        let f = self.factor.powi(attempt.saturating_sub(1).min(16) as i32);
+        self.delay.mul_f64(f).min(Duration::from_secs(300))
+    }
+}
+
+/// The engine's trigger truthiness: booleans as is, numbers ≠ 0 and non-empty strings pass;
+/// null, objects and arrays fail.
+fn trigger_holds(v: &Json) -> bool {
+    match v {
+        Json::Bool(b) => *b,
+        Json::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Json::String(s) => !s.is_empty(),
+        _ => false,
+    }
+}
+
+/// The model's merged document as an evaluation input, and an environment with `$const` and
+/// the spec's library bound as the compiler binds them. A library that does not evaluate is a
+/// `BadRequest`.
+fn model_input(
+    svc: &ModelService,
+    model: &str,
+    spec: &ModelSpec,
+) -> Result<(JValue, Env), ServiceError> {
+    let doc = svc.state(model, None)?;
+    let mut env = Env {
+        now_ms: Some(now_ms()),
+        ..Env::default()
+    };
+    env.vars.push((
+        Rc::from("const"),
+        json_to_jvalue(&Json::Object(spec.constants.clone())),
+    ));
+    valem_engine::compile::bind_library(spec, &mut env, &svc.limits().engine.expr).map_err(
+        |errs| {
+            let e = errs.first();
+            ServiceError::BadRequest(
+                e.map_or_else(String::new, |e| format!("{}: {}", e.location, e.message)),
+            )
+        },
+    )?;
+    Ok((json_to_jvalue(&doc), env))
+}
+
+impl From<ServiceError> for Failure {
+    /// A library that does not evaluate is not worth retrying; anything else may pass.
+    fn from(e: ServiceError) -> Failure {
+        match e {
+            ServiceError::BadRequest(m) => Failure::Refused(m),
+            other => Failure::Failed(other.to_string()),
+        }
+    }
+}
+
+fn eval(text: &str, input: &JValue, env: &Env, limits: &Limits) -> Result<Option<Json>, String> {
+    let c = Compiled::compile(text, limits).map_err(|e| format!("`{text}`: {}", e.message))?;
+    c.eval(input, env, limits)
+        .and_then(|v| v.map(|v| jvalue_to_json(&v, limits)).transpose())
+        .map_err(|e| format!("`{text}`: {}", e.message))
+}
+
+/// A url or header template with `{ expr }` segments evaluated (in a url, percent-encoded).
+fn interpolate(
+    t: &str,
+    input: &JValue,
+    env: &Env,
+    limits: &Limits,
+    in_url: bool,
+) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = t;
+    while let Some(i) = rest.find('{') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        let j = after
+            .find('}')
+            .ok_or_else(|| format!("`{t}`: an unclosed `{{`"))?;
+        let v = eval(after[..j].trim(), input, env, limits)?;
+        let s = match v {
+            None | Some(Json::Null) => String::new(),
+            Some(Json::String(s)) => s,
+            Some(other) => other.to_string(),
+        };
+        if in_url {
+            for b in s.bytes() {
+                if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                    out.push(b as char);
+                } else {
+                    out.push_str(&format!("%{b:02X}"));
+                }
+            }
+        } else {
+            out.push_str(&s);
+        }
+        rest = &after[j + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// When a timer request fires: `at` (epoch ms or ISO-8601) or `afterMs` after `now`.
+fn fire_time(req: &EffectRequest, now: i64) -> Result<i64, String> {
+    if let Some(at) = &req.at {
+        return match at {
+            Json::Number(n) => n
+                .as_f64()
+                .map(|f| f as i64)
+                .ok_or_else(|| "`at` is not a time".into()),
+            Json::String(s) => chrono::DateTime::parse_from_rfc3339(s)
+                .map(|t| t.timestamp_millis())
+                .or_else(|_| s.trim().parse::<f64>().map(|f| f as i64))
+                .map_err(|_| format!("`at` is neither epoch ms nor ISO-8601: {s:?}")),
+            other => Err(format!("`at` is neither epoch ms nor ISO-8601: {other}")),
+        };
+    }
+    if let Some(after) = &req.after_ms {
+        let ms = match after {
+            Json::Number(n) => n.as_f64(),
+            Json::String(s) => s.trim().parse::<f64>().ok(),
+            _ => None,
+        }
+        .filter(|f| f.is_finite() && *f >= 0.0)
+        .ok_or_else(|| format!("`afterMs` is not a delay in milliseconds: {after}"))?;
+        return Ok(now + ms as i64);
+    }
+    Err("a timer effect needs `at` or `afterMs`".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timer_times() {
+        let r = |at: Option<Json>, after: Option<Json>| EffectRequest {
+            effect_id: "t".into(),
+            executor: "timer".into(),
+            emit: None,
+            payload: None,
+            dedupe_key: None,
+            status_path: None,
+            at,
+            after_ms: after,
+        };
+        assert_eq!(fire_time(&r(None, Some(json!("1500"))), 1000), Ok(2500));
+        assert_eq!(fire_time(&r(None, Some(json!(20))), 1000), Ok(1020));
+        assert_eq!(fire_time(&r(Some(json!(5000)), None), 1000), Ok(5000));
+        assert_eq!(
+            fire_time(&r(Some(json!("1970-01-01T00:00:02Z")), None), 0),
+            Ok(2000)
+        );
+        assert!(fire_time(&r(None, Some(json!("soon"))), 0).is_err());
+        assert!(fire_time(&r(None, None), 0).is_err());
+    }
+
+    #[test]
+    fn backoff_doubles() {
+        let p = Policy {
+            timeout: Duration::from_secs(1),
+            retries: 3,
+            delay: Duration::from_millis(100),
+            factor: 2.0,
+        };
+        assert_eq!(p.backoff(1), Duration::from_millis(100));
+        assert_eq!(p.backoff(3), Duration::from_millis(400));
+    }
+
+    #[test]
+    fn templates() {
+        let limits = Limits::default();
+        let env = Env::default();
+        let input = json_to_jvalue(&json!({"region": "north east", "n": 3}));
+        assert_eq!(
+            interpolate(
+                "http://h/r?region={ region }&n={n}",
+                &input,
+                &env,
+                &limits,
+                true
+            )
+            .unwrap(),
+            "http://h/r?region=north%20east&n=3"
+        );
+        assert_eq!(
+            interpolate("Bearer {region}", &input, &env, &limits, false).unwrap(),
+            "Bearer north east"
+        );
+        assert!(interpolate("http://h/{region", &input, &env, &limits, true).is_err());
+    }
+}
