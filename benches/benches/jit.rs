@@ -24,7 +24,7 @@ use valem_benches::*;
 use valem_core::expr::{to_jvalue, Compiled, Env, Limits};
 use valem_core::value::{Seg, Val};
 use valem_engine::jit;
-use valem_engine::Model;
+use valem_engine::{EngineLimits, JitConfig, Model};
 use valem_jit::codegen::{CodeSet, Shapes};
 use valem_jit::ir;
 
@@ -153,8 +153,10 @@ fn eval(c: &mut Criterion) {
 
 /// Run `model` hot with the tier on: compile from the first run, wait for the code.
 fn warm(model: &mut Model, write: &[(Vec<Seg>, Value)]) {
-    jit::set_enabled(true);
-    jit::set_tier_after(0);
+    model.limits.jit = JitConfig {
+        enabled: true,
+        tier_after: 0,
+    };
     model.mutate_parsed(write, NOW_MS).expect("mutates");
     assert!(jit::flush(Duration::from_secs(60)), "the JIT finishes");
 }
@@ -177,7 +179,7 @@ fn off_and_on(
         if on {
             warm(model, pool.next_batch());
         }
-        jit::set_enabled(on);
+        model.limits.jit.enabled = on;
         let r = model
             .mutate_parsed(pool.next_batch(), NOW_MS)
             .expect("mutates");
@@ -193,8 +195,15 @@ fn off_and_on(
 fn recompute(c: &mut Criterion) {
     valem::allocator::configure();
     let n = 100_000;
-    jit::set_enabled(false);
-    let mut model = chain_model(n);
+    // Compiled with the tier off, as `--jit off` compiles (arithmetic keeps its parsed form).
+    let off = EngineLimits {
+        jit: JitConfig {
+            enabled: false,
+            ..JitConfig::default()
+        },
+        ..limits()
+    };
+    let mut model = chain_model_with(n, off);
     let mut pool = Pool::new(vec![segs("$.seed")], 0);
     off_and_on(c, "jit_chain", &mut model, &mut pool, n);
     drop(model);
@@ -208,7 +217,7 @@ fn recompute(c: &mut Criterion) {
     }))
     .expect("spec");
     let (mut model, _) = Model::create(&spec, NOW_MS, limits()).expect("creates");
-    jit::set_enabled(false);
+    model.limits.jit.enabled = false;
     seed(&mut model, items_data(n));
     seed(&mut model, vec![(segs("$.rate"), json!(1))]);
     let mut pool = Pool::new(vec![segs("$.rate")], 2);

@@ -129,7 +129,7 @@ fn main() {
             let (mut m, _) = Model::create(&spec, NOW_MS, limits()).unwrap();
             seed(&mut m, items_data(n));
             seed(&mut m, vec![(segs("$.rate"), json!(1))]);
-            valem_engine::jit::set_tier_after(0);
+            m.limits.jit.tier_after = 0;
             seed(&mut m, vec![(segs("$.rate"), json!(2))]);
             valem_engine::jit::flush(std::time::Duration::from_secs(60));
             lap("setup", &mut t, 1);

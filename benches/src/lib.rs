@@ -15,8 +15,10 @@ pub const NOW_MS: i64 = 1_700_000_000_000;
 
 /// Limits that let the initial data go in as one mutation.
 pub fn limits() -> EngineLimits {
+    // The daemon's cycle budget, so that its clock reads are timed too.
     EngineLimits {
         max_mutations: usize::MAX,
+        cycle_budget: valem_service::time::cycle_budget(valem_service::DEFAULT_CYCLE_BUDGET_MS),
         ..Default::default()
     }
 }
@@ -112,7 +114,12 @@ pub fn fanout_model(n: usize) -> Model {
 
 /// A chain model of `n` derivations with `$.seed = 0` applied.
 pub fn chain_model(n: usize) -> Model {
-    let mut m = create(&chain_spec(n));
+    chain_model_with(n, limits())
+}
+
+/// A chain model of `n` derivations under `limits`, seeded.
+pub fn chain_model_with(n: usize, limits: EngineLimits) -> Model {
+    let (mut m, _) = Model::create(&chain_spec(n), NOW_MS, limits).expect("model creates");
     seed(&mut m, chain_data());
     m
 }
@@ -126,8 +133,11 @@ pub fn items_model(n: usize) -> Model {
 
 /// Compile without the per-thread cache.
 pub fn compile_uncached(spec: &ModelSpec) -> valem_engine::CompiledModel {
-    valem_engine::compile::compile(Arc::new(spec.clone()), &valem_core::expr::Limits::default())
-        .unwrap_or_else(|e| panic!("spec compiles: {e:?}"))
+    valem_engine::compile::compile(
+        Arc::new(spec.clone()),
+        &valem_engine::EngineLimits::default(),
+    )
+    .unwrap_or_else(|e| panic!("spec compiles: {e:?}"))
 }
 
 /// A cheap deterministic sequence for picking `k` (xorshift64*).

@@ -17,7 +17,7 @@ use serde_json::{json, Map, Value as Json};
 use valem_core::expr::path::Address;
 use valem_core::spec::{parse_spec, ModelSpec};
 use valem_core::value::Seg;
-use valem_engine::{jit, EngineLimits, Model};
+use valem_engine::{EngineLimits, JitConfig, Model};
 
 /// The clock every cycle of a run sees.
 const NOW_MS: i64 = 1_700_000_000_000;
@@ -132,9 +132,14 @@ pub enum Progress {
 
 /// Run one benchmark. Errors are messages for the command line.
 pub fn run(opts: &Options, progress: &mut dyn FnMut(Progress)) -> Result<Report, String> {
-    jit::set_enabled(opts.jit);
+    // The daemon's cycle budget, so that its clock reads are timed too.
     let limits = EngineLimits {
         max_mutations: usize::MAX,
+        cycle_budget: valem_service::time::cycle_budget(valem_service::DEFAULT_CYCLE_BUDGET_MS),
+        jit: JitConfig {
+            enabled: opts.jit,
+            ..JitConfig::default()
+        },
         ..EngineLimits::default()
     };
     let (shape, name, n, spec, seed_data) = match &opts.workload {
@@ -300,14 +305,12 @@ impl Engine {
         });
         let spec = Arc::new(spec);
         let t = Instant::now();
-        let compiled =
-            valem_engine::compile::compile(spec.clone(), &valem_core::expr::Limits::default())
-                .map_err(|errs| {
-                    let first = errs
-                        .first()
-                        .map_or(String::new(), |e| format!("{}: {}", e.location, e.message));
-                    format!("the spec does not compile: {first}")
-                })?;
+        let compiled = valem_engine::compile::compile(spec.clone(), &limits).map_err(|errs| {
+            let first = errs
+                .first()
+                .map_or(String::new(), |e| format!("{}: {}", e.location, e.message));
+            format!("the spec does not compile: {first}")
+        })?;
         let compile_ms = ms(t.elapsed());
         let nodes = compiled.nodes.len();
 

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use valem_core::spec::parse_spec;
-use valem_engine::{jit, EngineLimits, Model, MutationError, State, Undo};
+use valem_engine::{EngineLimits, JitConfig, Model, MutationError, State, Undo};
 
 /// A result's derived paths as plain strings, for comparisons.
 fn strs(v: &valem_engine::Paths) -> Vec<&str> {
@@ -184,9 +184,18 @@ fn mutation(step: &Step, model: &Model) -> Vec<(String, Value)> {
 
 const NOW: i64 = 1_700_000_000_000;
 
+/// The live model's limits: the JIT tier on, compiling from the first run.
 fn limits() -> EngineLimits {
+    limits_with(JitConfig {
+        enabled: true,
+        tier_after: 0,
+    })
+}
+
+fn limits_with(jit: JitConfig) -> EngineLimits {
     EngineLimits {
         max_array_index: 64,
+        jit,
         ..EngineLimits::default()
     }
 }
@@ -194,19 +203,11 @@ fn limits() -> EngineLimits {
 /// The state a fresh model computes for `base` in one cycle, by the interpreter alone (the
 /// live model runs with the JIT tier on, compiling from the first run).
 fn scratch(spec: &valem_core::spec::ModelSpec, base: &Value) -> (Value, Map<String, Value>) {
-    // A global switch: other tests of this binary may see it off for a moment, which cannot
-    // change their answers (that is the JIT's contract, checked here).
-    jit::set_enabled(false);
-    let out = scratch_interpreted(spec, base);
-    jit::set_enabled(true);
-    out
-}
-
-fn scratch_interpreted(
-    spec: &valem_core::spec::ModelSpec,
-    base: &Value,
-) -> (Value, Map<String, Value>) {
-    let (mut m, _) = Model::create(spec, NOW, limits()).expect("spec compiles");
+    let off = limits_with(JitConfig {
+        enabled: false,
+        ..JitConfig::default()
+    });
+    let (mut m, _) = Model::create(spec, NOW, off).expect("spec compiles");
     let writes: Vec<(String, Value)> = base
         .as_object()
         .unwrap()
@@ -230,7 +231,6 @@ proptest! {
         constraint_mask in 0u8..16,
         steps in proptest::collection::vec(step(), 1..16),
     ) {
-        jit::set_tier_after(0);
         let spec = parse_spec(&spec_for(mask, meta_mask, constraint_mask)).unwrap();
         let (mut model, _) = Model::create(&spec, NOW, limits()).unwrap();
         for s in &steps {
@@ -272,7 +272,6 @@ proptest! {
         constraint_mask in 0u8..16,
         steps in proptest::collection::vec((step(), any::<bool>()), 1..16),
     ) {
-        jit::set_tier_after(0);
         let spec = parse_spec(&spec_for(mask, meta_mask, constraint_mask)).unwrap();
         let (mut model, _) = Model::create(&spec, NOW, limits()).unwrap();
         model.record_undo(true);

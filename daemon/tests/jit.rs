@@ -472,7 +472,6 @@ fn model(spec: Json) -> valem_engine::Model {
 /// the batched entry; a non-number input goes back to the interpreter for that instance only.
 #[test]
 fn the_engine_answers_from_compiled_code_once_it_is_hot() {
-    valem_engine::jit::set_tier_after(0);
     let mut m = model(json!({
         "id": "jit-engine",
         "schema": {"type": "object"},
@@ -482,6 +481,8 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
             {"path": "$.items[*].line", "expr": "$parent.price * $parent.qty"},
         ]
     }));
+    // Code is requested from the first run.
+    m.limits.jit.tier_after = 0;
     let items: Vec<Json> = (0..40).map(|i| json!({"price": i, "qty": 2})).collect();
     m.mutate(
         &[
@@ -522,11 +523,10 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
     assert_eq!(doc["items"][7]["line"], json!(28));
     assert_eq!(doc["items"][5]["line"], Json::Null);
     // With the tier off, the same answers from the interpreter.
-    valem_engine::jit::set_enabled(false);
+    m.limits.jit.enabled = false;
     let r = m
         .mutate(&[("$.qty".to_string(), json!(4))], 0)
         .expect("mutates");
-    valem_engine::jit::set_enabled(true);
     assert!(r.traces.iter().all(|t| !t.jit));
     assert_eq!(m.merged_json(0)["total"], json!(51.6));
 }
@@ -608,9 +608,13 @@ fn a_chain_over_an_empty_document_errs_as_the_interpreter_does() {
         v
     };
     let run = |tier: bool| {
-        // A global switch; other tests of this binary cannot see their answers change.
-        valem_engine::jit::set_enabled(tier);
-        let limits = valem_engine::EngineLimits::default();
+        let limits = valem_engine::EngineLimits {
+            jit: valem_engine::JitConfig {
+                enabled: tier,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
         let (mut m, created) = valem_engine::Model::create(&spec, 0, limits).expect("creates");
         let written = m
             .mutate(
@@ -624,7 +628,6 @@ fn a_chain_over_an_empty_document_errs_as_the_interpreter_does() {
         let seeded = m
             .mutate(&[("$.seed".to_string(), json!(1))], 0)
             .expect("mutates");
-        valem_engine::jit::set_enabled(true);
         (
             seen(&created),
             seen(&written),

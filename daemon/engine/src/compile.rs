@@ -950,7 +950,11 @@ fn prepare_all<'a>(
 }
 
 /// Compile a spec. All findings are collected, not just the first.
-pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, Vec<CompileError>> {
+pub fn compile(
+    spec: Arc<ModelSpec>,
+    engine: &crate::EngineLimits,
+) -> Result<CompiledModel, Vec<CompileError>> {
+    let limits = &engine.expr;
     // The names interned from here on are held by the compiled model.
     let _names = valem_core::value::holding_names();
     let mut errors = Vec::new();
@@ -979,7 +983,7 @@ pub fn compile(spec: Arc<ModelSpec>, limits: &Limits) -> Result<CompiledModel, V
 
     let bound: HashSet<String> = env.vars.iter().map(|(n, _)| n.to_string()).collect();
     // With the JIT tier off, arithmetic derivations keep their interpreted form too.
-    let keep_parsed = !super::jit::enabled();
+    let keep_parsed = !engine.jit.enabled;
     let mut key_buf = String::new();
     let mut done = 0;
     prepare_all(&spec, limits, &bound, keep_parsed, |part| {
@@ -1935,7 +1939,10 @@ mod tests {
     use valem_core::spec::parse_spec;
 
     fn c(j: Json) -> Result<CompiledModel, Vec<CompileError>> {
-        compile(Arc::new(parse_spec(&j).unwrap()), &Limits::default())
+        compile(
+            Arc::new(parse_spec(&j).unwrap()),
+            &crate::EngineLimits::default(),
+        )
     }
 
     /// A derivation's value nests as deep as its path before it holds anything: a path of

@@ -509,8 +509,8 @@ struct Cycle<'a> {
     /// The cycle writes few members: each write starts loading what its reader reads (a
     /// large batch would only evict what it loaded before it is used).
     prefetch: bool,
-    /// When the cycle's time budget runs out (coarse monotonic milliseconds, see
-    /// [`coarse_ms`]), and the evaluation work done since the clock was last read.
+    /// When the cycle's time budget runs out (on the budget's clock, in milliseconds), and
+    /// the evaluation work done since the clock was last read.
     deadline: Option<u64>,
     work: u32,
     /// Why the cycle stopped early (its budget, a limit): it rolls back and fails with this.
@@ -520,28 +520,6 @@ struct Cycle<'a> {
 /// Evaluation work between two looks at the clock: an interpreted evaluation counts as all of
 /// it (it may take up to its own timeout), a compiled or native one as one unit.
 const WORK_PER_CHECK: u32 = 32;
-
-/// A monotonic clock in milliseconds, at the resolution of the kernel's tick (a few ms): read
-/// in ~5 ns where a precise one takes ~25 ns, and a cycle's budget is seconds.
-fn coarse_ms() -> u64 {
-    #[cfg(target_os = "linux")]
-    {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC_COARSE exists on every
-        // Linux since 2.6.32 and the call only writes `ts`.
-        if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } == 0 {
-            return (ts.tv_sec as u64) * 1000 + (ts.tv_nsec as u64) / 1_000_000;
-        }
-    }
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64
-}
 
 impl Drop for Cycle<'_> {
     fn drop(&mut self) {
@@ -594,8 +572,8 @@ impl<'a> Cycle<'a> {
             agg_noted: None,
             prefetch: false,
             deadline: limits
-                .cycle_budget_ms
-                .map(|b| coarse_ms().saturating_add(b)),
+                .cycle_budget
+                .map(|b| (b.clock)().saturating_add(b.ms)),
             work: 0,
             abort: None,
         }
@@ -891,7 +869,7 @@ impl<'a> Cycle<'a> {
         node: &Node,
         inst: &[Seg],
     ) -> Option<Result<Option<JValue>, ExprError>> {
-        let (nj, code) = node.jit.get()?;
+        let (nj, code) = node.jit.get(self.limits.jit)?;
         // Only derivations are lowered: their input is the document. `$parent` as `evaluate`
         // binds it: the target's JSON parent.
         let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
@@ -1137,11 +1115,12 @@ impl<'a> Cycle<'a> {
     #[inline(never)]
     fn check_clock(&mut self) {
         self.work = 0;
-        if let (Some(deadline), Some(budget)) = (self.deadline, self.limits.cycle_budget_ms) {
-            if coarse_ms() > deadline {
+        if let (Some(deadline), Some(budget)) = (self.deadline, self.limits.cycle_budget) {
+            if (budget.clock)() > deadline {
                 self.stop(MutationError::Invalid(format!(
-                    "the cycle ran past its time budget of {budget} ms and was rolled back; \
-                     nothing was written"
+                    "the cycle ran past its time budget of {} ms and was rolled back; \
+                     nothing was written",
+                    budget.ms
                 )));
             }
         }
@@ -1263,7 +1242,7 @@ impl<'a> Cycle<'a> {
         if insts.len() < MIN_ROWS || !node.jit.lowered() || node.input != Input::Doc {
             return None;
         }
-        let (nj, code) = node.jit.get()?;
+        let (nj, code) = node.jit.get(self.limits.jit)?;
         let code = code?;
         // The buffers of the last batch: no fresh (zeroed) pages per call.
         let mut b = std::mem::take(&mut self.sc.batch);

@@ -118,7 +118,6 @@ fn kind_name(k: &NodeKind) -> &'static str {
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use valem_core::expr::Limits;
     use valem_core::spec::parse_spec;
 
     #[test]
@@ -133,7 +132,7 @@ mod tests {
             "constraints": [{"id": "cap", "expr": "withTax < 1000", "message": "too much", "policy": "flag"}]
         }))
         .unwrap();
-        let cm = crate::compile::compile(Arc::new(spec), &Limits::default()).unwrap();
+        let cm = crate::compile::compile(Arc::new(spec), &crate::EngineLimits::default()).unwrap();
         let g = project(&cm);
         let kind_of = |id: &str| {
             g["nodes"]

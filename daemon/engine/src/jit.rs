@@ -16,12 +16,13 @@
 //! Code is freed when the last node using it goes away: nodes hold their slot, slots hold their
 //! code set, and the registry holds slots weakly.
 //!
-//! `--jit off` / `VALEM_JIT=0` turn the tier off ([`set_enabled`]), checked per evaluation so a
-//! bench can compare both in one process.
+//! Whether the tier runs and when a node asks for its code are the caller's settings
+//! ([`crate::JitConfig`], in the engine limits), read per evaluation, so a bench can compare
+//! both in one process.
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -239,9 +240,9 @@ impl JitCell {
     /// The node's lowering while the tier is on, with its compiled code once ready; counts
     /// this run and asks for the code once the node is hot.
     #[inline]
-    pub fn get(&self) -> Option<(&NodeJit, Option<&Code>)> {
+    pub fn get(&self, cfg: crate::JitConfig) -> Option<(&NodeJit, Option<&Code>)> {
         let nj = self.lowered.as_ref()?;
-        if !enabled() {
+        if !cfg.enabled {
             return None;
         }
         if let Some(code) = nj.slot.code() {
@@ -249,7 +250,7 @@ impl JitCell {
         }
         let runs = self.runs.get();
         self.runs.set(runs.saturating_add(1));
-        if runs >= tier_after() && !nj.slot.requested.swap(true, Ordering::AcqRel) {
+        if runs >= cfg.tier_after && !nj.slot.requested.swap(true, Ordering::AcqRel) {
             registry().request(nj.slot.clone());
         }
         Some((nj, nj.slot.code()))
@@ -434,53 +435,6 @@ pub fn read_doc_slots(inputs: &[SlotInput], doc: &Val, out: &mut Vec<f64>) -> Re
         static EMPTY: super::merged::Cells = super::merged::Cells::default();
     }
     EMPTY.with(|cells| read_slots(inputs, Merged { doc, cells }, None, out))
-}
-
-// --- switches ---------------------------------------------------------------------------------
-
-static ENABLED: AtomicU8 = AtomicU8::new(0); // 0: not read yet, 1: off, 2: on
-static TIER_AFTER: AtomicU32 = AtomicU32::new(u32::MAX);
-
-/// Whether the JIT tier runs: on unless `VALEM_JIT` is `0`/`off`/`false` or [`set_enabled`]
-/// said otherwise.
-#[inline]
-pub fn enabled() -> bool {
-    match ENABLED.load(Ordering::Relaxed) {
-        2 => true,
-        1 => false,
-        _ => {
-            let on = !matches!(
-                std::env::var("VALEM_JIT").as_deref(),
-                Ok("0") | Ok("off") | Ok("false")
-            );
-            ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
-        }
-    }
-}
-
-pub fn set_enabled(on: bool) {
-    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-}
-
-/// Runs of a node before its code is requested: `VALEM_JIT_AFTER`, default 2 (0: at once).
-#[inline]
-pub fn tier_after() -> u32 {
-    let t = TIER_AFTER.load(Ordering::Relaxed);
-    if t != u32::MAX {
-        return t;
-    }
-    let t = std::env::var("VALEM_JIT_AFTER")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2)
-        .min(u32::MAX - 1);
-    TIER_AFTER.store(t, Ordering::Relaxed);
-    t
-}
-
-pub fn set_tier_after(runs: u32) {
-    TIER_AFTER.store(runs.min(u32::MAX - 1), Ordering::Relaxed);
 }
 
 /// Wait (at most `timeout`) until every requested program has been compiled. For tests and

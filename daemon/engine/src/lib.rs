@@ -50,14 +50,46 @@ pub struct EngineLimits {
     pub max_array_index: usize,
     /// Most mutations in one cycle.
     pub max_mutations: usize,
-    /// Time one cycle may take, all its evaluations together, in milliseconds: past it the
-    /// cycle stops at its next evaluation, rolls back and fails (each evaluation is bounded
-    /// by `expr.timeout_ms` too, so a cycle ends within about one evaluation timeout of its
-    /// budget). `None`: unbounded, as a replay of committed records must be.
-    pub cycle_budget_ms: Option<u64>,
+    /// Time one cycle may take, all its evaluations together, on the caller's clock: past it
+    /// the cycle stops at its next evaluation, rolls back and fails (each evaluation is
+    /// bounded by `expr.timeout_ms` too, so a cycle ends within about one evaluation timeout
+    /// of its budget). `None`: unbounded, as a replay of committed records must be.
+    pub cycle_budget: Option<CycleBudget>,
     /// Most instances one `[*]` derivation, meta-derivation or constraint may have in a
     /// cycle (the elements of the arrays its pattern spans).
     pub max_instances: usize,
+    /// The arithmetic fast path's settings.
+    pub jit: JitConfig,
+}
+
+/// A monotonic clock in milliseconds. The engine reads no clock of its own: a caller that
+/// wants a cycle's time bounded gives it one (the service's is the kernel's coarse clock).
+pub type Clock = fn() -> u64;
+
+/// The time one cycle may take.
+#[derive(Clone, Copy, Debug)]
+pub struct CycleBudget {
+    pub ms: u64,
+    pub clock: Clock,
+}
+
+/// The JIT tier: whether it runs, and after how many runs of a node its code is requested.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JitConfig {
+    /// Off: every arithmetic derivation is interpreted by JSONata (the answers are the same).
+    pub enabled: bool,
+    /// Runs of a node before its code is requested (0: at once); the IR interpreter answers
+    /// until the code is ready.
+    pub tier_after: u32,
+}
+
+impl Default for JitConfig {
+    fn default() -> Self {
+        JitConfig {
+            enabled: true,
+            tier_after: 2,
+        }
+    }
 }
 
 impl EngineLimits {
@@ -66,7 +98,7 @@ impl EngineLimits {
     /// lazy values.
     pub fn unbounded(&self) -> EngineLimits {
         EngineLimits {
-            cycle_budget_ms: None,
+            cycle_budget: None,
             max_instances: usize::MAX,
             ..self.clone()
         }
@@ -79,8 +111,9 @@ impl Default for EngineLimits {
             expr: Limits::default(),
             max_array_index: 1_000_000,
             max_mutations: 10_000,
-            cycle_budget_ms: Some(10_000),
+            cycle_budget: None,
             max_instances: 200_000,
+            jit: JitConfig::default(),
         }
     }
 }
@@ -336,12 +369,14 @@ pub fn compile_cached(
     spec: &ModelSpec,
     limits: &EngineLimits,
 ) -> Result<Rc<CompiledModel>, Vec<CompileError>> {
-    let bytes = serde_json::to_vec(spec).unwrap_or_default();
+    let mut bytes = serde_json::to_vec(spec).unwrap_or_default();
+    // Compiled with the tier off, arithmetic derivations keep their parsed form.
+    bytes.push(u8::from(limits.jit.enabled));
     let hash = *blake3::hash(&bytes).as_bytes();
     if let Some(cm) = COMPILED.with(|c| c.borrow().get(&hash).cloned()) {
         return Ok(cm);
     }
-    let cm = Rc::new(compile::compile(Arc::new(spec.clone()), &limits.expr)?);
+    let cm = Rc::new(compile::compile(Arc::new(spec.clone()), limits)?);
     COMPILED.with(|c| {
         let mut c = c.borrow_mut();
         if c.len() >= COMPILED_CACHE_SIZE {

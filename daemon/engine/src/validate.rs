@@ -416,7 +416,7 @@ fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
     // Expressions: names, dynamic lookups, then the full compile (errors with positions, cycles).
     check_names(spec, &exports, v, &limits.expr);
     if v.errors.is_empty() {
-        if let Err(errs) = compile::compile(Arc::new(spec.clone()), &limits.expr) {
+        if let Err(errs) = compile::compile(Arc::new(spec.clone()), limits) {
             for e in errs {
                 v.err(e.location, e.message);
             }

@@ -54,10 +54,16 @@ pub struct ServiceLimits {
     pub blob_max_total_bytes: usize,
 }
 
+/// A cycle's time budget unless configured otherwise (`--cycle-budget-ms`).
+pub const DEFAULT_CYCLE_BUDGET_MS: u64 = 10_000;
+
 impl Default for ServiceLimits {
     fn default() -> Self {
         ServiceLimits {
-            engine: EngineLimits::default(),
+            engine: EngineLimits {
+                cycle_budget: time::cycle_budget(DEFAULT_CYCLE_BUDGET_MS),
+                ..EngineLimits::default()
+            },
             max_models: 1000,
             history_entries: 50,
             explain_entries: 500,

@@ -82,10 +82,6 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
-        /// The arithmetic fast path: `on` compiles hot arithmetic derivations to native code
-        /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
-        #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
-        jit: bool,
         #[command(flatten)]
         cycle: CycleArgs,
         #[command(flatten)]
@@ -126,10 +122,6 @@ pub enum Command {
         /// Embedded mode: most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
-        /// Embedded mode: the arithmetic fast path: `on` compiles hot arithmetic derivations to native code
-        /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
-        #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
-        jit: bool,
         #[command(flatten)]
         cycle: CycleArgs,
     },
@@ -178,10 +170,6 @@ pub enum Command {
         /// Most live models.
         #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
         max_models: usize,
-        /// The arithmetic fast path: `on` compiles hot arithmetic derivations to native code
-        /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
-        #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
-        jit: bool,
         #[command(flatten)]
         cycle: CycleArgs,
         #[command(flatten)]
@@ -482,7 +470,11 @@ fn progress_line(p: crate::bench::Progress) -> String {
 }
 
 fn run(cli: Cli) -> Result<i32, String> {
-    let limits = EngineLimits::default();
+    // `valem spec …` and `valem eval`: the daemon's default cycle budget.
+    let limits = EngineLimits {
+        cycle_budget: valem_service::time::cycle_budget(valem_service::DEFAULT_CYCLE_BUDGET_MS),
+        ..EngineLimits::default()
+    };
     match cli.command {
         Command::Bench {
             shape,
@@ -679,13 +671,11 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_message_bytes,
             shards,
             max_models,
-            jit,
             cycle,
             store,
             plugins,
             effects,
         } => {
-            valem_engine::jit::set_enabled(jit);
             if let Some(url) = url {
                 return Ok(mcp_proxy(
                     &url,
@@ -747,10 +737,8 @@ fn run(cli: Cli) -> Result<i32, String> {
             max_line_bytes,
             shards,
             max_models,
-            jit,
             cycle,
         } => {
-            valem_engine::jit::set_enabled(jit);
             let url = url.filter(|u| !u.trim().is_empty());
             let mut backend: Box<dyn crate::console::Backend> = match url {
                 Some(u) => match crate::console::remote::Remote::new(&u, api_key) {
@@ -802,7 +790,6 @@ fn run(cli: Cli) -> Result<i32, String> {
             request_timeout,
             shards,
             max_models,
-            jit,
             cycle,
             store,
             plugins,
@@ -811,7 +798,6 @@ fn run(cli: Cli) -> Result<i32, String> {
             pairing_ttl,
             pairing_interval,
         } => {
-            valem_engine::jit::set_enabled(jit);
             init_logging("info");
             let (plugins, guidance) =
                 match load_plugins("serve", &plugins, store.data_dir.as_deref()) {
@@ -976,14 +962,31 @@ pub struct CycleArgs {
     /// refused before they allocate.
     #[arg(long, env = "VALEM_EVAL_MEMORY_MB", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20), value_name = "MIB")]
     pub eval_memory_mb: u64,
+    /// The arithmetic fast path: `on` compiles hot arithmetic derivations to native code
+    /// (cranelift), `off` leaves every derivation to the interpreter. Answers are the same.
+    #[arg(long, env = "VALEM_JIT", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
+    pub jit: bool,
+    /// Runs of an arithmetic derivation before its native code is requested (0: at once);
+    /// the IR interpreter answers until then.
+    #[arg(
+        long,
+        env = "VALEM_JIT_AFTER",
+        default_value_t = 2,
+        value_name = "RUNS"
+    )]
+    pub jit_after: u32,
 }
 
 impl CycleArgs {
     /// The engine's limits with these.
     fn engine(&self) -> EngineLimits {
         let mut limits = EngineLimits {
-            cycle_budget_ms: (self.cycle_budget_ms > 0).then_some(self.cycle_budget_ms),
+            cycle_budget: valem_service::time::cycle_budget(self.cycle_budget_ms),
             max_instances: self.max_instances,
+            jit: valem_engine::JitConfig {
+                enabled: self.jit,
+                tier_after: self.jit_after,
+            },
             ..EngineLimits::default()
         };
         limits.expr.memory_bytes = usize::try_from(self.eval_memory_mb << 20).unwrap_or(usize::MAX);
