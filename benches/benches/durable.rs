@@ -174,8 +174,8 @@ fn main() {
 /// A store holding the demo model and `n` records of it (`$.qty` writes), with a checkpoint of
 /// the state every `every` records.
 fn fill(dir: &std::path::Path, n: u64, every: Option<u64>) {
-    use valem_store::{Op, Store, StoreOptions};
-    let store = Store::open(dir, StoreOptions::default()).expect("open the store");
+    use valem_store::{Op, SqliteStore, StoreOptions};
+    let store = SqliteStore::open(dir, StoreOptions::default()).expect("open the store");
     let w = store.writer();
     w.apply(Op::PutModel {
         id: "demo".into(),

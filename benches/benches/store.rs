@@ -19,7 +19,7 @@ use criterion::{
 };
 use serde_json::json;
 use valem_benches::AuditChain as Chain;
-use valem_store::{Op, Store, StoreOptions, Writer};
+use valem_store::{Op, SqliteStore, StoreOptions, Writer};
 
 use valem_benches::T0;
 
@@ -43,9 +43,9 @@ fn run(w: &Writer, chains: &mut [Chain], per_thread: u64) -> Duration {
     start.elapsed()
 }
 
-fn setup(threads: usize) -> (tempfile::TempDir, Store, Vec<Chain>) {
+fn setup(threads: usize) -> (tempfile::TempDir, SqliteStore, Vec<Chain>) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = Store::open(dir.path(), StoreOptions::default()).expect("store opens");
+    let store = SqliteStore::open(dir.path(), StoreOptions::default()).expect("store opens");
     let chains = (0..threads)
         .map(|i| {
             let model = format!("m{i}");

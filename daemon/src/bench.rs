@@ -371,8 +371,9 @@ impl Service {
                 .prefix("valem-bench-")
                 .tempdir()
                 .map_err(|e| format!("cannot create a temporary data directory: {e}"))?;
-            let store = valem_store::Store::open(dir.path(), valem_store::StoreOptions::default())
-                .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
+            let store =
+                valem_store::SqliteStore::open(dir.path(), valem_store::StoreOptions::default())
+                    .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
             let service = valem_service::ModelService::open(1, limits, Arc::new(store))
                 .map_err(|e| format!("the service does not start: {e}"))?;
             (service, Some(dir))

@@ -360,7 +360,7 @@ pub struct ModelService {
     checkpoint_metrics: Arc<metrics::CheckpointMetrics>,
     /// Whether async callers may poll for an answer at all (see [`Pending`]).
     async_polling: std::sync::atomic::AtomicBool,
-    store: Option<Arc<valem_store::Store>>,
+    store: Option<Arc<dyn valem_store::Store>>,
     /// A blob-store plugin keeping the blob bytes (metadata stays in the store, or in
     /// `plugin_blobs` without one).
     blob_plugin: std::sync::OnceLock<Arc<crate::plugins::Plugin>>,
@@ -493,7 +493,7 @@ impl ModelService {
     pub fn open(
         shards: usize,
         limits: ServiceLimits,
-        store: Arc<valem_store::Store>,
+        store: Arc<dyn valem_store::Store>,
     ) -> Result<Arc<ModelService>, ServiceError> {
         use std::sync::atomic::Ordering;
         let stored = store
@@ -529,14 +529,14 @@ impl ModelService {
     }
 
     /// The durable store, when the service has one.
-    pub fn store(&self) -> Option<&Arc<valem_store::Store>> {
+    pub fn store(&self) -> Option<&Arc<dyn valem_store::Store>> {
         self.store.as_ref()
     }
 
     fn start(
         shards: usize,
         limits: ServiceLimits,
-        store: Option<Arc<valem_store::Store>>,
+        store: Option<Arc<dyn valem_store::Store>>,
     ) -> Arc<ModelService> {
         let n = if shards == 0 {
             std::thread::available_parallelism().map_or(2, |n| n.get())
@@ -1121,7 +1121,7 @@ impl ModelService {
             media_type: media_type.unwrap_or_else(|| "application/octet-stream".into()),
         };
         match &self.store {
-            Some(store) => put_blob_meta(store, &r)?,
+            Some(store) => put_blob_meta(&**store, &r)?,
             None => {
                 self.plugin_blobs
                     .lock()
@@ -1200,7 +1200,7 @@ impl ModelService {
             bytes: data.len(),
             media_type: media_type.unwrap_or_else(|| "application/octet-stream".into()),
         };
-        put_blob_meta(store, &r)?;
+        put_blob_meta(&**store, &r)?;
         Ok(r)
     }
 
@@ -1245,7 +1245,7 @@ impl ModelService {
 }
 
 /// The metadata row of a blob whose bytes are already stored.
-fn put_blob_meta(store: &valem_store::Store, r: &BlobRef) -> Result<(), ServiceError> {
+fn put_blob_meta(store: &dyn valem_store::Store, r: &BlobRef) -> Result<(), ServiceError> {
     store
         .writer()
         .apply(valem_store::Op::PutBlob(valem_store::BlobMeta {

@@ -113,7 +113,7 @@ pub(super) struct Shard {
     /// every request for one answers that (see [`ServiceError::Unrecovered`]); deleting one
     /// drops what is stored.
     unrecovered: HashMap<String, String>,
-    store: Option<Arc<Store>>,
+    store: Option<Arc<dyn Store>>,
     limits: ServiceLimits,
     subscribers: Arc<Subscribers>,
     metrics: Arc<CycleMetrics>,
@@ -235,7 +235,7 @@ fn apply_record(
 /// Feed model `id`'s stored records after `after` (up to `up_to_us`) to `f`, oldest first,
 /// stopping at its first failure.
 fn replay_stored(
-    store: &Store,
+    store: &dyn Store,
     id: &str,
     after: Option<u64>,
     up_to_us: Option<i64>,
@@ -243,7 +243,7 @@ fn replay_stored(
 ) -> Result<(), ServiceError> {
     let mut failure = None;
     store
-        .audit_after(id, after, up_to_us, |rec| match f(rec) {
+        .audit_after(id, after, up_to_us, &mut |rec| match f(rec) {
             Ok(()) => std::ops::ControlFlow::Continue(()),
             Err(m) => {
                 failure = Some(m);
@@ -290,7 +290,7 @@ impl Shard {
         subscribers: Arc<Subscribers>,
         metrics: Arc<CycleMetrics>,
         checkpoint_metrics: Arc<CheckpointMetrics>,
-        store: Option<Arc<Store>>,
+        store: Option<Arc<dyn Store>>,
         audit_sink: Arc<std::sync::OnceLock<super::audit_sink::AuditSink>>,
     ) -> Shard {
         Shard {
@@ -548,7 +548,7 @@ impl Shard {
         if let Some(head) = stored.head_seq {
             e.audit.resume(head, &stored.head_hash);
         }
-        replay_stored(&store, &id, after, None, |rec| {
+        replay_stored(&*store, &id, after, None, |rec| {
             replay(e, rec, history_max, explain_max)
         })
     }
@@ -667,7 +667,7 @@ impl Shard {
                     return Err(ServiceError::HistoryNotFound(iso(at)));
                 }
                 match self.store.clone() {
-                    Some(store) => self.state_from_store(&store, &spec, created_us, id, at),
+                    Some(store) => self.state_from_store(&*store, &spec, created_us, id, at),
                     None => Err(ServiceError::HistoryNotFound(iso(at))),
                 }
             }
@@ -678,7 +678,7 @@ impl Shard {
     /// at or before it, plus the records committed up to it.
     fn state_from_store(
         &self,
-        store: &Store,
+        store: &dyn Store,
         spec: &ModelSpec,
         created_us: i64,
         id: &str,

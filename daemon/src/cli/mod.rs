@@ -1270,7 +1270,7 @@ fn open_service(
         ..Default::default()
     };
     let started = std::time::Instant::now();
-    let store = valem_store::Store::open(dir, opts).map_err(|e| {
+    let store = valem_store::SqliteStore::open(dir, opts).map_err(|e| {
         eprintln!(
             "valem {cmd}: cannot open the data directory {}: {e}",
             dir.display()

@@ -16,7 +16,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value as Json;
 
 use super::chain::{self, AuditKey, BrokenCheckpoint, CheckpointHeader, GENESIS};
-use super::{sql_err, Store, StoreError, StoredCheckpoint};
+use super::{sql_err, SqliteStore, StoreError, StoredCheckpoint};
 
 /// What a checkpoint's state is, and so whether recovery may fall back past it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,7 +126,7 @@ impl std::fmt::Display for CheckpointFault {
     }
 }
 
-/// A checkpoint skipped by [`Store::usable_checkpoint`].
+/// A checkpoint skipped by [`SqliteStore::usable_checkpoint`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RefusedCheckpoint {
     /// The record it claims to follow (`None`: before the first).
@@ -285,7 +285,7 @@ pub(super) fn rehash_keyed(c: &Connection, key: &AuditKey) -> rusqlite::Result<u
     Ok(n)
 }
 
-impl Store {
+impl SqliteStore {
     /// The checkpoint model `model_id` is recovered from: the newest that verifies against its
     /// state and the chain (`at_or_before_us`: the newest taken at or before that instant, for
     /// an `?at=` read), with the newer ones refused on the way (`checkpoint: None`: replay from

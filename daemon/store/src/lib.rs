@@ -1,4 +1,5 @@
-//! The durable store: one SQLite database (`<dir>/valem.db`, WAL mode) holding the model
+//! The durable store: the [`Store`] trait the service writes through, and its first
+//! implementation, [`SqliteStore`]: one SQLite database (`<dir>/valem.db`, WAL mode) holding the model
 //! registry, the hash-chained audit log, checkpoints, snapshots and blob metadata, plus blob bytes
 //! content-addressed by blake3 under `<dir>/blobs/`. It owns persistence and the chain check; it
 //! never interprets specs, evaluates models or replays records (the service does that).
@@ -11,7 +12,7 @@
 //! - [`Durability::Strict`] (default, `synchronous=FULL`): COMMIT fsyncs the WAL, so an `Ok`
 //!   completion means the op survives a process kill, an OS crash and a power loss.
 //! - [`Durability::Relaxed`] (`synchronous=NORMAL`): COMMIT writes the WAL without fsync; the WAL
-//!   is fsynced only at checkpoints (about every 4 MB of WAL) and by [`Store::flush`]. A process
+//!   is fsynced only at checkpoints (about every 4 MB of WAL) and by [`SqliteStore::flush`]. A process
 //!   kill loses nothing acknowledged (the OS holds the written pages); an OS crash or power loss
 //!   can lose the batches acknowledged since the last WAL fsync (the database stays consistent).
 //!
@@ -28,11 +29,11 @@
 //! the same transaction as its records (the chain verifies after any such loss). In strict mode
 //! an acknowledged batch was fsynced before its ack, so only unacknowledged batches can be torn.
 //! What SQLite does not protect: the main database file has no page checksums. A truncated main
-//! file is refused by [`Store::open`] before SQLite sees it when the truncation is visible in the
+//! file is refused by [`SqliteStore::open`] before SQLite sees it when the truncation is visible in the
 //! file header (see [`StoreError::Corrupt`]); a flipped byte in an audit record is caught by
-//! [`Store::verify_chain`], and one in a checkpoint by its hashes (see below); a flipped byte
+//! [`SqliteStore::verify_chain`], and one in a checkpoint by its hashes (see below); a flipped byte
 //! elsewhere (snapshot JSON, b-tree structure) surfaces as `Corrupt` on the read that hits it or
-//! from [`Store::quick_check`].
+//! from [`SqliteStore::quick_check`].
 //! A damaged frame in the *middle* of the WAL makes SQLite stop replaying there: later commits
 //! are lost silently (and consistently, so the chain still verifies).
 //!
@@ -43,14 +44,15 @@
 //! # Checkpoints
 //! Each checkpoint names the chain head it follows, the blake3 of its state text and its own
 //! hash over those ([`chain::checkpoint_hash`]), so an edited or damaged checkpoint is refused by
-//! [`Store::usable_checkpoint`] (which falls back to an older one, or to none) and reported by
-//! [`Store::verify_chain`]; see [`checkpoints`] for which fallbacks are sound.
+//! [`SqliteStore::usable_checkpoint`] (which falls back to an older one, or to none) and reported by
+//! [`SqliteStore::verify_chain`]; see [`checkpoints`] for which fallbacks are sound.
 //!
 //! # Audit key
 //! Opened with [`StoreOptions::audit_key`], record and checkpoint hashes are keyed blake3; the
 //! store records the key's fingerprint and refuses to open without it or with another key. An
 //! unkeyed store given a key adopts it: see [`keys`].
 
+mod api;
 pub mod chain;
 pub mod checkpoints;
 pub mod keys;
@@ -74,6 +76,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use serde::Serialize;
 use serde_json::Value as Json;
 
+pub use api::Store;
 pub use chain::{
     canonical, record_hash, AuditKey, BrokenCheckpoint, ChainHasher, ChainReport, ChainVerifier,
     GENESIS,
@@ -351,7 +354,7 @@ pub struct BlobMeta {
     pub created_us: i64,
 }
 
-/// Filters of [`Store::query_audit`] (all optional; times inclusive, epoch µs).
+/// Filters of [`SqliteStore::query_audit`] (all optional; times inclusive, epoch µs).
 #[derive(Clone, Debug, Default)]
 pub struct AuditFilter {
     /// Records touching a path that starts with this string.
@@ -365,7 +368,7 @@ pub struct AuditFilter {
 }
 
 /// An open store. `Sync`: share it behind an `Arc`. Dropping it drains the writer.
-pub struct Store {
+pub struct SqliteStore {
     dir: PathBuf,
     db: PathBuf,
     opts: StoreOptions,
@@ -376,10 +379,10 @@ pub struct Store {
     readers: Mutex<Vec<Connection>>,
 }
 
-impl Store {
+impl SqliteStore {
     /// Open (creating if needed) the store in `dir`: checks the directory and the database file,
     /// migrates the schema, starts the writer thread.
-    pub fn open(dir: &Path, opts: StoreOptions) -> Result<Store, StoreError> {
+    pub fn open(dir: &Path, opts: StoreOptions) -> Result<SqliteStore, StoreError> {
         ensure_writable_dir(dir)?;
         let blobs = dir.join("blobs");
         fs::create_dir_all(&blobs).map_err(|e| StoreError::NotWritable {
@@ -444,7 +447,7 @@ impl Store {
             opts.max_batch_ops,
             opts.audit_key,
         )?;
-        Ok(Store {
+        Ok(SqliteStore {
             dir: dir.to_path_buf(),
             db,
             adoption,
@@ -964,16 +967,16 @@ impl Store {
     }
 }
 
-impl std::fmt::Debug for Store {
+impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store")
+        f.debug_struct("SqliteStore")
             .field("db", &self.db)
             .field("durability", &self.opts.durability)
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for Store {
+impl Drop for SqliteStore {
     fn drop(&mut self) {
         let _ = self.stop();
     }

@@ -79,8 +79,8 @@ fn put_model(id: &str) -> Op {
     }
 }
 
-fn open(dir: &Path) -> Store {
-    Store::open(dir, StoreOptions::default()).expect("store opens")
+fn open(dir: &Path) -> SqliteStore {
+    SqliteStore::open(dir, StoreOptions::default()).expect("store opens")
 }
 
 /// Block the writer thread inside a completion until the returned sender fires, so ops submitted
@@ -118,7 +118,7 @@ fn submit_all(w: &Writer, ops: Vec<Op>) -> mpsc::Receiver<(usize, Result<(), Sto
     rx
 }
 
-fn records(store: &Store, model: &str) -> Vec<Json> {
+fn records(store: &SqliteStore, model: &str) -> Vec<Json> {
     let mut out = Vec::new();
     store
         .audit_after(model, None, None, |e| {
@@ -143,13 +143,13 @@ fn open_creates_the_directory_and_names_a_bad_path() {
 
     let file = tmp.path().join("plain-file");
     std::fs::write(&file, b"x").expect("write");
-    let err = Store::open(&file, StoreOptions::default()).expect_err("a file is not a dir");
+    let err = SqliteStore::open(&file, StoreOptions::default()).expect_err("a file is not a dir");
     assert!(matches!(err, StoreError::NotADirectory { ref path } if *path == file));
     assert!(err.to_string().contains("plain-file"), "{err}");
 
     // procfs refuses new entries, even for root.
     let bad = PathBuf::from("/proc/self/valem-store-test/data");
-    let err = Store::open(&bad, StoreOptions::default()).expect_err("cannot create");
+    let err = SqliteStore::open(&bad, StoreOptions::default()).expect_err("cannot create");
     assert!(matches!(err, StoreError::CreateDir { .. }), "{err:?}");
     assert!(
         err.to_string().contains("/proc/self/valem-store-test/data"),
@@ -165,7 +165,7 @@ fn a_read_only_directory_is_refused_naming_it() {
     std::fs::create_dir(&dir).expect("mkdir");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).expect("chmod");
     let still_writable = std::fs::write(dir.join("probe"), b"x").is_ok();
-    let result = Store::open(&dir, StoreOptions::default());
+    let result = SqliteStore::open(&dir, StoreOptions::default());
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod back");
     if still_writable {
         // Running as root: permission bits do not bind, so there is nothing read-only to test.
@@ -452,7 +452,7 @@ fn acks_follow_the_commit_in_submission_order_and_batches_are_bounded() {
         max_batch_ops: 32,
         ..Default::default()
     };
-    let store = Store::open(tmp.path(), opts).expect("open");
+    let store = SqliteStore::open(tmp.path(), opts).expect("open");
     let w = store.writer();
     w.apply(put_model("m")).expect("put");
     let mut chain = Chain::new("m");
@@ -514,7 +514,7 @@ fn a_full_database_fails_whole_batches_and_the_writer_recovers_when_space_return
         max_db_bytes: Some(512 << 10),
         ..Default::default()
     };
-    let store = Store::open(tmp.path(), opts).expect("open");
+    let store = SqliteStore::open(tmp.path(), opts).expect("open");
     let w = store.writer();
     w.apply(put_model("m")).expect("put");
     w.apply(put_model("filler")).expect("put");
@@ -628,7 +628,7 @@ fn relaxed_mode_acks_after_commit_and_flush_fsyncs_the_wal() {
     };
     let mut chain = Chain::new("m");
     {
-        let store = Store::open(tmp.path(), opts.clone()).expect("open");
+        let store = SqliteStore::open(tmp.path(), opts.clone()).expect("open");
         let w = store.writer();
         w.apply(put_model("m")).expect("put");
         for i in 0..10 {
@@ -638,7 +638,7 @@ fn relaxed_mode_acks_after_commit_and_flush_fsyncs_the_wal() {
         store.flush().expect("flush");
         assert_eq!(store.stats().fsyncs, 1, "flush fsyncs the WAL");
     }
-    let store = Store::open(tmp.path(), opts).expect("reopen");
+    let store = SqliteStore::open(tmp.path(), opts).expect("reopen");
     assert_eq!(records(&store, "m").len(), 10);
 }
 
@@ -665,7 +665,7 @@ fn blobs_are_checked_on_read_and_hashes_are_validated() {
         max_blob_bytes: 1024,
         ..Default::default()
     };
-    let store = Store::open(tmp.path(), opts).expect("open");
+    let store = SqliteStore::open(tmp.path(), opts).expect("open");
     let hash = store.put_blob_bytes(b"abc").expect("put");
     assert!(matches!(
         store.put_blob_bytes(&[0; 2000]),
@@ -991,8 +991,8 @@ fn checkpointed(key: Option<AuditKey>, more: impl FnOnce(&Writer)) -> tempfile::
     tmp
 }
 
-fn open_keyed(dir: &Path, key: Option<AuditKey>) -> Store {
-    Store::open(
+fn open_keyed(dir: &Path, key: Option<AuditKey>) -> SqliteStore {
+    SqliteStore::open(
         dir,
         StoreOptions {
             audit_key: key,
@@ -1011,7 +1011,7 @@ fn edit(dir: &Path, sql: &str) {
 /// The checkpoint recovery picks (its sequence), and the refused ones (sequence, fault label).
 type Pick = (Option<Option<u64>>, Vec<(Option<u64>, &'static str)>);
 
-fn pick(store: &Store, at: Option<i64>) -> Pick {
+fn pick(store: &SqliteStore, at: Option<i64>) -> Pick {
     let c = store
         .usable_checkpoint("m", at)
         .expect("a usable checkpoint");
@@ -1374,11 +1374,11 @@ fn a_keyed_store_needs_its_key_and_catches_a_rewrite_without_it() {
     assert_eq!(pick(&store, None), (Some(Some(9)), vec![]));
     drop(store);
     // Without the key, or with another, the store does not open.
-    let err = Store::open(tmp.path(), StoreOptions::default()).expect_err("no key");
+    let err = SqliteStore::open(tmp.path(), StoreOptions::default()).expect_err("no key");
     assert!(matches!(err, StoreError::AuditKeyRequired { .. }), "{err}");
     assert!(err.to_string().contains(&key.fingerprint()[..16]), "{err}");
     let other = AuditKey::from_bytes([8; 32]);
-    let err = Store::open(
+    let err = SqliteStore::open(
         tmp.path(),
         StoreOptions {
             audit_key: Some(other),
@@ -1534,7 +1534,7 @@ fn an_unkeyed_store_adopts_a_key_from_each_models_next_record() {
     // The key's marking removed: refused with or without the key (no silent re-adoption).
     edit(tmp.path(), "DELETE FROM meta WHERE key = 'audit_key'");
     for k in [None, Some(key)] {
-        let err = Store::open(
+        let err = SqliteStore::open(
             tmp.path(),
             StoreOptions {
                 audit_key: k,
@@ -1746,7 +1746,7 @@ fn append_round(w: &Writer, chains: &mut [Chain], acked: &mut Acked, per_model: 
 /// What a reopened copy holds: per model, the number of records, after checking they are exactly
 /// the first acknowledged ones and that the chain verifies.
 fn surviving(dir: &Path, acked: &Acked) -> Result<usize, StoreError> {
-    let store = Store::open(dir, StoreOptions::default())?;
+    let store = SqliteStore::open(dir, StoreOptions::default())?;
     let mut total = 0;
     for m in MODELS {
         let report = store.verify_chain(m)?;
@@ -1915,7 +1915,7 @@ fn a_truncated_database_file_is_refused_naming_it() {
     {
         let copy = tmp.path().join(format!("db-{i}"));
         copy_truncated(&live, &copy, DB_FILE, off);
-        match Store::open(&copy, StoreOptions::default()) {
+        match SqliteStore::open(&copy, StoreOptions::default()) {
             Err(StoreError::Corrupt { path, detail }) => {
                 assert_eq!(path, copy.join(DB_FILE), "{detail}")
             }
