@@ -1,0 +1,157 @@
+//! Evaluating one node: the arithmetic tier when it answers, else an aggregate or the JSONata
+//! interpreter over the node's projected input.
+
+use super::*;
+
+/// The projected input of a document expression: only the paths it reads.
+pub(super) fn project_root(m: Merged<'_>, p: &Projection) -> JValue {
+    if p.whole {
+        return m.to_jvalue();
+    }
+    if !m.root_is_obj() {
+        return project(m.doc, p);
+    }
+    let mut o = IndexMap::with_capacity(p.children.len());
+    for (k, sub) in &p.children {
+        if let Some(x) = m.root_get(k) {
+            o.insert(k.to_string(), project(x, sub));
+        }
+    }
+    JValue::object(o)
+}
+
+/// The projected input: only the paths the expression reads.
+pub(super) fn project(v: &Val, p: &Projection) -> JValue {
+    if p.whole {
+        return to_jvalue(v);
+    }
+    match v {
+        Val::Obj(m) => {
+            let mut o = IndexMap::with_capacity(p.children.len());
+            for (k, sub) in &p.children {
+                if let Some(x) = m.get(k) {
+                    o.insert(k.to_string(), project(x, sub));
+                }
+            }
+            JValue::object(o)
+        }
+        Val::Arr(a) => valem_core::expr::jarray(a.iter(), |x| project(x, p)),
+        other => to_jvalue(other),
+    }
+}
+
+impl<'a> Cycle<'a> {
+    // --- evaluation -------------------------------------------------------------------------
+
+    pub(super) fn whole_doc(&mut self) -> JValue {
+        if let Some((v, j)) = &self.whole_cache {
+            if *v == self.version {
+                return j.clone();
+            }
+        }
+        let j = self.st.merged().to_jvalue();
+        self.whole_cache = Some((self.version, j.clone()));
+        j
+    }
+
+    pub(super) fn input(&mut self, node: &Node, inst: &[Seg]) -> JValue {
+        match node.input {
+            Input::Doc if node.whole_doc => self.whole_doc(),
+            Input::Doc if node.projection_deferred => {
+                let p = self.cm.fallback_projection(node);
+                project_root(self.st.merged(), &p)
+            }
+            Input::Doc => project_root(self.st.merged(), node.projection()),
+            Input::Element => {
+                let el = element_prefix(&node.targets[0], inst);
+                self.st.merged().jvalue_at(el)
+            }
+            Input::Field => self.st.merged().jvalue_at(inst),
+        }
+    }
+
+    /// The arithmetic tier's answer (`Some(Ok(None))`: undefined): compiled code once it is
+    /// ready, the IR's interpreter until then or when an input is undefined, JSONata's type
+    /// error for one operation over a null, boolean or string input; `None` when the node is
+    /// not arithmetic, an input is something else or a value is not finite (the JSONata
+    /// interpreter answers).
+    pub(super) fn evaluate_lowered(
+        &mut self,
+        node: &Node,
+        inst: &[Seg],
+    ) -> Option<Result<Option<interp::Value>, ExprError>> {
+        let (nj, code) = node.jit.get(self.limits.jit)?;
+        // Only derivations are lowered: their input is the document. `$parent` as `evaluate`
+        // binds it: the target's JSON parent.
+        let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
+        let v = match jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots) {
+            jit::Read::Other => return None,
+            jit::Read::NotNumbers(slots) => return jit::type_error(nj.program(), slots).map(Err),
+            jit::Read::Undefined => interp::eval_undefined(nj.program(), &self.jit_slots)?,
+            jit::Read::Numbers => Some(match code {
+                Some(code) => {
+                    let x = code.set.call(code.index, &self.jit_slots)?;
+                    self.jit_hit = true;
+                    interp::Value::from_f64(code.ty, x)
+                }
+                None => interp::eval(nj.program(), &self.jit_slots)?,
+            }),
+        };
+        Some(Ok(v))
+    }
+
+    #[inline]
+    pub(super) fn evaluate(
+        &mut self,
+        node: &Node,
+        inst: &[Seg],
+    ) -> Result<Option<JValue>, ExprError> {
+        self.jit_hit = false;
+        if node.jit.lowered() {
+            if let Some(v) = self.evaluate_lowered(node, inst) {
+                self.spend(1);
+                return v.map(|v| {
+                    v.map(|v| match v {
+                        interp::Value::Num(x) => JValue::Number(x),
+                        interp::Value::Bool(b) => JValue::Bool(b),
+                    })
+                });
+            }
+        }
+        let out = self.evaluate_slow(node, inst);
+        self.spend(if self.jit_hit { 1 } else { WORK_PER_CHECK });
+        out
+    }
+
+    /// [`Cycle::evaluate`] past the compiled code: an aggregate, or the interpreter.
+    pub(super) fn evaluate_slow(
+        &mut self,
+        node: &Node,
+        inst: &[Seg],
+    ) -> Result<Option<JValue>, ExprError> {
+        if let (Some(agg), Input::Doc) = (self.cm.aggregate(node), node.input) {
+            if node.keeps_by_delta(agg) {
+                if let Some(v) = self.delta_aggregate(agg) {
+                    return Ok(v);
+                }
+            }
+            if let Some(v) = aggregate(self.st.merged(), agg) {
+                return Ok(v);
+            }
+        }
+        let expr = self.cm.interpreted(node)?;
+        let input = self.input(node, inst);
+        if node.uses_parent && !inst.is_empty() {
+            // Derivations: the target's JSON parent. Meta and constraints: the `[*]` element.
+            let at = match node.kind {
+                NodeKind::Derivation { .. } => &inst[..inst.len() - 1],
+                _ => element_prefix(&node.targets[0], inst),
+            };
+            let parent = self.st.merged().jvalue_at(at);
+            let env = self.env().with("parent", parent);
+            expr.eval(&input, &env, &self.limits.expr)
+        } else {
+            expr.eval(&input, self.env(), &self.limits.expr)
+        }
+    }
+}
