@@ -1,0 +1,911 @@
+//! The ModelSpec compiler: expressions compiled once (identical text interned), dependencies
+//! extracted into the reader and producer tries, the derivation DAG levelled topologically (a
+//! cycle is an error naming it), the library bound, projections and native aggregates planned.
+//! Pure: no I/O, no clock.
+
+mod model;
+mod prepare;
+mod reads;
+
+pub use model::*;
+use prepare::*;
+use reads::*;
+pub use reads::{bind_library, eval_library_layer};
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use jsonata_core::ast::AstNode;
+use serde_json::Value as Json;
+
+use super::shapes::{skeleton, Shape, Shapes};
+use super::trie::{TSeg, TSegRef, Trie};
+use std::collections::HashSet;
+use valem_core::expr::deps::{self, ReadPath, Reads, Root};
+use valem_core::expr::path::{Address, PathSeg};
+use valem_core::expr::{json_to_jvalue, Compiled, Env, ExprError, Limits, Parsed, Value as JValue};
+use valem_core::spec::{MetaProp, ModelSpec, Policy};
+use valem_core::value::{Key, MAX_DEPTH};
+use valem_jit::ir::{self, Program};
+
+/// Compile a spec. All findings are collected, not just the first.
+pub fn compile(
+    spec: Arc<ModelSpec>,
+    engine: &crate::EngineLimits,
+) -> Result<CompiledModel, Vec<CompileError>> {
+    let limits = &engine.expr;
+    // The names interned from here on are held by the compiled model.
+    let _names = valem_core::value::holding_names();
+    let mut errors = Vec::new();
+    let mut interner = Interner {
+        exprs: HashMap::new(),
+        limits: limits.clone(),
+    };
+    let mut drafts = Drafts::with_capacity(
+        spec.derivations.len()
+            + spec.meta_derivations.len()
+            + spec.constraints.len()
+            + spec.effects.len(),
+    );
+
+    // Constants and library first: every expression may bind them.
+    let constants = json_to_jvalue(&Json::Object(spec.constants.clone()));
+    let mut env = Env::default();
+    env.vars.push((Rc::from("const"), constants));
+    let exports = match bind_library(&spec, &mut env, limits) {
+        Ok(x) => x,
+        Err(mut e) => {
+            errors.append(&mut e);
+            Vec::new()
+        }
+    };
+
+    let bound: HashSet<String> = env.vars.iter().map(|(n, _)| n.to_string()).collect();
+    // With the JIT tier off, arithmetic derivations keep their interpreted form too.
+    let keep_parsed = !engine.jit.enabled;
+    let mut key_buf = String::new();
+    let mut done = 0;
+    prepare_all(&spec, limits, &bound, keep_parsed, |part| {
+        if done == 0 {
+            // Room for the names of all the shaped derivations, reckoned from the first part.
+            let names: usize = part
+                .iter()
+                .flatten()
+                .filter_map(|p| p.shaped.as_ref())
+                .map(|s| s.1.len())
+                .sum();
+            let total = spec.derivations.len();
+            valem_core::value::reserve_names(names.saturating_mul(total) / part.len().max(1));
+        }
+        let first = done;
+        done += part.len();
+        for (k, p) in part.into_iter().enumerate() {
+            let i = first + k;
+            let Some(d) = spec.derivations.get(i) else {
+                break;
+            };
+            let mut p = match p {
+                Ok(p) => p,
+                Err(e) => {
+                    errors.push(e);
+                    continue;
+                }
+            };
+            p.settle();
+            let expr = match p.parsed.take() {
+                Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
+                None => NodeExpr::text(d.expr.clone()),
+            };
+            let parent = p.target.parent();
+            // The key is the canonical address: the spec's own text when written that way.
+            key_buf.clear();
+            p.target.render_into(&mut key_buf);
+            let key = if *key_buf == *d.path {
+                d.path.clone()
+            } else {
+                Arc::from(key_buf.as_str())
+            };
+            let mut dr = draft_empty(
+                &mut drafts,
+                NodeKind::Derivation { lazy: d.is_lazy() },
+                key,
+                vec![p.target],
+                expr,
+                Input::Doc,
+                Location::new(Section::Derivations, i),
+                p.aggregate,
+            );
+            // An arithmetic derivation's projection waits for a fallback that may never come.
+            dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
+            add_whole_doc(&mut dr, &mut drafts, p.whole_doc, None);
+            for_each_read(&p.program, &p.reads, |root, fields| {
+                add_read(&mut dr, &mut drafts, root, fields, Some(&parent), None);
+            });
+            end_reads(&mut dr);
+            dr.extra.program = p.program;
+            drafts.push(dr);
+        }
+    });
+
+    for (i, m) in spec.meta_derivations.iter().enumerate() {
+        let loc = format!("metaDerivations[{i}]");
+        let Some(prop) = MetaProp::parse(&m.property) else {
+            errors.push(CompileError {
+                location: format!("{loc}.property"),
+                message: format!(
+                    "unknown meta property `{}`; expected one of: {}",
+                    m.property,
+                    MetaProp::ALL.map(|p| p.name()).join(", ")
+                ),
+            });
+            continue;
+        };
+        let target = match parse_address(|| format!("{loc}.path"), &m.path) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let expr = match interner.get(&m.expr) {
+            Ok(c) => c,
+            Err(e) => {
+                errors.push(expr_error(&format!("{loc}.expr"), &m.expr, &e));
+                continue;
+            }
+        };
+        let key = format!("{}#{}", target, prop.key_name());
+        // `[*]` meta sees the element as `$` (the reference's rule) and as `$parent`.
+        let element = target.element_pattern();
+        let input = if element.is_some() {
+            Input::Element
+        } else {
+            Input::Doc
+        };
+        let reads = deps::reads(expr.ast());
+        let aggregate = aggregate_of(expr.ast());
+        let mut d = draft_empty(
+            &mut drafts,
+            NodeKind::Meta(prop),
+            key.into(),
+            vec![target],
+            NodeExpr::new(expr),
+            input,
+            Location::new(Section::MetaDerivations, i),
+            aggregate,
+        );
+        add_reads(
+            &mut d,
+            &mut drafts,
+            &reads,
+            element.as_ref(),
+            element.as_ref(),
+        );
+        if element.is_some() {
+            d.node.projection = Some(Projection::whole());
+        }
+        drafts.push(d);
+    }
+
+    for (i, c) in spec.constraints.iter().enumerate() {
+        let loc = format!("constraints[{i}]");
+        let Some(policy) = Policy::parse(&c.policy) else {
+            errors.push(CompileError {
+                location: format!("{loc}.policy"),
+                message: format!("policy is required (rollback | flag), found `{}`", c.policy),
+            });
+            continue;
+        };
+        let expr = match interner.get(&c.expr) {
+            Ok(e) => e,
+            Err(e) => {
+                errors.push(expr_error(&format!("{loc}.expr"), &c.expr, &e));
+                continue;
+            }
+        };
+        let mut targets = Vec::new();
+        let mut bad = false;
+        if let Some(p) = &c.path {
+            for (j, t) in p.paths().into_iter().enumerate() {
+                match parse_address(|| format!("{loc}.path[{j}]"), t) {
+                    Ok(a) => targets.push(a),
+                    Err(e) => {
+                        errors.push(e);
+                        bad = true;
+                    }
+                }
+            }
+        }
+        if bad {
+            continue;
+        }
+        let kind = NodeKind::Constraint {
+            index: i as u32,
+            policy,
+        };
+        let key = format!("$constraint:{}", c.id);
+        if targets.is_empty() {
+            let at = Location::new(Section::Constraints, i);
+            let d = draft(
+                &mut drafts,
+                kind,
+                key.into(),
+                targets,
+                expr,
+                Input::Doc,
+                None,
+                at,
+            );
+            drafts.push(d);
+        } else {
+            // Scoped: `$` is the field value (the element for `[*]`) and the node reads the
+            // scope paths whole, which covers every reference relative to it; `$parent` is the
+            // `[*]` element.
+            let element = targets.iter().find_map(Address::element_pattern);
+            let reads = deps::reads(expr.ast());
+            let at = Location::new(Section::Constraints, i);
+            let expr = NodeExpr::new(expr);
+            let (field, key) = (Input::Field, key.into());
+            let mut d = draft_empty(&mut drafts, kind, key, targets, expr, field, at, None);
+            for t in &d.node.targets {
+                drafts.add_read(tseg_iter(t));
+            }
+            let parent_only = Reads {
+                paths: reads
+                    .paths
+                    .iter()
+                    .filter(|p| p.root == Root::Parent)
+                    .cloned()
+                    .collect(),
+                ..Reads::default()
+            };
+            add_reads(&mut d, &mut drafts, &parent_only, element.as_ref(), None);
+            d.node.projection = Some(Projection::whole());
+            d.extra.aggregate = None;
+            drafts.push(d);
+        }
+    }
+
+    let mut effect_plans = Vec::new();
+    for (i, e) in spec.effects.iter().enumerate() {
+        let loc = format!("effects[{i}]");
+        let trigger = match interner.get(&e.trigger) {
+            Ok(c) => c,
+            Err(err) => {
+                errors.push(expr_error(&format!("{loc}.trigger"), &e.trigger, &err));
+                effect_plans.push(EffectPlan::default());
+                continue;
+            }
+        };
+        let mut plan = EffectPlan::default();
+        let mut extra_reads = Reads::default();
+        let mut opt = |field: &str,
+                       text: &Option<String>,
+                       errors: &mut Vec<CompileError>|
+         -> Option<Rc<Compiled>> {
+            let t = text.as_ref()?;
+            match interner.get(t) {
+                Ok(c) => Some(c),
+                Err(err) => {
+                    errors.push(expr_error(&format!("{loc}.{field}"), t, &err));
+                    None
+                }
+            }
+        };
+        plan.dedupe = opt("dedupeKey", &e.dedupe_key, &mut errors);
+        plan.at = opt("at", &e.at, &mut errors);
+        plan.after_ms = opt("afterMs", &e.after_ms, &mut errors);
+        let requests = opt("requests", &e.requests, &mut errors);
+        let prompt = opt("prompt", &e.prompt, &mut errors);
+        for c in [&plan.dedupe, &plan.at, &plan.after_ms, &requests, &prompt]
+            .into_iter()
+            .flatten()
+        {
+            merge_reads(&mut extra_reads, &deps::reads(c.ast()));
+        }
+        if let Some(payload) = &e.payload {
+            for (k, v) in payload {
+                let text = match v {
+                    Json::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                match interner.get(&text) {
+                    Ok(c) => plan.payload.push((k.clone(), c)),
+                    Err(err) => errors.push(expr_error(&format!("{loc}.payload.{k}"), &text, &err)),
+                }
+            }
+        }
+        let mut d = draft(
+            &mut drafts,
+            NodeKind::Effect { index: i as u32 },
+            format!("$effect:{}", e.id).into(),
+            Vec::new(),
+            trigger,
+            Input::Doc,
+            None,
+            Location::new(Section::Effects, i),
+        );
+        add_reads(&mut d, &mut drafts, &extra_reads, None, None);
+        drafts.push(d);
+        effect_plans.push(plan);
+    }
+
+    let mut defaults = Vec::new();
+    for (i, dv) in spec.default_values.iter().enumerate() {
+        let loc = format!("defaultValues[{i}]");
+        let path = match parse_address(|| format!("{loc}.path"), &dv.path) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        match interner.get(&dv.expr) {
+            Ok(expr) => defaults.push(DefaultRule { path, expr }),
+            Err(e) => errors.push(expr_error(&format!("{loc}.expr"), &dv.expr, &e)),
+        }
+    }
+
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+
+    let mut nodes = std::mem::take(&mut drafts.nodes);
+    let nodes_len = nodes.len();
+    let (segs, read_ends, node_reads) = (
+        &drafts.segs[..],
+        &drafts.read_ends[..],
+        &drafts.node_reads[..],
+    );
+    let reads = move |id| packed_reads(segs, read_ends, node_reads, id);
+    // The reader index is needed only at the end: a large spec's is built on a thread of its
+    // own while the graph is (at most one top-level member per read).
+    let index_readers = move || {
+        let mut readers = Trie::default();
+        readers.reserve_members(read_ends.len());
+        for id in 0..nodes_len {
+            for r in reads(id) {
+                readers.insert(r, id as u32);
+            }
+        }
+        readers.shrink();
+        readers
+    };
+    std::thread::scope(|s| {
+        let helper = (nodes_len >= PARALLEL_FROM).then(|| s.spawn(index_readers));
+        let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
+            .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
+            .collect();
+        let mut producers = Trie::default();
+        let mut instances = Trie::default();
+        // At most one top-level member per derivation.
+        producers.reserve_members(derivation_ids.len());
+        for (id, n) in nodes.iter().enumerate() {
+            if matches!(n.kind, NodeKind::Derivation { .. }) {
+                producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+            } else {
+                for t in &n.targets {
+                    instances.insert_refs(tseg_refs(t), id as u32);
+                }
+            }
+        }
+
+        producers.shrink();
+        instances.shrink();
+
+        // Edges producer → reader.
+        let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
+            .filter(|&i| nodes[i as usize].whole_doc)
+            .collect();
+        let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
+        let mut buf = Vec::new();
+        for (id, n) in nodes.iter().enumerate() {
+            if n.whole_doc {
+                for &p in &derivation_ids {
+                    if !nodes[p as usize].whole_doc && p as usize != id {
+                        deps_of[id].insert(p);
+                    }
+                }
+                continue;
+            }
+            for r in reads(id) {
+                buf.clear();
+                producers.overlapping(r, &mut buf);
+                for &p in &buf {
+                    // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
+                    // own previous output; that is not a dependency (the reference has no such
+                    // edge). A read at or below its own target still is: a real cycle.
+                    if p as usize == id && reads_strict_ancestor(r, &n.targets[0]) {
+                        continue;
+                    }
+                    deps_of[id].insert(p);
+                }
+            }
+        }
+        let dependents = Dependents::new(&deps_of);
+
+        // Kahn's algorithm; levels = longest path from a source.
+        let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
+        let mut level = vec![0u32; nodes_len];
+        let mut queue: VecDeque<usize> = (0..nodes_len).filter(|&i| indeg[i] == 0).collect();
+        let mut done = 0;
+        while let Some(n) = queue.pop_front() {
+            done += 1;
+            for &m in dependents.of(n as NodeId) {
+                let m = m as usize;
+                level[m] = level[m].max(level[n] + 1);
+                indeg[m] -= 1;
+                if indeg[m] == 0 {
+                    queue.push_back(m);
+                }
+            }
+        }
+        if done < nodes_len {
+            let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
+            let cycle = find_cycle(&stuck, &deps_of, &indeg);
+            let names: Vec<&str> = cycle.iter().map(|&i| &*nodes[i].key).collect();
+            let location = nodes[cycle[0]].location.to_string();
+            return Err(vec![CompileError {
+                location,
+                message: format!("cyclic dependency: {}", names.join(" → ")),
+            }]);
+        }
+
+        let (aggregates, mut trace_table) = (drafts.aggregates, drafts.trace_table);
+        for (n, &l) in nodes.iter_mut().zip(&level) {
+            n.level = l;
+        }
+        let max_level = derivation_ids
+            .iter()
+            .map(|&i| level[i as usize])
+            .max()
+            .unwrap_or(0);
+        let level_count = if derivation_ids.is_empty() {
+            0
+        } else {
+            max_level as usize + 1
+        };
+        let mut levels = vec![Vec::new(); level_count];
+        for &i in &derivation_ids {
+            levels[level[i as usize] as usize].push(i);
+        }
+        let by_kind = |f: fn(&NodeKind) -> bool| -> Vec<NodeId> {
+            (0..nodes.len() as u32)
+                .filter(|&i| f(&nodes[i as usize].kind))
+                .collect()
+        };
+        let meta_nodes = by_kind(|k| matches!(k, NodeKind::Meta(_)));
+        let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
+        let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
+
+        let cells = assign_cells(&mut nodes, &levels, &producers);
+        for n in &mut nodes {
+            n.jit.resolve_cells(&cells);
+        }
+        let merged_is_base = derivation_ids
+            .iter()
+            .all(|&i| nodes[i as usize].cell.is_some());
+        trace_table.shrink();
+        let has_delta_aggregates = aggregates
+            .iter()
+            .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
+        let mut readers = match helper {
+            Some(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            None => index_readers(),
+        };
+        // A read member is marked when a derivation writes the whole document, the member or
+        // something in it: an unmarked one is writable without asking the producer index.
+        if producers.has_root_entries() {
+            readers.mark_all_members();
+        } else {
+            for k in producers.members() {
+                readers.mark_member(k);
+            }
+        }
+        let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
+        Ok(CompiledModel {
+            target_readers,
+            target_reader_ids,
+            trace_table: Arc::new(trace_table),
+            cells: Arc::new(cells),
+            merged_is_base,
+            schema: spec.schema.clone(),
+            spec,
+            has_delta_aggregates,
+            aggregates,
+            nodes,
+            levels,
+            dependents,
+            readers,
+            producers,
+            instances,
+            whole_doc_nodes,
+            meta_nodes,
+            constraint_nodes,
+            effect_nodes,
+            effect_plans,
+            defaults,
+            env,
+            exports,
+            limits: limits.clone(),
+            validators: RefCell::new(HashMap::new()),
+            scratch: RefCell::default(),
+            fallback_forms: RefCell::default(),
+            fallback_projections: RefCell::default(),
+        })
+    })
+}
+
+/// The readers of each concrete derivation target without array indices (a write there binds
+/// no `[*]`, so each reader is dirtied whole), looked up in the index once.
+#[allow(clippy::type_complexity)]
+fn target_readers(nodes: &[Node], readers: &Trie) -> (Vec<Option<(u32, u32)>>, Vec<NodeId>) {
+    let mut ranges = Vec::with_capacity(nodes.len());
+    let mut ids = Vec::new();
+    let mut hits = Vec::new();
+    for n in nodes {
+        let range = match (&n.kind, &n.concrete) {
+            (NodeKind::Derivation { .. }, Some(t))
+                if t.iter()
+                    .all(|s| matches!(s, valem_core::value::Seg::Field(_))) =>
+            {
+                hits.clear();
+                readers.hits(t, &mut hits);
+                let start = ids.len() as u32;
+                ids.extend(hits.iter().map(|(id, _)| *id));
+                Some((start, ids.len() as u32))
+            }
+            _ => None,
+        };
+        ranges.push(range);
+    }
+    ids.shrink_to_fit();
+    (ranges, ids)
+}
+
+/// Give a cell to every derivation whose target is one top-level member that no other
+/// derivation writes at or below; cells are numbered in evaluation order (level, then id).
+fn assign_cells(
+    nodes: &mut [Node],
+    levels: &[Vec<NodeId>],
+    producers: &Trie,
+) -> super::merged::CellLayout {
+    let mut keys = Vec::new();
+    let mut below = Vec::new();
+    for level in levels {
+        for &id in level {
+            let n = &nodes[id as usize];
+            let Some([valem_core::value::Seg::Field(k)]) = n.concrete.as_deref() else {
+                continue;
+            };
+            below.clear();
+            let at = [valem_core::value::Seg::Field(k.clone())];
+            producers.below(&at, &mut below);
+            let alone = below.is_empty()
+                && producers
+                    .at(&at)
+                    .is_some_and(|mut e| e.next() == Some(id) && e.next().is_none());
+            if alone {
+                let k = k.clone();
+                nodes[id as usize].cell = Some(keys.len() as u32);
+                keys.push(k);
+            }
+        }
+    }
+    super::merged::CellLayout::new(keys)
+}
+
+/// Whether the read pattern `r` is a strict ancestor of `target` (wildcards match indices).
+fn reads_strict_ancestor(r: &[TSeg], target: &Address) -> bool {
+    let t = tsegs(target);
+    r.len() < t.len()
+        && r.iter().zip(&t).all(|(a, b)| match (a, b) {
+            (TSeg::Wild, TSeg::Index(_)) | (TSeg::Index(_), TSeg::Wild) => true,
+            _ => a == b,
+        })
+}
+
+/// Name one cycle among the stuck nodes (each has an unprocessed dependency).
+fn find_cycle(stuck: &[usize], deps_of: &[BTreeSet<NodeId>], indeg: &[usize]) -> Vec<usize> {
+    let start = stuck[0];
+    let mut path = vec![start];
+    let mut seen: HashMap<usize, usize> = HashMap::from([(start, 0)]);
+    let mut cur = start;
+    loop {
+        let next = deps_of[cur]
+            .iter()
+            .map(|&d| d as usize)
+            .find(|&d| indeg[d] > 0)
+            .unwrap_or(cur);
+        if let Some(&pos) = seen.get(&next) {
+            let mut cycle: Vec<usize> = path[pos..].to_vec();
+            cycle.reverse();
+            cycle.push(cycle[0]);
+            return cycle;
+        }
+        seen.insert(next, path.len());
+        path.push(next);
+        cur = next;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use valem_core::spec::parse_spec;
+
+    fn c(j: Json) -> Result<CompiledModel, Vec<CompileError>> {
+        compile(
+            Arc::new(parse_spec(&j).unwrap()),
+            &crate::EngineLimits::default(),
+        )
+    }
+
+    /// A derivation's value nests as deep as its path before it holds anything: a path of
+    /// more segments than `MAX_DEPTH` does not compile (it did, and its null made the merged
+    /// document that deep), one of `MAX_DEPTH` does.
+    #[test]
+    fn a_derivation_path_deeper_than_a_document_may_be_does_not_compile() {
+        let spec = |segments: usize| {
+            json!({"id": "deep", "schema": {}, "derivations": [
+                {"path": "$.ok", "expr": "1"},
+                {"path": format!("${}", ".a".repeat(segments)), "expr": "x + 1"}
+            ]})
+        };
+        let errs = c(spec(MAX_DEPTH + 1)).unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].location, "derivations[1].path");
+        assert!(
+            errs[0].message.contains("101 levels deep"),
+            "{}",
+            errs[0].message
+        );
+        assert!(c(spec(MAX_DEPTH)).is_ok());
+        let shaped = json!({"id": "deep", "schema": {}, "derivations": [
+            {"path": "$.a", "expr": "x_1 + y_1"},
+            {"path": format!("$.b{}", "[*]".repeat(MAX_DEPTH)), "expr": "x_2 + y_2"}
+        ]});
+        assert_eq!(c(shaped).unwrap_err()[0].location, "derivations[1].path");
+    }
+
+    /// A large spec is prepared in parts by other threads while this one drafts: every node
+    /// comes out in spec order and every finding is reported, in order, as for a small spec.
+    #[test]
+    fn a_large_spec_prepared_in_parts_keeps_its_order_and_findings() {
+        let n = PARALLEL_FROM + PART + 17;
+        let bad = [10, PART, 2 * PART + 5, PARALLEL_FROM, n - 1];
+        let derivations: Vec<Json> = (0..n)
+            .map(|i| {
+                let expr = if bad.contains(&i) {
+                    format!("a_{i} *")
+                } else if i % 3 == 0 {
+                    format!("$sum(items.v_{i})")
+                } else {
+                    format!("a_{i} * b_{i}")
+                };
+                json!({"path": format!("$.t_{i}"), "expr": expr})
+            })
+            .collect();
+        let errs = c(json!({"id": "big", "schema": {}, "derivations": derivations})).unwrap_err();
+        let at: Vec<String> = errs.iter().map(|e| e.location.clone()).collect();
+        let want: Vec<String> = bad
+            .iter()
+            .map(|i| format!("derivations[{i}].expr"))
+            .collect();
+        assert_eq!(at, want);
+        let good: Vec<Json> = (0..n)
+            .map(|i| json!({"path": format!("$.t_{i}"), "expr": format!("a_{i} * b_{i}")}))
+            .collect();
+        let m = c(json!({"id": "big", "schema": {}, "derivations": good})).unwrap();
+        assert_eq!(m.nodes.len(), n);
+        for (i, node) in m.nodes.iter().enumerate() {
+            assert_eq!(&*node.key, format!("$.t_{i}"));
+            assert_eq!(&*node.expr.text, format!("a_{i} * b_{i}"));
+            assert_eq!(node.location.to_string(), format!("derivations[{i}]"));
+            let reads: Vec<String> = m
+                .trace_table
+                .input_paths(i as u32)
+                .map(String::from)
+                .collect();
+            assert_eq!(reads, [format!("$.a_{i}"), format!("$.b_{i}")]);
+        }
+    }
+
+    /// A text analysed from the shape of one seen before gives what its own full analysis
+    /// gives: the same lowering (code key and inputs), reads and aggregate, for formulas in
+    /// and out of the arithmetic subset and names that collide with keywords, constants and
+    /// each other.
+    #[test]
+    fn shaped_analysis_equals_full_analysis() {
+        let families = [
+            "A * B",
+            "A * B + A - (A / 4)",
+            "(A - B) / (A + 1) % 3",
+            "$round(A * B * (1 + $const.rate), 2)",
+            "A > B ? A : (B <= 1 ? -A : 2.5e-3)",
+            "A.x * B.y + A.B",
+            "$abs(A) + $sqrt(B) * $const.rate",
+            "$power(A, 2) + $floor(B) - $ceil(C)",
+            "A = 1 and B != 2 ? C : 0",
+            "$parent.price * A",
+            "$sum(A.B)",
+            "$count(A)",
+            "A & B",
+            "A[0] * 2",
+            "$max([A, B])",
+            "A in [1, 2] ? B : C",
+            "true ? A : B",
+            "A * * B",
+            "$undefinedfn(A)",
+        ];
+        let names = [
+            ["price_1", "qty_1", "z"],
+            ["price_2", "qty_2", "w"],
+            ["rate", "x", "y"],
+            ["and_x", "or_y", "in_z"],
+            ["x", "x", "y"],
+            ["price", "qty", "c"],
+            ["a", "b", "c"],
+        ];
+        let limits = Limits::default();
+        let mut constants = serde_json::Map::new();
+        constants.insert("rate".into(), json!(0.5));
+        let bound = HashSet::new();
+        let mut shaped = 0;
+        for f in families {
+            let mut shapes = Shapes::default();
+            for ns in names {
+                let text = f
+                    .replace('A', ns[0])
+                    .replace('B', ns[1])
+                    .replace('C', ns[2]);
+                let d = valem_core::spec::DerivationSpec {
+                    path: "$.t".into(),
+                    expr: text.as_str().into(),
+                    evaluation: None,
+                    description: None,
+                };
+                let seen =
+                    skeleton(&text).is_some_and(|sk| matches!(shapes.get(&sk), Some(Some(_))));
+                let fast = prepare(0, &d, &limits, &constants, &bound, false, &mut shapes);
+                let full = prepare(
+                    0,
+                    &d,
+                    &limits,
+                    &constants,
+                    &bound,
+                    false,
+                    &mut Shapes::default(),
+                );
+                match (fast, full) {
+                    (Ok(mut a), Ok(mut b)) => {
+                        a.settle();
+                        b.settle();
+                        let reads = |p: &Prepared| {
+                            let mut out = Vec::new();
+                            p.for_each_read(|root, fields| {
+                                out.push((root.clone(), fields.to_vec()))
+                            });
+                            out
+                        };
+                        let (reads_a, reads_b) = (reads(&a), reads(&b));
+                        shaped += usize::from(seen);
+                        let program = |p: &Prepared| p.program.as_ref().map(Lowering::program);
+                        assert_eq!(program(&a), program(&b), "{text}");
+                        // The slots an instance reads are those its program's slots read.
+                        let inputs = |p: &Prepared| {
+                            let mut slots = crate::jit::Slots::new();
+                            p.program
+                                .clone()
+                                .map(|l| format!("{:?}", l.into_jit(false, &mut slots).inputs))
+                        };
+                        assert_eq!(inputs(&a), inputs(&b), "{text}");
+                        assert_eq!(reads_a, reads_b, "{text}");
+                        assert_eq!(a.whole_doc, b.whole_doc, "{text}");
+                        assert_eq!(a.aggregate, b.aggregate, "{text}");
+                        assert_eq!(a.target, b.target, "{text}");
+                        assert_eq!(a.parsed.is_some(), b.parsed.is_some(), "{text}");
+                    }
+                    (Err(a), Err(b)) => assert_eq!(a.message, b.message, "{text}"),
+                    (a, b) => panic!("{text}: {:?} vs {:?}", a.is_ok(), b.is_ok()),
+                }
+            }
+        }
+        // The arithmetic families were analysed from their shapes after their first text.
+        assert!(shaped >= 30, "only {shaped} texts were shaped");
+    }
+
+    #[test]
+    fn levels_follow_dependencies() {
+        let m = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.c","expr":"b + 1"},
+            {"path":"$.b","expr":"a + 1"},
+            {"path":"$.items[*].t","expr":"$parent.p * 2"},
+            {"path":"$.sum","expr":"$sum(items.t)"}
+        ]}))
+        .unwrap();
+        let lvl = |k: &str| m.nodes.iter().find(|n| &*n.key == k).unwrap().level;
+        assert_eq!(lvl("$.b"), 0);
+        assert_eq!(lvl("$.c"), 1);
+        assert_eq!(lvl("$.items[*].t"), 0);
+        assert_eq!(lvl("$.sum"), 1);
+        let sum = m.nodes.iter().find(|n| &*n.key == "$.sum").unwrap();
+        assert!(m.delta_aggregate(sum).is_some());
+        let b = m.nodes.iter().find(|n| &*n.key == "$.b").unwrap();
+        assert!(m.aggregate(b).is_none());
+    }
+
+    /// The producer questions answered from the reader index's marks give what the producer
+    /// index gives, for members read and not, written at, in and around derived targets.
+    #[test]
+    fn marked_members_answer_as_the_producer_index() {
+        let m = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.a.b","expr":"x + a.c"},
+            {"path":"$.t","expr":"x * 2"},
+            {"path":"$.items[*].v","expr":"$parent.p + y"}
+        ]}))
+        .unwrap();
+        let f = |s: &str| valem_core::value::Seg::Field(Arc::from(s));
+        let paths: Vec<Vec<valem_core::value::Seg>> = vec![
+            vec![f("x")],
+            vec![f("y")],
+            vec![f("a")],
+            vec![f("a"), f("b")],
+            vec![f("a"), f("c")],
+            vec![f("a"), f("b"), f("z")],
+            vec![f("t")],
+            vec![f("items")],
+            vec![f("items"), valem_core::value::Seg::Index(2), f("v")],
+            vec![f("items"), valem_core::value::Seg::Index(2), f("p")],
+            vec![f("unread")],
+            vec![],
+        ];
+        let mut unproduced = 0;
+        for w in &paths {
+            assert_eq!(m.produced_above(w), m.producers.above(w), "{w:?}");
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            m.produced_below(w, &mut a);
+            m.producers.below(w, &mut b);
+            assert_eq!(a, b, "{w:?}");
+            unproduced += usize::from(m.unproduced(w));
+        }
+        // `x` and `y` are read and nothing writes them: answered from the mark.
+        assert_eq!(unproduced, 2);
+    }
+
+    #[test]
+    fn cycles_are_named() {
+        let e = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.a","expr":"b + 1"},
+            {"path":"$.b","expr":"c + 1"},
+            {"path":"$.c","expr":"a + 1"}
+        ]}))
+        .unwrap_err();
+        assert!(e[0].message.contains("cyclic dependency"), "{:?}", e);
+        for k in ["$.a", "$.b", "$.c"] {
+            assert!(e[0].message.contains(k), "{}", e[0].message);
+        }
+    }
+
+    #[test]
+    fn library_exports_functions_and_values() {
+        let m = c(json!({"id":"m","schema":{},"constants":{"r":2},
+            "library":"( $money := function($n) { $round($n, 2) }; $twice := function($x) { $x * $const.r }; $k := 5; [\"money\", \"twice\", \"k\"] )",
+            "derivations":[{"path":"$.t","expr":"$money($twice(a)) + $k"}]}))
+        .unwrap();
+        assert_eq!(m.exports.len(), 3);
+        assert!(m.exports[0].is_function);
+        assert!(!m.exports[2].is_function);
+    }
+
+    #[test]
+    fn compile_errors_are_located() {
+        let e = c(json!({"id":"m","schema":{},"derivations":[{"path":"$.a","expr":"1 +"}]}))
+            .unwrap_err();
+        assert_eq!(e[0].location, "derivations[0].expr");
+        assert!(e[0].message.contains("position 3"), "{}", e[0].message);
+    }
+}
