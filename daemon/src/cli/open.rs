@@ -1,0 +1,167 @@
+//! Opening what a command runs on: the service (in memory or over a store, with its audit key)
+//! and the stdio proxy to a daemon.
+
+use super::*;
+
+/// The service, in memory or over the store in `data_dir` (recovering its models); a store
+/// that cannot be opened or recovered is reported and exits 1.
+pub(super) fn open_service(
+    cmd: &str,
+    shards: usize,
+    limits: valem_service::ServiceLimits,
+    args: &StoreArgs,
+) -> Result<std::sync::Arc<valem_service::ModelService>, i32> {
+    let Some(dir) = args.data_dir.as_deref() else {
+        if let Some(f) = &args.audit_key_file {
+            eprintln!(
+                "valem {cmd}: --audit-key-file {} needs --data-dir: the key protects the durable audit log",
+                f.display()
+            );
+            return Err(2);
+        }
+        return Ok(valem_service::ModelService::new(shards, limits));
+    };
+    let audit_key = match &args.audit_key_file {
+        None => None,
+        Some(f) => Some(read_audit_key(f).map_err(|e| {
+            eprintln!("valem {cmd}: {e}");
+            2
+        })?),
+    };
+    let opts = valem_store::StoreOptions {
+        durability: if args.durability == "relaxed" {
+            valem_store::Durability::Relaxed
+        } else {
+            valem_store::Durability::Strict
+        },
+        max_db_bytes: args.max_db_bytes,
+        audit_key,
+        ..Default::default()
+    };
+    let started = std::time::Instant::now();
+    let store = valem_store::SqliteStore::open(dir, opts).map_err(|e| {
+        eprintln!(
+            "valem {cmd}: cannot open the data directory {}: {e}",
+            dir.display()
+        );
+        1
+    })?;
+    if let Some(a) = store.key_adoption() {
+        if a.models.is_empty() {
+            eprintln!(
+                "valem {cmd}: the store in {} is keyed with this audit key; later starts need it",
+                dir.display()
+            );
+        } else {
+            let mut firsts: Vec<String> = a
+                .models
+                .iter()
+                .take(10)
+                .map(|(m, from)| format!("`{m}` from record {from}"))
+                .collect();
+            if a.models.len() > 10 {
+                firsts.push(format!("and {} more", a.models.len() - 10));
+            }
+            eprintln!(
+                "valem {cmd}: the store in {} had no audit key and adopts this one: audit records are keyed from now on ({}); {} checkpoint(s) rehashed. Later starts need this key.",
+                dir.display(),
+                firsts.join(", "),
+                a.checkpoints_rehashed
+            );
+        }
+    }
+    let service = valem_service::ModelService::open(shards, limits, std::sync::Arc::new(store))
+        .map_err(|e| {
+            eprintln!(
+                "valem {cmd}: cannot recover the models in {}: {e}",
+                dir.display()
+            );
+            1
+        })?;
+    tracing::info!(
+        models = service.model_count(),
+        took_ms = started.elapsed().as_millis() as u64,
+        dir = %dir.display(),
+        "recovered the stored models"
+    );
+    Ok(service)
+}
+
+/// The audit key in `path` (see `--audit-key-file`); the error names the file and what is wrong.
+pub(super) fn read_audit_key(path: &Path) -> Result<valem_store::AuditKey, String> {
+    const MAX: u64 = 4096;
+    let len = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read the audit key file {}: {e}", path.display()))?
+        .len();
+    if len > MAX {
+        return Err(format!(
+            "the audit key file {} is {len} bytes; a key is 64 hex characters or 32 raw bytes",
+            path.display()
+        ));
+    }
+    let bytes = std::fs::read(path)
+        .map_err(|e| format!("cannot read the audit key file {}: {e}", path.display()))?;
+    valem_store::AuditKey::parse(&bytes)
+        .map_err(|e| format!("the audit key file {} holds no key: {e}", path.display()))
+}
+
+pub(super) fn mcp_proxy(
+    url: &str,
+    api_key: Option<String>,
+    browser: bool,
+    max_message_bytes: usize,
+    plugin_args: &PluginArgs,
+) -> i32 {
+    if !url.starts_with("http://") && !url.starts_with("https://") {
+        eprintln!(
+            "valem mcp: --url must be an http:// or https:// URL of a valem daemon (got `{url}`)"
+        );
+        return 2;
+    }
+    let (plugins, guidance) = match load_plugins("mcp", plugin_args, None) {
+        Ok(g) => g,
+        Err(code) => return code,
+    };
+    // The proxy runs authoring tools only; tools, blobs and audit live on the daemon.
+    if let Some(p) = plugins
+        .loaded()
+        .iter()
+        .find(|p| p.kind != valem_service::plugins::Kind::Guidance)
+    {
+        eprintln!(
+            "valem mcp --url: plugin `{}` is a {} plugin; those load in the daemon (`valem serve --plugin`), the proxy loads guidance plugins only",
+            p.name,
+            p.kind.as_str()
+        );
+        return 2;
+    }
+    // Authoring tools only: they never touch this service's registry.
+    let service = valem_service::ModelService::new(1, Default::default());
+    let mode = if browser {
+        valem_mcp::Mode::ProxyWithBrowser
+    } else {
+        valem_mcp::Mode::Proxy
+    };
+    let server = valem_mcp::Server::new(service, guidance, mode);
+    eprintln!(
+        "valem mcp {}: proxy to {url}; reading JSON-RPC on stdin",
+        env!("CARGO_PKG_VERSION")
+    );
+    let key = api_key.filter(|k| !k.is_empty());
+    let url = url.to_string();
+    let stdin = std::io::stdin().lock();
+    match valem_mcp::stdio::serve_with(
+        move |out| -> std::sync::Arc<dyn valem_mcp::Handler> {
+            valem_mcp::proxy::Proxy::new(server, &url, key, out, browser)
+        },
+        stdin,
+        std::io::stdout(),
+        max_message_bytes,
+    ) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("valem mcp: {e}");
+            1
+        }
+    }
+}
