@@ -27,19 +27,7 @@ pub enum Command {
         action: SpecAction,
     },
     /// Evaluate one JSONata expression (with Valem's engine and limits).
-    Eval {
-        /// The JSONata expression.
-        expr: String,
-        /// JSON input document: a file, or `-` for standard input (default: no input).
-        #[arg(long)]
-        input: Option<String>,
-        /// JSON object of variable bindings, e.g. '{"rate": 0.2}' binds $rate.
-        #[arg(long)]
-        bindings: Option<String>,
-        /// Print exactly one JSON line: {"result": v}, {} when undefined, or {"error": {...}}.
-        #[arg(long)]
-        json: bool,
-    },
+    Eval(EvalArgs),
     /// Serve MCP on stdio (one JSON-RPC message per line): an embedded in-memory engine, or
     /// with --url a proxy to a running daemon (`valem serve`).
     ///
@@ -50,36 +38,7 @@ pub enum Command {
     /// gives a tool error and the next call reconnects. Extra domain-guidance topics: set
     /// VALEM_DOMAIN_GUIDANCE_TOPICS_FILE to a JSON file of [{"id", "description",
     /// "instructions", "title"?}].
-    Mcp {
-        /// Proxy to the daemon at this base URL (e.g. http://127.0.0.1:8080) instead of
-        /// running an embedded engine.
-        #[arg(long, env = "VALEM_URL")]
-        url: Option<String>,
-        /// API key of the daemon (sent as `Authorization: Bearer`).
-        #[arg(long, env = "VALEM_API_KEY", hide_env_values = true, requires = "url")]
-        api_key: Option<String>,
-        /// With --url: offer `pair_browser`, which pairs the agent with the developer's browser
-        /// sandbox (the daemon's /sandbox/) so both drive one live session.
-        #[arg(long, requires = "url")]
-        browser: bool,
-        /// Largest accepted message in bytes; longer lines are refused with -32600 and skipped.
-        #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = valem_mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
-        max_message_bytes: usize,
-        /// Shard threads running the models (0: one per core).
-        #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
-        shards: usize,
-        /// Most live models.
-        #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
-        max_models: usize,
-        #[command(flatten)]
-        cycle: CycleArgs,
-        #[command(flatten)]
-        store: StoreArgs,
-        #[command(flatten)]
-        plugins: PluginArgs,
-        #[command(flatten)]
-        effects: EffectsArgs,
-    },
+    Mcp(McpArgs),
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///
     /// Protocol: each line of stdin is one object {"cmd": "<command>", …arguments}, e.g.
@@ -95,25 +54,7 @@ pub enum Command {
     /// `valem serve` (plain http://; shared, server-wide models), with `Authorization: Bearer`
     /// when --api-key (or VALEM_API_KEY) is given; a server error is answered with the server's
     /// message, and an unreachable daemon with an error naming the URL.
-    Console {
-        /// Remote mode: the daemon's base URL, e.g. http://127.0.0.1:8080.
-        #[arg(long, env = "VALEM_URL")]
-        url: Option<String>,
-        /// Remote mode: the daemon's API key, sent as `Authorization: Bearer <key>`.
-        #[arg(long, env = "VALEM_API_KEY", hide_env_values = true)]
-        api_key: Option<String>,
-        /// Largest accepted line in bytes; longer lines are refused with an error and skipped.
-        #[arg(long, env = "VALEM_CONSOLE_MAX_LINE_BYTES", default_value_t = crate::console::DEFAULT_MAX_LINE_BYTES)]
-        max_line_bytes: usize,
-        /// Embedded mode: shard threads running the models (0: one per core).
-        #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
-        shards: usize,
-        /// Embedded mode: most live models.
-        #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
-        max_models: usize,
-        #[command(flatten)]
-        cycle: CycleArgs,
-    },
+    Console(ConsoleArgs),
     /// Run the daemon: REST, Streamable HTTP MCP at /mcp, WebSocket, the browser sandbox at
     /// /sandbox/ (with device-flow pairing for `valem mcp --url … --browser`), /healthz,
     /// /metrics; effects requested by committed cycles run here (see --effects-*).
@@ -125,60 +66,7 @@ pub enum Command {
     /// browser's half of pairing need no key, and a paired session's `X-Session-Token` stands
     /// in for it on its own models (`/models…`, `/mcp`). Stops on SIGINT/SIGTERM after
     /// finishing in-flight requests. Logs go to stderr; RUST_LOG sets the level (default info).
-    Serve {
-        /// Address to listen on (port 0 picks a free port; the chosen address is printed).
-        #[arg(long, env = "VALEM_LISTEN", default_value = "127.0.0.1:8080")]
-        listen: std::net::SocketAddr,
-        /// Require this API key on every request but /healthz.
-        #[arg(long, env = "VALEM_API_KEY", hide_env_values = true)]
-        api_key: Option<String>,
-        /// Comma-separated browser origins allowed besides loopback ones (`*`: any).
-        #[arg(long, env = "VALEM_ALLOWED_ORIGINS", value_delimiter = ',')]
-        allowed_origins: Vec<String>,
-        /// Comma-separated Host names allowed besides loopback ones (needed when listening
-        /// on a non-loopback address; `*`: any).
-        #[arg(long, env = "VALEM_ALLOWED_HOSTS", value_delimiter = ',')]
-        allowed_hosts: Vec<String>,
-        /// Largest accepted request body in bytes.
-        #[arg(long, env = "VALEM_MAX_BODY_BYTES", default_value_t = 16 << 20)]
-        max_body_bytes: usize,
-        /// Largest blob in bytes (`POST /blobs`, `upload_blob`).
-        #[arg(long, env = "VALEM_MAX_BLOB_BYTES", default_value_t = 50 << 20)]
-        max_blob_bytes: usize,
-        /// Seconds a client has to send a request's headers, counted from the connection's
-        /// opening or its previous response; slow or idle connections are closed after it.
-        #[arg(long, env = "VALEM_HEADER_TIMEOUT", default_value_t = 10.0, value_parser = seconds)]
-        header_timeout: f64,
-        /// Seconds a request may take, body and handling included (408 past it); SSE and
-        /// WebSocket streams are not limited.
-        #[arg(long, env = "VALEM_REQUEST_TIMEOUT", default_value_t = 60.0, value_parser = seconds)]
-        request_timeout: f64,
-        /// Shard threads running the models (0: one per core).
-        #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
-        shards: usize,
-        /// Most live models.
-        #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
-        max_models: usize,
-        #[command(flatten)]
-        cycle: CycleArgs,
-        #[command(flatten)]
-        store: StoreArgs,
-        #[command(flatten)]
-        plugins: PluginArgs,
-        #[command(flatten)]
-        effects: EffectsArgs,
-        /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
-        /// conformance tests only; never enable it on a real daemon.
-        #[arg(long, hide = true)]
-        conformance_fixtures: bool,
-        /// Seconds a sandbox pairing (POST /sandbox/pair) waits for the developer's approval
-        /// before it expires.
-        #[arg(long, env = "VALEM_PAIRING_TTL", default_value_t = 600.0, value_parser = seconds)]
-        pairing_ttl: f64,
-        /// Seconds the pairing agent is told to wait between token polls (`intervalSec`).
-        #[arg(long, env = "VALEM_PAIRING_INTERVAL", default_value_t = 3.0, value_parser = seconds)]
-        pairing_interval: f64,
-    },
+    Serve(ServeArgs),
     /// Load the plugins as `valem serve` would (same flags) and list them: name, kind, version,
     /// SDK and rustc versions, path, and each one's tools or topics; libraries that did not load
     /// are listed with the reason (exit 1 if any).
@@ -199,47 +87,7 @@ pub enum Command {
     /// what is timed is the model as a running daemon holds it (caches, JIT tiers and the
     /// allocator warm), not the first mutations after a build; `--warmup 0` times those.
     /// Mutations stop at `--count` or after `--max-seconds`, whichever comes first.
-    Bench {
-        /// The synthetic shape (ignored with --spec).
-        #[arg(long, value_enum, default_value = "fanout")]
-        shape: crate::bench::Shape,
-        /// The shape's size: derivations (fanout, chain) or items (items, mixed).
-        #[arg(long, default_value_t = 10_000)]
-        n: usize,
-        /// Benchmark this spec instead (a file, `-`, or `example:<name>`).
-        #[arg(long, value_name = "FILE")]
-        spec: Option<String>,
-        /// With --spec: a JSON array of mutation objects `{"$.path": value, ...}`, applied one
-        /// per cycle in order (cycled), instead of generated writes.
-        #[arg(long, value_name = "FILE", requires = "spec")]
-        mutations: Option<String>,
-        /// Most mutations to time.
-        #[arg(long, default_value_t = 1_000)]
-        count: usize,
-        /// Stop timing mutations after this many seconds (at least one runs).
-        #[arg(long, default_value_t = 10.0)]
-        max_seconds: f64,
-        /// Seconds of untimed mutations before the timed ones (0: time from the first).
-        #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
-        warmup: f64,
-        /// The arithmetic fast path for the run: on or off.
-        #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
-        jit: bool,
-        /// Seed of the mutation generator.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Go through the model service in memory (one shard: its history ring, traces and
-        /// audit trail; no transport), as the daemon commits.
-        #[arg(long)]
-        service: bool,
-        /// Go through the model service and a durable store (strict: each mutation counts
-        /// once fsynced) in a temporary directory, removed after the run.
-        #[arg(long)]
-        durable: bool,
-        /// Print one JSON object instead of the table.
-        #[arg(long)]
-        json: bool,
-    },
+    Bench(BenchArgs),
     /// List the bundled example specs, or print one.
     Examples {
         /// Print this example's spec.
@@ -522,4 +370,176 @@ impl PluginArgs {
             config: self.plugin_config.iter().cloned().collect(),
         }
     }
+}
+
+/// The arguments of `valem eval`.
+#[derive(clap::Args, Debug)]
+pub struct EvalArgs {
+    /// The JSONata expression.
+    pub expr: String,
+    /// JSON input document: a file, or `-` for standard input (default: no input).
+    #[arg(long)]
+    pub input: Option<String>,
+    /// JSON object of variable bindings, e.g. '{"rate": 0.2}' binds $rate.
+    #[arg(long)]
+    pub bindings: Option<String>,
+    /// Print exactly one JSON line: {"result": v}, {} when undefined, or {"error": {...}}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The arguments of `valem mcp`.
+#[derive(clap::Args, Debug)]
+pub struct McpArgs {
+    /// Proxy to the daemon at this base URL (e.g. http://127.0.0.1:8080) instead of
+    /// running an embedded engine.
+    #[arg(long, env = "VALEM_URL")]
+    pub url: Option<String>,
+    /// API key of the daemon (sent as `Authorization: Bearer`).
+    #[arg(long, env = "VALEM_API_KEY", hide_env_values = true, requires = "url")]
+    pub api_key: Option<String>,
+    /// With --url: offer `pair_browser`, which pairs the agent with the developer's browser
+    /// sandbox (the daemon's /sandbox/) so both drive one live session.
+    #[arg(long, requires = "url")]
+    pub browser: bool,
+    /// Largest accepted message in bytes; longer lines are refused with -32600 and skipped.
+    #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = valem_mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
+    /// Shard threads running the models (0: one per core).
+    #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
+    pub shards: usize,
+    /// Most live models.
+    #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
+    pub max_models: usize,
+    #[command(flatten)]
+    pub cycle: CycleArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub plugins: PluginArgs,
+    #[command(flatten)]
+    pub effects: EffectsArgs,
+}
+
+/// The arguments of `valem console`.
+#[derive(clap::Args, Debug)]
+pub struct ConsoleArgs {
+    /// Remote mode: the daemon's base URL, e.g. http://127.0.0.1:8080.
+    #[arg(long, env = "VALEM_URL")]
+    pub url: Option<String>,
+    /// Remote mode: the daemon's API key, sent as `Authorization: Bearer <key>`.
+    #[arg(long, env = "VALEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest accepted line in bytes; longer lines are refused with an error and skipped.
+    #[arg(long, env = "VALEM_CONSOLE_MAX_LINE_BYTES", default_value_t = crate::console::DEFAULT_MAX_LINE_BYTES)]
+    pub max_line_bytes: usize,
+    /// Embedded mode: shard threads running the models (0: one per core).
+    #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
+    pub shards: usize,
+    /// Embedded mode: most live models.
+    #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
+    pub max_models: usize,
+    #[command(flatten)]
+    pub cycle: CycleArgs,
+}
+
+/// The arguments of `valem serve`.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on (port 0 picks a free port; the chosen address is printed).
+    #[arg(long, env = "VALEM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// Require this API key on every request but /healthz.
+    #[arg(long, env = "VALEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Comma-separated browser origins allowed besides loopback ones (`*`: any).
+    #[arg(long, env = "VALEM_ALLOWED_ORIGINS", value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Comma-separated Host names allowed besides loopback ones (needed when listening
+    /// on a non-loopback address; `*`: any).
+    #[arg(long, env = "VALEM_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// Largest accepted request body in bytes.
+    #[arg(long, env = "VALEM_MAX_BODY_BYTES", default_value_t = 16 << 20)]
+    pub max_body_bytes: usize,
+    /// Largest blob in bytes (`POST /blobs`, `upload_blob`).
+    #[arg(long, env = "VALEM_MAX_BLOB_BYTES", default_value_t = 50 << 20)]
+    pub max_blob_bytes: usize,
+    /// Seconds a client has to send a request's headers, counted from the connection's
+    /// opening or its previous response; slow or idle connections are closed after it.
+    #[arg(long, env = "VALEM_HEADER_TIMEOUT", default_value_t = 10.0, value_parser = seconds)]
+    pub header_timeout: f64,
+    /// Seconds a request may take, body and handling included (408 past it); SSE and
+    /// WebSocket streams are not limited.
+    #[arg(long, env = "VALEM_REQUEST_TIMEOUT", default_value_t = 60.0, value_parser = seconds)]
+    pub request_timeout: f64,
+    /// Shard threads running the models (0: one per core).
+    #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
+    pub shards: usize,
+    /// Most live models.
+    #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
+    pub max_models: usize,
+    #[command(flatten)]
+    pub cycle: CycleArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub plugins: PluginArgs,
+    #[command(flatten)]
+    pub effects: EffectsArgs,
+    /// Serve the MCP conformance suite's fixture tools, resources and prompts. For the
+    /// conformance tests only; never enable it on a real daemon.
+    #[arg(long, hide = true)]
+    pub conformance_fixtures: bool,
+    /// Seconds a sandbox pairing (POST /sandbox/pair) waits for the developer's approval
+    /// before it expires.
+    #[arg(long, env = "VALEM_PAIRING_TTL", default_value_t = 600.0, value_parser = seconds)]
+    pub pairing_ttl: f64,
+    /// Seconds the pairing agent is told to wait between token polls (`intervalSec`).
+    #[arg(long, env = "VALEM_PAIRING_INTERVAL", default_value_t = 3.0, value_parser = seconds)]
+    pub pairing_interval: f64,
+}
+
+/// The arguments of `valem bench`.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// The synthetic shape (ignored with --spec).
+    #[arg(long, value_enum, default_value = "fanout")]
+    pub shape: crate::bench::Shape,
+    /// The shape's size: derivations (fanout, chain) or items (items, mixed).
+    #[arg(long, default_value_t = 10_000)]
+    pub n: usize,
+    /// Benchmark this spec instead (a file, `-`, or `example:<name>`).
+    #[arg(long, value_name = "FILE")]
+    pub spec: Option<String>,
+    /// With --spec: a JSON array of mutation objects `{"$.path": value, ...}`, applied one
+    /// per cycle in order (cycled), instead of generated writes.
+    #[arg(long, value_name = "FILE", requires = "spec")]
+    pub mutations: Option<String>,
+    /// Most mutations to time.
+    #[arg(long, default_value_t = 1_000)]
+    pub count: usize,
+    /// Stop timing mutations after this many seconds (at least one runs).
+    #[arg(long, default_value_t = 10.0)]
+    pub max_seconds: f64,
+    /// Seconds of untimed mutations before the timed ones (0: time from the first).
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
+    pub warmup: f64,
+    /// The arithmetic fast path for the run: on or off.
+    #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set, value_name = "on|off")]
+    pub jit: bool,
+    /// Seed of the mutation generator.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Go through the model service in memory (one shard: its history ring, traces and
+    /// audit trail; no transport), as the daemon commits.
+    #[arg(long)]
+    pub service: bool,
+    /// Go through the model service and a durable store (strict: each mutation counts
+    /// once fsynced) in a temporary directory, removed after the run.
+    #[arg(long)]
+    pub durable: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }

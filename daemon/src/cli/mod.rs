@@ -168,409 +168,18 @@ fn progress_line(p: crate::bench::Progress) -> String {
 }
 
 fn run(cli: Cli) -> Result<i32, String> {
-    // `valem spec …` and `valem eval`: the daemon's default cycle budget.
+    // `valem spec …`: the daemon's default cycle budget.
     let limits = EngineLimits {
         cycle_budget: valem_service::time::cycle_budget(valem_service::DEFAULT_CYCLE_BUDGET_MS),
         ..EngineLimits::default()
     };
     match cli.command {
-        Command::Bench {
-            shape,
-            n,
-            spec,
-            mutations,
-            count,
-            max_seconds,
-            warmup,
-            jit,
-            seed,
-            service,
-            durable,
-            json,
-        } => {
-            if !(max_seconds > 0.0 && max_seconds.is_finite()) {
-                return Err(format!(
-                    "--max-seconds must be a positive number; got {max_seconds}"
-                ));
-            }
-            if !(warmup >= 0.0 && warmup.is_finite()) {
-                return Err(format!(
-                    "--warmup must be zero or a positive number of seconds; got {warmup}"
-                ));
-            }
-            let workload = match spec {
-                Some(file) => {
-                    let (_, parsed) = load_spec(&file)?;
-                    let mutations = match mutations {
-                        Some(m) => Some(parse_mutation_list(&m)?),
-                        None => None,
-                    };
-                    crate::bench::Workload::Spec {
-                        name: file,
-                        spec: Box::new(parsed),
-                        mutations,
-                    }
-                }
-                None => crate::bench::Workload::Shape(shape, n),
-            };
-            let opts = crate::bench::Options {
-                workload,
-                mutations: count,
-                max_time: std::time::Duration::from_secs_f64(max_seconds),
-                warmup: std::time::Duration::from_secs_f64(warmup),
-                jit,
-                seed,
-                service,
-                durable,
-            };
-            let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let mut progress = |p: crate::bench::Progress| {
-                if tty {
-                    eprint!("\r{}", progress_line(p));
-                    if matches!(p, crate::bench::Progress::Timed { done, of } if done >= of) {
-                        eprintln!();
-                    }
-                }
-            };
-            let report = crate::bench::run(&opts, &mut progress)?;
-            if json {
-                println!("{}", serde_json::to_string(&report).unwrap_or_default());
-            } else {
-                print!("{}", crate::bench::table(&report));
-            }
-            Ok(0)
-        }
-        Command::Spec { action } => match action {
-            SpecAction::Validate { file, json } => {
-                let text = read_arg(&file)?;
-                let report = match parse_json(&text, &file) {
-                    Ok(j) => validate_json(&j, &limits),
-                    Err(m) => Report {
-                        valid: false,
-                        errors: vec![valem_engine::validate::Finding {
-                            location: file.clone(),
-                            message: m,
-                        }],
-                        warnings: Vec::new(),
-                    },
-                };
-                if json {
-                    print_json(&serde_json::to_value(&report).unwrap_or(Json::Null));
-                } else {
-                    print_report(&report);
-                }
-                Ok(if report.valid { 0 } else { 1 })
-            }
-            SpecAction::Test { file, json, now } => {
-                let (raw, spec) = load_spec(&file)?;
-                let report = validate_json(&raw, &limits);
-                if !report.valid {
-                    if json {
-                        print_json(&json!({"error": "Invalid spec", "errors": report.errors}));
-                    } else {
-                        print_report(&report);
-                    }
-                    return Ok(1);
-                }
-                let r = run_tests(&spec, None, now.unwrap_or_else(now_ms), &limits)
-                    .map_err(|e| e.to_string())?;
-                if json {
-                    print_json(&serde_json::to_value(&r).unwrap_or(Json::Null));
-                } else {
-                    for c in &r.results {
-                        println!(
-                            "{} {}",
-                            if c.passed { "PASS" } else { "FAIL" },
-                            c.description
-                        );
-                        for f in &c.failures {
-                            println!("     {}", f.message);
-                        }
-                    }
-                    println!("{} passed, {} failed", r.passed, r.failed);
-                }
-                Ok(if r.failed == 0 { 0 } else { 1 })
-            }
-            SpecAction::DryRun {
-                file,
-                mutations,
-                now,
-            } => {
-                let (_, spec) = load_spec(&file)?;
-                let batches = match mutations {
-                    None => Vec::new(),
-                    Some(m) => {
-                        let text = match m.strip_prefix('@') {
-                            Some(f) => read_arg(f)?,
-                            None => m,
-                        };
-                        parse_batches(&parse_json(&text, "--mutations")?)?
-                    }
-                };
-                match dry_run(&spec, &batches, now.unwrap_or_else(now_ms), &limits) {
-                    Ok(state) => {
-                        print_json(&state);
-                        Ok(0)
-                    }
-                    Err(DryRunError::Mutation { index, error }) => {
-                        eprintln!("valem: mutation #{index} was refused: {error}");
-                        print_json(&error.to_json());
-                        Ok(1)
-                    }
-                    Err(e) => Err(e.to_string()),
-                }
-            }
-        },
-        Command::Eval {
-            expr,
-            input,
-            bindings,
-            json,
-        } => {
-            let input = match input {
-                Some(i) => Some(parse_json(&read_arg(&i)?, "the input")?),
-                None => None,
-            };
-            let bindings = match bindings {
-                None => serde_json::Map::new(),
-                Some(b) => match parse_json(&b, "--bindings")? {
-                    Json::Object(m) => m,
-                    _ => return Err("--bindings must be a JSON object of name → value".into()),
-                },
-            };
-            let out = eval_once(&expr, input.as_ref(), &bindings, &Limits::default());
-            if json {
-                let line = match &out {
-                    Ok(Some(v)) => json!({ "result": v }),
-                    Ok(None) => json!({}),
-                    Err(e) => json!({ "error": e.to_json() }),
-                };
-                println!("{line}");
-            } else {
-                match &out {
-                    Ok(Some(v)) => print_json(v),
-                    Ok(None) => eprintln!("(undefined)"),
-                    Err(e) => {
-                        let at = e.at();
-                        eprintln!(
-                            "valem: {}{at}: {}",
-                            e.code.as_deref().unwrap_or("error"),
-                            e.message
-                        );
-                    }
-                }
-            }
-            Ok(if out.is_err() { 1 } else { 0 })
-        }
-        Command::Mcp {
-            url,
-            api_key,
-            browser,
-            max_message_bytes,
-            shards,
-            max_models,
-            cycle,
-            store,
-            plugins,
-            effects,
-        } => {
-            if let Some(url) = url {
-                return Ok(mcp_proxy(
-                    &url,
-                    api_key,
-                    browser,
-                    max_message_bytes,
-                    &plugins,
-                ));
-            }
-            // Warnings only (stdout is the protocol): a checkpoint refused on recovery, a
-            // checkpoint not written, a plugin that failed.
-            init_logging("warn");
-            let (plugins, guidance) = match load_plugins("mcp", &plugins, store.data_dir.as_deref())
-            {
-                Ok(g) => g,
-                Err(code) => return Ok(code),
-            };
-            let limits = valem_service::ServiceLimits {
-                engine: cycle.engine(),
-                max_models,
-                checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
-                ..Default::default()
-            };
-            let service = match open_service("mcp", shards, limits, &store) {
-                Ok(s) => s,
-                Err(code) => return Ok(code),
-            };
-            attach_plugins("mcp", &service, &plugins);
-            let _effects = match effects.start("mcp", &service) {
-                Ok(r) => r,
-                Err(code) => return Ok(code),
-            };
-            let server = valem_mcp::Server::with_plugins(
-                service.clone(),
-                guidance,
-                plugins,
-                valem_mcp::Mode::Embedded,
-            );
-            eprintln!(
-                "valem mcp {}: embedded engine ({}); reading JSON-RPC on stdin",
-                env!("CARGO_PKG_VERSION"),
-                match &store.data_dir {
-                    Some(d) => format!("durable in {}", d.display()),
-                    None => "in memory".to_string(),
-                }
-            );
-            let stdin = std::io::stdin().lock();
-            match valem_mcp::stdio::serve(server, stdin, std::io::stdout(), max_message_bytes) {
-                Ok(()) => Ok(0),
-                Err(e) => {
-                    eprintln!("valem mcp: {e}");
-                    Ok(1)
-                }
-            }
-        }
-        Command::Console {
-            url,
-            api_key,
-            max_line_bytes,
-            shards,
-            max_models,
-            cycle,
-        } => {
-            let url = url.filter(|u| !u.trim().is_empty());
-            let mut backend: Box<dyn crate::console::Backend> = match url {
-                Some(u) => match crate::console::remote::Remote::new(&u, api_key) {
-                    Ok(r) => Box::new(r),
-                    Err(e) => {
-                        eprintln!("valem console: {e}");
-                        return Ok(2);
-                    }
-                },
-                None => {
-                    let limits = valem_service::ServiceLimits {
-                        engine: cycle.engine(),
-                        max_models,
-                        ..Default::default()
-                    };
-                    let service = valem_service::ModelService::new(shards, limits);
-                    Box::new(crate::console::embedded::Embedded::new(service))
-                }
-            };
-            eprintln!(
-                "valem console {} ({}): one JSON command per line on stdin; {{\"cmd\":\"help\"}} lists them",
-                env!("CARGO_PKG_VERSION"),
-                backend.mode()
-            );
-            let stdin = std::io::stdin().lock();
-            match crate::console::serve(
-                &mut *backend,
-                stdin,
-                std::io::stdout().lock(),
-                max_line_bytes,
-            ) {
-                Ok(()) => Ok(0),
-                // A closed stdout means the reader is gone: nothing left to answer.
-                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
-                Err(e) => {
-                    eprintln!("valem console: {e}");
-                    Ok(1)
-                }
-            }
-        }
-        Command::Serve {
-            listen,
-            api_key,
-            allowed_origins,
-            allowed_hosts,
-            max_body_bytes,
-            max_blob_bytes,
-            header_timeout,
-            request_timeout,
-            shards,
-            max_models,
-            cycle,
-            store,
-            plugins,
-            effects,
-            conformance_fixtures,
-            pairing_ttl,
-            pairing_interval,
-        } => {
-            init_logging("info");
-            let (plugins, guidance) =
-                match load_plugins("serve", &plugins, store.data_dir.as_deref()) {
-                    Ok(g) => g,
-                    Err(code) => return Ok(code),
-                };
-            let limits = valem_service::ServiceLimits {
-                engine: cycle.engine(),
-                max_models,
-                checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
-                blob_max_bytes: max_blob_bytes,
-                ..Default::default()
-            };
-            let service = match open_service("serve", shards, limits, &store) {
-                Ok(s) => s,
-                Err(code) => return Ok(code),
-            };
-            let mode = if conformance_fixtures {
-                valem_mcp::Mode::DaemonWithFixtures
-            } else {
-                valem_mcp::Mode::Daemon
-            };
-            attach_plugins("serve", &service, &plugins);
-            let _effects = match effects.start("serve", &service) {
-                Ok(r) => r,
-                Err(code) => return Ok(code),
-            };
-            let server = valem_mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
-            let config = valem_http::Config {
-                listen,
-                api_key: api_key.filter(|k| !k.is_empty()),
-                allowed_origins: allowed_origins
-                    .into_iter()
-                    .filter(|o| !o.is_empty())
-                    .collect(),
-                allowed_hosts: allowed_hosts
-                    .into_iter()
-                    .filter(|o| !o.is_empty())
-                    .collect(),
-                max_body_bytes,
-                header_timeout: std::time::Duration::from_secs_f64(header_timeout),
-                request_timeout: std::time::Duration::from_secs_f64(request_timeout),
-                conformance_fixtures,
-                pairing_ttl: std::time::Duration::from_secs_f64(pairing_ttl),
-                pairing_interval: std::time::Duration::from_secs_f64(pairing_interval),
-                ..Default::default()
-            };
-            let keyed = config.api_key.is_some();
-            let storage = match &store.data_dir {
-                Some(d) => format!(
-                    "{} models durable in {} ({})",
-                    service.model_count(),
-                    d.display(),
-                    store.durability
-                ),
-                None => "in-memory models".to_string(),
-            };
-            let result = valem_http::serve(config, service, server, |addr| {
-                // The one line on stdout: scripts and tests read the bound address from it.
-                println!("valem serve: listening on http://{addr}");
-                let _ = std::io::stdout().flush();
-                eprintln!(
-                    "valem serve {}: {storage}; REST at http://{addr}/models, MCP at http://{addr}/mcp{}",
-                    env!("CARGO_PKG_VERSION"),
-                    if keyed { " (API key required)" } else { "" }
-                );
-            });
-            match result {
-                Ok(()) => Ok(0),
-                Err(e) => {
-                    eprintln!("valem serve: {e}");
-                    Ok(1)
-                }
-            }
-        }
+        Command::Bench(args) => bench(args),
+        Command::Spec { action } => spec(action, &limits),
+        Command::Eval(args) => eval(args),
+        Command::Mcp(args) => mcp(args),
+        Command::Console(args) => console(args),
+        Command::Serve(args) => serve(args),
         Command::Plugins {
             action:
                 PluginsAction::List {
@@ -596,6 +205,420 @@ fn run(cli: Cli) -> Result<i32, String> {
                 },
             }
             Ok(0)
+        }
+    }
+}
+
+/// `valem spec …`.
+fn spec(action: SpecAction, limits: &EngineLimits) -> Result<i32, String> {
+    match action {
+        SpecAction::Validate { file, json } => {
+            let text = read_arg(&file)?;
+            let report = match parse_json(&text, &file) {
+                Ok(j) => validate_json(&j, limits),
+                Err(m) => Report {
+                    valid: false,
+                    errors: vec![valem_engine::validate::Finding {
+                        location: file.clone(),
+                        message: m,
+                    }],
+                    warnings: Vec::new(),
+                },
+            };
+            if json {
+                print_json(&serde_json::to_value(&report).unwrap_or(Json::Null));
+            } else {
+                print_report(&report);
+            }
+            Ok(if report.valid { 0 } else { 1 })
+        }
+        SpecAction::Test { file, json, now } => {
+            let (raw, spec) = load_spec(&file)?;
+            let report = validate_json(&raw, limits);
+            if !report.valid {
+                if json {
+                    print_json(&json!({"error": "Invalid spec", "errors": report.errors}));
+                } else {
+                    print_report(&report);
+                }
+                return Ok(1);
+            }
+            let r = run_tests(&spec, None, now.unwrap_or_else(now_ms), limits)
+                .map_err(|e| e.to_string())?;
+            if json {
+                print_json(&serde_json::to_value(&r).unwrap_or(Json::Null));
+            } else {
+                for c in &r.results {
+                    println!(
+                        "{} {}",
+                        if c.passed { "PASS" } else { "FAIL" },
+                        c.description
+                    );
+                    for f in &c.failures {
+                        println!("     {}", f.message);
+                    }
+                }
+                println!("{} passed, {} failed", r.passed, r.failed);
+            }
+            Ok(if r.failed == 0 { 0 } else { 1 })
+        }
+        SpecAction::DryRun {
+            file,
+            mutations,
+            now,
+        } => {
+            let (_, spec) = load_spec(&file)?;
+            let batches = match mutations {
+                None => Vec::new(),
+                Some(m) => {
+                    let text = match m.strip_prefix('@') {
+                        Some(f) => read_arg(f)?,
+                        None => m,
+                    };
+                    parse_batches(&parse_json(&text, "--mutations")?)?
+                }
+            };
+            match dry_run(&spec, &batches, now.unwrap_or_else(now_ms), limits) {
+                Ok(state) => {
+                    print_json(&state);
+                    Ok(0)
+                }
+                Err(DryRunError::Mutation { index, error }) => {
+                    eprintln!("valem: mutation #{index} was refused: {error}");
+                    print_json(&error.to_json());
+                    Ok(1)
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    }
+}
+
+/// `valem bench`.
+fn bench(args: BenchArgs) -> Result<i32, String> {
+    let BenchArgs {
+        shape,
+        n,
+        spec,
+        mutations,
+        count,
+        max_seconds,
+        warmup,
+        jit,
+        seed,
+        service,
+        durable,
+        json,
+    } = args;
+    if !(max_seconds > 0.0 && max_seconds.is_finite()) {
+        return Err(format!(
+            "--max-seconds must be a positive number; got {max_seconds}"
+        ));
+    }
+    if !(warmup >= 0.0 && warmup.is_finite()) {
+        return Err(format!(
+            "--warmup must be zero or a positive number of seconds; got {warmup}"
+        ));
+    }
+    let workload = match spec {
+        Some(file) => {
+            let (_, parsed) = load_spec(&file)?;
+            let mutations = match mutations {
+                Some(m) => Some(parse_mutation_list(&m)?),
+                None => None,
+            };
+            crate::bench::Workload::Spec {
+                name: file,
+                spec: Box::new(parsed),
+                mutations,
+            }
+        }
+        None => crate::bench::Workload::Shape(shape, n),
+    };
+    let opts = crate::bench::Options {
+        workload,
+        mutations: count,
+        max_time: std::time::Duration::from_secs_f64(max_seconds),
+        warmup: std::time::Duration::from_secs_f64(warmup),
+        jit,
+        seed,
+        service,
+        durable,
+    };
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut progress = |p: crate::bench::Progress| {
+        if tty {
+            eprint!("\r{}", progress_line(p));
+            if matches!(p, crate::bench::Progress::Timed { done, of } if done >= of) {
+                eprintln!();
+            }
+        }
+    };
+    let report = crate::bench::run(&opts, &mut progress)?;
+    if json {
+        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    } else {
+        print!("{}", crate::bench::table(&report));
+    }
+    Ok(0)
+}
+
+/// `valem eval`.
+fn eval(args: EvalArgs) -> Result<i32, String> {
+    let EvalArgs {
+        expr,
+        input,
+        bindings,
+        json,
+    } = args;
+    let input = match input {
+        Some(i) => Some(parse_json(&read_arg(&i)?, "the input")?),
+        None => None,
+    };
+    let bindings = match bindings {
+        None => serde_json::Map::new(),
+        Some(b) => match parse_json(&b, "--bindings")? {
+            Json::Object(m) => m,
+            _ => return Err("--bindings must be a JSON object of name → value".into()),
+        },
+    };
+    let out = eval_once(&expr, input.as_ref(), &bindings, &Limits::default());
+    if json {
+        let line = match &out {
+            Ok(Some(v)) => json!({ "result": v }),
+            Ok(None) => json!({}),
+            Err(e) => json!({ "error": e.to_json() }),
+        };
+        println!("{line}");
+    } else {
+        match &out {
+            Ok(Some(v)) => print_json(v),
+            Ok(None) => eprintln!("(undefined)"),
+            Err(e) => {
+                let at = e.at();
+                eprintln!(
+                    "valem: {}{at}: {}",
+                    e.code.as_deref().unwrap_or("error"),
+                    e.message
+                );
+            }
+        }
+    }
+    Ok(if out.is_err() { 1 } else { 0 })
+}
+
+/// `valem mcp`.
+fn mcp(args: McpArgs) -> Result<i32, String> {
+    let McpArgs {
+        url,
+        api_key,
+        browser,
+        max_message_bytes,
+        shards,
+        max_models,
+        cycle,
+        store,
+        plugins,
+        effects,
+    } = args;
+    if let Some(url) = url {
+        return Ok(mcp_proxy(
+            &url,
+            api_key,
+            browser,
+            max_message_bytes,
+            &plugins,
+        ));
+    }
+    // Warnings only (stdout is the protocol): a checkpoint refused on recovery, a
+    // checkpoint not written, a plugin that failed.
+    init_logging("warn");
+    let (plugins, guidance) = match load_plugins("mcp", &plugins, store.data_dir.as_deref()) {
+        Ok(g) => g,
+        Err(code) => return Ok(code),
+    };
+    let limits = valem_service::ServiceLimits {
+        engine: cycle.engine(),
+        max_models,
+        checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
+        ..Default::default()
+    };
+    let service = match open_service("mcp", shards, limits, &store) {
+        Ok(s) => s,
+        Err(code) => return Ok(code),
+    };
+    attach_plugins("mcp", &service, &plugins);
+    let _effects = match effects.start("mcp", &service) {
+        Ok(r) => r,
+        Err(code) => return Ok(code),
+    };
+    let server = valem_mcp::Server::with_plugins(
+        service.clone(),
+        guidance,
+        plugins,
+        valem_mcp::Mode::Embedded,
+    );
+    eprintln!(
+        "valem mcp {}: embedded engine ({}); reading JSON-RPC on stdin",
+        env!("CARGO_PKG_VERSION"),
+        match &store.data_dir {
+            Some(d) => format!("durable in {}", d.display()),
+            None => "in memory".to_string(),
+        }
+    );
+    let stdin = std::io::stdin().lock();
+    match valem_mcp::stdio::serve(server, stdin, std::io::stdout(), max_message_bytes) {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            eprintln!("valem mcp: {e}");
+            Ok(1)
+        }
+    }
+}
+
+/// `valem console`.
+fn console(args: ConsoleArgs) -> Result<i32, String> {
+    let ConsoleArgs {
+        url,
+        api_key,
+        max_line_bytes,
+        shards,
+        max_models,
+        cycle,
+    } = args;
+    let url = url.filter(|u| !u.trim().is_empty());
+    let mut backend: Box<dyn crate::console::Backend> = match url {
+        Some(u) => match crate::console::remote::Remote::new(&u, api_key) {
+            Ok(r) => Box::new(r),
+            Err(e) => {
+                eprintln!("valem console: {e}");
+                return Ok(2);
+            }
+        },
+        None => {
+            let limits = valem_service::ServiceLimits {
+                engine: cycle.engine(),
+                max_models,
+                ..Default::default()
+            };
+            let service = valem_service::ModelService::new(shards, limits);
+            Box::new(crate::console::embedded::Embedded::new(service))
+        }
+    };
+    eprintln!(
+        "valem console {} ({}): one JSON command per line on stdin; {{\"cmd\":\"help\"}} lists them",
+        env!("CARGO_PKG_VERSION"),
+        backend.mode()
+    );
+    let stdin = std::io::stdin().lock();
+    match crate::console::serve(
+        &mut *backend,
+        stdin,
+        std::io::stdout().lock(),
+        max_line_bytes,
+    ) {
+        Ok(()) => Ok(0),
+        // A closed stdout means the reader is gone: nothing left to answer.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(e) => {
+            eprintln!("valem console: {e}");
+            Ok(1)
+        }
+    }
+}
+
+/// `valem serve`.
+fn serve(args: ServeArgs) -> Result<i32, String> {
+    let ServeArgs {
+        listen,
+        api_key,
+        allowed_origins,
+        allowed_hosts,
+        max_body_bytes,
+        max_blob_bytes,
+        header_timeout,
+        request_timeout,
+        shards,
+        max_models,
+        cycle,
+        store,
+        plugins,
+        effects,
+        conformance_fixtures,
+        pairing_ttl,
+        pairing_interval,
+    } = args;
+    init_logging("info");
+    let (plugins, guidance) = match load_plugins("serve", &plugins, store.data_dir.as_deref()) {
+        Ok(g) => g,
+        Err(code) => return Ok(code),
+    };
+    let limits = valem_service::ServiceLimits {
+        engine: cycle.engine(),
+        max_models,
+        checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
+        blob_max_bytes: max_blob_bytes,
+        ..Default::default()
+    };
+    let service = match open_service("serve", shards, limits, &store) {
+        Ok(s) => s,
+        Err(code) => return Ok(code),
+    };
+    let mode = if conformance_fixtures {
+        valem_mcp::Mode::DaemonWithFixtures
+    } else {
+        valem_mcp::Mode::Daemon
+    };
+    attach_plugins("serve", &service, &plugins);
+    let _effects = match effects.start("serve", &service) {
+        Ok(r) => r,
+        Err(code) => return Ok(code),
+    };
+    let server = valem_mcp::Server::with_plugins(service.clone(), guidance, plugins, mode);
+    let config = valem_http::Config {
+        listen,
+        api_key: api_key.filter(|k| !k.is_empty()),
+        allowed_origins: allowed_origins
+            .into_iter()
+            .filter(|o| !o.is_empty())
+            .collect(),
+        allowed_hosts: allowed_hosts
+            .into_iter()
+            .filter(|o| !o.is_empty())
+            .collect(),
+        max_body_bytes,
+        header_timeout: std::time::Duration::from_secs_f64(header_timeout),
+        request_timeout: std::time::Duration::from_secs_f64(request_timeout),
+        conformance_fixtures,
+        pairing_ttl: std::time::Duration::from_secs_f64(pairing_ttl),
+        pairing_interval: std::time::Duration::from_secs_f64(pairing_interval),
+        ..Default::default()
+    };
+    let keyed = config.api_key.is_some();
+    let storage = match &store.data_dir {
+        Some(d) => format!(
+            "{} models durable in {} ({})",
+            service.model_count(),
+            d.display(),
+            store.durability
+        ),
+        None => "in-memory models".to_string(),
+    };
+    let result = valem_http::serve(config, service, server, |addr| {
+        // The one line on stdout: scripts and tests read the bound address from it.
+        println!("valem serve: listening on http://{addr}");
+        let _ = std::io::stdout().flush();
+        eprintln!(
+            "valem serve {}: {storage}; REST at http://{addr}/models, MCP at http://{addr}/mcp{}",
+            env!("CARGO_PKG_VERSION"),
+            if keyed { " (API key required)" } else { "" }
+        );
+    });
+    match result {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            eprintln!("valem serve: {e}");
+            Ok(1)
         }
     }
 }
