@@ -490,6 +490,52 @@ fn views_and_view_delta() {
 }
 
 #[test]
+fn a_view_delta_shows_the_state_its_own_write_committed() {
+    // Two clients write the same field with X-View at once; each answer's view must show the
+    // value its own write committed: the view check, the cycle and the view are one shard job,
+    // so no other write comes between them.
+    let (d, h) = start(&[]);
+    create(&h, &demo_spec());
+    mutate(&h, "demo", json!({"$.price": 1, "$.qty": 1}));
+    let writers: Vec<_> = (0..2)
+        .map(|w| {
+            let h = Http::new(&d);
+            std::thread::spawn(move || {
+                let mut seen = 0;
+                for i in 0..150 {
+                    let price = 2 * i + w;
+                    let r = h.post(
+                        "/models/demo/mutations",
+                        &[JSON, ("X-View", "main")],
+                        format!(r#"{{"$.price": {price}}}"#).as_bytes(),
+                    );
+                    assert_eq!(r.status, 200, "{r:?}");
+                    let delta = &r.json()["viewDelta"];
+                    assert_eq!(delta["priceField"]["value"], json!(price), "{delta}");
+                    assert_eq!(delta["totalLabel"]["value"], json!(price), "{delta}");
+                    seen += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+    for w in writers {
+        assert_eq!(w.join().expect("a writer"), 150);
+    }
+    // A patch with X-View answers the view of its own commit too.
+    let r = h.post(
+        "/models/demo/mutations/patch",
+        &[
+            ("Content-Type", "application/json-patch+json"),
+            ("X-View", "main"),
+        ],
+        br#"[{"op":"replace","path":"/price","value":7}]"#,
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.json()["viewDelta"]["priceField"]["value"], json!(7));
+}
+
+#[test]
 fn graph_and_verification() {
     let (_d, h) = start(&[]);
     create(&h, &demo_spec());

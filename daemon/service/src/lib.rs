@@ -650,6 +650,22 @@ impl ModelService {
         .flat()
     }
 
+    /// One write (mutations or a JSON Patch) for async surfaces, answered with `view` of the
+    /// state it committed when one is asked for: the check that the view exists, the cycle and
+    /// the view are one shard job, so no other write comes between them.
+    pub fn write_viewed(
+        &self,
+        id: &str,
+        change: Change,
+        view: Option<String>,
+    ) -> impl std::future::Future<Output = Result<Viewed, ServiceError>> + Send + 'static {
+        let owned = id.to_string();
+        self.on_model_reply(id, false, move |s, r| {
+            s.write_viewed(&owned, change, view, r)
+        })
+        .flat()
+    }
+
     /// One reactive cycle for an RFC 6902 JSON Patch of the base document.
     pub fn patch(
         &self,

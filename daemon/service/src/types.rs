@@ -88,6 +88,22 @@ impl ModelInfo {
     }
 }
 
+/// A write to a model's base document: mutations (`{"$.path": value}` pairs) or an RFC 6902
+/// JSON Patch.
+#[derive(Debug)]
+pub enum Change {
+    Mutations(Vec<(String, Json)>),
+    Patch(json_patch::Patch),
+}
+
+/// A committed write and, when one was asked for, the evaluated view of the state it
+/// committed (an error when the view does not evaluate: the write stays committed).
+#[derive(Debug)]
+pub struct Viewed {
+    pub result: Arc<MutationResult>,
+    pub view: Option<Result<Json, ServiceError>>,
+}
+
 /// Where a mutation came from (recorded in the audit trail).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {

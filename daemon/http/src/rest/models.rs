@@ -11,8 +11,8 @@ use super::{call, ok, ApiError};
 use crate::AppState;
 use valem_core::spec::{parse_evolution_checked, parse_spec, SpecParseError};
 use valem_engine::validate::Finding;
-use valem_engine::{MutationError, MutationResult};
-use valem_service::{mutation_list, AuditQuery, ModelService, ServiceError};
+use valem_engine::MutationError;
+use valem_service::{mutation_list, AuditQuery, Change, ServiceError, Viewed};
 
 /// The header naming the view whose evaluated components a mutation response carries.
 const VIEW_HEADER: &str = "x-view";
@@ -111,38 +111,29 @@ fn components_by_id(view: &Json) -> Map<String, Json> {
     out
 }
 
-/// Run one cycle (`op`) and answer the MutationResponse; with `X-View`, the view (checked to
-/// exist before anything is written) is evaluated after the commit into `viewDelta`.
-async fn mutation_response(
-    st: &AppState,
-    id: String,
-    headers: &HeaderMap,
-    op: impl FnOnce(&ModelService, &str) -> Result<std::sync::Arc<MutationResult>, ServiceError>
-        + Send
-        + 'static,
-) -> Result<Response, ApiError> {
-    let view_id = view_header(headers)?;
-    let (result, view) = call(st, move |svc| {
-        if let Some(v) = &view_id {
-            if !svc.info(&id)?.views.iter().any(|x| x == v) {
-                return Err(ServiceError::ViewNotFound(format!(
-                    "model `{id}` has no view `{v}` (X-View)"
-                )));
-            }
-        }
-        let r = op(svc, &id)?;
-        let view = view_id.map(|v| svc.view(&id, Some(&v)));
-        Ok((r, view))
-    })
-    .await?;
-    let mut body = result.to_json(true);
-    match view {
+/// Answer a committed write: the MutationResponse, with `viewDelta` when a view was asked for
+/// (or `viewError` when it did not evaluate: the write stays committed).
+fn mutation_response(out: Viewed) -> Response {
+    let mut body = out.result.to_json(true);
+    match out.view {
         None => {}
         Some(Ok(v)) => body["viewDelta"] = Json::Object(components_by_id(&v)),
-        // The cycle committed; a view that fails to evaluate does not undo it.
         Some(Err(e)) => body["viewError"] = json!(e.to_string()),
     }
-    Ok(ok(body))
+    ok(body)
+}
+
+/// A write and, with `X-View`, that view of the state it committed: one shard job, awaited
+/// (the worker serves other connections meanwhile).
+async fn write(
+    st: &AppState,
+    id: &str,
+    headers: &HeaderMap,
+    change: Change,
+) -> Result<Response, ApiError> {
+    let view = view_header(headers)?;
+    let out = st.service.write_viewed(id, change, view).await?;
+    Ok(mutation_response(out))
 }
 
 pub async fn mutate(
@@ -156,13 +147,7 @@ pub async fn mutate(
             "a flat JSON object of `\"$.path\": value` mutations",
         ));
     };
-    let mutations = mutation_list(&m);
-    if view_header(&headers)?.is_none() {
-        // The common case awaits the shard: the worker serves other connections meanwhile.
-        let r = st.service.mutate_async(&id, mutations).await?;
-        return Ok(ok(r.to_json(true)));
-    }
-    mutation_response(&st, id, &headers, move |svc, id| svc.mutate(id, mutations)).await
+    write(&st, &id, &headers, Change::Mutations(mutation_list(&m))).await
 }
 
 pub async fn patch(
@@ -178,7 +163,7 @@ pub async fn patch(
             e.inner()
         ))))
     })?;
-    mutation_response(&st, id, &headers, move |svc, id| svc.patch(id, patch)).await
+    write(&st, &id, &headers, Change::Patch(patch)).await
 }
 
 pub async fn state(

@@ -2,6 +2,7 @@
 //! committed with its audit record.
 
 use super::*;
+use crate::{Change, ModelInfo, Viewed};
 
 /// Replace local `{"$ref": "#/…"}` nodes by their targets. At most 16 references are followed
 /// along any one branch, so a recursive schema keeps its `$ref` below that.
@@ -169,6 +170,67 @@ impl Shard {
         source: Source,
         reply: Reply<Arc<MutationResult>>,
     ) {
+        self.commit_then(id, parsed, source, reply, |_, result| result);
+    }
+
+    /// A write answered with `view` of the state it committed, evaluated in the same shard job
+    /// (no other write comes between); an unknown view is refused before anything is written.
+    pub fn write_viewed(
+        &mut self,
+        id: &str,
+        change: Change,
+        view: Option<String>,
+        reply: Reply<Viewed>,
+    ) {
+        if let Some(v) = &view {
+            match self.entry(id) {
+                Ok(e) if ModelInfo::of(&e.spec).views.iter().any(|x| x == v) => {}
+                Ok(_) => {
+                    return reply.send(Err(ServiceError::ViewNotFound(format!(
+                        "model `{id}` has no view `{v}`"
+                    ))))
+                }
+                Err(e) => return reply.send(Err(e)),
+            }
+        }
+        let (writes, source) = match change {
+            Change::Mutations(m) => match self.parse_mutations(m) {
+                Ok(w) => (Some(w), Source::Client),
+                Err(e) => return reply.send(Err(e)),
+            },
+            Change::Patch(p) => match self.patch_writes(id, p) {
+                Ok(w) => (w, Source::Patch),
+                Err(e) => return reply.send(Err(e)),
+            },
+        };
+        let answer = |s: &mut Shard, result: Arc<MutationResult>| Viewed {
+            view: view.map(|v| s.view(id, Some(&v))),
+            result,
+        };
+        match writes {
+            Some(w) => self.commit_then(id, w, source, reply, answer),
+            // A patch that changes nothing: no cycle.
+            None => {
+                let unchanged = Arc::new(MutationResult {
+                    success: true,
+                    ..Default::default()
+                });
+                let out = answer(self, unchanged);
+                reply.send(Ok(out));
+            }
+        }
+    }
+
+    /// [`commit`](Self::commit), answering what `answer` makes of the result, right after the
+    /// cycle on the state it committed.
+    pub(super) fn commit_then<R: Send + 'static>(
+        &mut self,
+        id: &str,
+        parsed: Vec<(Vec<Seg>, Json)>,
+        source: Source,
+        reply: Reply<R>,
+        answer: impl FnOnce(&mut Shard, Arc<MutationResult>) -> R,
+    ) {
         match self.cycle(id, parsed, source) {
             Ok((result, op)) => {
                 let event = Event::Mutation {
@@ -187,7 +249,8 @@ impl Shard {
                     };
                     Some(Box::new(move || sink.append(entry)) as Box<dyn FnOnce() + Send>)
                 });
-                self.durably_then(id, op, result, reply, Some(event), fed);
+                let ok = answer(self, result);
+                self.durably_then(id, op, ok, reply, Some(event), fed);
                 let every = self.limits.checkpoint_every.max(1) as u64;
                 let due = self
                     .models
