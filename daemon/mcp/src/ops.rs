@@ -75,13 +75,7 @@ pub fn mutate(
 
 /// One reactive cycle for an RFC 6902 JSON Patch; the MutationResult (traces on request).
 pub fn patch(s: &ModelService, id: &str, patch: Json, include_traces: bool) -> Outcome {
-    let patch: json_patch::Patch = serde_path_to_error::deserialize(patch).map_err(|e| {
-        ToolError::Message(format!(
-            "invalid JSON Patch at `{}`: {}",
-            e.path(),
-            e.inner()
-        ))
-    })?;
+    let patch = valem_service::parse_patch(patch).map_err(|e| ToolError::Message(e.to_string()))?;
     let r = s.patch(id, patch)?;
     Ok(r.to_json(include_traces))
 }

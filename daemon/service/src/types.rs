@@ -96,6 +96,22 @@ pub enum Change {
     Patch(json_patch::Patch),
 }
 
+/// A JSON Patch document that does not parse: where in it, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid JSON Patch at `{path}`: {reason}")]
+pub struct PatchParseError {
+    pub path: String,
+    pub reason: String,
+}
+
+/// Parse an RFC 6902 JSON Patch document (the one parser every surface uses).
+pub fn parse_patch(v: Json) -> Result<json_patch::Patch, PatchParseError> {
+    serde_path_to_error::deserialize(v).map_err(|e| PatchParseError {
+        path: e.path().to_string(),
+        reason: e.inner().to_string(),
+    })
+}
+
 /// A committed write and, when one was asked for, the evaluated view of the state it
 /// committed (an error when the view does not evaluate: the write stays committed).
 #[derive(Debug)]

@@ -156,12 +156,10 @@ pub async fn patch(
     headers: HeaderMap,
     PatchBody(body): PatchBody,
 ) -> Result<Response, ApiError> {
-    let patch: json_patch::Patch = serde_path_to_error::deserialize(body).map_err(|e| {
-        ApiError::from(ServiceError::Mutation(MutationError::Invalid(format!(
-            "invalid JSON Patch at `{}`: {}",
-            e.path(),
-            e.inner()
-        ))))
+    let patch = valem_service::parse_patch(body).map_err(|e| {
+        ApiError::from(ServiceError::Mutation(MutationError::Invalid(
+            e.to_string(),
+        )))
     })?;
     write(&st, &id, &headers, Change::Patch(patch)).await
 }
