@@ -79,6 +79,10 @@ impl AuditTrail {
 
     /// A record read back from the store (recovery): it continues the chain as it is.
     pub fn push_stored(&mut self, sequence: u64, at_us: i64, json: Json) {
+        debug_assert!(
+            self.records.back().is_none_or(|r| r.sequence < sequence),
+            "stored records come back in increasing sequence"
+        );
         let mut paths: Vec<String> = Vec::new();
         if let Some(Json::Object(m)) = json.get("mutations") {
             paths.extend(m.keys().cloned());

@@ -453,6 +453,10 @@ pub fn compile(
             }]);
         }
 
+        debug_assert!(
+            (0..nodes_len).all(|i| deps_of[i].iter().all(|&d| level[d as usize] < level[i])),
+            "every node is on a level below each of its dependents"
+        );
         let (aggregates, mut trace_table) = (drafts.aggregates, drafts.trace_table);
         for (n, &l) in nodes.iter_mut().zip(&level) {
             n.level = l;

@@ -126,6 +126,22 @@ pub(super) fn oversized(capacity: usize, used: usize) -> bool {
 }
 
 impl Journal {
+    /// Nothing recorded (a journal parked between cycles must be).
+    pub(super) fn is_clear(&self) -> bool {
+        self.base.is_empty()
+            && self.merged.is_empty()
+            && self.base_seen.is_empty()
+            && self.merged_seen.is_empty()
+            && !self.base_root
+            && !self.merged_root
+            && self.meta.is_empty()
+            && self.stale.is_empty()
+            && self.effect_keys.is_empty()
+            && self.aggregates.is_empty()
+            && self.cells.is_empty()
+            && self.path_segs.is_empty()
+    }
+
     /// Empty it, keeping its buffers (see [`recycle`]).
     pub(super) fn clear(&mut self) {
         recycle(&mut self.base);

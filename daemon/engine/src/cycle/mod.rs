@@ -151,6 +151,11 @@ impl Scratch {
         recycle(&mut b.out);
         recycle(&mut b.ok);
         recycle(&mut b.vals);
+        // Every flag a cycle set was in `touched` (checked where it is cheap to).
+        debug_assert!(
+            self.flags.len() > 4096 || self.flags.iter().all(|&f| f == 0),
+            "a cycle left node flags set"
+        );
     }
 }
 
@@ -266,6 +271,7 @@ impl<'a> Cycle<'a> {
     ) -> Self {
         let mut sc = ScratchRef::of(cm);
         let journal = std::mem::take(&mut sc.journal);
+        debug_assert!(journal.is_clear(), "the last cycle left its journal behind");
         Cycle {
             cm,
             limits,
