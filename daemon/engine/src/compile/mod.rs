@@ -129,224 +129,10 @@ pub fn compile(
         }
     });
 
-    for (i, m) in spec.meta_derivations.iter().enumerate() {
-        let loc = format!("metaDerivations[{i}]");
-        let Some(prop) = MetaProp::parse(&m.property) else {
-            errors.push(CompileError {
-                location: format!("{loc}.property"),
-                message: format!(
-                    "unknown meta property `{}`; expected one of: {}",
-                    m.property,
-                    MetaProp::ALL.map(|p| p.name()).join(", ")
-                ),
-            });
-            continue;
-        };
-        let target = match parse_address(|| format!("{loc}.path"), &m.path) {
-            Ok(a) => a,
-            Err(e) => {
-                errors.push(e);
-                continue;
-            }
-        };
-        let expr = match interner.get(&m.expr) {
-            Ok(c) => c,
-            Err(e) => {
-                errors.push(expr_error(&format!("{loc}.expr"), &m.expr, &e));
-                continue;
-            }
-        };
-        let key = format!("{}#{}", target, prop.key_name());
-        // `[*]` meta sees the element as `$` (the reference's rule) and as `$parent`.
-        let element = target.element_pattern();
-        let input = if element.is_some() {
-            Input::Element
-        } else {
-            Input::Doc
-        };
-        let reads = deps::reads(expr.ast());
-        let aggregate = aggregate_of(expr.ast());
-        let mut d = draft_empty(
-            &mut drafts,
-            NodeKind::Meta(prop),
-            key.into(),
-            vec![target],
-            NodeExpr::new(expr),
-            input,
-            Location::new(Section::MetaDerivations, i),
-            aggregate,
-        );
-        add_reads(
-            &mut d,
-            &mut drafts,
-            &reads,
-            element.as_ref(),
-            element.as_ref(),
-        );
-        if element.is_some() {
-            d.node.projection = Some(Projection::whole());
-        }
-        drafts.push(d);
-    }
-
-    for (i, c) in spec.constraints.iter().enumerate() {
-        let loc = format!("constraints[{i}]");
-        let Some(policy) = Policy::parse(&c.policy) else {
-            errors.push(CompileError {
-                location: format!("{loc}.policy"),
-                message: format!("policy is required (rollback | flag), found `{}`", c.policy),
-            });
-            continue;
-        };
-        let expr = match interner.get(&c.expr) {
-            Ok(e) => e,
-            Err(e) => {
-                errors.push(expr_error(&format!("{loc}.expr"), &c.expr, &e));
-                continue;
-            }
-        };
-        let mut targets = Vec::new();
-        let mut bad = false;
-        if let Some(p) = &c.path {
-            for (j, t) in p.paths().into_iter().enumerate() {
-                match parse_address(|| format!("{loc}.path[{j}]"), t) {
-                    Ok(a) => targets.push(a),
-                    Err(e) => {
-                        errors.push(e);
-                        bad = true;
-                    }
-                }
-            }
-        }
-        if bad {
-            continue;
-        }
-        let kind = NodeKind::Constraint {
-            index: i as u32,
-            policy,
-        };
-        let key = format!("$constraint:{}", c.id);
-        if targets.is_empty() {
-            let at = Location::new(Section::Constraints, i);
-            let d = draft(
-                &mut drafts,
-                kind,
-                key.into(),
-                targets,
-                expr,
-                Input::Doc,
-                None,
-                at,
-            );
-            drafts.push(d);
-        } else {
-            // Scoped: `$` is the field value (the element for `[*]`) and the node reads the
-            // scope paths whole, which covers every reference relative to it; `$parent` is the
-            // `[*]` element.
-            let element = targets.iter().find_map(Address::element_pattern);
-            let reads = deps::reads(expr.ast());
-            let at = Location::new(Section::Constraints, i);
-            let expr = NodeExpr::new(expr);
-            let (field, key) = (Input::Field, key.into());
-            let mut d = draft_empty(&mut drafts, kind, key, targets, expr, field, at, None);
-            for t in &d.node.targets {
-                drafts.add_read(tseg_iter(t));
-            }
-            let parent_only = Reads {
-                paths: reads
-                    .paths
-                    .iter()
-                    .filter(|p| p.root == Root::Parent)
-                    .cloned()
-                    .collect(),
-                ..Reads::default()
-            };
-            add_reads(&mut d, &mut drafts, &parent_only, element.as_ref(), None);
-            d.node.projection = Some(Projection::whole());
-            d.extra.aggregate = None;
-            drafts.push(d);
-        }
-    }
-
-    let mut effect_plans = Vec::new();
-    for (i, e) in spec.effects.iter().enumerate() {
-        let loc = format!("effects[{i}]");
-        let trigger = match interner.get(&e.trigger) {
-            Ok(c) => c,
-            Err(err) => {
-                errors.push(expr_error(&format!("{loc}.trigger"), &e.trigger, &err));
-                effect_plans.push(EffectPlan::default());
-                continue;
-            }
-        };
-        let mut plan = EffectPlan::default();
-        let mut extra_reads = Reads::default();
-        let mut opt = |field: &str,
-                       text: &Option<String>,
-                       errors: &mut Vec<CompileError>|
-         -> Option<Rc<Compiled>> {
-            let t = text.as_ref()?;
-            match interner.get(t) {
-                Ok(c) => Some(c),
-                Err(err) => {
-                    errors.push(expr_error(&format!("{loc}.{field}"), t, &err));
-                    None
-                }
-            }
-        };
-        plan.dedupe = opt("dedupeKey", &e.dedupe_key, &mut errors);
-        plan.at = opt("at", &e.at, &mut errors);
-        plan.after_ms = opt("afterMs", &e.after_ms, &mut errors);
-        let requests = opt("requests", &e.requests, &mut errors);
-        let prompt = opt("prompt", &e.prompt, &mut errors);
-        for c in [&plan.dedupe, &plan.at, &plan.after_ms, &requests, &prompt]
-            .into_iter()
-            .flatten()
-        {
-            merge_reads(&mut extra_reads, &deps::reads(c.ast()));
-        }
-        if let Some(payload) = &e.payload {
-            for (k, v) in payload {
-                let text = match v {
-                    Json::String(s) => s.clone(),
-                    other => other.to_string(),
-                };
-                match interner.get(&text) {
-                    Ok(c) => plan.payload.push((k.clone(), c)),
-                    Err(err) => errors.push(expr_error(&format!("{loc}.payload.{k}"), &text, &err)),
-                }
-            }
-        }
-        let mut d = draft(
-            &mut drafts,
-            NodeKind::Effect { index: i as u32 },
-            format!("$effect:{}", e.id).into(),
-            Vec::new(),
-            trigger,
-            Input::Doc,
-            None,
-            Location::new(Section::Effects, i),
-        );
-        add_reads(&mut d, &mut drafts, &extra_reads, None, None);
-        drafts.push(d);
-        effect_plans.push(plan);
-    }
-
-    let mut defaults = Vec::new();
-    for (i, dv) in spec.default_values.iter().enumerate() {
-        let loc = format!("defaultValues[{i}]");
-        let path = match parse_address(|| format!("{loc}.path"), &dv.path) {
-            Ok(a) => a,
-            Err(e) => {
-                errors.push(e);
-                continue;
-            }
-        };
-        match interner.get(&dv.expr) {
-            Ok(expr) => defaults.push(DefaultRule { path, expr }),
-            Err(e) => errors.push(expr_error(&format!("{loc}.expr"), &dv.expr, &e)),
-        }
-    }
+    draft_meta(&spec, &mut interner, &mut drafts, &mut errors);
+    draft_constraints(&spec, &mut interner, &mut drafts, &mut errors);
+    let effect_plans = draft_effects(&spec, &mut interner, &mut drafts, &mut errors);
+    let defaults = default_rules(&spec, &mut interner, &mut errors);
 
     if !errors.is_empty() {
         return Err(errors);
@@ -426,32 +212,7 @@ pub fn compile(
         }
         let dependents = Dependents::new(&deps_of);
 
-        // Kahn's algorithm; levels = longest path from a source.
-        let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
-        let mut level = vec![0u32; nodes_len];
-        let mut queue: VecDeque<usize> = (0..nodes_len).filter(|&i| indeg[i] == 0).collect();
-        let mut done = 0;
-        while let Some(n) = queue.pop_front() {
-            done += 1;
-            for &m in dependents.of(n as NodeId) {
-                let m = m as usize;
-                level[m] = level[m].max(level[n] + 1);
-                indeg[m] -= 1;
-                if indeg[m] == 0 {
-                    queue.push_back(m);
-                }
-            }
-        }
-        if done < nodes_len {
-            let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
-            let cycle = find_cycle(&stuck, &deps_of, &indeg);
-            let names: Vec<&str> = cycle.iter().map(|&i| &*nodes[i].key).collect();
-            let location = nodes[cycle[0]].location.to_string();
-            return Err(vec![CompileError {
-                location,
-                message: format!("cyclic dependency: {}", names.join(" → ")),
-            }]);
-        }
+        let level = levels_of(&nodes, &deps_of, &dependents).map_err(|e| vec![e])?;
 
         debug_assert!(
             (0..nodes_len).all(|i| deps_of[i].iter().all(|&d| level[d as usize] < level[i])),
@@ -540,6 +301,289 @@ pub fn compile(
             fallback_projections: RefCell::default(),
         })
     })
+}
+
+/// Each node's level: the longest path to it from a node with no dependency (Kahn's
+/// algorithm); a cycle is an error naming it.
+fn levels_of(
+    nodes: &[Node],
+    deps_of: &[BTreeSet<NodeId>],
+    dependents: &Dependents,
+) -> Result<Vec<u32>, CompileError> {
+    let nodes_len = nodes.len();
+    // Kahn's algorithm; levels = longest path from a source.
+    let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
+    let mut level = vec![0u32; nodes_len];
+    let mut queue: VecDeque<usize> = (0..nodes_len).filter(|&i| indeg[i] == 0).collect();
+    let mut done = 0;
+    while let Some(n) = queue.pop_front() {
+        done += 1;
+        for &m in dependents.of(n as NodeId) {
+            let m = m as usize;
+            level[m] = level[m].max(level[n] + 1);
+            indeg[m] -= 1;
+            if indeg[m] == 0 {
+                queue.push_back(m);
+            }
+        }
+    }
+    if done < nodes_len {
+        let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
+        let cycle = find_cycle(&stuck, deps_of, &indeg);
+        let names: Vec<&str> = cycle.iter().map(|&i| &*nodes[i].key).collect();
+        let location = nodes[cycle[0]].location.to_string();
+        return Err(CompileError {
+            location,
+            message: format!("cyclic dependency: {}", names.join(" → ")),
+        });
+    }
+    Ok(level)
+}
+
+/// Draft the meta-derivations (`metaDerivations[i]`): `[*]` meta sees the element as `$`.
+fn draft_meta(
+    spec: &ModelSpec,
+    interner: &mut Interner,
+    drafts: &mut Drafts,
+    errors: &mut Vec<CompileError>,
+) {
+    for (i, m) in spec.meta_derivations.iter().enumerate() {
+        let loc = format!("metaDerivations[{i}]");
+        let Some(prop) = MetaProp::parse(&m.property) else {
+            errors.push(CompileError {
+                location: format!("{loc}.property"),
+                message: format!(
+                    "unknown meta property `{}`; expected one of: {}",
+                    m.property,
+                    MetaProp::ALL.map(|p| p.name()).join(", ")
+                ),
+            });
+            continue;
+        };
+        let target = match parse_address(|| format!("{loc}.path"), &m.path) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let expr = match interner.get(&m.expr) {
+            Ok(c) => c,
+            Err(e) => {
+                errors.push(expr_error(&format!("{loc}.expr"), &m.expr, &e));
+                continue;
+            }
+        };
+        let key = format!("{}#{}", target, prop.key_name());
+        // `[*]` meta sees the element as `$` (the reference's rule) and as `$parent`.
+        let element = target.element_pattern();
+        let input = if element.is_some() {
+            Input::Element
+        } else {
+            Input::Doc
+        };
+        let reads = deps::reads(expr.ast());
+        let aggregate = aggregate_of(expr.ast());
+        let mut d = draft_empty(
+            drafts,
+            NodeKind::Meta(prop),
+            key.into(),
+            vec![target],
+            NodeExpr::new(expr),
+            input,
+            Location::new(Section::MetaDerivations, i),
+            aggregate,
+        );
+        add_reads(&mut d, drafts, &reads, element.as_ref(), element.as_ref());
+        if element.is_some() {
+            d.node.projection = Some(Projection::whole());
+        }
+        drafts.push(d);
+    }
+}
+
+/// Draft the constraints (`constraints[i]`), scoped ones per element.
+fn draft_constraints(
+    spec: &ModelSpec,
+    interner: &mut Interner,
+    drafts: &mut Drafts,
+    errors: &mut Vec<CompileError>,
+) {
+    for (i, c) in spec.constraints.iter().enumerate() {
+        let loc = format!("constraints[{i}]");
+        let Some(policy) = Policy::parse(&c.policy) else {
+            errors.push(CompileError {
+                location: format!("{loc}.policy"),
+                message: format!("policy is required (rollback | flag), found `{}`", c.policy),
+            });
+            continue;
+        };
+        let expr = match interner.get(&c.expr) {
+            Ok(e) => e,
+            Err(e) => {
+                errors.push(expr_error(&format!("{loc}.expr"), &c.expr, &e));
+                continue;
+            }
+        };
+        let mut targets = Vec::new();
+        let mut bad = false;
+        if let Some(p) = &c.path {
+            for (j, t) in p.paths().into_iter().enumerate() {
+                match parse_address(|| format!("{loc}.path[{j}]"), t) {
+                    Ok(a) => targets.push(a),
+                    Err(e) => {
+                        errors.push(e);
+                        bad = true;
+                    }
+                }
+            }
+        }
+        if bad {
+            continue;
+        }
+        let kind = NodeKind::Constraint {
+            index: i as u32,
+            policy,
+        };
+        let key = format!("$constraint:{}", c.id);
+        if targets.is_empty() {
+            let at = Location::new(Section::Constraints, i);
+            let d = draft(
+                drafts,
+                kind,
+                key.into(),
+                targets,
+                expr,
+                Input::Doc,
+                None,
+                at,
+            );
+            drafts.push(d);
+        } else {
+            // Scoped: `$` is the field value (the element for `[*]`) and the node reads the
+            // scope paths whole, which covers every reference relative to it; `$parent` is the
+            // `[*]` element.
+            let element = targets.iter().find_map(Address::element_pattern);
+            let reads = deps::reads(expr.ast());
+            let at = Location::new(Section::Constraints, i);
+            let expr = NodeExpr::new(expr);
+            let (field, key) = (Input::Field, key.into());
+            let mut d = draft_empty(drafts, kind, key, targets, expr, field, at, None);
+            for t in &d.node.targets {
+                drafts.add_read(tseg_iter(t));
+            }
+            let parent_only = Reads {
+                paths: reads
+                    .paths
+                    .iter()
+                    .filter(|p| p.root == Root::Parent)
+                    .cloned()
+                    .collect(),
+                ..Reads::default()
+            };
+            add_reads(&mut d, drafts, &parent_only, element.as_ref(), None);
+            d.node.projection = Some(Projection::whole());
+            d.extra.aggregate = None;
+            drafts.push(d);
+        }
+    }
+}
+
+/// Draft the effects' triggers and plan what each evaluates when it fires.
+fn draft_effects(
+    spec: &ModelSpec,
+    interner: &mut Interner,
+    drafts: &mut Drafts,
+    errors: &mut Vec<CompileError>,
+) -> Vec<EffectPlan> {
+    let mut effect_plans = Vec::new();
+    for (i, e) in spec.effects.iter().enumerate() {
+        let loc = format!("effects[{i}]");
+        let trigger = match interner.get(&e.trigger) {
+            Ok(c) => c,
+            Err(err) => {
+                errors.push(expr_error(&format!("{loc}.trigger"), &e.trigger, &err));
+                effect_plans.push(EffectPlan::default());
+                continue;
+            }
+        };
+        let mut plan = EffectPlan::default();
+        let mut extra_reads = Reads::default();
+        let mut opt = |field: &str,
+                       text: &Option<String>,
+                       errors: &mut Vec<CompileError>|
+         -> Option<Rc<Compiled>> {
+            let t = text.as_ref()?;
+            match interner.get(t) {
+                Ok(c) => Some(c),
+                Err(err) => {
+                    errors.push(expr_error(&format!("{loc}.{field}"), t, &err));
+                    None
+                }
+            }
+        };
+        plan.dedupe = opt("dedupeKey", &e.dedupe_key, errors);
+        plan.at = opt("at", &e.at, errors);
+        plan.after_ms = opt("afterMs", &e.after_ms, errors);
+        let requests = opt("requests", &e.requests, errors);
+        let prompt = opt("prompt", &e.prompt, errors);
+        for c in [&plan.dedupe, &plan.at, &plan.after_ms, &requests, &prompt]
+            .into_iter()
+            .flatten()
+        {
+            merge_reads(&mut extra_reads, &deps::reads(c.ast()));
+        }
+        if let Some(payload) = &e.payload {
+            for (k, v) in payload {
+                let text = match v {
+                    Json::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                match interner.get(&text) {
+                    Ok(c) => plan.payload.push((k.clone(), c)),
+                    Err(err) => errors.push(expr_error(&format!("{loc}.payload.{k}"), &text, &err)),
+                }
+            }
+        }
+        let mut d = draft(
+            drafts,
+            NodeKind::Effect { index: i as u32 },
+            format!("$effect:{}", e.id).into(),
+            Vec::new(),
+            trigger,
+            Input::Doc,
+            None,
+            Location::new(Section::Effects, i),
+        );
+        add_reads(&mut d, drafts, &extra_reads, None, None);
+        drafts.push(d);
+        effect_plans.push(plan);
+    }
+    effect_plans
+}
+
+/// The `defaultValues` rules, compiled.
+fn default_rules(
+    spec: &ModelSpec,
+    interner: &mut Interner,
+    errors: &mut Vec<CompileError>,
+) -> Vec<DefaultRule> {
+    let mut defaults = Vec::new();
+    for (i, dv) in spec.default_values.iter().enumerate() {
+        let loc = format!("defaultValues[{i}]");
+        let path = match parse_address(|| format!("{loc}.path"), &dv.path) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        match interner.get(&dv.expr) {
+            Ok(expr) => defaults.push(DefaultRule { path, expr }),
+            Err(e) => errors.push(expr_error(&format!("{loc}.expr"), &dv.expr, &e)),
+        }
+    }
+    defaults
 }
 
 /// The readers of each concrete derivation target without array indices (a write there binds
