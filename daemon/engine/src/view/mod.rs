@@ -196,6 +196,18 @@ fn copy(from: &Json, to: &mut Map<String, Json>, key: &str) {
 /// Deepest chain of nested `itemView` expansions.
 const MAX_ITEM_DEPTH: usize = 8;
 
+/// One component as `Evaluator::kind_fields` sees it: its identity and what it binds.
+struct Comp<'c> {
+    id: &'c str,
+    ty: &'c str,
+    kind: Kind,
+    c: &'c Json,
+    bind: Option<&'c Address>,
+    bind_from: Option<&'c Address>,
+    bind_to: Option<&'c Address>,
+    value: Option<&'c Json>,
+}
+
 struct Evaluator<'a> {
     spec: &'a ModelSpec,
     merged: &'a Json,
@@ -550,109 +562,17 @@ impl Evaluator<'_> {
             }
         }
 
-        match kind {
-            Kind::Label | Kind::StaticText | Kind::Badge => {
-                if let Some(t) = self.dollar_text(&id, c, "text", &mut fails)? {
-                    out.insert("text".into(), t);
-                }
-                if kind == Kind::Badge {
-                    if let Some(v) = self.dollar_text(&id, c, "variant", &mut fails)? {
-                        out.insert("variant".into(), v);
-                    }
-                }
-            }
-            Kind::Button | Kind::ValidationSummary => {
-                if let Some(v) = self.dollar_text(&id, c, "variant", &mut fails)? {
-                    out.insert("variant".into(), v);
-                } else if kind == Kind::ValidationSummary {
-                    out.insert("variant".into(), json!("danger"));
-                }
-            }
-            Kind::StatTile => {
-                if bind.is_none() {
-                    if let Some(v) = self.dollar(&id, c, "value", &mut fails)? {
-                        out.insert("value".into(), v);
-                    }
-                }
-                for f in ["delta", "caption", "trend", "variant"] {
-                    if let Some(v) = self.dollar_text(&id, c, f, &mut fails)? {
-                        out.insert(f.into(), v);
-                    }
-                }
-            }
-            Kind::Image => {
-                let src = self.dollar(&id, c, "src", &mut fails)?;
-                if let Some(s) = src.or_else(|| value.clone()) {
-                    out.insert("src".into(), s);
-                }
-            }
-            Kind::Link => {
-                let href = self.dollar(&id, c, "href", &mut fails)?;
-                let href = href.or_else(|| value.clone());
-                let text = self.dollar_text(&id, c, "text", &mut fails)?;
-                let text = text
-                    .or_else(|| c.get("label").cloned())
-                    .or_else(|| href.clone());
-                if let Some(h) = href {
-                    out.insert("href".into(), h);
-                }
-                if let Some(t) = text {
-                    out.insert("text".into(), t);
-                }
-            }
-            Kind::Separator if ty == "spacer" => {
-                out.entry("size").or_insert(json!(16));
-            }
-            Kind::TracePanel => {
-                out.entry("limit").or_insert(json!(20));
-            }
-            Kind::DateRange => {
-                for (field, vfield, a, dflt) in [
-                    ("bindFrom", "valueFrom", &bind_from, "From"),
-                    ("bindTo", "valueTo", &bind_to, "To"),
-                ] {
-                    if let Some(a) = a {
-                        out.insert(field.into(), json!(a.to_string()));
-                        out.insert(vfield.into(), self.value_at(a));
-                    }
-                    let lk = if field == "bindFrom" {
-                        "fromLabel"
-                    } else {
-                        "toLabel"
-                    };
-                    out.entry(lk).or_insert(json!(dflt));
-                }
-            }
-            Kind::KeyValue => {
-                let mut items = Vec::new();
-                if let Some(Json::Array(rows)) = c.get("items") {
-                    for row in rows {
-                        items.push(self.kv_item(&id, row, &mut fails)?);
-                    }
-                }
-                out.insert("items".into(), Json::Array(items));
-            }
-            Kind::EffectStatus => {
-                if let Some(p) = c.get("errorPath").and_then(Json::as_str) {
-                    let a = self.address(&id, "errorPath", p)?;
-                    out.insert("error".into(), self.value_at(&a));
-                }
-                let failed = value.as_ref().is_some_and(is_failed);
-                let retry = self.dyn_bool(&id, c, "showRetry", failed, &mut fails)?;
-                out.insert("showRetry".into(), retry);
-            }
-            Kind::SectionList => {
-                for f in ["canAdd", "canRemove"] {
-                    if c.get(f).is_some_and(|v| !v.is_null()) {
-                        let v = self.dyn_bool(&id, c, f, true, &mut fails)?;
-                        out.insert(f.into(), v);
-                    }
-                }
-                out.entry("addLabel").or_insert(json!("Add"));
-                out.entry("removeLabel").or_insert(json!("Remove"));
-            }
-            _ => {}
-        }
+        let k = Comp {
+            id: &id,
+            ty: &ty,
+            kind,
+            c,
+            bind: bind.as_ref(),
+            bind_from: bind_from.as_ref(),
+            bind_to: bind_to.as_ref(),
+            value: value.as_ref(),
+        };
+        self.kind_fields(&k, &mut out, &mut fails)?;
         if c.get("collapsed").is_some_and(|v| !v.is_null()) {
             let v = self.dyn_bool(&id, c, "collapsed", false, &mut fails)?;
             out.insert("collapsed".into(), v);
@@ -694,6 +614,121 @@ impl Evaluator<'_> {
             out.insert("errors".into(), Json::Array(errs));
         }
         Ok(Json::Object(out))
+    }
+
+    /// The fields only some kinds of component have: texts and variants, a tile's figures, an
+    /// image's source, a link, a date range's two ends, key-value items, an effect's status, a
+    /// section list's buttons.
+    fn kind_fields(
+        &mut self,
+        k: &Comp<'_>,
+        out: &mut Map<String, Json>,
+        fails: &mut Failures,
+    ) -> Result<(), ViewError> {
+        match k.kind {
+            Kind::Label | Kind::StaticText | Kind::Badge => {
+                if let Some(t) = self.dollar_text(k.id, k.c, "text", fails)? {
+                    out.insert("text".into(), t);
+                }
+                if k.kind == Kind::Badge {
+                    if let Some(v) = self.dollar_text(k.id, k.c, "variant", fails)? {
+                        out.insert("variant".into(), v);
+                    }
+                }
+            }
+            Kind::Button | Kind::ValidationSummary => {
+                if let Some(v) = self.dollar_text(k.id, k.c, "variant", fails)? {
+                    out.insert("variant".into(), v);
+                } else if k.kind == Kind::ValidationSummary {
+                    out.insert("variant".into(), json!("danger"));
+                }
+            }
+            Kind::StatTile => {
+                if k.bind.is_none() {
+                    if let Some(v) = self.dollar(k.id, k.c, "value", fails)? {
+                        out.insert("value".into(), v);
+                    }
+                }
+                for f in ["delta", "caption", "trend", "variant"] {
+                    if let Some(v) = self.dollar_text(k.id, k.c, f, fails)? {
+                        out.insert(f.into(), v);
+                    }
+                }
+            }
+            Kind::Image => {
+                let src = self.dollar(k.id, k.c, "src", fails)?;
+                if let Some(s) = src.or_else(|| k.value.cloned()) {
+                    out.insert("src".into(), s);
+                }
+            }
+            Kind::Link => {
+                let href = self.dollar(k.id, k.c, "href", fails)?;
+                let href = href.or_else(|| k.value.cloned());
+                let text = self.dollar_text(k.id, k.c, "text", fails)?;
+                let text = text
+                    .or_else(|| k.c.get("label").cloned())
+                    .or_else(|| href.clone());
+                if let Some(h) = href {
+                    out.insert("href".into(), h);
+                }
+                if let Some(t) = text {
+                    out.insert("text".into(), t);
+                }
+            }
+            Kind::Separator if k.ty == "spacer" => {
+                out.entry("size").or_insert(json!(16));
+            }
+            Kind::TracePanel => {
+                out.entry("limit").or_insert(json!(20));
+            }
+            Kind::DateRange => {
+                for (field, vfield, a, dflt) in [
+                    ("bindFrom", "valueFrom", &k.bind_from, "From"),
+                    ("bindTo", "valueTo", &k.bind_to, "To"),
+                ] {
+                    if let Some(a) = a {
+                        out.insert(field.into(), json!(a.to_string()));
+                        out.insert(vfield.into(), self.value_at(a));
+                    }
+                    let lk = if field == "bindFrom" {
+                        "fromLabel"
+                    } else {
+                        "toLabel"
+                    };
+                    out.entry(lk).or_insert(json!(dflt));
+                }
+            }
+            Kind::KeyValue => {
+                let mut items = Vec::new();
+                if let Some(Json::Array(rows)) = k.c.get("items") {
+                    for row in rows {
+                        items.push(self.kv_item(k.id, row, fails)?);
+                    }
+                }
+                out.insert("items".into(), Json::Array(items));
+            }
+            Kind::EffectStatus => {
+                if let Some(p) = k.c.get("errorPath").and_then(Json::as_str) {
+                    let a = self.address(k.id, "errorPath", p)?;
+                    out.insert("error".into(), self.value_at(&a));
+                }
+                let failed = k.value.is_some_and(is_failed);
+                let retry = self.dyn_bool(k.id, k.c, "showRetry", failed, fails)?;
+                out.insert("showRetry".into(), retry);
+            }
+            Kind::SectionList => {
+                for f in ["canAdd", "canRemove"] {
+                    if k.c.get(f).is_some_and(|v| !v.is_null()) {
+                        let v = self.dyn_bool(k.id, k.c, f, true, fails)?;
+                        out.insert(f.into(), v);
+                    }
+                }
+                out.entry("addLabel").or_insert(json!("Add"));
+                out.entry("removeLabel").or_insert(json!("Remove"));
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     fn kv_item(&mut self, id: &str, row: &Json, fails: &mut Failures) -> Result<Json, ViewError> {
