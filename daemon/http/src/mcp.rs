@@ -210,7 +210,17 @@ fn is_initialize(msg: &Json) -> bool {
     msg.get("method").and_then(|m| m.as_str()) == Some("initialize")
 }
 
-async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
+/// A POST to `/mcp` read and checked: its headers (size, version, Accept, Content-Type), its
+/// body parsed; a refusal is the JSON-RPC error response to send.
+struct Incoming {
+    headers: axum::http::HeaderMap,
+    scoped: Option<Scoped>,
+    msg: Json,
+    json_ok: bool,
+    sse_ok: bool,
+}
+
+async fn read_incoming(st: &AppState, req: Request) -> Result<Incoming, Response> {
     let headers = req.headers().clone();
     let scoped = req.extensions().get::<Scoped>().cloned();
     let limit = st.config.max_body_bytes;
@@ -222,49 +232,67 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         )
     };
     if super::rest::extract::declares_over(&headers, limit) {
-        return too_large();
+        return Err(too_large());
     }
     // The body is read before the headers are judged, so that a refusal on them (a client
     // probing with a protocol version we do not speak, say) leaves the connection reusable.
-    let body = match Bytes::from_request(req, &st).await {
+    let body = match Bytes::from_request(req, st).await {
         Ok(b) => b,
-        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large(),
+        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_large()),
         Err(r) => {
-            return rpc_error(
+            return Err(rpc_error(
                 StatusCode::BAD_REQUEST,
                 code::PARSE_ERROR,
                 format!("Unreadable request body: {}", r.body_text()),
-            )
+            ))
         }
     };
-    if let Err(r) = check_version(&headers) {
-        return r;
-    }
+    check_version(&headers)?;
     let json_ok = accepts(&headers, "application/json");
     let sse_ok = accepts(&headers, "text/event-stream");
     if !json_ok && !sse_ok {
-        return rpc_error(
+        return Err(rpc_error(
             StatusCode::NOT_ACCEPTABLE,
             code::INVALID_REQUEST,
             "Not Acceptable: the client must accept application/json and text/event-stream",
-        );
+        ));
     }
     if !is_json_content(&headers) {
-        return rpc_error(
+        return Err(rpc_error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             code::INVALID_REQUEST,
             "Unsupported Media Type: the body must be application/json",
-        );
+        ));
     }
-    let mut msg: Json = match valem_mcp::wire::parse(&body) {
+    let msg: Json = match valem_mcp::wire::parse(&body) {
         Ok(m) => m,
         Err(e) => {
-            return rpc_error(
+            return Err(rpc_error(
                 StatusCode::BAD_REQUEST,
                 code::PARSE_ERROR,
                 format!("Parse error: {e}"),
-            )
+            ))
         }
+    };
+    Ok(Incoming {
+        headers,
+        scoped,
+        msg,
+        json_ok,
+        sse_ok,
+    })
+}
+
+async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
+    let Incoming {
+        headers,
+        scoped,
+        mut msg,
+        json_ok,
+        sse_ok,
+    } = match read_incoming(&st, req).await {
+        Ok(i) => i,
+        Err(r) => return r,
     };
     let (sid, hs, created) = if is_initialize(&msg) {
         if headers.contains_key(SESSION_HEADER) {
