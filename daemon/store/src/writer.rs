@@ -490,131 +490,14 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                 conn.prepare_cached(sql)?.execute([id])?;
             }
         }
-        Op::AppendAudit(a) => {
-            let head = head(conn, &a.model_id)?;
-            let (expected, prev) = match &head {
-                Some((s, h)) => (s + 1, h.as_str()),
-                None => (0, GENESIS),
-            };
-            if a.sequence != expected {
-                return Err(Failure::Op(StoreError::OutOfSequence {
-                    model_id: a.model_id.clone(),
-                    expected,
-                    got: a.sequence,
-                }));
-            }
-            if a.prev_hash != prev {
-                return Err(Failure::Op(StoreError::ChainMismatch {
-                    model_id: a.model_id.clone(),
-                    sequence: a.sequence,
-                }));
-            }
-            let seq = seq_param(a.sequence)?;
-            conn.prepare_cached(
-                "INSERT INTO audit (model_id, sequence, at_us, record, prev_hash, hash)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            )?
-            .execute(params![
-                a.model_id,
-                seq,
-                a.at_us,
-                a.text,
-                a.prev_hash,
-                a.hash
-            ])?;
-            let mut path = conn.prepare_cached(
-                "INSERT OR IGNORE INTO audit_paths (model_id, path, sequence) VALUES (?1, ?2, ?3)",
-            )?;
-            for p in &a.paths {
-                path.execute(params![a.model_id, p, seq])?;
-            }
-            conn.prepare_cached("UPDATE models SET head_seq = ?2, head_hash = ?3 WHERE id = ?1")?
-                .execute(params![a.model_id, seq, a.hash])?;
-        }
+        Op::AppendAudit(a) => append_audit(conn, a)?,
         Op::Checkpoint {
             model_id,
             sequence,
             at_us,
             state,
             kind,
-        } => {
-            let head = head(conn, model_id)?;
-            let committed = head.as_ref().map(|(s, _)| *s);
-            if let Some(seq) = *sequence {
-                if committed.is_none_or(|h| seq > h) {
-                    return Err(Failure::Op(StoreError::CheckpointAhead {
-                        model_id: model_id.clone(),
-                        sequence: seq,
-                        head: committed,
-                    }));
-                }
-            }
-            // Before the first record is stored as -1, below every real sequence.
-            let seq = match sequence {
-                Some(s) => seq_param(*s)?,
-                None => -1,
-            };
-            if *kind == CheckpointKind::Periodic {
-                let existing: Option<String> = conn
-                    .prepare_cached(
-                        "SELECT kind FROM checkpoints WHERE model_id = ?1 AND sequence = ?2",
-                    )?
-                    .query_row(params![model_id, seq], |r| r.get(0))
-                    .optional()?;
-                if existing
-                    .is_some_and(|k| CheckpointKind::parse(&k) != Some(CheckpointKind::Periodic))
-                {
-                    return Ok(());
-                }
-            }
-            let head_hash = match (*sequence, head) {
-                (None, _) => GENESIS.to_string(),
-                (Some(s), Some((h, hash))) if s == h => hash,
-                (Some(s), _) => conn
-                    .prepare_cached("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?
-                    .query_row(params![model_id, seq], |r| r.get(0))
-                    .optional()?
-                    .ok_or_else(|| {
-                        Failure::Op(StoreError::InvalidRecord {
-                            detail: format!(
-                                "model `{model_id}`: checkpoint after record {s}, which is not stored"
-                            ),
-                        })
-                    })?,
-            };
-            let text = to_text(state)?;
-            let state_hash = chain::state_hash(text.as_bytes());
-            let hash = chain::checkpoint_hash(
-                key,
-                &CheckpointHeader {
-                    model_id,
-                    sequence: *sequence,
-                    at_us: *at_us,
-                    kind: kind.as_str(),
-                    head_hash: &head_hash,
-                    state_hash: &state_hash,
-                },
-            );
-            conn.prepare_cached(
-                "INSERT OR REPLACE INTO checkpoints
-                     (model_id, sequence, at_us, state, kind, head_hash, state_hash, hash)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            )?
-            .execute(params![
-                model_id,
-                seq,
-                at_us,
-                text,
-                kind.as_str(),
-                head_hash,
-                state_hash,
-                hash
-            ])?;
-            if kind.is_base() {
-                conn.prepare_cached("UPDATE models SET base_seq = ?2 WHERE id = ?1")?
-                    .execute(params![model_id, seq])?;
-            }
-        }
+        } => put_checkpoint(conn, model_id, sequence, at_us, state, kind, key)?,
         Op::PutSnapshot {
             model_id,
             snapshot_id,
@@ -654,6 +537,137 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                 b.created_us
             ])?;
         }
+    }
+    Ok(())
+}
+
+/// Append one audit record: in sequence, chained to the stored head, its paths indexed, the
+/// head moved in the same transaction.
+fn append_audit(conn: &Connection, a: &AuditAppend) -> Result<(), Failure> {
+    let head = head(conn, &a.model_id)?;
+    let (expected, prev) = match &head {
+        Some((s, h)) => (s + 1, h.as_str()),
+        None => (0, GENESIS),
+    };
+    if a.sequence != expected {
+        return Err(Failure::Op(StoreError::OutOfSequence {
+            model_id: a.model_id.clone(),
+            expected,
+            got: a.sequence,
+        }));
+    }
+    if a.prev_hash != prev {
+        return Err(Failure::Op(StoreError::ChainMismatch {
+            model_id: a.model_id.clone(),
+            sequence: a.sequence,
+        }));
+    }
+    let seq = seq_param(a.sequence)?;
+    conn.prepare_cached(
+        "INSERT INTO audit (model_id, sequence, at_us, record, prev_hash, hash)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?
+    .execute(params![
+        a.model_id,
+        seq,
+        a.at_us,
+        a.text,
+        a.prev_hash,
+        a.hash
+    ])?;
+    let mut path = conn.prepare_cached(
+        "INSERT OR IGNORE INTO audit_paths (model_id, path, sequence) VALUES (?1, ?2, ?3)",
+    )?;
+    for p in &a.paths {
+        path.execute(params![a.model_id, p, seq])?;
+    }
+    conn.prepare_cached("UPDATE models SET head_seq = ?2, head_hash = ?3 WHERE id = ?1")?
+        .execute(params![a.model_id, seq, a.hash])?;
+    Ok(())
+}
+
+/// Store a checkpoint of `model_id` after record `sequence` (`None`: before the first),
+/// hashed over its state and the record it follows (see `Op::Checkpoint`).
+fn put_checkpoint(
+    conn: &Connection,
+    model_id: &str,
+    sequence: &Option<u64>,
+    at_us: &i64,
+    state: &Json,
+    kind: &CheckpointKind,
+    key: Option<&AuditKey>,
+) -> Result<(), Failure> {
+    let head = head(conn, model_id)?;
+    let committed = head.as_ref().map(|(s, _)| *s);
+    if let Some(seq) = *sequence {
+        if committed.is_none_or(|h| seq > h) {
+            return Err(Failure::Op(StoreError::CheckpointAhead {
+                model_id: model_id.to_string(),
+                sequence: seq,
+                head: committed,
+            }));
+        }
+    }
+    // Before the first record is stored as -1, below every real sequence.
+    let seq = match sequence {
+        Some(s) => seq_param(*s)?,
+        None => -1,
+    };
+    if *kind == CheckpointKind::Periodic {
+        let existing: Option<String> = conn
+            .prepare_cached("SELECT kind FROM checkpoints WHERE model_id = ?1 AND sequence = ?2")?
+            .query_row(params![model_id, seq], |r| r.get(0))
+            .optional()?;
+        if existing.is_some_and(|k| CheckpointKind::parse(&k) != Some(CheckpointKind::Periodic)) {
+            return Ok(());
+        }
+    }
+    let head_hash = match (*sequence, head) {
+        (None, _) => GENESIS.to_string(),
+        (Some(s), Some((h, hash))) if s == h => hash,
+        (Some(s), _) => conn
+            .prepare_cached("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?
+            .query_row(params![model_id, seq], |r| r.get(0))
+            .optional()?
+            .ok_or_else(|| {
+                Failure::Op(StoreError::InvalidRecord {
+                    detail: format!(
+                        "model `{model_id}`: checkpoint after record {s}, which is not stored"
+                    ),
+                })
+            })?,
+    };
+    let text = to_text(state)?;
+    let state_hash = chain::state_hash(text.as_bytes());
+    let hash = chain::checkpoint_hash(
+        key,
+        &CheckpointHeader {
+            model_id,
+            sequence: *sequence,
+            at_us: *at_us,
+            kind: kind.as_str(),
+            head_hash: &head_hash,
+            state_hash: &state_hash,
+        },
+    );
+    conn.prepare_cached(
+        "INSERT OR REPLACE INTO checkpoints
+             (model_id, sequence, at_us, state, kind, head_hash, state_hash, hash)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?
+    .execute(params![
+        model_id,
+        seq,
+        at_us,
+        text,
+        kind.as_str(),
+        head_hash,
+        state_hash,
+        hash
+    ])?;
+    if kind.is_base() {
+        conn.prepare_cached("UPDATE models SET base_seq = ?2 WHERE id = ?1")?
+            .execute(params![model_id, seq])?;
     }
     Ok(())
 }
