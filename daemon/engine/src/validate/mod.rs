@@ -246,7 +246,32 @@ pub fn valid_semver(v: &str) -> bool {
 }
 
 fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
-    // Identity.
+    check_identity(spec, v);
+    check_schema(spec, v);
+    check_constants(spec, v);
+    let exports = check_library(spec, v, &limits.expr);
+    check_derivations(spec, v);
+    check_meta(spec, v);
+    check_constraints(spec, v);
+    check_default_values(spec, v);
+    check_effects(spec, v);
+    check_tests(spec, v);
+    check_view(spec, v);
+    check_lineage(spec, v);
+
+    // Expressions: names, dynamic lookups, then the full compile (errors with positions, cycles).
+    check_names(spec, &exports, v, &limits.expr);
+    if v.errors.is_empty() {
+        if let Err(errs) = compile::compile(Arc::new(spec.clone()), limits) {
+            for e in errs {
+                v.err(e.location, e.message);
+            }
+        }
+    }
+}
+
+/// The spec's identity and its removed fields (`initialState`, `actions`).
+fn check_identity(spec: &ModelSpec, v: &mut V) {
     if spec.id.trim().is_empty() {
         v.err("id", "id is required");
     } else if spec.id.contains('@') || !valid_coordinate(&spec.id) {
@@ -277,12 +302,10 @@ fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
             "actions has been removed; declare an effect with executor \"caller\" (emit + payload) instead",
         );
     }
+}
 
-    check_schema(spec, v);
-    check_constants(spec, v);
-    let exports = check_library(spec, v, &limits.expr);
-
-    // Derivations.
+/// Derivations: a path and an expression each, no duplicate or root target, a known evaluation mode.
+fn check_derivations(spec: &ModelSpec, v: &mut V) {
     let mut seen = HashSet::new();
     for (i, d) in spec.derivations.iter().enumerate() {
         let loc = format!("derivations[{i}]");
@@ -312,8 +335,10 @@ fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
             }
         }
     }
+}
 
-    // Meta-derivations.
+/// Meta-derivations: an expression, a known property, a path, no duplicate (path, property).
+fn check_meta(spec: &ModelSpec, v: &mut V) {
     let mut seen = HashSet::new();
     for (i, m) in spec.meta_derivations.iter().enumerate() {
         let loc = format!("metaDerivations[{i}]");
@@ -348,8 +373,10 @@ fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
             check_meta_type(spec, &a, p, &loc, v);
         }
     }
+}
 
-    // Constraints.
+/// Constraints: a unique id, an expression and a policy (`rollback` or `flag`) each.
+fn check_constraints(spec: &ModelSpec, v: &mut V) {
     let mut seen = HashSet::new();
     for (i, c) in spec.constraints.iter().enumerate() {
         let loc = format!("constraints[{i}]");
@@ -394,8 +421,10 @@ fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
             }
         }
     }
+}
 
-    // Default values.
+/// `defaultValues`: a path and an expression each, no duplicate path.
+fn check_default_values(spec: &ModelSpec, v: &mut V) {
     let mut seen = HashSet::new();
     for (i, d) in spec.default_values.iter().enumerate() {
         let loc = format!("defaultValues[{i}]");
@@ -408,21 +437,6 @@ fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
                         format!("duplicate defaultValues path `{a}`"),
                     );
                 }
-            }
-        }
-    }
-
-    check_effects(spec, v);
-    check_tests(spec, v);
-    check_view(spec, v);
-    check_lineage(spec, v);
-
-    // Expressions: names, dynamic lookups, then the full compile (errors with positions, cycles).
-    check_names(spec, &exports, v, &limits.expr);
-    if v.errors.is_empty() {
-        if let Err(errs) = compile::compile(Arc::new(spec.clone()), limits) {
-            for e in errs {
-                v.err(e.location, e.message);
             }
         }
     }
