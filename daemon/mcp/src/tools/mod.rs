@@ -230,18 +230,18 @@ fn mutate(c: &Ctx<'_>, a: Json) -> Deferred {
 // --- the catalog ----------------------------------------------------------------------------
 
 fn all_tools(guidance: &Guidance) -> Vec<Tool> {
+    // The order is the catalog's (`tools/list`).
+    let mut tools = model_tools();
+    tools.extend(write_tools());
+    tools.extend(lifecycle_tools());
+    tools.extend(view_and_blob_tools());
+    tools.extend(authoring_tools(guidance));
+    tools
+}
+
+/// Registry and reads: list, create, info, spec, state, field, effective schema.
+fn model_tools() -> Vec<Tool> {
     let ro = annotations(true, false, true);
-    let mut guidance_schema = schema_of::<GuidanceArgs>();
-    if !guidance.ids().is_empty() {
-        guidance_schema["properties"]["topics"]["items"] = json!({
-            "type": "string",
-            "enum": guidance.ids(),
-        });
-    }
-    guidance_schema["properties"]["topics"]["description"] = json!(format!(
-        "Topic ids matching the model being authored: {}",
-        guidance.menu()
-    ));
     vec![
         Tool {
             name: "list_models",
@@ -341,6 +341,13 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 ops::effective_schema(&c.server.service, &a.id, &a.path)
             },
         },
+    ]
+}
+
+/// Writes and their trail: mutate, patch, explain, history, audit, verify.
+fn write_tools() -> Vec<Tool> {
+    let ro = annotations(true, false, true);
+    vec![
         Tool {
             name: "mutate",
             title: "Mutate a model",
@@ -434,6 +441,12 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 Ok(c.server.service.verify_audit(&a.id)?)
             },
         },
+    ]
+}
+
+/// A model's lifecycle: snapshot, restore, evolve, delete.
+fn lifecycle_tools() -> Vec<Tool> {
+    vec![
         Tool {
             name: "snapshot",
             title: "Snapshot a model",
@@ -517,6 +530,13 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
                 ops::delete(&c.server.service, &a.id)
             },
         },
+    ]
+}
+
+/// Views, the library, blobs.
+fn view_and_blob_tools() -> Vec<Tool> {
+    let ro = annotations(true, false, true);
+    vec![
         Tool {
             name: "get_view",
             title: "Evaluate a view",
@@ -585,6 +605,24 @@ fn all_tools(guidance: &Guidance) -> Vec<Tool> {
             },
         },
         // --- authoring: never touch the registry ---------------------------------------------
+    ]
+}
+
+/// Authoring: domain guidance, validation, evaluation, tests and dry runs.
+fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
+    let ro = annotations(true, false, true);
+    let mut guidance_schema = schema_of::<GuidanceArgs>();
+    if !guidance.ids().is_empty() {
+        guidance_schema["properties"]["topics"]["items"] = json!({
+            "type": "string",
+            "enum": guidance.ids(),
+        });
+    }
+    guidance_schema["properties"]["topics"]["description"] = json!(format!(
+        "Topic ids matching the model being authored: {}",
+        guidance.menu()
+    ));
+    vec![
         Tool {
             name: "get_domain_guidance",
             title: "Domain guidance for authoring",
