@@ -33,7 +33,7 @@ use super::rest::extract::{Params, P};
 use super::rest::{call, count_errors, ApiError};
 use super::AppState;
 use valem_core::expr::path::Address;
-use valem_engine::MutationResult;
+use valem_service::MutationResult;
 use valem_service::{Event, EventFilter, EventSink};
 
 /// Frames queued for one subscriber before it counts as too slow.

@@ -9,8 +9,12 @@ mod pending;
 mod types;
 
 pub use pending::Pending;
+// Engine types that are part of this API (a mutation's result and refusal, a validator
+// finding): surfaces name them through the service, never the engine.
 use pending::*;
 pub use types::*;
+pub use valem_engine::validate::Finding;
+pub use valem_engine::{MutationError, MutationResult};
 
 mod audit;
 mod audit_sink;
@@ -38,8 +42,7 @@ use shard::Shard;
 
 use valem_core::spec::evolve::Incompatibility;
 use valem_core::spec::{ModelSpec, SpecEvolution};
-use valem_engine::validate::Finding;
-use valem_engine::{EngineLimits, MutationError, MutationResult, Trace};
+use valem_engine::{EngineLimits, Trace};
 
 /// The model service. Cheap to share (`Arc`); every call blocks the caller until the owning
 /// shard answers.

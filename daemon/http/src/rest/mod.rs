@@ -24,8 +24,8 @@ use axum::Router;
 use serde_json::{json, Value as Json};
 
 use super::{error_response, AppState};
-use valem_engine::validate::Finding;
-use valem_engine::MutationError;
+use valem_service::Finding;
+use valem_service::MutationError;
 use valem_service::{ModelService, ServiceError};
 
 /// Multipart framing allowed on top of the largest blob (boundaries, part headers, `mediaType`).

@@ -10,8 +10,8 @@ use super::extract::{wrong_shape, JsonBody, Params, PatchBody, P};
 use super::{call, ok, ApiError};
 use crate::AppState;
 use valem_core::spec::{parse_evolution_checked, parse_spec, SpecParseError};
-use valem_engine::validate::Finding;
-use valem_engine::MutationError;
+use valem_service::Finding;
+use valem_service::MutationError;
 use valem_service::{mutation_list, AuditQuery, Change, ServiceError, Viewed};
 
 /// The header naming the view whose evaluated components a mutation response carries.
