@@ -191,6 +191,31 @@ pub struct StoreArgs {
     pub audit_key_file: Option<PathBuf>,
 }
 
+/// Where models run and how many may live, with the engine's limits (`valem mcp`, `console`
+/// and `serve` share these).
+#[derive(clap::Args, Debug)]
+pub struct ModelsArgs {
+    /// Shard threads running the models (0: one per core).
+    #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
+    pub shards: usize,
+    /// Most live models.
+    #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
+    pub max_models: usize,
+    #[command(flatten)]
+    pub cycle: CycleArgs,
+}
+
+impl ModelsArgs {
+    /// The service's limits with these (the rest at their defaults).
+    pub(super) fn limits(&self) -> valem_service::ServiceLimits {
+        valem_service::ServiceLimits {
+            engine: self.cycle.engine(),
+            max_models: self.max_models,
+            ..Default::default()
+        }
+    }
+}
+
 /// What one mutation may cost (`valem serve`, `valem mcp`, `valem console`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct CycleArgs {
@@ -405,14 +430,8 @@ pub struct McpArgs {
     /// Largest accepted message in bytes; longer lines are refused with -32600 and skipped.
     #[arg(long, env = "VALEM_MCP_MAX_MESSAGE_BYTES", default_value_t = valem_mcp::stdio::DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
-    /// Shard threads running the models (0: one per core).
-    #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
-    pub shards: usize,
-    /// Most live models.
-    #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
-    pub max_models: usize,
     #[command(flatten)]
-    pub cycle: CycleArgs,
+    pub models: ModelsArgs,
     #[command(flatten)]
     pub store: StoreArgs,
     #[command(flatten)]
@@ -433,14 +452,8 @@ pub struct ConsoleArgs {
     /// Largest accepted line in bytes; longer lines are refused with an error and skipped.
     #[arg(long, env = "VALEM_CONSOLE_MAX_LINE_BYTES", default_value_t = crate::console::DEFAULT_MAX_LINE_BYTES)]
     pub max_line_bytes: usize,
-    /// Embedded mode: shard threads running the models (0: one per core).
-    #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
-    pub shards: usize,
-    /// Embedded mode: most live models.
-    #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
-    pub max_models: usize,
     #[command(flatten)]
-    pub cycle: CycleArgs,
+    pub models: ModelsArgs,
 }
 
 /// The arguments of `valem serve`.
@@ -473,14 +486,8 @@ pub struct ServeArgs {
     /// WebSocket streams are not limited.
     #[arg(long, env = "VALEM_REQUEST_TIMEOUT", default_value_t = 60.0, value_parser = seconds)]
     pub request_timeout: f64,
-    /// Shard threads running the models (0: one per core).
-    #[arg(long, env = "VALEM_SHARDS", default_value_t = 0)]
-    pub shards: usize,
-    /// Most live models.
-    #[arg(long, env = "VALEM_MAX_MODELS", default_value_t = 1000)]
-    pub max_models: usize,
     #[command(flatten)]
-    pub cycle: CycleArgs,
+    pub models: ModelsArgs,
     #[command(flatten)]
     pub store: StoreArgs,
     #[command(flatten)]

@@ -414,9 +414,7 @@ fn mcp(args: McpArgs) -> Result<i32, String> {
         api_key,
         browser,
         max_message_bytes,
-        shards,
-        max_models,
-        cycle,
+        models,
         store,
         plugins,
         effects,
@@ -438,12 +436,10 @@ fn mcp(args: McpArgs) -> Result<i32, String> {
         Err(code) => return Ok(code),
     };
     let limits = valem_service::ServiceLimits {
-        engine: cycle.engine(),
-        max_models,
         checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
-        ..Default::default()
+        ..models.limits()
     };
-    let service = match open_service("mcp", shards, limits, &store) {
+    let service = match open_service("mcp", models.shards, limits, &store) {
         Ok(s) => s,
         Err(code) => return Ok(code),
     };
@@ -482,9 +478,7 @@ fn console(args: ConsoleArgs) -> Result<i32, String> {
         url,
         api_key,
         max_line_bytes,
-        shards,
-        max_models,
-        cycle,
+        models,
     } = args;
     let url = url.filter(|u| !u.trim().is_empty());
     let mut backend: Box<dyn crate::console::Backend> = match url {
@@ -496,12 +490,7 @@ fn console(args: ConsoleArgs) -> Result<i32, String> {
             }
         },
         None => {
-            let limits = valem_service::ServiceLimits {
-                engine: cycle.engine(),
-                max_models,
-                ..Default::default()
-            };
-            let service = valem_service::ModelService::new(shards, limits);
+            let service = valem_service::ModelService::new(models.shards, models.limits());
             Box::new(crate::console::embedded::Embedded::new(service))
         }
     };
@@ -538,9 +527,7 @@ fn serve(args: ServeArgs) -> Result<i32, String> {
         max_blob_bytes,
         header_timeout,
         request_timeout,
-        shards,
-        max_models,
-        cycle,
+        models,
         store,
         plugins,
         effects,
@@ -554,13 +541,11 @@ fn serve(args: ServeArgs) -> Result<i32, String> {
         Err(code) => return Ok(code),
     };
     let limits = valem_service::ServiceLimits {
-        engine: cycle.engine(),
-        max_models,
         checkpoint_every: usize::try_from(store.checkpoint_every).unwrap_or(usize::MAX),
         blob_max_bytes: max_blob_bytes,
-        ..Default::default()
+        ..models.limits()
     };
-    let service = match open_service("serve", shards, limits, &store) {
+    let service = match open_service("serve", models.shards, limits, &store) {
         Ok(s) => s,
         Err(code) => return Ok(code),
     };
