@@ -15,11 +15,10 @@ pub const NOW_MS: i64 = 1_700_000_000_000;
 
 /// Limits that let the initial data go in as one mutation.
 pub fn limits() -> EngineLimits {
-    // The daemon's cycle budget, so that its clock reads are timed too.
+    // The daemon's engine limits (its cycle budget's clock reads are timed too).
     EngineLimits {
         max_mutations: usize::MAX,
-        cycle_budget: valem_service::time::cycle_budget(valem_service::DEFAULT_CYCLE_BUDGET_MS),
-        ..Default::default()
+        ..valem_service::ServiceLimits::default().engine
     }
 }
 

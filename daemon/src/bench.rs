@@ -132,15 +132,14 @@ pub enum Progress {
 
 /// Run one benchmark. Errors are messages for the command line.
 pub fn run(opts: &Options, progress: &mut dyn FnMut(Progress)) -> Result<Report, String> {
-    // The daemon's cycle budget, so that its clock reads are timed too.
+    // The daemon's engine limits (its cycle budget's clock reads are timed too).
     let limits = EngineLimits {
         max_mutations: usize::MAX,
-        cycle_budget: valem_service::time::cycle_budget(valem_service::DEFAULT_CYCLE_BUDGET_MS),
         jit: JitConfig {
             enabled: opts.jit,
             ..JitConfig::default()
         },
-        ..EngineLimits::default()
+        ..valem_service::ServiceLimits::default().engine
     };
     let (shape, name, n, spec, seed_data) = match &opts.workload {
         Workload::Shape(s, n) => {

@@ -168,11 +168,8 @@ fn progress_line(p: crate::bench::Progress) -> String {
 }
 
 fn run(cli: Cli) -> Result<i32, String> {
-    // `valem spec …`: the daemon's default cycle budget.
-    let limits = EngineLimits {
-        cycle_budget: valem_service::time::cycle_budget(valem_service::DEFAULT_CYCLE_BUDGET_MS),
-        ..EngineLimits::default()
-    };
+    // `valem spec …`: the daemon's default engine limits (its cycle budget included).
+    let limits = valem_service::ServiceLimits::default().engine;
     match cli.command {
         Command::Bench(args) => bench(args),
         Command::Spec { action } => spec(action, &limits),
