@@ -676,8 +676,11 @@ impl ModelService {
         patch: json_patch::Patch,
     ) -> Result<Arc<MutationResult>, ServiceError> {
         let owned = id.to_string();
-        self.on_model_reply(id, true, move |s, r| s.patch(&owned, patch, r))
-            .wait()?
+        self.on_model_reply(id, true, move |s, r| {
+            s.write_viewed(&owned, Change::Patch(patch), None, r)
+        })
+        .wait()?
+        .map(|v| v.result)
     }
 
     pub fn snapshot(&self, id: &str) -> Result<Json, ServiceError> {

@@ -328,18 +328,6 @@ impl Shard {
         Ok((result, op))
     }
 
-    /// Apply an RFC 6902 patch to the base document and commit the difference as one cycle.
-    pub fn patch(&mut self, id: &str, patch: json_patch::Patch, reply: Reply<Arc<MutationResult>>) {
-        match self.patch_writes(id, patch) {
-            Ok(None) => reply.send(Ok(Arc::new(MutationResult {
-                success: true,
-                ..Default::default()
-            }))),
-            Ok(Some(writes)) => self.commit(id, writes, Source::Patch, reply),
-            Err(e) => reply.send(Err(e)),
-        }
-    }
-
     /// The writes a patch amounts to (`None`: it changes nothing).
     pub(super) fn patch_writes(
         &mut self,
