@@ -100,26 +100,18 @@ impl<'a> Cycle<'a> {
         Some(Ok(v))
     }
 
+    /// A meta-derivation's, constraint's or effect trigger's value. These are never lowered
+    /// (only derivations are, and they go through `derive_instance`).
     #[inline]
     pub(super) fn evaluate(
         &mut self,
         node: &Node,
         inst: &[Seg],
     ) -> Result<Option<JValue>, ExprError> {
+        debug_assert!(!node.jit.lowered(), "only derivations are lowered");
         self.jit_hit = false;
-        if node.jit.lowered() {
-            if let Some(v) = self.evaluate_lowered(node, inst) {
-                self.spend(1);
-                return v.map(|v| {
-                    v.map(|v| match v {
-                        interp::Value::Num(x) => JValue::Number(x),
-                        interp::Value::Bool(b) => JValue::Bool(b),
-                    })
-                });
-            }
-        }
         let out = self.evaluate_slow(node, inst);
-        self.spend(if self.jit_hit { 1 } else { WORK_PER_CHECK });
+        self.spend(WORK_PER_CHECK);
         out
     }
 

@@ -598,7 +598,8 @@ impl<'a> Cycle<'a> {
             }
         }
         let result = self.evaluate_slow(node, inst);
-        self.spend(if self.jit_hit { 1 } else { WORK_PER_CHECK });
+        // Interpreted (or an aggregate): it counts as a whole check's work.
+        self.spend(WORK_PER_CHECK);
         self.write_derived(node, inst, concrete, again, result);
     }
 
