@@ -10,9 +10,8 @@ use serde_json::{json, Map, Value as Json};
 
 use super::time::iso;
 
-use valem_store::chain::record_hash_keyed;
 pub use valem_store::GENESIS;
-use valem_store::{record_hash, AuditKey, ChainHasher};
+use valem_store::{record_hash, AuditAppend, AuditKey, ChainHasher, Sealed, StoreError};
 
 /// One committed cycle.
 #[derive(Clone, Debug)]
@@ -119,15 +118,18 @@ impl AuditTrail {
         }
     }
 
-    /// Chain and keep the record of one committed cycle; the record as kept.
-    pub fn append(&mut self, e: Entry<'_>) -> &AuditRecord {
+    /// Chain and keep the record of one committed cycle, hashed once ([`Sealed`]); with
+    /// `durable`, also the store's append of it, serialised once.
+    pub fn append(
+        &mut self,
+        e: Entry<'_>,
+        durable: bool,
+    ) -> Result<Option<AuditAppend>, StoreError> {
         let r = e.result;
         let mut paths: Vec<String> = e.mutations.keys().cloned().collect();
         paths.extend(r.derived_updated.iter().map(|d| d.to_string()));
         paths.extend(r.traces.iter().map(|t| t.target_path.to_string()));
-        let mut rec = json!({
-            "modelId": e.model_id,
-            "sequence": self.next_seq,
+        let fields = json!({
             "timestamp": iso(e.at_us),
             "modelVersion": e.model_version,
             "source": e.source,
@@ -136,28 +138,35 @@ impl AuditTrail {
             "flaggedConstraints": r.flagged_constraints.iter().map(|c| c.constraint_id.clone()).collect::<Vec<_>>(),
             "dispatchedEffects": r.dispatched_effects.iter().map(|c| c.effect_id.clone()).collect::<Vec<_>>(),
             "traces": r.traces,
-            "prevHash": self.last_hash,
         });
-        // A keyed store's chains are keyed from their adoption on: new records always are.
-        let hash = match &self.key {
-            Some(k) => record_hash_keyed(k, &self.last_hash, &rec),
-            None => record_hash(&self.last_hash, &rec),
+        let Json::Object(fields) = fields else {
+            unreachable!("json! of an object literal is an object")
         };
-        if let Json::Object(m) = &mut rec {
-            m.insert("hash".into(), Json::String(hash.clone()));
-        }
+        // A keyed store's chains are keyed from their adoption on: new records always are.
+        let sealed = Sealed::seal(
+            e.model_id,
+            self.next_seq,
+            &self.last_hash,
+            fields,
+            self.key.as_ref(),
+        );
+        let append = if durable {
+            Some(AuditAppend::sealed(e.at_us, &sealed, paths.clone())?)
+        } else {
+            None
+        };
+        self.last_hash = sealed.hash().to_string();
         self.records.push_back(AuditRecord {
             sequence: self.next_seq,
             at_us: e.at_us,
-            json: rec,
+            json: sealed.into_json(),
             paths,
         });
         self.next_seq += 1;
-        self.last_hash = hash;
         while self.records.len() > self.max {
             self.records.pop_front();
         }
-        &self.records[self.records.len() - 1]
+        Ok(append)
     }
 
     /// Newest first, filtered.
@@ -290,14 +299,21 @@ mod tests {
         for i in 0..n {
             let mut m = Map::new();
             m.insert("$.qty".into(), json!(i));
-            t.append(Entry {
-                model_id: "m",
-                model_version: "1.0.0",
-                source: "client",
-                at_us: i as i64,
-                mutations: m,
-                result: &r,
-            });
+            let append = t
+                .append(
+                    Entry {
+                        model_id: "m",
+                        model_version: "1.0.0",
+                        source: "client",
+                        at_us: i as i64,
+                        mutations: m,
+                        result: &r,
+                    },
+                    true,
+                )
+                .expect("a sequence far below 2^63");
+            let append = append.expect("durable: the store's append");
+            assert_eq!(append.sequence(), i as u64);
         }
         t
     }

@@ -55,6 +55,79 @@ pub fn record_hash_keyed(key: &AuditKey, prev_hash: &str, record: &Json) -> Stri
     h.finalize().to_hex().to_string()
 }
 
+/// An audit record chained and hashed once, by [`Sealed::seal`]: the only way to make one, so its
+/// `hash` is the record's hash by construction and the store appends it without hashing again.
+#[derive(Clone, Debug)]
+pub struct Sealed {
+    model_id: String,
+    sequence: u64,
+    prev_hash: String,
+    hash: String,
+    json: Json,
+}
+
+impl Sealed {
+    /// Chain `record` (its fields without `modelId`, `sequence`, `prevHash` and `hash`, which
+    /// this adds) after `prev_hash`, hashing with `key` when the store has one.
+    pub fn seal(
+        model_id: &str,
+        sequence: u64,
+        prev_hash: &str,
+        fields: serde_json::Map<String, Json>,
+        key: Option<&AuditKey>,
+    ) -> Sealed {
+        // Served in this order: modelId, sequence, the fields, prevHash, hash.
+        let mut record = serde_json::Map::with_capacity(fields.len() + 4);
+        record.insert("modelId".into(), Json::String(model_id.to_string()));
+        record.insert("sequence".into(), Json::from(sequence));
+        for (k, v) in fields {
+            if !matches!(k.as_str(), "modelId" | "sequence" | "prevHash" | "hash") {
+                record.insert(k, v);
+            }
+        }
+        record.insert("prevHash".into(), Json::String(prev_hash.to_string()));
+        let mut json = Json::Object(record);
+        let hash = match key {
+            Some(k) => record_hash_keyed(k, prev_hash, &json),
+            None => record_hash(prev_hash, &json),
+        };
+        if let Json::Object(m) = &mut json {
+            m.insert("hash".into(), Json::String(hash.clone()));
+        }
+        Sealed {
+            model_id: model_id.to_string(),
+            sequence,
+            prev_hash: prev_hash.to_string(),
+            hash,
+            json,
+        }
+    }
+
+    /// The record as served, with `prevHash` and `hash`.
+    pub fn json(&self) -> &Json {
+        &self.json
+    }
+
+    /// The record's chain hash.
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// The record's sequence.
+    pub fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    /// The record as served, given up.
+    pub fn into_json(self) -> Json {
+        self.json
+    }
+
+    pub(crate) fn parts(&self) -> (&str, &str) {
+        (&self.model_id, &self.prev_hash)
+    }
+}
+
 /// A 32-byte secret that makes record and checkpoint hashes keyed blake3. `Debug` shows only
 /// the start of its fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq)]

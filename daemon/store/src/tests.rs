@@ -1946,3 +1946,46 @@ fn a_truncated_database_file_is_refused_naming_it() {
         }
     }
 }
+
+/// A record sealed once by the caller is the record the validating constructor accepts: the
+/// same fields in the same order and the same hash, plain and keyed, and the store chains it.
+#[test]
+fn a_sealed_record_is_the_validated_record_and_chains_in_the_store() {
+    for key in [None, Some(AuditKey::from_bytes([7; 32]))] {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let store = open_keyed(tmp.path(), key);
+        let w = store.writer();
+        let mut chain = Chain::new("m");
+        chain.key = key;
+        let mut ops = vec![put_model("m")];
+        for i in 0..3i64 {
+            let validated = chain.record(10 + i, i);
+            let mut fields = validated.as_object().expect("object").clone();
+            for k in ["modelId", "sequence", "prevHash", "hash"] {
+                fields.shift_remove(k);
+            }
+            let prev = validated["prevHash"].as_str().expect("prevHash");
+            let sealed = Sealed::seal("m", i as u64, prev, fields, key.as_ref());
+            assert_eq!(sealed.json(), &validated, "key {key:?}, record {i}");
+            assert_eq!(
+                serde_json::to_string(sealed.json()).expect("text"),
+                serde_json::to_string(&validated).expect("text"),
+                "member order, key {key:?}"
+            );
+            assert_eq!(Some(sealed.hash()), validated["hash"].as_str());
+            let a = AuditAppend::sealed(10 + i, &sealed, vec!["$.qty".into(), "$.qty".into()])
+                .expect("appendable");
+            assert_eq!((a.model_id(), a.sequence()), ("m", i as u64));
+            ops.push(Op::AppendAudit(a));
+        }
+        let rx = submit_all(&w, ops);
+        store.flush().expect("flush");
+        let results: Vec<_> = rx.try_iter().collect();
+        assert_eq!(results.len(), 4);
+        assert!(results.iter().all(|(_, r)| r.is_ok()), "{results:?}");
+        assert_eq!(records(&store, "m").len(), 3);
+        let report = store.verify_chain("m").expect("verify");
+        assert!(report.valid, "{report:?}");
+        assert_eq!(report.records_checked, 3);
+    }
+}

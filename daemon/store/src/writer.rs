@@ -13,7 +13,9 @@ use std::thread::JoinHandle;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value as Json;
 
-use super::chain::{self, record_hash, record_hash_keyed, AuditKey, CheckpointHeader, GENESIS};
+use super::chain::{
+    self, record_hash, record_hash_keyed, AuditKey, CheckpointHeader, Sealed, GENESIS,
+};
 use super::{sql_err, BlobMeta, CheckpointKind, Durability, StoreError};
 
 /// Completion of one op: called exactly once, on the writer thread, with `Ok` after the op's batch
@@ -130,6 +132,36 @@ impl AuditAppend {
             at_us,
             prev_hash: prev_hash.to_string(),
             hash: hash.to_string(),
+            text,
+            paths,
+        })
+    }
+
+    /// From a record [`Sealed`] by the caller: serialised here, once, and not hashed again.
+    /// Fails only when the sequence is past 2^63 (the store's integer).
+    pub fn sealed(
+        at_us: i64,
+        record: &Sealed,
+        mut paths: Vec<String>,
+    ) -> Result<AuditAppend, StoreError> {
+        paths.sort_unstable();
+        paths.dedup();
+        let sequence = record.sequence();
+        if i64::try_from(sequence).is_err() {
+            return Err(StoreError::InvalidRecord {
+                detail: format!("sequence {sequence} is past the store's 2^63"),
+            });
+        }
+        let (model_id, prev_hash) = record.parts();
+        let text = serde_json::to_string(record.json()).map_err(|e| StoreError::InvalidRecord {
+            detail: e.to_string(),
+        })?;
+        Ok(AuditAppend {
+            model_id: model_id.to_string(),
+            sequence,
+            at_us,
+            prev_hash: prev_hash.to_string(),
+            hash: record.hash().to_string(),
             text,
             paths,
         })

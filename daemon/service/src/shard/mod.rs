@@ -29,7 +29,7 @@ use valem_engine::view::ViewError;
 use valem_engine::{
     compile_cached, CreateError, Model, MutationError, MutationResult, Trace, Undo,
 };
-use valem_store::{AuditAppend, CheckpointChoice, CheckpointKind, Op, Store, StoredModel};
+use valem_store::{CheckpointChoice, CheckpointKind, Op, Store, StoredModel};
 
 /// A live model and its rings.
 pub(super) struct Entry {

@@ -273,7 +273,6 @@ impl Shard {
         source: Source,
     ) -> Result<(Arc<MutationResult>, Option<Op>), ServiceError> {
         let durable = self.store.is_some();
-        let key = self.store.as_ref().and_then(|s| s.audit_key().copied());
         let (history_max, explain_max) = (self.limits.history_entries, self.limits.explain_entries);
         let metrics = self.metrics.clone();
         let e = self.entry(id)?;
@@ -308,21 +307,21 @@ impl Shard {
             .map(|(segs, v)| (render(&segs), v))
             .collect();
         let version = e.spec.version_or_default().to_string();
-        let rec = e.audit.append(AuditEntry {
-            model_id: id,
-            model_version: &version,
-            source: source.as_str(),
-            at_us: t,
-            mutations,
-            result: &result,
-        });
-        let op = if durable {
-            let a = AuditAppend::new(rec.at_us, &rec.json, rec.paths.clone(), key.as_ref())
-                .map_err(|x| ServiceError::Storage(x.to_string()))?;
-            Some(Op::AppendAudit(a))
-        } else {
-            None
-        };
+        let op = e
+            .audit
+            .append(
+                AuditEntry {
+                    model_id: id,
+                    model_version: &version,
+                    source: source.as_str(),
+                    at_us: t,
+                    mutations,
+                    result: &result,
+                },
+                durable,
+            )
+            .map_err(|x| ServiceError::Storage(x.to_string()))?
+            .map(Op::AppendAudit);
         let result = Arc::new(result);
         metrics.committed(took);
         Ok((result, op))
