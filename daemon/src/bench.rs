@@ -398,6 +398,7 @@ impl Service {
         if !seed_data.is_empty() {
             service
                 .mutate(&id, seed_data.to_vec())
+                .wait()
                 .map_err(|e| format!("the initial data does not apply: {e}"))?;
         }
         let first_cycle_ms = ms(t.elapsed());
@@ -416,7 +417,7 @@ impl Target for Service {
     }
 
     fn mutate(&mut self, batch: Vec<(String, Json)>) -> Option<(usize, usize)> {
-        let r = self.service.mutate(&self.id, batch).ok()?;
+        let r = self.service.mutate(&self.id, batch).wait().ok()?;
         Some((r.traces.len(), r.derived_updated.len()))
     }
 }

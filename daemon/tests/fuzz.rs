@@ -1141,7 +1141,7 @@ proptest! {
             .map(|(i, v)| (render_addr(&[ASeg::Field(i)]), v))
             .collect();
         if !seed.is_empty() {
-            svc.mutate(&id, seed).unwrap();
+            svc.mutate(&id, seed).wait().unwrap();
         }
         let result = (|| -> Result<(), TestCaseError> {
             for ops in &patches {
@@ -1160,7 +1160,7 @@ proptest! {
                 let derived = resolved.iter().any(touches_derived);
                 let patch: json_patch::Patch = serde_json::from_value(Value::Array(resolved.clone())).unwrap();
                 let ops_text = short(&Value::Array(resolved.clone()).to_string());
-                match svc.patch(&id, patch) {
+                match svc.patch(&id, patch).wait() {
                     Ok(_) => {
                         let after = svc.snapshot(&id).unwrap()["baseDoc"].clone();
                         prop_assert!(!json_deeper_than(&after, MAX_DEPTH));

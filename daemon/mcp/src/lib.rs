@@ -447,16 +447,13 @@ impl Session {
             .get("id")
             .filter(|i| i.is_string() || i.is_number())?
             .clone();
-        let params = m.get("params")?.as_object()?;
-        let tool = self.server.tools.get(params.get("name")?.as_str()?)?;
-        let args = match params.get("arguments") {
-            None | Some(Json::Null) => Json::Object(Map::new()),
-            Some(a @ Json::Object(_)) => a.clone(),
-            Some(_) => return None,
-        };
-        if !tool.is_deferred() {
-            return None;
-        }
+        let params = m.get("params")?;
+        let tool = self
+            .server
+            .tools
+            .get(params.get("name")?.as_str()?)
+            .filter(|t| t.is_deferred())?;
+        let args = call_arguments(params).ok()?;
         let me = self.me.upgrade()?;
         let key = id_key(&id);
         {
@@ -819,21 +816,23 @@ impl Session {
                 format!("unknown tool `{name}`; tools/list shows the available tools"),
             );
         };
-        let args = match params.get("arguments") {
-            None | Some(Json::Null) => Json::Object(Map::new()),
-            Some(a @ Json::Object(_)) => a.clone(),
-            Some(_) => {
-                return error(
-                    id,
-                    code::INVALID_PARAMS,
-                    "tools/call `arguments` must be an object",
-                )
-            }
+        let args = match call_arguments(&params) {
+            Ok(a) => a,
+            Err(why) => return error(id, code::INVALID_PARAMS, why),
         };
         let ctx = tools::Ctx {
             server: &self.server,
         };
         result(id, tools::envelope_for(tool.name, tool.call(&ctx, args)))
+    }
+}
+
+/// A `tools/call`'s `arguments`: an object (absent or null: an empty one).
+fn call_arguments(params: &Json) -> Result<Json, &'static str> {
+    match params.get("arguments") {
+        None | Some(Json::Null) => Ok(Json::Object(Map::new())),
+        Some(a @ Json::Object(_)) => Ok(a.clone()),
+        Some(_) => Err("tools/call `arguments` must be an object"),
     }
 }
 

@@ -9,7 +9,7 @@ use super::tools::{Outcome, ToolError};
 use valem_core::expr::path::Address;
 use valem_core::spec::{parse_evolution_checked, parse_spec};
 use valem_service::time::parse_iso;
-use valem_service::{mutation_list, ModelService};
+use valem_service::{mutation_list, Call, Change, ModelService, Viewed};
 
 pub fn list_models(s: &ModelService) -> Outcome {
     Ok(json!(s.list()?))
@@ -62,22 +62,54 @@ pub fn effective_schema(s: &ModelService, id: &str, path: &str) -> Outcome {
     Ok(s.effective_schema(id, path)?)
 }
 
-/// One reactive cycle; the MutationResult (traces on request).
-pub fn mutate(
-    s: &ModelService,
+/// A write that is one reactive cycle, not yet queued: the service's call and whether its
+/// MutationResult shows traces. A thread-driven edge (stdio, the console) [`wait`](Cycle::wait)s
+/// for it; `/mcp` [`queue`](Cycle::queue)s it and awaits the shard without holding a thread.
+#[must_use = "a Cycle does nothing until it is waited for or queued"]
+pub struct Cycle<'a> {
+    call: Call<'a, Viewed>,
+    traces: bool,
+}
+
+impl Cycle<'_> {
+    /// Queue the cycle (waiting for room) and block until it answers.
+    pub fn wait(self) -> Outcome {
+        let traces = self.traces;
+        Ok(self.call.wait()?.result.to_json(traces))
+    }
+
+    /// Queue the cycle now; the answer as a future that holds no borrow.
+    pub fn queue(self) -> impl std::future::Future<Output = Outcome> + Send + 'static {
+        let (answer, traces) = (self.call.queue(), self.traces);
+        async move { Ok(answer.await?.result.to_json(traces)) }
+    }
+}
+
+/// One reactive cycle for a `{"$.path": value}` mutation set.
+pub fn mutate<'a>(
+    s: &'a ModelService,
     id: &str,
     mutations: &Map<String, Json>,
     include_traces: bool,
-) -> Outcome {
-    let r = s.mutate(id, mutation_list(mutations))?;
-    Ok(r.to_json(include_traces))
+) -> Cycle<'a> {
+    Cycle {
+        call: s.write_viewed(id, Change::Mutations(mutation_list(mutations)), None),
+        traces: include_traces,
+    }
 }
 
-/// One reactive cycle for an RFC 6902 JSON Patch; the MutationResult (traces on request).
-pub fn patch(s: &ModelService, id: &str, patch: Json, include_traces: bool) -> Outcome {
+/// One reactive cycle for an RFC 6902 JSON Patch; fails at once when the patch does not parse.
+pub fn patch<'a>(
+    s: &'a ModelService,
+    id: &str,
+    patch: Json,
+    include_traces: bool,
+) -> Result<Cycle<'a>, ToolError> {
     let patch = valem_service::parse_patch(patch).map_err(|e| ToolError::Message(e.to_string()))?;
-    let r = s.patch(id, patch)?;
-    Ok(r.to_json(include_traces))
+    Ok(Cycle {
+        call: s.patch(id, patch),
+        traces: include_traces,
+    })
 }
 
 pub fn explain(s: &ModelService, id: &str, path: &str, limit: Option<usize>) -> Outcome {
@@ -93,7 +125,7 @@ pub fn snapshot(s: &ModelService, id: &str) -> Outcome {
 }
 
 pub fn restore(s: &ModelService, id: &str, snapshot: Map<String, Json>) -> Outcome {
-    Ok(s.restore(id, Json::Object(snapshot))?)
+    Ok(s.restore(id, Json::Object(snapshot)).wait()?)
 }
 
 /// Apply a SpecEvolution; the result is the new model info, with `warnings` when the evolution
@@ -106,7 +138,7 @@ pub fn evolve(s: &ModelService, id: &str, evolution: &Json) -> Outcome {
             e.message()
         ))
     })?;
-    let mut info = json!(s.evolve(id, evo)?);
+    let mut info = json!(s.evolve(id, evo).wait()?);
     if !warnings.is_empty() {
         info["warnings"] = json!(warnings);
     }

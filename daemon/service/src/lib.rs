@@ -8,7 +8,7 @@ mod blob_ops;
 mod pending;
 mod types;
 
-pub use pending::Pending;
+pub use pending::{Answer, Call, Pending};
 // Engine types that are part of this API (a mutation's result and refusal, a validator
 // finding): surfaces name them through the service, never the engine.
 use pending::*;
@@ -44,8 +44,8 @@ use valem_core::spec::evolve::Incompatibility;
 use valem_core::spec::{ModelSpec, SpecEvolution};
 use valem_engine::{EngineLimits, Trace};
 
-/// The model service. Cheap to share (`Arc`); every call blocks the caller until the owning
-/// shard answers.
+/// The model service. Cheap to share (`Arc`). A read blocks the caller until the owning shard
+/// answers; a write returns a [`Call`], which a thread `wait`s for and async code `.await`s.
 pub struct ModelService {
     shards: Vec<ShardHandle>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -569,24 +569,30 @@ impl ModelService {
 
     // --- writes -----------------------------------------------------------------------------
 
+    /// A write on the shard owning `id`, as a [`Call`]: `f` answers through its [`Reply`] (at
+    /// once, or when the store has made its write durable).
+    fn write<R: Send + 'static>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Shard, &str, Reply<R>) + Send + 'static,
+    ) -> Call<'_, R> {
+        let owned = id.to_string();
+        Call {
+            service: self,
+            shard: self.shard_of(id),
+            job: Box::new(move |s, r| f(s, &owned, r)),
+        }
+    }
+
     /// One reactive cycle for a flat `{"$.path": value}` mutation set.
     pub fn mutate(
         &self,
         id: &str,
         mutations: Vec<(String, Json)>,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
-        self.mutate_as(id, mutations, Source::Client)
-    }
-
-    fn mutate_as(
-        &self,
-        id: &str,
-        mutations: Vec<(String, Json)>,
-        source: Source,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
-        let owned = id.to_string();
-        self.on_model_reply(id, true, move |s, r| s.mutate(&owned, mutations, source, r))
-            .wait()?
+    ) -> Call<'_, Arc<MutationResult>> {
+        self.write(id, move |s, id, r| {
+            s.mutate(id, mutations, Source::Client, r)
+        })
     }
 
     /// An effect's fold-back: applied (as a `foldback` cycle) only while the effect's last
@@ -597,12 +603,12 @@ impl ModelService {
         effect_id: &str,
         key: Option<Json>,
         mutations: Vec<(String, Json)>,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
-        let (owned, effect) = (id.to_string(), effect_id.to_string());
-        self.on_model_reply(id, true, move |s, r| {
+    ) -> Call<'_, Arc<MutationResult>> {
+        let effect = effect_id.to_string();
+        self.write(id, move |s, id, r| {
             if let Some(k) = &key {
                 let current = s
-                    .entry(&owned)
+                    .entry(id)
                     .map(|e| e.model.state().effect_keys.get(effect.as_str()).cloned());
                 match current {
                     Ok(c) if c.as_ref() == Some(&valem_core::value::Val::from_json(k)) => {}
@@ -610,9 +616,8 @@ impl ModelService {
                     Err(e) => return r.send(Err(e)),
                 }
             }
-            s.mutate(&owned, mutations, Source::Foldback, r)
+            s.mutate(id, mutations, Source::Foldback, r)
         })
-        .wait()?
     }
 
     /// A write from another model's `target` link (audited `source: "link"`).
@@ -620,8 +625,8 @@ impl ModelService {
         &self,
         id: &str,
         mutations: Vec<(String, Json)>,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
-        self.mutate_as(id, mutations, Source::Link)
+    ) -> Call<'_, Arc<MutationResult>> {
+        self.write(id, move |s, id, r| s.mutate(id, mutations, Source::Link, r))
     }
 
     /// The dedupe key each effect of the model last fired with.
@@ -638,49 +643,16 @@ impl ModelService {
         })
     }
 
-    /// [`mutate`](Self::mutate) for async surfaces: the future waits for the cycle without
-    /// blocking its thread.
-    pub fn mutate_async(
-        &self,
-        id: &str,
-        mutations: Vec<(String, Json)>,
-    ) -> impl std::future::Future<Output = Result<Arc<MutationResult>, ServiceError>> + Send + 'static
-    {
-        let owned = id.to_string();
-        self.on_model_reply(id, false, move |s, r| {
-            s.mutate(&owned, mutations, Source::Client, r)
-        })
-        .flat()
-    }
-
-    /// One write (mutations or a JSON Patch) for async surfaces, answered with `view` of the
-    /// state it committed when one is asked for: the check that the view exists, the cycle and
-    /// the view are one shard job, so no other write comes between them.
-    pub fn write_viewed(
-        &self,
-        id: &str,
-        change: Change,
-        view: Option<String>,
-    ) -> impl std::future::Future<Output = Result<Viewed, ServiceError>> + Send + 'static {
-        let owned = id.to_string();
-        self.on_model_reply(id, false, move |s, r| {
-            s.write_viewed(&owned, change, view, r)
-        })
-        .flat()
+    /// One write (mutations or a JSON Patch), answered with `view` of the state it committed
+    /// when one is asked for: the check that the view exists, the cycle and the view are one
+    /// shard job, so no other write comes between them.
+    pub fn write_viewed(&self, id: &str, change: Change, view: Option<String>) -> Call<'_, Viewed> {
+        self.write(id, move |s, id, r| s.write_viewed(id, change, view, r))
     }
 
     /// One reactive cycle for an RFC 6902 JSON Patch of the base document.
-    pub fn patch(
-        &self,
-        id: &str,
-        patch: json_patch::Patch,
-    ) -> Result<Arc<MutationResult>, ServiceError> {
-        let owned = id.to_string();
-        self.on_model_reply(id, true, move |s, r| {
-            s.write_viewed(&owned, Change::Patch(patch), None, r)
-        })
-        .wait()?
-        .map(|v| v.result)
+    pub fn patch(&self, id: &str, patch: json_patch::Patch) -> Call<'_, Viewed> {
+        self.write_viewed(id, Change::Patch(patch), None)
     }
 
     pub fn snapshot(&self, id: &str) -> Result<Json, ServiceError> {
@@ -688,16 +660,14 @@ impl ModelService {
         self.on_model(id, move |s| s.snapshot(&owned))
     }
 
-    pub fn restore(&self, id: &str, snapshot: Json) -> Result<Json, ServiceError> {
-        let owned = id.to_string();
-        self.on_model_reply(id, true, move |s, r| s.restore_durably(&owned, snapshot, r))
-            .wait()?
+    /// Replace the model's state with a snapshot's (one cycle, audited).
+    pub fn restore(&self, id: &str, snapshot: Json) -> Call<'_, Json> {
+        self.write(id, move |s, id, r| s.restore_durably(id, snapshot, r))
     }
 
-    pub fn evolve(&self, id: &str, evo: SpecEvolution) -> Result<ModelInfo, ServiceError> {
-        let owned = id.to_string();
-        self.on_model_reply(id, true, move |s, r| s.evolve_durably(&owned, evo, r))
-            .wait()?
+    /// Apply a SpecEvolution: the new spec and the state evolved under it, committed together.
+    pub fn evolve(&self, id: &str, evo: SpecEvolution) -> Call<'_, ModelInfo> {
+        self.write(id, move |s, id, r| s.evolve_durably(id, evo, r))
     }
 }
 
@@ -747,7 +717,7 @@ mod tests {
             .expect("a runtime");
         // An awaited cycle answers as a waited one does.
         let r = rt
-            .block_on(svc.mutate_async("demo", write(2)))
+            .block_on(svc.mutate("demo", write(2)).queue())
             .expect("the cycle commits");
         assert!(r.success);
         assert_eq!(
@@ -764,9 +734,9 @@ mod tests {
         });
         started.recv().expect("the shard runs the holding job");
         let queued: Vec<_> = (0..SHARD_QUEUE)
-            .map(|i| svc.mutate_async("demo", write(i as i64)))
+            .map(|i| svc.mutate("demo", write(i as i64)).queue())
             .collect();
-        let refused = rt.block_on(svc.mutate_async("demo", write(-1)));
+        let refused = rt.block_on(svc.mutate("demo", write(-1)).queue());
         assert!(
             matches!(refused, Err(ServiceError::Busy(n)) if n == SHARD_QUEUE),
             "{refused:?}"

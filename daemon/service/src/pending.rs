@@ -1,10 +1,13 @@
 //! Shard jobs and their answers: a job's one-shot reply (at once, or once its write is
-//! durable), and `Pending`, which a thread waits for (a short spin, then park) or async code
-//! awaits.
+//! durable), `Call` (an operation not yet queued: its caller's edge decides how to wait), and
+//! `Pending`, which a thread waits for (a short spin, then park) or async code awaits.
 
 use super::*;
 
 pub(super) type Job = Box<dyn FnOnce(&mut Shard) + Send>;
+
+/// A job that answers through its [`Reply`].
+pub(super) type ReplyJob<R> = Box<dyn FnOnce(&mut Shard, Reply<R>) + Send>;
 
 /// Where a shard job's answer goes: now, or once the store has made the job's write durable.
 pub(crate) struct Reply<R>(pub(crate) oneshot::Sender<Result<R, ServiceError>>);
@@ -179,9 +182,62 @@ impl<R> std::future::Future for Pending<R> {
     }
 }
 
-impl<R> Pending<Result<R, ServiceError>> {
-    /// Flatten a shard job that itself can fail.
-    pub(super) async fn flat(self) -> Result<R, ServiceError> {
-        self.await?
+/// One service operation on a model, not yet queued. A thread calls [`wait`](Call::wait): the
+/// job is queued with back-pressure (a full shard queue makes it wait) and the thread blocks
+/// until the answer. Async code `.await`s it: the job is queued at once or refused with
+/// [`ServiceError::Busy`] on a full queue, and the task waits without blocking its thread.
+/// Either way the same job runs: one path per operation, the caller's edge choosing how to
+/// block.
+#[must_use = "a Call does nothing until it is awaited or waited for"]
+pub struct Call<'a, R> {
+    pub(super) service: &'a ModelService,
+    pub(super) shard: usize,
+    pub(super) job: ReplyJob<R>,
+}
+
+impl<R: Send + 'static> Call<'_, R> {
+    /// Queue the job (waiting for room) and block the calling thread (never a reactor
+    /// thread) until the shard answers.
+    pub fn wait(self) -> Result<R, ServiceError> {
+        let job = self.job;
+        self.service
+            .submit_with(self.shard, true, move |s, tx| job(s, Reply(tx)))
+            .wait()?
+    }
+}
+
+impl<R: Send + 'static> Call<'_, R> {
+    /// Queue the job now, without waiting for room (refused with `Busy` on a full queue); its
+    /// answer is the future. What `.await` does; for a future that must outlive the borrow of
+    /// the service (a boxed, spawned one).
+    pub fn queue(self) -> Answer<R> {
+        let job = self.job;
+        Answer(
+            self.service
+                .submit_with(self.shard, false, move |s, tx| job(s, Reply(tx))),
+        )
+    }
+}
+
+impl<R: Send + 'static> std::future::IntoFuture for Call<'_, R> {
+    type Output = Result<R, ServiceError>;
+    type IntoFuture = Answer<R>;
+
+    fn into_future(self) -> Answer<R> {
+        self.queue()
+    }
+}
+
+/// A queued [`Call`]'s answer, as a future (`'static`: it holds no borrow of the service).
+pub struct Answer<R>(Pending<Result<R, ServiceError>>);
+
+impl<R> std::future::Future for Answer<R> {
+    type Output = Result<R, ServiceError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx).map(|r| r?)
     }
 }

@@ -49,12 +49,13 @@ impl Backend for Embedded {
                 id,
                 mutations,
                 include_traces,
-            } => ops::mutate(s, id, mutations, *include_traces),
+            } => ops::mutate(s, id, mutations, *include_traces).wait(),
             Command::PatchMutate {
                 id,
                 patch,
                 include_traces,
-            } => ops::patch(s, id, Json::Array(patch.clone()), *include_traces),
+            } => ops::patch(s, id, Json::Array(patch.clone()), *include_traces)
+                .and_then(|c| c.wait()),
             Command::GetHistory { id } => ops::history(s, id),
             Command::GetSchema { id, path } => ops::effective_schema(s, id, path),
             Command::Explain { id, path } => ops::explain(s, id, path, None),

@@ -257,7 +257,7 @@ pub async fn restore(
             "a Snapshot object, as POST /snapshot returned it",
         ));
     }
-    Ok(ok(call(&st, move |svc| svc.restore(&id, body)).await?))
+    Ok(ok(st.service.restore(&id, body).await?))
 }
 
 pub async fn evolve(
@@ -270,7 +270,7 @@ pub async fn evolve(
         let message = format!("invalid evolution at {}: {}", f.location, f.message);
         ApiError::findings("Invalid evolution", message, &[f])
     })?;
-    let info = call(&st, move |svc| svc.evolve(&id, evo)).await?;
+    let info = st.service.evolve(&id, evo).await?;
     if warnings.is_empty() {
         return Ok(ok(info));
     }

@@ -24,7 +24,7 @@ use valem_engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
 use valem_engine::{CreateError, MutationError};
 use valem_service::plugins::{Kind, Plugin, Plugins};
 use valem_service::time::{now_us, parse_iso};
-use valem_service::{mutation_list, AuditQuery, BlobRef, ModelInfo, ServiceError};
+use valem_service::{AuditQuery, BlobRef, ModelInfo, ServiceError};
 
 /// The tools that never touch the registry (the proxy runs them locally).
 pub const AUTHORING: &[&str] = &[
@@ -59,7 +59,8 @@ type Handler = fn(&Ctx<'_>, Json) -> Outcome;
 /// A tool call in flight.
 pub type Deferred = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
 
-type DeferredHandler = fn(&Ctx<'_>, Json) -> Deferred;
+/// The handler of a tool whose work is one reactive cycle: the cycle, not yet queued.
+type CycleHandler = for<'a> fn(&Ctx<'a>, Json) -> Result<ops::Cycle<'a>, ToolError>;
 
 /// One tool.
 pub struct Tool {
@@ -72,18 +73,19 @@ pub struct Tool {
     handler: Handler,
     /// A tool plugin's tool: the plugin and the tool's own (un-namespaced) name.
     plugin: Option<(Arc<Plugin>, String)>,
-    /// The async form of a tool whose work is one shard call: `/mcp` awaits it without
-    /// holding a reactor thread (threads call `handler`).
-    deferred: Option<DeferredHandler>,
+    /// A tool whose work is one reactive cycle (then `handler` is unused): threads wait for
+    /// the cycle, `/mcp` awaits it without holding a reactor thread; the same cycle either way.
+    cycle: Option<CycleHandler>,
 }
 
 impl Tool {
     pub fn call(&self, ctx: &Ctx<'_>, args: Json) -> Outcome {
-        match &self.plugin {
-            Some((p, name)) => p
+        match (&self.plugin, self.cycle) {
+            (Some((p, name)), _) => p
                 .call("tools.call", json!({"name": name, "arguments": args}))
                 .map_err(|e| ToolError::Message(e.to_string())),
-            None => (self.handler)(ctx, args),
+            (None, Some(cycle)) => cycle(ctx, args)?.wait(),
+            (None, None) => (self.handler)(ctx, args),
         }
     }
 
@@ -92,14 +94,18 @@ impl Tool {
         self.plugin.is_some()
     }
 
-    /// Whether the tool has an async form.
+    /// Whether the tool's work is one reactive cycle (it has an async form).
     pub fn is_deferred(&self) -> bool {
-        self.deferred.is_some()
+        self.cycle.is_some()
     }
 
-    /// The call as a future, for tools that have an async form.
+    /// The call as a future, for a tool whose work is one cycle: the cycle is queued now.
     pub fn call_deferred(&self, ctx: &Ctx<'_>, args: Json) -> Option<Deferred> {
-        self.deferred.map(|d| d(ctx, args))
+        let cycle = self.cycle?;
+        Some(match cycle(ctx, args) {
+            Ok(c) => Box::pin(c.queue()),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        })
     }
 
     fn json(&self) -> Json {
@@ -203,24 +209,10 @@ pub fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, String> {
             annotations: annotations(d.read_only, false, false),
             handler: |_, _| Err(ToolError::Message("not a built-in tool".into())),
             plugin: Some((p.clone(), d.name)),
-            deferred: None,
+            cycle: None,
         });
     }
     Ok(out)
-}
-
-/// `mutate`: one reactive cycle; the MutationResult (traces on request).
-fn mutate(c: &Ctx<'_>, a: Json) -> Deferred {
-    let a: MutateArgs = match args("mutate", a) {
-        Ok(a) => a,
-        Err(e) => return Box::pin(std::future::ready(Err(e))),
-    };
-    let traces = a.include_traces.unwrap_or(false);
-    let cycle = c
-        .server
-        .service
-        .mutate_async(&a.id, mutation_list(&a.mutations));
-    Box::pin(async move { Ok(cycle.await?.to_json(traces)) })
 }
 
 // --- the result envelope --------------------------------------------------------------------
@@ -251,7 +243,7 @@ fn model_tools() -> Vec<Tool> {
             output_schema: None,
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 args::<NoArgs>("list_models", a)?;
                 ops::list_models(&c.server.service)
@@ -268,7 +260,7 @@ fn model_tools() -> Vec<Tool> {
             output_schema: Some(output_of::<ModelInfo>()),
             annotations: annotations(false, false, false),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: SpecArg = args("create_model", a)?;
                 ops::create_model(&c.server.service, a.spec)
@@ -282,7 +274,7 @@ fn model_tools() -> Vec<Tool> {
             output_schema: Some(output_of::<ModelInfo>()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_model_info", a)?;
                 ops::model_info(&c.server.service, &a.id)
@@ -296,7 +288,7 @@ fn model_tools() -> Vec<Tool> {
             output_schema: Some(any_object()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_spec", a)?;
                 ops::model_spec(&c.server.service, &a.id)
@@ -310,7 +302,7 @@ fn model_tools() -> Vec<Tool> {
             output_schema: Some(any_object()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: get_state,
         },
         Tool {
@@ -321,7 +313,7 @@ fn model_tools() -> Vec<Tool> {
             output_schema: None,
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: PathArgs = args("get_field", a)?;
                 ops::field(&c.server.service, &a.id, &a.path)
@@ -335,7 +327,7 @@ fn model_tools() -> Vec<Tool> {
             output_schema: None,
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: PathArgs = args("get_effective_schema", a)?;
                 ops::effective_schema(&c.server.service, &a.id, &a.path)
@@ -355,12 +347,12 @@ fn write_tools() -> Vec<Tool> {
             input_schema: schema_of::<MutateArgs>(),
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
-            deferred: Some(mutate),
             plugin: None,
-            handler: |c, a| {
+            cycle: Some(|c, a| {
                 let a: MutateArgs = args("mutate", a)?;
-                ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false))
-            },
+                Ok(ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false)))
+            }),
+            handler: |_, _| Err(ToolError::Message("a cycle tool: see `cycle`".into())),
         },
         Tool {
             name: "patch_model",
@@ -370,11 +362,11 @@ fn write_tools() -> Vec<Tool> {
             output_schema: Some(mutation_result_schema()),
             annotations: annotations(false, false, false),
             plugin: None,
-            deferred: None,
-            handler: |c, a| {
+            cycle: Some(|c, a| {
                 let a: PatchArgs = args("patch_model", a)?;
                 ops::patch(&c.server.service, &a.id, a.patch, a.include_traces.unwrap_or(false))
-            },
+            }),
+            handler: |_, _| Err(ToolError::Message("a cycle tool: see `cycle`".into())),
         },
         Tool {
             name: "explain",
@@ -384,7 +376,7 @@ fn write_tools() -> Vec<Tool> {
             output_schema: None,
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: ExplainArgs = args("explain", a)?;
                 ops::explain(&c.server.service, &a.id, &a.path, a.limit)
@@ -398,7 +390,7 @@ fn write_tools() -> Vec<Tool> {
             output_schema: None,
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_history", a)?;
                 ops::history(&c.server.service, &a.id)
@@ -412,7 +404,7 @@ fn write_tools() -> Vec<Tool> {
             output_schema: None,
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: AuditArgs = args("get_audit", a)?;
                 let instant = |s: Option<String>| -> Result<Option<i64>, ToolError> {
@@ -435,7 +427,7 @@ fn write_tools() -> Vec<Tool> {
             output_schema: Some(verify_schema()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("verify_audit", a)?;
                 Ok(c.server.service.verify_audit(&a.id)?)
@@ -466,7 +458,7 @@ fn lifecycle_tools() -> Vec<Tool> {
             })),
             annotations: annotations(false, false, true),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("snapshot", a)?;
                 ops::snapshot(&c.server.service, &a.id)
@@ -480,7 +472,7 @@ fn lifecycle_tools() -> Vec<Tool> {
             output_schema: Some(any_object()),
             annotations: annotations(false, false, true),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: RestoreArgs = args("restore", a)?;
                 ops::restore(&c.server.service, &a.id, a.snapshot)
@@ -500,7 +492,7 @@ fn lifecycle_tools() -> Vec<Tool> {
             output_schema: Some(or_structured_error(evolve_result_schema())),
             annotations: annotations(false, true, false),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 #[derive(Deserialize)]
                 #[serde(deny_unknown_fields)]
@@ -524,7 +516,7 @@ fn lifecycle_tools() -> Vec<Tool> {
             })),
             annotations: annotations(false, true, true),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("delete_model", a)?;
                 ops::delete(&c.server.service, &a.id)
@@ -545,7 +537,7 @@ fn view_and_blob_tools() -> Vec<Tool> {
             output_schema: Some(any_object()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: ViewArgs = args("get_view", a)?;
                 ops::view(&c.server.service, &a.id, a.view_id.as_deref())
@@ -559,7 +551,7 @@ fn view_and_blob_tools() -> Vec<Tool> {
             output_schema: Some(any_object()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_library", a)?;
                 c.server.service.library(&a.id)?.ok_or_else(|| {
@@ -575,7 +567,7 @@ fn view_and_blob_tools() -> Vec<Tool> {
             output_schema: Some(output_of::<BlobRef>()),
             annotations: annotations(false, false, true),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: UploadArgs = args("upload_blob", a)?;
                 ops::upload_blob(&c.server.service, &a.data, a.media_type)
@@ -598,7 +590,7 @@ fn view_and_blob_tools() -> Vec<Tool> {
             })),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: DownloadArgs = args("download_blob", a)?;
                 ops::download_blob(&c.server.service, &a.blob_id, a.model_id.as_deref())
@@ -631,7 +623,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
             output_schema: Some(any_object()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: GuidanceArgs = args("get_domain_guidance", a)?;
                 Ok(c.server.guidance.guidance(&a.topics))
@@ -645,7 +637,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
             output_schema: Some(output_of::<valem_engine::validate::Report>()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: SpecArg = args("validate_spec", a)?;
                 let report = valem_engine::validate::validate_json(
@@ -676,7 +668,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
             })),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: eval_expression,
         },
         Tool {
@@ -687,7 +679,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
             output_schema: Some(output_of::<valem_engine::testrun::TestReport>()),
             annotations: ro.clone(),
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: test_spec,
         },
         Tool {
@@ -698,7 +690,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
             output_schema: Some(or_structured_error(any_object())),
             annotations: ro,
             plugin: None,
-            deferred: None,
+            cycle: None,
             handler: |c, a| {
                 let a: DryRunArgs = args("dry_run", a)?;
                 let spec = parse_spec(&Json::Object(a.spec))

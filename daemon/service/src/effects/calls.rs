@@ -326,6 +326,7 @@ impl Runner {
         };
         let r = svc
             .mutate_linked(&linked, vec![(path.to_string(), body)])
+            .wait()
             .map_err(missing)?;
         let mut out = r.to_json(false);
         if let Some(p) = crate::scope::session_prefix(model) {

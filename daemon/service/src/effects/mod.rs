@@ -211,6 +211,7 @@ impl Runner {
             req.dedupe_key.clone(),
             vec![(path.clone(), st)],
         )
+        .wait()
         .map(|_| ())
     }
 
@@ -513,7 +514,10 @@ impl Runner {
         if writes.is_empty() {
             return Ok(());
         }
-        match svc.foldback(model, &req.effect_id, req.dedupe_key.clone(), writes) {
+        match svc
+            .foldback(model, &req.effect_id, req.dedupe_key.clone(), writes)
+            .wait()
+        {
             Ok(_) => Ok(()),
             Err(ServiceError::Mutation(m)) => {
                 // The fold-back itself was refused (schema, constraint): say so at the status.
