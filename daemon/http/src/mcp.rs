@@ -294,44 +294,10 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
-    let (sid, hs, created) = if is_initialize(&msg) {
-        if headers.contains_key(SESSION_HEADER) {
-            // Re-initializing inside a session is refused; a client starts a new one without the header.
-            return rpc_error(
-                StatusCode::BAD_REQUEST,
-                code::INVALID_REQUEST,
-                "initialize must be sent without Mcp-Session-Id (it opens a new session)",
-            );
-        }
-        match open_session(&st, scoped.clone()) {
-            Ok((sid, hs)) => (sid, hs, true),
-            Err(r) => return r,
-        }
-    } else {
-        match session_of(&st, &headers) {
-            Ok((sid, hs)) => (sid, hs, false),
-            Err(r) => return r,
-        }
+    let (sid, hs, created) = match session_for(&st, &headers, &msg, &scoped) {
+        Ok(s) => s,
+        Err(r) => return r,
     };
-    // A sandbox session is used with its own token only, and an operator's session never with one.
-    match (&hs.scope, &scoped) {
-        (None, None) => {}
-        (Some(a), Some(b)) if a.ns == b.ns => {}
-        (Some(_), _) => {
-            return rpc_error(
-                StatusCode::FORBIDDEN,
-                code::INVALID_REQUEST,
-                "this MCP session belongs to a sandbox session: send its X-Session-Token",
-            )
-        }
-        (None, Some(_)) => {
-            return rpc_error(
-                StatusCode::FORBIDDEN,
-                code::INVALID_REQUEST,
-                "this MCP session was opened without a session token; a token cannot join it",
-            )
-        }
-    }
     if let Some(s) = &hs.scope {
         if let Some(r) = refuse_scoped(s, &msg) {
             return with_session_header(plain_reply(&st, created, &sid, r, json_ok), created, &sid);
@@ -360,58 +326,119 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         return StatusCode::ACCEPTED.into_response();
     }
     let session = hs.session.clone();
-    if let Some(call) = session.call_deferred(&msg) {
+    let res = if let Some(call) = session.call_deferred(&msg) {
         // A cycle: await the shard; the worker serves other connections meanwhile.
         let reply = call.await.map(&out);
-        return with_session_header(
-            plain_reply(&st, created, &sid, reply, json_ok),
-            created,
-            &sid,
+        plain_reply(&st, created, &sid, reply, json_ok)
+    } else if runs_inline(&st, &msg) {
+        reply_inline(&st, session, msg, (created, &sid), json_ok, sse_ok, out)
+    } else {
+        reply_streamed(&st, session, msg, (created, &sid), json_ok, sse_ok, out).await
+    };
+    with_session_header(res, created, &sid)
+}
+
+/// The session a message belongs to: a new one for `initialize` (sent without a session id),
+/// else the one its `Mcp-Session-Id` names, which a sandbox token must match.
+fn session_for(
+    st: &AppState,
+    headers: &HeaderMap,
+    msg: &Json,
+    scoped: &Option<Scoped>,
+) -> Result<(String, Arc<HttpSession>, bool), Response> {
+    let (sid, hs, created) = if is_initialize(msg) {
+        if headers.contains_key(SESSION_HEADER) {
+            // Re-initializing inside a session is refused; a client starts a new one without the header.
+            return Err(rpc_error(
+                StatusCode::BAD_REQUEST,
+                code::INVALID_REQUEST,
+                "initialize must be sent without Mcp-Session-Id (it opens a new session)",
+            ));
+        }
+        let (sid, hs) = open_session(st, scoped.clone())?;
+        (sid, hs, true)
+    } else {
+        let (sid, hs) = session_of(st, headers)?;
+        (sid, hs, false)
+    };
+    // A sandbox session is used with its own token only, and an operator's session never with one.
+    match (&hs.scope, scoped) {
+        (None, None) => Ok((sid, hs, created)),
+        (Some(a), Some(b)) if a.ns == b.ns => Ok((sid, hs, created)),
+        (Some(_), _) => Err(rpc_error(
+            StatusCode::FORBIDDEN,
+            code::INVALID_REQUEST,
+            "this MCP session belongs to a sandbox session: send its X-Session-Token",
+        )),
+        (None, Some(_)) => Err(rpc_error(
+            StatusCode::FORBIDDEN,
+            code::INVALID_REQUEST,
+            "this MCP session was opened without a session token; a token cannot join it",
+        )),
+    }
+}
+
+/// A request in which nothing waits on the client or reports progress, run in place (no hop
+/// to the blocking pool); what it emitted (logs) is sent before the reply.
+fn reply_inline(
+    st: &AppState,
+    session: Arc<Session>,
+    msg: Json,
+    (created, sid): (bool, &str),
+    json_ok: bool,
+    sse_ok: bool,
+    out: impl Fn(Json) -> Json,
+) -> Response {
+    let emitted: Arc<Mutex<Vec<Json>>> = Arc::default();
+    let sink = emitted.clone();
+    let io: Option<Outbox> = sse_ok.then(|| {
+        Arc::new(move |m: &Json| {
+            if let Ok(mut e) = sink.lock() {
+                e.push(m.clone());
+            }
+        }) as Outbox
+    });
+    let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tokio::task::block_in_place(|| session.handle_in(msg, io.as_ref()))
+    }));
+    let Ok(reply) = reply else {
+        return rpc_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            code::INTERNAL_ERROR,
+            "the request's worker failed",
         );
+    };
+    let reply = reply.map(&out);
+    let emitted: Vec<Json> = emitted
+        .lock()
+        .map(|mut e| std::mem::take(&mut *e))
+        .unwrap_or_default()
+        .into_iter()
+        .map(&out)
+        .collect();
+    if emitted.is_empty() {
+        plain_reply(st, created, sid, reply, json_ok)
+    } else {
+        let all = emitted.into_iter().chain(reply);
+        Sse::new(stream::iter(
+            all.map(|m| Ok::<_, Infallible>(message_event(&m))),
+        ))
+        .into_response()
     }
-    if runs_inline(&st, &msg) {
-        // Nothing in this request waits on the client or reports progress: run it in place
-        // (no hop to the blocking pool) and send what it emitted (logs) before the reply.
-        let emitted: Arc<Mutex<Vec<Json>>> = Arc::default();
-        let sink = emitted.clone();
-        let io: Option<Outbox> = sse_ok.then(|| {
-            Arc::new(move |m: &Json| {
-                if let Ok(mut e) = sink.lock() {
-                    e.push(m.clone());
-                }
-            }) as Outbox
-        });
-        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            tokio::task::block_in_place(|| session.handle_in(msg, io.as_ref()))
-        }));
-        let Ok(reply) = reply else {
-            return rpc_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                code::INTERNAL_ERROR,
-                "the request's worker failed",
-            );
-        };
-        let reply = reply.map(&out);
-        let emitted: Vec<Json> = emitted
-            .lock()
-            .map(|mut e| std::mem::take(&mut *e))
-            .unwrap_or_default()
-            .into_iter()
-            .map(&out)
-            .collect();
-        let res = if emitted.is_empty() {
-            plain_reply(&st, created, &sid, reply, json_ok)
-        } else {
-            let all = emitted.into_iter().chain(reply);
-            Sse::new(stream::iter(
-                all.map(|m| Ok::<_, Infallible>(message_event(&m))),
-            ))
-            .into_response()
-        };
-        return with_session_header(res, created, &sid);
-    }
-    // Messages the request emits while it runs (progress, logs, requests to the client) need a
-    // stream: the reply switches to SSE at the first one; a plain call stays JSON.
+}
+
+/// A request that may emit messages while it runs (progress, logs, requests to the client),
+/// run on the blocking pool: the reply switches to SSE at the first message; a plain call
+/// stays JSON.
+async fn reply_streamed(
+    st: &AppState,
+    session: Arc<Session>,
+    msg: Json,
+    (created, sid): (bool, &str),
+    json_ok: bool,
+    sse_ok: bool,
+    out: impl Fn(Json) -> Json + Send + 'static,
+) -> Response {
     let (tx, mut rx) = mpsc::unbounded_channel::<Json>();
     let io: Option<Outbox> = sse_ok.then(|| {
         Arc::new(move |m: &Json| {
@@ -419,21 +446,15 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         }) as Outbox
     });
     let task = tokio::task::spawn_blocking(move || session.handle_in(msg, io.as_ref()));
-    let first = rx.recv().await;
-    let res = match first {
-        None => {
-            let reply = match task.await {
-                Ok(r) => r,
-                Err(_) => {
-                    return rpc_error(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        code::INTERNAL_ERROR,
-                        "the request's worker failed",
-                    )
-                }
-            };
-            plain_reply(&st, created, &sid, reply.map(&out), json_ok)
-        }
+    match rx.recv().await {
+        None => match task.await {
+            Ok(reply) => plain_reply(st, created, sid, reply.map(&out), json_ok),
+            Err(_) => rpc_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                code::INTERNAL_ERROR,
+                "the request's worker failed",
+            ),
+        },
         Some(first) => {
             let rest = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
             let reply = stream::once(async move { task.await.ok().flatten() })
@@ -444,8 +465,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
                 .map(move |m| Ok::<_, Infallible>(message_event(&out(m))));
             Sse::new(all).into_response()
         }
-    };
-    with_session_header(res, created, &sid)
+    }
 }
 
 /// A sandbox session's call it may not make ([`Scoped::refused_call`]), answered here: an
