@@ -65,9 +65,140 @@ pub fn compile(
     let bound: HashSet<String> = env.vars.iter().map(|(n, _)| n.to_string()).collect();
     // With the JIT tier off, arithmetic derivations keep their interpreted form too.
     let keep_parsed = !engine.jit.enabled;
+    draft_derivations(
+        &spec,
+        limits,
+        (&bound, keep_parsed),
+        &mut interner,
+        &mut drafts,
+        &mut errors,
+    );
+
+    draft_meta(&spec, &mut interner, &mut drafts, &mut errors);
+    draft_constraints(&spec, &mut interner, &mut drafts, &mut errors);
+    let effect_plans = draft_effects(&spec, &mut interner, &mut drafts, &mut errors);
+    let defaults = default_rules(&spec, &mut interner, &mut errors);
+
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+
+    let mut nodes = std::mem::take(&mut drafts.nodes);
+    let nodes_len = nodes.len();
+    let (segs, read_ends, node_reads) = (
+        &drafts.segs[..],
+        &drafts.read_ends[..],
+        &drafts.node_reads[..],
+    );
+    let reads = move |id| packed_reads(segs, read_ends, node_reads, id);
+    // The reader index is needed only at the end: a large spec's is built on a thread of its
+    // own while the graph is (at most one top-level member per read).
+    let index_readers = move || {
+        let mut readers = Trie::default();
+        readers.reserve_members(read_ends.len());
+        for id in 0..nodes_len {
+            for r in reads(id) {
+                readers.insert(r, id as u32);
+            }
+        }
+        readers.shrink();
+        readers
+    };
+    std::thread::scope(|s| {
+        let helper = (nodes_len >= PARALLEL_FROM).then(|| s.spawn(index_readers));
+        let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
+            .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
+            .collect();
+        let (producers, instances) = index_targets(&nodes, derivation_ids.len());
+        let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
+            .filter(|&i| nodes[i as usize].whole_doc)
+            .collect();
+        let deps_of = edges(&nodes, &derivation_ids, &producers, reads);
+        let dependents = Dependents::new(&deps_of);
+
+        let level = levels_of(&nodes, &deps_of, &dependents).map_err(|e| vec![e])?;
+
+        debug_assert!(
+            (0..nodes_len).all(|i| deps_of[i].iter().all(|&d| level[d as usize] < level[i])),
+            "every node is on a level below each of its dependents"
+        );
+        let (aggregates, mut trace_table) = (drafts.aggregates, drafts.trace_table);
+        for (n, &l) in nodes.iter_mut().zip(&level) {
+            n.level = l;
+        }
+        let levels = level_lists(&level, &derivation_ids);
+        let by_kind = |f: fn(&NodeKind) -> bool| -> Vec<NodeId> {
+            (0..nodes.len() as u32)
+                .filter(|&i| f(&nodes[i as usize].kind))
+                .collect()
+        };
+        let meta_nodes = by_kind(|k| matches!(k, NodeKind::Meta(_)));
+        let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
+        let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
+
+        let cells = assign_cells(&mut nodes, &levels, &producers);
+        for n in &mut nodes {
+            n.jit.resolve_cells(&cells);
+        }
+        let merged_is_base = derivation_ids
+            .iter()
+            .all(|&i| nodes[i as usize].cell.is_some());
+        trace_table.shrink();
+        let has_delta_aggregates = aggregates
+            .iter()
+            .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
+        let mut readers = match helper {
+            Some(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            None => index_readers(),
+        };
+        mark_written(&mut readers, &producers);
+        let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
+        Ok(CompiledModel {
+            target_readers,
+            target_reader_ids,
+            trace_table: Arc::new(trace_table),
+            cells: Arc::new(cells),
+            merged_is_base,
+            schema: spec.schema.clone(),
+            spec,
+            has_delta_aggregates,
+            aggregates,
+            nodes,
+            levels,
+            dependents,
+            readers,
+            producers,
+            instances,
+            whole_doc_nodes,
+            meta_nodes,
+            constraint_nodes,
+            effect_nodes,
+            effect_plans,
+            defaults,
+            env,
+            exports,
+            limits: limits.clone(),
+            validators: RefCell::new(HashMap::new()),
+            scratch: RefCell::default(),
+            fallback_forms: RefCell::default(),
+            fallback_projections: RefCell::default(),
+        })
+    })
+}
+
+/// Draft the derivations (prepared in parallel parts by [`prepare_all`]): one node each, with
+/// its target, reads, native aggregate and lowered program.
+fn draft_derivations(
+    spec: &ModelSpec,
+    limits: &Limits,
+    (bound, keep_parsed): (&HashSet<String>, bool),
+    interner: &mut Interner,
+    drafts: &mut Drafts,
+    errors: &mut Vec<CompileError>,
+) {
     let mut key_buf = String::new();
     let mut done = 0;
-    prepare_all(&spec, limits, &bound, keep_parsed, |part| {
+    prepare_all(spec, limits, bound, keep_parsed, |part| {
         if done == 0 {
             // Room for the names of all the shaped derivations, reckoned from the first part.
             let names: usize = part
@@ -108,7 +239,7 @@ pub fn compile(
                 Arc::from(key_buf.as_str())
             };
             let mut dr = draft_empty(
-                &mut drafts,
+                drafts,
                 NodeKind::Derivation { lazy: d.is_lazy() },
                 key,
                 vec![p.target],
@@ -119,188 +250,107 @@ pub fn compile(
             );
             // An arithmetic derivation's projection waits for a fallback that may never come.
             dr.node.projection_deferred = p.program.is_some() && !p.whole_doc;
-            add_whole_doc(&mut dr, &mut drafts, p.whole_doc, None);
+            add_whole_doc(&mut dr, drafts, p.whole_doc, None);
             for_each_read(&p.program, &p.reads, |root, fields| {
-                add_read(&mut dr, &mut drafts, root, fields, Some(&parent), None);
+                add_read(&mut dr, drafts, root, fields, Some(&parent), None);
             });
             end_reads(&mut dr);
             dr.extra.program = p.program;
             drafts.push(dr);
         }
     });
+}
 
-    draft_meta(&spec, &mut interner, &mut drafts, &mut errors);
-    draft_constraints(&spec, &mut interner, &mut drafts, &mut errors);
-    let effect_plans = draft_effects(&spec, &mut interner, &mut drafts, &mut errors);
-    let defaults = default_rules(&spec, &mut interner, &mut errors);
-
-    if !errors.is_empty() {
-        return Err(errors);
+/// The producer index (each derivation's target) and the instance index (the targets of every
+/// other node), as path tries.
+fn index_targets(nodes: &[Node], derivations: usize) -> (Trie, Trie) {
+    let mut producers = Trie::default();
+    let mut instances = Trie::default();
+    // At most one top-level member per derivation.
+    producers.reserve_members(derivations);
+    for (id, n) in nodes.iter().enumerate() {
+        if matches!(n.kind, NodeKind::Derivation { .. }) {
+            producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+        } else {
+            for t in &n.targets {
+                instances.insert_refs(tseg_refs(t), id as u32);
+            }
+        }
     }
 
-    let mut nodes = std::mem::take(&mut drafts.nodes);
+    producers.shrink();
+    instances.shrink();
+    (producers, instances)
+}
+
+/// Edges producer → reader: each node's dependencies, the derivations whose targets overlap
+/// what it reads (a whole-document reader depends on every derivation but the other such).
+fn edges<'r, I: Iterator<Item = &'r [TSeg]>>(
+    nodes: &[Node],
+    derivation_ids: &[NodeId],
+    producers: &Trie,
+    reads: impl Fn(usize) -> I,
+) -> Vec<BTreeSet<NodeId>> {
     let nodes_len = nodes.len();
-    let (segs, read_ends, node_reads) = (
-        &drafts.segs[..],
-        &drafts.read_ends[..],
-        &drafts.node_reads[..],
-    );
-    let reads = move |id| packed_reads(segs, read_ends, node_reads, id);
-    // The reader index is needed only at the end: a large spec's is built on a thread of its
-    // own while the graph is (at most one top-level member per read).
-    let index_readers = move || {
-        let mut readers = Trie::default();
-        readers.reserve_members(read_ends.len());
-        for id in 0..nodes_len {
-            for r in reads(id) {
-                readers.insert(r, id as u32);
-            }
-        }
-        readers.shrink();
-        readers
-    };
-    std::thread::scope(|s| {
-        let helper = (nodes_len >= PARALLEL_FROM).then(|| s.spawn(index_readers));
-        let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
-            .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
-            .collect();
-        let mut producers = Trie::default();
-        let mut instances = Trie::default();
-        // At most one top-level member per derivation.
-        producers.reserve_members(derivation_ids.len());
-        for (id, n) in nodes.iter().enumerate() {
-            if matches!(n.kind, NodeKind::Derivation { .. }) {
-                producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
-            } else {
-                for t in &n.targets {
-                    instances.insert_refs(tseg_refs(t), id as u32);
-                }
-            }
-        }
-
-        producers.shrink();
-        instances.shrink();
-
-        // Edges producer → reader.
-        let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
-            .filter(|&i| nodes[i as usize].whole_doc)
-            .collect();
-        let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
-        let mut buf = Vec::new();
-        for (id, n) in nodes.iter().enumerate() {
-            if n.whole_doc {
-                for &p in &derivation_ids {
-                    if !nodes[p as usize].whole_doc && p as usize != id {
-                        deps_of[id].insert(p);
-                    }
-                }
-                continue;
-            }
-            for r in reads(id) {
-                buf.clear();
-                producers.overlapping(r, &mut buf);
-                for &p in &buf {
-                    // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
-                    // own previous output; that is not a dependency (the reference has no such
-                    // edge). A read at or below its own target still is: a real cycle.
-                    if p as usize == id && reads_strict_ancestor(r, &n.targets[0]) {
-                        continue;
-                    }
+    let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
+    let mut buf = Vec::new();
+    for (id, n) in nodes.iter().enumerate() {
+        if n.whole_doc {
+            for &p in derivation_ids {
+                if !nodes[p as usize].whole_doc && p as usize != id {
                     deps_of[id].insert(p);
                 }
             }
+            continue;
         }
-        let dependents = Dependents::new(&deps_of);
-
-        let level = levels_of(&nodes, &deps_of, &dependents).map_err(|e| vec![e])?;
-
-        debug_assert!(
-            (0..nodes_len).all(|i| deps_of[i].iter().all(|&d| level[d as usize] < level[i])),
-            "every node is on a level below each of its dependents"
-        );
-        let (aggregates, mut trace_table) = (drafts.aggregates, drafts.trace_table);
-        for (n, &l) in nodes.iter_mut().zip(&level) {
-            n.level = l;
-        }
-        let max_level = derivation_ids
-            .iter()
-            .map(|&i| level[i as usize])
-            .max()
-            .unwrap_or(0);
-        let level_count = if derivation_ids.is_empty() {
-            0
-        } else {
-            max_level as usize + 1
-        };
-        let mut levels = vec![Vec::new(); level_count];
-        for &i in &derivation_ids {
-            levels[level[i as usize] as usize].push(i);
-        }
-        let by_kind = |f: fn(&NodeKind) -> bool| -> Vec<NodeId> {
-            (0..nodes.len() as u32)
-                .filter(|&i| f(&nodes[i as usize].kind))
-                .collect()
-        };
-        let meta_nodes = by_kind(|k| matches!(k, NodeKind::Meta(_)));
-        let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
-        let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
-
-        let cells = assign_cells(&mut nodes, &levels, &producers);
-        for n in &mut nodes {
-            n.jit.resolve_cells(&cells);
-        }
-        let merged_is_base = derivation_ids
-            .iter()
-            .all(|&i| nodes[i as usize].cell.is_some());
-        trace_table.shrink();
-        let has_delta_aggregates = aggregates
-            .iter()
-            .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
-        let mut readers = match helper {
-            Some(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-            None => index_readers(),
-        };
-        // A read member is marked when a derivation writes the whole document, the member or
-        // something in it: an unmarked one is writable without asking the producer index.
-        if producers.has_root_entries() {
-            readers.mark_all_members();
-        } else {
-            for k in producers.members() {
-                readers.mark_member(k);
+        for r in reads(id) {
+            buf.clear();
+            producers.overlapping(r, &mut buf);
+            for &p in &buf {
+                // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
+                // own previous output; that is not a dependency (the reference has no such
+                // edge). A read at or below its own target still is: a real cycle.
+                if p as usize == id && reads_strict_ancestor(r, &n.targets[0]) {
+                    continue;
+                }
+                deps_of[id].insert(p);
             }
         }
-        let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
-        Ok(CompiledModel {
-            target_readers,
-            target_reader_ids,
-            trace_table: Arc::new(trace_table),
-            cells: Arc::new(cells),
-            merged_is_base,
-            schema: spec.schema.clone(),
-            spec,
-            has_delta_aggregates,
-            aggregates,
-            nodes,
-            levels,
-            dependents,
-            readers,
-            producers,
-            instances,
-            whole_doc_nodes,
-            meta_nodes,
-            constraint_nodes,
-            effect_nodes,
-            effect_plans,
-            defaults,
-            env,
-            exports,
-            limits: limits.clone(),
-            validators: RefCell::new(HashMap::new()),
-            scratch: RefCell::default(),
-            fallback_forms: RefCell::default(),
-            fallback_projections: RefCell::default(),
-        })
-    })
+    }
+    deps_of
+}
+
+/// The derivations of each level, in id order.
+fn level_lists(level: &[u32], derivation_ids: &[NodeId]) -> Vec<Vec<NodeId>> {
+    let max_level = derivation_ids
+        .iter()
+        .map(|&i| level[i as usize])
+        .max()
+        .unwrap_or(0);
+    let level_count = if derivation_ids.is_empty() {
+        0
+    } else {
+        max_level as usize + 1
+    };
+    let mut levels = vec![Vec::new(); level_count];
+    for &i in derivation_ids {
+        levels[level[i as usize] as usize].push(i);
+    }
+    levels
+}
+
+/// Mark the read members a derivation may write (the member, something in it, or the whole
+/// document).
+fn mark_written(readers: &mut Trie, producers: &Trie) {
+    // A read member is marked when a derivation writes the whole document, the member or
+    // something in it: an unmarked one is writable without asking the producer index.
+    if producers.has_root_entries() {
+        readers.mark_all_members();
+    } else {
+        for k in producers.members() {
+            readers.mark_member(k);
+        }
+    }
 }
 
 /// Each node's level: the longest path to it from a node with no dependency (Kahn's

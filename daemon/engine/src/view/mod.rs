@@ -374,18 +374,12 @@ impl Evaluator<'_> {
         copy(c, &mut out, "label");
 
         // The bind: value locator and meta anchor.
-        let bind = match c.get("bind").and_then(Json::as_str) {
-            Some(b) => Some(self.address(&id, "bind", b)?),
-            None => None,
-        };
-        let bind_from = match c.get("bindFrom").and_then(Json::as_str) {
-            Some(b) => Some(self.address(&id, "bindFrom", b)?),
-            None => None,
-        };
-        let bind_to = match c.get("bindTo").and_then(Json::as_str) {
-            Some(b) => Some(self.address(&id, "bindTo", b)?),
-            None => None,
-        };
+        let [bind, bind_from, bind_to] =
+            ["bind", "bindFrom", "bindTo"].map(|field| match c.get(field).and_then(Json::as_str) {
+                Some(b) => self.address(&id, field, b).map(Some),
+                None => Ok(None),
+            });
+        let (bind, bind_from, bind_to) = (bind?, bind_from?, bind_to?);
         let anchor = bind.clone().or_else(|| bind_from.clone());
         let concrete = anchor.as_ref().and_then(Address::concrete);
         let rendered = concrete.as_deref().map(render);
@@ -432,18 +426,7 @@ impl Evaluator<'_> {
         }
 
         // bind + value.
-        let carries_value = !matches!(
-            kind,
-            Kind::Badge
-                | Kind::Separator
-                | Kind::StaticText
-                | Kind::KeyValue
-                | Kind::ValidationSummary
-                | Kind::Button
-                | Kind::Menu
-                | Kind::TracePanel
-                | Kind::DateRange
-        ) && (kind != Kind::Container || ty == "sectionItem");
+        let carries_value = carries_value(kind, &ty);
         let mut value = None;
         if let Some(b) = &bind {
             if carries_value || kind == Kind::TracePanel {
@@ -479,59 +462,8 @@ impl Evaluator<'_> {
                 .filter(|v| !v.is_null())
                 .or_else(|| schema.0.and_then(|n| n.get(schema_key)).cloned())
         };
-        if interactive {
-            for (prop, key) in [
-                (MetaProp::MinLength, "minLength"),
-                (MetaProp::MaxLength, "maxLength"),
-                (MetaProp::Pattern, "pattern"),
-                (MetaProp::MultipleOf, "multipleOf"),
-            ] {
-                if let Some(v) = limit_meta(self, prop, key) {
-                    out.insert(key.into(), v);
-                }
-            }
-        }
-        let numeric = matches!(
-            ty.as_str(),
-            "numericField" | "currencyField" | "percentField"
-        ) || matches!(kind, Kind::Slider | Kind::Progress);
-        if numeric {
-            let (dmin, dmax) = if ty == "ratingField" {
-                (Some(json!(1)), Some(json!(5)))
-            } else {
-                (None, None)
-            };
-            for (field, prop, key, dflt) in [
-                ("min", MetaProp::Minimum, "minimum", dmin),
-                ("max", MetaProp::Maximum, "maximum", dmax),
-            ] {
-                let v = c
-                    .get(field)
-                    .filter(|v| !v.is_null())
-                    .cloned()
-                    .or_else(|| limit_meta(self, prop, key))
-                    .or(dflt);
-                if let Some(v) = v {
-                    out.insert(field.into(), v);
-                }
-            }
-            if ty == "ratingField" && !out.contains_key("step") {
-                out.insert("step".into(), json!(1));
-            }
-        }
-        let default_format = match ty.as_str() {
-            "currencyField" => Some("currency"),
-            "percentField" => Some("percent"),
-            "progressBar" | "gauge" => Some("percent"),
-            "staticText" => Some("markdown"),
-            _ => None,
-        };
-        if let Some(f) = default_format {
-            out.entry("format").or_insert(json!(f));
-        }
-        if matches!(ty.as_str(), "comboBox" | "tagsField") {
-            out.entry("allowCustom").or_insert(json!(true));
-        }
+        let limit = |prop: MetaProp, key: &str| limit_meta(self, prop, key);
+        limit_fields(c, &ty, kind, interactive, limit, &mut out);
 
         // Options for the choice types (and whatever else carries them).
         let choice = matches!(
@@ -578,6 +510,22 @@ impl Evaluator<'_> {
             out.insert("collapsed".into(), v);
         }
 
+        self.children_and_rows(&id, kind, c, (bind.as_ref(), value.as_ref()), &mut out)?;
+
+        report_failures(kind, fails, &mut out);
+        Ok(Json::Object(out))
+    }
+
+    /// A container's evaluated children, and an item view's rows (one per element of the
+    /// bound list).
+    fn children_and_rows(
+        &mut self,
+        id: &str,
+        kind: Kind,
+        c: &Json,
+        (bind, value): (Option<&Address>, Option<&Json>),
+        out: &mut Map<String, Json>,
+    ) -> Result<(), ViewError> {
         // Children.
         if matches!(kind, Kind::Container | Kind::SectionList) || c.get("components").is_some() {
             if let Some(children) = c.get("components").filter(|v| v.is_array()) {
@@ -591,29 +539,14 @@ impl Evaluator<'_> {
         // Item-view rows.
         if let Some(item_view) = c.get("itemView").and_then(Json::as_str) {
             out.insert("itemView".into(), json!(item_view));
-            if let (Some(b), Some(Json::Array(elems))) = (&bind, &value) {
+            if let (Some(b), Some(Json::Array(elems))) = (bind, value) {
                 if let Some(list) = b.concrete() {
-                    let rows = self.rows_for(&id, item_view, &list, elems)?;
+                    let rows = self.rows_for(id, item_view, &list, elems)?;
                     out.insert("rows".into(), Json::Array(rows));
                 }
             }
         }
-
-        if !fails.is_empty() {
-            if kind != Kind::EffectStatus {
-                let summary: Vec<String> = fails
-                    .iter()
-                    .map(|(f, e, m)| format!("{f}: `{e}`: {m}"))
-                    .collect();
-                out.insert("error".into(), json!(summary.join("; ")));
-            }
-            let errs: Vec<Json> = fails
-                .into_iter()
-                .map(|(f, e, m)| json!({"field": f, "expression": e, "message": m}))
-                .collect();
-            out.insert("errors".into(), Json::Array(errs));
-        }
-        Ok(Json::Object(out))
+        Ok(())
     }
 
     /// The fields only some kinds of component have: texts and variants, a tile's figures, an
@@ -793,6 +726,105 @@ impl Evaluator<'_> {
         }
         self.expanding.pop();
         result.map(|_| rows)
+    }
+}
+
+/// Whether a component of this kind shows the value it is bound to.
+fn carries_value(kind: Kind, ty: &str) -> bool {
+    !matches!(
+        kind,
+        Kind::Badge
+            | Kind::Separator
+            | Kind::StaticText
+            | Kind::KeyValue
+            | Kind::ValidationSummary
+            | Kind::Button
+            | Kind::Menu
+            | Kind::TracePanel
+            | Kind::DateRange
+    ) && (kind != Kind::Container || ty == "sectionItem")
+}
+
+/// The limits a field shows (length, pattern, step, bounds: from `#meta` or the schema, a
+/// numeric field's own `min`/`max` first) and the defaults some types have (`format`,
+/// `allowCustom`).
+fn limit_fields(
+    c: &Json,
+    ty: &str,
+    kind: Kind,
+    interactive: bool,
+    limit_meta: impl Fn(MetaProp, &str) -> Option<Json>,
+    out: &mut Map<String, Json>,
+) {
+    if interactive {
+        for (prop, key) in [
+            (MetaProp::MinLength, "minLength"),
+            (MetaProp::MaxLength, "maxLength"),
+            (MetaProp::Pattern, "pattern"),
+            (MetaProp::MultipleOf, "multipleOf"),
+        ] {
+            if let Some(v) = limit_meta(prop, key) {
+                out.insert(key.into(), v);
+            }
+        }
+    }
+    let numeric = matches!(ty, "numericField" | "currencyField" | "percentField")
+        || matches!(kind, Kind::Slider | Kind::Progress);
+    if numeric {
+        let (dmin, dmax) = if ty == "ratingField" {
+            (Some(json!(1)), Some(json!(5)))
+        } else {
+            (None, None)
+        };
+        for (field, prop, key, dflt) in [
+            ("min", MetaProp::Minimum, "minimum", dmin),
+            ("max", MetaProp::Maximum, "maximum", dmax),
+        ] {
+            let v = c
+                .get(field)
+                .filter(|v| !v.is_null())
+                .cloned()
+                .or_else(|| limit_meta(prop, key))
+                .or(dflt);
+            if let Some(v) = v {
+                out.insert(field.into(), v);
+            }
+        }
+        if ty == "ratingField" && !out.contains_key("step") {
+            out.insert("step".into(), json!(1));
+        }
+    }
+    let default_format = match ty {
+        "currencyField" => Some("currency"),
+        "percentField" => Some("percent"),
+        "progressBar" | "gauge" => Some("percent"),
+        "staticText" => Some("markdown"),
+        _ => None,
+    };
+    if let Some(f) = default_format {
+        out.entry("format").or_insert(json!(f));
+    }
+    if matches!(ty, "comboBox" | "tagsField") {
+        out.entry("allowCustom").or_insert(json!(true));
+    }
+}
+
+/// A component's failed expressions: `errors` (field, expression, message) and, but for an
+/// effect status, a one-line `error`.
+fn report_failures(kind: Kind, fails: Failures, out: &mut Map<String, Json>) {
+    if !fails.is_empty() {
+        if kind != Kind::EffectStatus {
+            let summary: Vec<String> = fails
+                .iter()
+                .map(|(f, e, m)| format!("{f}: `{e}`: {m}"))
+                .collect();
+            out.insert("error".into(), json!(summary.join("; ")));
+        }
+        let errs: Vec<Json> = fails
+            .into_iter()
+            .map(|(f, e, m)| json!({"field": f, "expression": e, "message": m}))
+            .collect();
+        out.insert("errors".into(), Json::Array(errs));
     }
 }
 
