@@ -302,8 +302,19 @@ pub fn dry_run(
     Ok(model.merged_json(now_ms))
 }
 
+/// Mutation batches that are not one `{"$.path": value}` map or an array of them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchesError {
+    #[error("mutation batch #{0} is not an object of `\"$.path\": value` pairs")]
+    NotAnObject(usize),
+    #[error(
+        "mutations must be an object of `\"$.path\": value` pairs, or an array of such objects"
+    )]
+    WrongShape,
+}
+
 /// Read mutation batches: one `{"$.path": value}` map, or an array of them.
-pub fn parse_batches(j: &Json) -> Result<Vec<Vec<(String, Json)>>, String> {
+pub fn parse_batches(j: &Json) -> Result<Vec<Vec<(String, Json)>>, BatchesError> {
     let one = |m: &Map<String, Json>| {
         m.iter()
             .map(|(k, v)| (k.clone(), v.clone()))
@@ -316,14 +327,9 @@ pub fn parse_batches(j: &Json) -> Result<Vec<Vec<(String, Json)>>, String> {
             .enumerate()
             .map(|(i, x)| match x {
                 Json::Object(m) => Ok(one(m)),
-                _ => Err(format!(
-                    "mutation batch #{i} is not an object of `\"$.path\": value` pairs"
-                )),
+                _ => Err(BatchesError::NotAnObject(i)),
             })
             .collect(),
-        _ => Err(
-            "mutations must be an object of `\"$.path\": value` pairs, or an array of such objects"
-                .into(),
-        ),
+        _ => Err(BatchesError::WrongShape),
     }
 }

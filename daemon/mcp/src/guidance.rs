@@ -43,7 +43,29 @@ pub struct Catalog {
     topics: Vec<Topic>,
 }
 
-fn parse(text: &str, origin: &str) -> Result<Vec<Topic>, String> {
+/// Topics that could not be added, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GuidanceError {
+    #[error("cannot read topics file {path}: {error}")]
+    Read { path: String, error: String },
+    #[error("{origin}: not a topics file ({error}); expected a JSON array of {{\"id\", \"description\", \"instructions\", \"title\"?}}")]
+    NotTopics { origin: String, error: String },
+    #[error(
+        "{origin}: topic #{index} has id `{id}`; ids are lowercase letters, digits, `_` or `-`"
+    )]
+    BadId {
+        origin: String,
+        index: usize,
+        id: String,
+    },
+    /// The plugin's `topics.list` call failed.
+    #[error("{0}")]
+    Plugin(String),
+    #[error("plugin `{plugin}` listed topics this daemon cannot read: {error}")]
+    Unreadable { plugin: String, error: String },
+}
+
+fn parse(text: &str, origin: &str) -> Result<Vec<Topic>, GuidanceError> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum File {
@@ -51,10 +73,9 @@ fn parse(text: &str, origin: &str) -> Result<Vec<Topic>, String> {
         Wrapped { topics: Vec<Topic> },
     }
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    let f: File = serde_json::from_str(text).map_err(|e| {
-        format!(
-            "{origin}: not a topics file ({e}); expected a JSON array of {{\"id\", \"description\", \"instructions\", \"title\"?}}"
-        )
+    let f: File = serde_json::from_str(text).map_err(|e| GuidanceError::NotTopics {
+        origin: origin.to_string(),
+        error: e.to_string(),
     })?;
     let topics = match f {
         File::List(t) | File::Wrapped { topics: t } => t,
@@ -63,17 +84,18 @@ fn parse(text: &str, origin: &str) -> Result<Vec<Topic>, String> {
     Ok(topics)
 }
 
-fn check_ids(topics: &[Topic], origin: &str) -> Result<(), String> {
+fn check_ids(topics: &[Topic], origin: &str) -> Result<(), GuidanceError> {
     for (i, t) in topics.iter().enumerate() {
         let ok = !t.id.is_empty()
             && t.id
                 .chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
         if !ok {
-            return Err(format!(
-                "{origin}: topic #{i} has id `{}`; ids are lowercase letters, digits, `_` or `-`",
-                t.id
-            ));
+            return Err(GuidanceError::BadId {
+                origin: origin.to_string(),
+                index: i,
+                id: t.id.clone(),
+            });
         }
     }
     Ok(())
@@ -105,9 +127,11 @@ impl Catalog {
     }
 
     /// Add the topics of a file: a topic with a known id replaces it, new ids are appended.
-    pub fn extend_from_file(&mut self, path: &std::path::Path) -> Result<usize, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read topics file {}: {e}", path.display()))?;
+    pub fn extend_from_file(&mut self, path: &std::path::Path) -> Result<usize, GuidanceError> {
+        let text = std::fs::read_to_string(path).map_err(|e| GuidanceError::Read {
+            path: path.display().to_string(),
+            error: e.to_string(),
+        })?;
         let added = parse(&text, &path.display().to_string())?;
         let n = added.len();
         for t in added {
@@ -117,16 +141,15 @@ impl Catalog {
     }
 
     /// Add the topics of a guidance plugin (`topics.list`).
-    pub fn extend_from_plugin(&mut self, p: &Arc<Plugin>) -> Result<usize, String> {
+    pub fn extend_from_plugin(&mut self, p: &Arc<Plugin>) -> Result<usize, GuidanceError> {
         let list = p
             .call("topics.list", json!({}))
-            .map_err(|e| e.to_string())?;
-        let mut topics: Vec<Topic> = serde_json::from_value(list).map_err(|e| {
-            format!(
-                "plugin `{}` listed topics this daemon cannot read: {e}",
-                p.name
-            )
-        })?;
+            .map_err(|e| GuidanceError::Plugin(e.to_string()))?;
+        let mut topics: Vec<Topic> =
+            serde_json::from_value(list).map_err(|e| GuidanceError::Unreadable {
+                plugin: p.name.clone(),
+                error: e.to_string(),
+            })?;
         check_ids(&topics, &format!("plugin `{}`", p.name))?;
         let n = topics.len();
         for mut t in topics.drain(..) {
@@ -138,7 +161,7 @@ impl Catalog {
 
     /// The topics of every guidance plugin, in load order, then the file named by the
     /// environment. A plugin whose list fails is logged and skipped; a bad file is an error.
-    pub fn from_plugins(plugins: &Plugins) -> Result<Catalog, String> {
+    pub fn from_plugins(plugins: &Plugins) -> Result<Catalog, GuidanceError> {
         let mut c = Catalog::default();
         for p in plugins.of_kind(Kind::Guidance) {
             if let Err(e) = c.extend_from_plugin(p) {

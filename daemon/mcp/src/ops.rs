@@ -41,7 +41,10 @@ pub fn state(
     paths: Option<&[String]>,
     depth: Option<usize>,
 ) -> Outcome {
-    let at = at.map(parse_iso).transpose().map_err(ToolError::Message)?;
+    let at = at
+        .map(parse_iso)
+        .transpose()
+        .map_err(|e| ToolError::Message(e.to_string()))?;
     let mut doc = s.state(id, at)?;
     if let Some(paths) = paths {
         doc = project(&doc, paths)?;

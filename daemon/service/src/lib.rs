@@ -391,7 +391,8 @@ impl ModelService {
             }
             Err(e) => return Err(e),
         };
-        valem_core::spec::template::materialize(&spec, &template).map_err(finding)
+        valem_core::spec::template::materialize(&spec, &template)
+            .map_err(|e| finding(e.to_string()))
     }
 
     pub fn list(&self) -> Result<Vec<String>, ServiceError> {

@@ -15,9 +15,16 @@ pub fn iso(us: i64) -> String {
         .unwrap_or_else(|| us.to_string())
 }
 
+/// A text that is not an ISO-8601 instant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{text}` is not an ISO-8601 instant (expected e.g. 2026-01-31T12:00:00Z)")]
+pub struct NotAnInstant {
+    pub text: String,
+}
+
 /// Parse an ISO-8601 instant (RFC 3339: a `Z` or `±hh:mm` offset; a date alone means its
 /// midnight UTC) to epoch microseconds.
-pub fn parse_iso(s: &str) -> Result<i64, String> {
+pub fn parse_iso(s: &str) -> Result<i64, NotAnInstant> {
     let t = s.trim();
     if let Ok(d) = DateTime::parse_from_rfc3339(t) {
         return Ok(d.with_timezone(&Utc).timestamp_micros());
@@ -27,9 +34,9 @@ pub fn parse_iso(s: &str) -> Result<i64, String> {
             return Ok(dt.and_utc().timestamp_micros());
         }
     }
-    Err(format!(
-        "`{s}` is not an ISO-8601 instant (expected e.g. 2026-01-31T12:00:00Z)"
-    ))
+    Err(NotAnInstant {
+        text: s.to_string(),
+    })
 }
 
 /// A monotonic clock in milliseconds, at the resolution of the kernel's tick (a few ms): read
@@ -77,6 +84,9 @@ mod tests {
             Ok(1_767_225_600_000_000)
         );
         assert_eq!(parse_iso("2026-01-01"), Ok(1_767_225_600_000_000));
-        assert!(parse_iso("yesterday").unwrap_err().contains("yesterday"));
+        assert!(parse_iso("yesterday")
+            .unwrap_err()
+            .to_string()
+            .contains("yesterday"));
     }
 }

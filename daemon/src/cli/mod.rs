@@ -105,7 +105,7 @@ fn parse_mutation_list(arg: &str) -> Result<Vec<Vec<(String, Json)>>, String> {
             "{arg}: [{i}] is not a non-empty object of {{\"$.path\": value}}"
         ));
     }
-    parse_batches(&v)
+    parse_batches(&v).map_err(|e| e.to_string())
 }
 
 fn print_json(v: &Json) {
@@ -272,7 +272,7 @@ fn spec(action: SpecAction, limits: &EngineLimits) -> Result<i32, String> {
                         Some(f) => read_arg(f)?,
                         None => m,
                     };
-                    parse_batches(&parse_json(&text, "--mutations")?)?
+                    parse_batches(&parse_json(&text, "--mutations")?).map_err(|e| e.to_string())?
                 }
             };
             match dry_run(&spec, &batches, now.unwrap_or_else(now_ms), limits) {

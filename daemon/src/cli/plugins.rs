@@ -81,10 +81,13 @@ pub(super) fn plugins_list(
         // What the daemon would make of it, with the daemon's own checks.
         let provides = match p.kind {
             Kind::Tool => valem_mcp::tools::plugin_tools(p)
-                .map(|t| serde_json::json!(t.iter().map(|t| t.name).collect::<Vec<_>>())),
+                .map(|t| serde_json::json!(t.iter().map(|t| t.name).collect::<Vec<_>>()))
+                .map_err(|e| e.to_string()),
             Kind::Guidance => {
                 let mut c = valem_mcp::guidance::Catalog::default();
-                c.extend_from_plugin(p).map(|_| serde_json::json!(c.ids()))
+                c.extend_from_plugin(p)
+                    .map(|_| serde_json::json!(c.ids()))
+                    .map_err(|e| e.to_string())
             }
             Kind::BlobStore | Kind::AuditStore => Ok(serde_json::Value::Null),
         };

@@ -128,6 +128,20 @@ impl Sealed {
     }
 }
 
+/// A key file's content that is not an audit key, and what it holds instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotAKey {
+    #[error(
+        "it holds 32 hex characters, a 16-byte key; an audit key is 64 hex characters (32 bytes)"
+    )]
+    HalfLength,
+    #[error(
+        "expected 64 hex characters (e.g. `openssl rand -hex 32`) or exactly 32 raw bytes, found {bytes} bytes{}",
+        hex.map(|n| format!(" ({n} hex characters)")).unwrap_or_default()
+    )]
+    Length { bytes: usize, hex: Option<usize> },
+}
+
 /// A 32-byte secret that makes record and checkpoint hashes keyed blake3. `Debug` shows only
 /// the start of its fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -147,7 +161,7 @@ impl AuditKey {
 
     /// A key file's content: 64 hex characters (surrounding whitespace, such as a final newline,
     /// allowed) or exactly 32 raw bytes. The error says what was found instead.
-    pub fn parse(content: &[u8]) -> Result<AuditKey, String> {
+    pub fn parse(content: &[u8]) -> Result<AuditKey, NotAKey> {
         let text = content.trim_ascii();
         if text.len() == 64 && text.iter().all(u8::is_ascii_hexdigit) {
             let mut key = [0u8; 32];
@@ -159,21 +173,16 @@ impl AuditKey {
         }
         if content.len() == 32 {
             if content.iter().all(u8::is_ascii_hexdigit) {
-                return Err("it holds 32 hex characters, a 16-byte key; an audit key is 64 hex characters (32 bytes)".into());
+                return Err(NotAKey::HalfLength);
             }
             let mut key = [0u8; 32];
             key.copy_from_slice(content);
             return Ok(AuditKey(key));
         }
-        Err(format!(
-            "expected 64 hex characters (e.g. `openssl rand -hex 32`) or exactly 32 raw bytes, found {} bytes{}",
-            content.len(),
-            if text.iter().all(u8::is_ascii_hexdigit) && !text.is_empty() {
-                format!(" ({} hex characters)", text.len())
-            } else {
-                String::new()
-            }
-        ))
+        Err(NotAKey::Length {
+            bytes: content.len(),
+            hex: (text.iter().all(u8::is_ascii_hexdigit) && !text.is_empty()).then_some(text.len()),
+        })
     }
 
     /// What a keyed store records to recognise its key (64 hex characters; reveals nothing of

@@ -81,7 +81,7 @@ use serde_json::Value as Json;
 pub use api::Store;
 pub use chain::{
     canonical, record_hash, AuditKey, BrokenCheckpoint, ChainHasher, ChainReport, ChainVerifier,
-    Sealed, GENESIS,
+    NotAKey, Sealed, GENESIS,
 };
 pub use checkpoints::{CheckpointChoice, CheckpointFault, CheckpointKind, RefusedCheckpoint};
 pub use keys::KeyAdoption;

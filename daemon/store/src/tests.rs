@@ -1353,7 +1353,7 @@ fn audit_key_files_are_64_hex_characters_or_32_raw_bytes() {
         (&b"0123456789abcdef0123456789abcdef"[..], "16-byte key"),
         (&[0u8; 33][..], "33 bytes"),
     ] {
-        let e = AuditKey::parse(bad).expect_err("refused");
+        let e = AuditKey::parse(bad).expect_err("refused").to_string();
         assert!(e.contains(word), "{word:?} in {e}");
     }
     assert!(

@@ -16,11 +16,28 @@ use serde_json::{json, Map, Value as Json};
 
 use super::{LineageEntry, ModelSpec};
 
+/// Why a branch could not be flattened over its template.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    /// A spec, library layer or lineage did not serialise.
+    #[error("{0}")]
+    Encode(String),
+    #[error("a spec is not an object")]
+    NotAnObject,
+    /// The flattened spec is not a ModelSpec.
+    #[error("the materialized spec: {0}")]
+    Materialized(String),
+}
+
+fn encode(e: serde_json::Error) -> TemplateError {
+    TemplateError::Encode(e.to_string())
+}
+
 /// The branch `spec` flattened over `template` (whose id is `ref`).
-pub fn materialize(spec: &ModelSpec, template: &ModelSpec) -> Result<ModelSpec, String> {
-    let to_json = |s: &ModelSpec| serde_json::to_value(s).map_err(|e| e.to_string());
+pub fn materialize(spec: &ModelSpec, template: &ModelSpec) -> Result<ModelSpec, TemplateError> {
+    let to_json = |s: &ModelSpec| serde_json::to_value(s).map_err(encode);
     let (Json::Object(mut b), Json::Object(t)) = (to_json(spec)?, to_json(template)?) else {
-        return Err("a spec is not an object".into());
+        return Err(TemplateError::NotAnObject);
     };
     let tref = template.id.clone();
     let get = |m: &Map<String, Json>, k: &str| m.get(k).cloned();
@@ -87,14 +104,14 @@ pub fn materialize(spec: &ModelSpec, template: &ModelSpec) -> Result<ModelSpec, 
     // library: inherited layers first, the branch's own last
     let mut layers: Vec<Json> = Vec::new();
     for l in template.library_layers() {
-        let mut v = serde_json::to_value(&l).map_err(|e| e.to_string())?;
+        let mut v = serde_json::to_value(&l).map_err(encode)?;
         if let Json::Object(m) = &mut v {
             m.entry("origin").or_insert_with(|| json!(tref));
         }
         layers.push(v);
     }
     for l in spec.library_layers() {
-        layers.push(serde_json::to_value(&l).map_err(|e| e.to_string())?);
+        layers.push(serde_json::to_value(&l).map_err(encode)?);
     }
     if !layers.is_empty() {
         b.insert("library".into(), json!({"layers": layers}));
@@ -123,9 +140,9 @@ pub fn materialize(spec: &ModelSpec, template: &ModelSpec) -> Result<ModelSpec, 
     lineage.extend(template.lineage.iter().cloned());
     b.insert(
         "lineage".into(),
-        serde_json::to_value(&lineage).map_err(|e| e.to_string())?,
+        serde_json::to_value(&lineage).map_err(encode)?,
     );
-    serde_json::from_value(Json::Object(b)).map_err(|e| format!("the materialized spec: {e}"))
+    serde_json::from_value(Json::Object(b)).map_err(|e| TemplateError::Materialized(e.to_string()))
 }
 
 /// `own` over `inherited`: an own entry replaces the inherited one of the same key in place;

@@ -164,16 +164,34 @@ pub fn plugin_tool_name(plugin: &str, tool: &str) -> String {
     format!("{}__{tool}", plugin.replace('-', "_"))
 }
 
+/// A tool plugin's tools that could not be added, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PluginToolsError {
+    /// The plugin's `tools.list` call failed.
+    #[error("{0}")]
+    Plugin(String),
+    #[error("plugin `{plugin}` listed tools this daemon cannot read: {error}")]
+    Unreadable { plugin: String, error: String },
+    #[error(
+        "plugin `{plugin}` has a tool named {tool:?}: tool names are letters, digits, `_` and `-` \
+         (at most 64 characters with the plugin's prefix)"
+    )]
+    BadName { plugin: String, tool: String },
+    #[error("plugin `{plugin}` tool `{tool}`: inputSchema must be a JSON object schema")]
+    BadInputSchema { plugin: String, tool: String },
+}
+
 /// A tool plugin's tools (`tools.list`), namespaced and checked. Their texts are leaked: plugins
 /// load once per process.
-pub fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, String> {
-    let list = p.call("tools.list", json!({})).map_err(|e| e.to_string())?;
-    let defs: Vec<valem_sdk::ToolDef> = serde_json::from_value(list).map_err(|e| {
-        format!(
-            "plugin `{}` listed tools this daemon cannot read: {e}",
-            p.name
-        )
-    })?;
+pub fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, PluginToolsError> {
+    let list = p
+        .call("tools.list", json!({}))
+        .map_err(|e| PluginToolsError::Plugin(e.to_string()))?;
+    let defs: Vec<valem_sdk::ToolDef> =
+        serde_json::from_value(list).map_err(|e| PluginToolsError::Unreadable {
+            plugin: p.name.clone(),
+            error: e.to_string(),
+        })?;
     let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
     let mut out = Vec::new();
     for d in defs {
@@ -184,18 +202,17 @@ pub fn plugin_tools(p: &Arc<Plugin>) -> Result<Vec<Tool>, String> {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
         if !ok {
-            return Err(format!(
-                "plugin `{}` has a tool named {:?}: tool names are letters, digits, `_` and `-` \
-                 (at most 64 characters with the plugin's prefix)",
-                p.name, d.name
-            ));
+            return Err(PluginToolsError::BadName {
+                plugin: p.name.clone(),
+                tool: d.name,
+            });
         }
         let mut input = d.input_schema;
         if !input.is_object() {
-            return Err(format!(
-                "plugin `{}` tool `{}`: inputSchema must be a JSON object schema",
-                p.name, d.name
-            ));
+            return Err(PluginToolsError::BadInputSchema {
+                plugin: p.name.clone(),
+                tool: d.name,
+            });
         }
         if input.get("type").is_none() {
             input["type"] = json!("object");
@@ -408,7 +425,8 @@ fn write_tools() -> Vec<Tool> {
             handler: |c, a| {
                 let a: AuditArgs = args("get_audit", a)?;
                 let instant = |s: Option<String>| -> Result<Option<i64>, ToolError> {
-                    s.map(|s| parse_iso(&s).map_err(ToolError::Message)).transpose()
+                    s.map(|s| parse_iso(&s).map_err(|e| ToolError::Message(e.to_string())))
+                        .transpose()
                 };
                 let q = AuditQuery {
                     path_prefix: a.path_prefix,
@@ -697,7 +715,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
                     .map_err(|e| ToolError::Message(format!("invalid spec at {}: {}", e.location(), e.message())))?;
                 let batches = match &a.mutations {
                     None | Some(Json::Null) => Vec::new(),
-                    Some(m) => parse_batches(m).map_err(ToolError::Message)?,
+                    Some(m) => parse_batches(m).map_err(|e| ToolError::Message(e.to_string()))?,
                 };
                 let limits = &c.server.service.limits().engine;
                 dry_run(&spec, &batches, now_us() / 1000, limits).map_err(|e| match e {
