@@ -18,6 +18,7 @@ pub use valem_engine::{MutationError, MutationResult};
 
 mod audit;
 mod audit_sink;
+pub mod authoring;
 mod blobs;
 pub mod effects;
 pub mod egress;

@@ -262,7 +262,7 @@ pub(super) fn any_object() -> Json {
 }
 
 pub(super) fn mutation_result_schema() -> Json {
-    let mut s = or_structured_error(output_of::<valem_engine::MutationResult>());
+    let mut s = or_structured_error(output_of::<valem_service::MutationResult>());
     if let Some(Json::Array(any)) = s.get_mut("anyOf") {
         any.push(json!({
             "type": "object",

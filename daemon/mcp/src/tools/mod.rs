@@ -20,10 +20,12 @@ use super::guidance::Catalog as Guidance;
 use super::ops;
 use super::Server;
 use valem_core::spec::{parse_spec, TestCase};
-use valem_engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
-use valem_engine::{CreateError, MutationError};
+use valem_service::authoring::{
+    parse_batches, CreateError, DryRunError, Expression, Report, TestReport,
+};
 use valem_service::plugins::{Kind, Plugin, Plugins};
-use valem_service::time::{now_us, parse_iso};
+use valem_service::time::parse_iso;
+use valem_service::MutationError;
 use valem_service::{AuditQuery, BlobRef, ModelInfo, ServiceError};
 
 /// The tools that never touch the registry (the proxy runs them locally).
@@ -652,17 +654,13 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Validate a spec",
             description: "Check a candidate ModelSpec without creating it: {valid, errors: [{location, message}], warnings}. Draft → validate → fix → repeat.",
             input_schema: schema_of::<SpecArg>(),
-            output_schema: Some(output_of::<valem_engine::validate::Report>()),
+            output_schema: Some(output_of::<Report>()),
             annotations: ro.clone(),
             plugin: None,
             cycle: None,
             handler: |c, a| {
                 let a: SpecArg = args("validate_spec", a)?;
-                let report = valem_engine::validate::validate_json(
-                    &Json::Object(a.spec),
-                    &c.server.service.limits().engine,
-                );
-                Ok(json!(report))
+                Ok(json!(c.server.service.validate_spec(&Json::Object(a.spec))))
             },
         },
         Tool {
@@ -694,7 +692,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
             title: "Run a spec's tests",
             description: "Run the spec's embedded tests (or ad-hoc `tests` cases given → expect, keyed by canonical address, which replace them) in throwaway models: {total, passed, failed, results: [{description, passed, failures: [{path, expected, actual, message}]}]}.",
             input_schema: schema_of::<TestArgs>(),
-            output_schema: Some(output_of::<valem_engine::testrun::TestReport>()),
+            output_schema: Some(output_of::<TestReport>()),
             annotations: ro.clone(),
             plugin: None,
             cycle: None,
@@ -717,8 +715,7 @@ fn authoring_tools(guidance: &Guidance) -> Vec<Tool> {
                     None | Some(Json::Null) => Vec::new(),
                     Some(m) => parse_batches(m).map_err(|e| ToolError::Message(e.to_string()))?,
                 };
-                let limits = &c.server.service.limits().engine;
-                dry_run(&spec, &batches, now_us() / 1000, limits).map_err(|e| match e {
+                c.server.service.dry_run(&spec, &batches).map_err(|e| match e {
                     DryRunError::Mutation { index, error: m @ (MutationError::Schema(_) | MutationError::Constraint { .. }) } => {
                         let mut body = m.to_json();
                         body["batch"] = json!(index);
@@ -743,68 +740,13 @@ fn get_state(c: &Ctx<'_>, a: Json) -> Outcome {
 }
 
 fn eval_expression(c: &Ctx<'_>, a: Json) -> Outcome {
-    use std::rc::Rc;
-    use valem_core::expr::{json_to_jvalue, jvalue_to_json, Compiled, Env, Phase};
     let a: EvalArgs = args("eval_expression", a)?;
-    let limits = &c.server.service.limits().engine.expr;
-    let mut env = Env {
-        now_ms: Some(now_us() / 1000),
-        ..Env::default()
-    };
-    if let Some(k) = &a.constants {
-        env.vars
-            .push((Rc::from("const"), json_to_jvalue(&Json::Object(k.clone()))));
-    }
-    let mut exports = Vec::new();
-    if let Some(lib) = &a.library {
-        let lib: valem_core::spec::LibrarySpec = match serde_json::from_value(lib.clone()) {
-            Ok(l) => l,
-            Err(e) => {
-                return Ok(
-                    json!({"ok": false, "error": "library", "message": format!("`library` is not a library definition: {e}")}),
-                )
-            }
-        };
-        for layer in lib.layers() {
-            match valem_engine::compile::eval_library_layer(&layer.define, &env, limits) {
-                Ok(bound) => {
-                    for (name, v) in bound {
-                        exports.push(name.clone());
-                        env.vars.push((Rc::from(name.as_str()), v));
-                    }
-                }
-                Err(m) => return Ok(json!({"ok": false, "error": "library", "message": m})),
-            }
-        }
-    }
-    let fail = |e: valem_core::expr::ExprError| {
-        let kind = if e.phase == Phase::Compile {
-            "compile"
-        } else {
-            "evaluation"
-        };
-        json!({"ok": false, "error": kind, "message": e.message, "code": e.code, "position": e.position})
-    };
-    let compiled = match Compiled::compile(&a.expr, limits) {
-        Ok(c) => c,
-        Err(e) => return Ok(fail(e)),
-    };
-    let input = a
-        .input
-        .as_ref()
-        .map_or(valem_core::expr::Value::Undefined, json_to_jvalue);
-    let mut out = match compiled
-        .eval(&input, &env, limits)
-        .and_then(|v| v.map(|v| jvalue_to_json(&v, limits)).transpose())
-    {
-        Ok(Some(v)) => json!({"ok": true, "undefined": false, "result": v}),
-        Ok(None) => json!({"ok": true, "undefined": true, "result": null}),
-        Err(e) => return Ok(fail(e)),
-    };
-    if a.library.is_some() {
-        out["libraryExports"] = json!(exports);
-    }
-    Ok(out)
+    Ok(c.server.service.eval_expression(Expression {
+        expr: &a.expr,
+        input: a.input.as_ref(),
+        library: a.library.as_ref(),
+        constants: a.constants.as_ref(),
+    }))
 }
 
 fn test_spec(c: &Ctx<'_>, a: Json) -> Outcome {
@@ -824,8 +766,7 @@ fn test_spec(c: &Ctx<'_>, a: Json) -> Outcome {
             })?,
         ),
     };
-    let limits = &c.server.service.limits().engine;
-    match run_tests(&spec, tests.as_deref(), now_us() / 1000, limits) {
+    match c.server.service.test_spec(&spec, tests.as_deref()) {
         Ok(report) => Ok(json!(report)),
         Err(CreateError::Compile(errs)) => Err(ToolError::Message(format!(
             "the spec does not compile: {}",
