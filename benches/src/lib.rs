@@ -3,6 +3,7 @@
 //! mutation addresses. Used by the criterion benches and the memory binary.
 
 use std::sync::Arc;
+use valem_engine::Timestamp;
 
 use serde_json::{json, Value};
 use valem_core::expr::path::Address;
@@ -11,7 +12,7 @@ use valem_core::value::Seg;
 use valem_engine::{EngineLimits, Model, MutationResult};
 
 /// A fixed clock for every cycle.
-pub const NOW_MS: i64 = 1_700_000_000_000;
+pub const NOW_MS: Timestamp = Timestamp::from_ms(1_700_000_000_000);
 
 /// Limits that let the initial data go in as one mutation.
 pub fn limits() -> EngineLimits {

@@ -17,10 +17,10 @@ use serde_json::{json, Map, Value as Json};
 use valem_core::expr::path::Address;
 use valem_core::spec::{parse_spec, ModelSpec};
 use valem_core::value::Seg;
-use valem_engine::{EngineLimits, JitConfig, Model};
+use valem_engine::{EngineLimits, JitConfig, Model, Timestamp};
 
 /// The clock every cycle of a run sees.
-const NOW_MS: i64 = 1_700_000_000_000;
+const NOW: Timestamp = Timestamp::from_ms(1_700_000_000_000);
 
 /// The synthetic shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -318,11 +318,11 @@ impl Engine {
             first_cycle: true,
         });
         let t = Instant::now();
-        let (mut model, _) = Model::from_compiled(std::rc::Rc::new(compiled), NOW_MS, limits)
+        let (mut model, _) = Model::from_compiled(std::rc::Rc::new(compiled), NOW, limits)
             .map_err(|e| format!("the model cannot be created: {e}"))?;
         if !seed_data.is_empty() {
             model
-                .mutate(seed_data, NOW_MS)
+                .mutate(seed_data, NOW)
                 .map_err(|e| format!("the initial data does not apply: {e}"))?;
         }
         let first_cycle_ms = ms(t.elapsed());
@@ -339,7 +339,7 @@ impl Target for Engine {
     }
 
     fn mutate(&mut self, batch: Vec<(String, Json)>) -> Option<(usize, usize)> {
-        let r = self.model.mutate(&batch, NOW_MS).ok()?;
+        let r = self.model.mutate(&batch, NOW).ok()?;
         Some((r.traces.len(), r.derived_updated.len()))
     }
 }
@@ -694,9 +694,9 @@ fn writable_fields(spec: &ModelSpec, seed_data: &[(String, Json)]) -> Vec<Field>
         max_mutations: usize::MAX,
         ..EngineLimits::default()
     };
-    let doc = match Model::create(spec, NOW_MS, limits) {
+    let doc = match Model::create(spec, NOW, limits) {
         Ok((mut m, _)) => {
-            let _ = m.mutate(seed_data, NOW_MS);
+            let _ = m.mutate(seed_data, NOW);
             m.state().base.to_json()
         }
         Err(_) => Json::Null,

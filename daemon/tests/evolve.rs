@@ -7,9 +7,10 @@ use valem_core::spec::evolve::{apply, strand_check, EvolveError, Incompatibility
 use valem_core::spec::{parse_evolution, parse_spec, ModelSpec};
 use valem_engine::testrun::run_tests;
 use valem_engine::validate::validate;
+use valem_engine::Timestamp;
 use valem_engine::{EngineLimits, Model};
 
-const NOW: i64 = 1_700_000_000_000;
+const NOW: Timestamp = Timestamp::from_ms(1_700_000_000_000);
 
 fn spec(j: Value) -> ModelSpec {
     parse_spec(&j).unwrap()

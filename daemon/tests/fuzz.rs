@@ -13,6 +13,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
+use valem_engine::Timestamp;
 
 use indexmap::IndexMap;
 use proptest::prelude::*;
@@ -705,7 +706,7 @@ fn canonical_numbers_match_rfc8785_appendix_b() {
 // ---------------------------------------------------------------------------------------------
 // 3. The mutation path: Model::mutate and JSON Patch through the service
 
-const NOW: i64 = 1_700_000_000_000;
+const NOW: Timestamp = Timestamp::from_ms(1_700_000_000_000);
 
 /// Names only derivations write (a write at or below them is refused as read-only, or may be).
 const DERIVED: [&str; 9] = [

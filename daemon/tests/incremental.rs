@@ -6,6 +6,7 @@ use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use valem_core::spec::parse_spec;
+use valem_engine::Timestamp;
 use valem_engine::{EngineLimits, JitConfig, Model, MutationError, State, Undo};
 
 /// A result's derived paths as plain strings, for comparisons.
@@ -182,7 +183,7 @@ fn mutation(step: &Step, model: &Model) -> Vec<(String, Value)> {
     }
 }
 
-const NOW: i64 = 1_700_000_000_000;
+const NOW: Timestamp = Timestamp::from_ms(1_700_000_000_000);
 
 /// The live model's limits: the JIT tier on, compiling from the first run.
 fn limits() -> EngineLimits {

@@ -5,6 +5,7 @@
 //! the interpreter did; and the IR interpreter must agree with the compiled code exactly.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use valem_engine::Timestamp;
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value as Json};
@@ -462,8 +463,12 @@ fn lowered(text: &str) -> ir::Program {
 
 fn model(spec: Json) -> valem_engine::Model {
     let spec = valem_core::spec::parse_spec(&spec).expect("spec");
-    let (m, _) = valem_engine::Model::create(&spec, 0, valem_engine::EngineLimits::default())
-        .expect("creates");
+    let (m, _) = valem_engine::Model::create(
+        &spec,
+        Timestamp::default(),
+        valem_engine::EngineLimits::default(),
+    )
+    .expect("creates");
     m
 }
 
@@ -490,15 +495,16 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
             ("$.qty".to_string(), json!(3)),
             ("$.items".to_string(), json!(items)),
         ],
-        0,
+        Timestamp::default(),
     )
     .expect("initial values");
     let items_write: Vec<(String, Json)> = (0..40)
         .map(|i| (format!("$.items[{i}].qty"), json!(3)))
         .collect();
-    m.mutate(&[("$.price".to_string(), json!(11))], 0)
+    m.mutate(&[("$.price".to_string(), json!(11))], Timestamp::default())
         .expect("mutates");
-    m.mutate(&items_write, 0).expect("mutates");
+    m.mutate(&items_write, Timestamp::default())
+        .expect("mutates");
     assert!(valem_engine::jit::flush(std::time::Duration::from_secs(10)));
     let mut writes = items_write.clone();
     for w in &mut writes {
@@ -506,7 +512,7 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
     }
     writes[5].1 = json!("four"); // this instance: the interpreter (T2002 → null)
     writes.push(("$.price".to_string(), json!(12)));
-    let r = m.mutate(&writes, 0).expect("mutates");
+    let r = m.mutate(&writes, Timestamp::default()).expect("mutates");
     let trace = |path: &str| {
         r.traces
             .iter()
@@ -517,7 +523,7 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
     assert!(trace("$.big").jit);
     assert!(trace("$.items[0].line").jit);
     assert!(!trace("$.items[5].line").jit);
-    let doc = m.merged_json(0);
+    let doc = m.merged_json(Timestamp::default());
     assert_eq!(doc["total"], json!(38.7)); // 12 * 3 * 1.075 = 38.7
     assert_eq!(doc["big"], json!(true));
     assert_eq!(doc["items"][7]["line"], json!(28));
@@ -525,10 +531,10 @@ fn the_engine_answers_from_compiled_code_once_it_is_hot() {
     // With the tier off, the same answers from the interpreter.
     m.limits.jit.enabled = false;
     let r = m
-        .mutate(&[("$.qty".to_string(), json!(4))], 0)
+        .mutate(&[("$.qty".to_string(), json!(4))], Timestamp::default())
         .expect("mutates");
     assert!(r.traces.iter().all(|t| !t.jit));
-    assert_eq!(m.merged_json(0)["total"], json!(51.6));
+    assert_eq!(m.merged_json(Timestamp::default())["total"], json!(51.6));
 }
 
 /// An arithmetic derivation whose input is not a number goes to the interpreter, which must
@@ -557,7 +563,7 @@ fn a_fallback_sees_what_the_expression_reads() {
                     ("$.price_b".to_string(), json!("abc")),
                     ("$.qty_b".to_string(), json!(2 + round)),
                 ],
-                0,
+                Timestamp::default(),
             )
             .expect("mutates");
         for target in ["$.total", "$.total_b", "$.total_c", "$.total_d"] {
@@ -615,24 +621,25 @@ fn a_chain_over_an_empty_document_errs_as_the_interpreter_does() {
             },
             ..Default::default()
         };
-        let (mut m, created) = valem_engine::Model::create(&spec, 0, limits).expect("creates");
+        let (mut m, created) =
+            valem_engine::Model::create(&spec, Timestamp::default(), limits).expect("creates");
         let written = m
             .mutate(
                 &[
                     ("$.name".to_string(), json!("x")),
                     ("$.flag".to_string(), json!(true)),
                 ],
-                0,
+                Timestamp::default(),
             )
             .expect("mutates");
         let seeded = m
-            .mutate(&[("$.seed".to_string(), json!(1))], 0)
+            .mutate(&[("$.seed".to_string(), json!(1))], Timestamp::default())
             .expect("mutates");
         (
             seen(&created),
             seen(&written),
             seen(&seeded),
-            m.merged_json(0),
+            m.merged_json(Timestamp::default()),
         )
     };
     let (tier, interpreter) = (run(true), run(false));

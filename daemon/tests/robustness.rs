@@ -6,9 +6,10 @@ use serde_json::{json, Value};
 use valem_core::expr::path::Address;
 use valem_core::spec::{parse_spec, parse_spec_text};
 use valem_engine::validate::validate_json;
+use valem_engine::Timestamp;
 use valem_engine::{EngineLimits, Model, MutationError};
 
-const NOW: i64 = 1_700_000_000_000;
+const NOW: Timestamp = Timestamp::from_ms(1_700_000_000_000);
 
 fn arb_json() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![

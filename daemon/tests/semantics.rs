@@ -5,9 +5,10 @@
 use serde_json::{json, Value};
 use valem_core::expr::path::Address;
 use valem_core::spec::{parse_spec, MetaProp};
+use valem_engine::Timestamp;
 use valem_engine::{EngineLimits, Model, MutationError};
 
-const NOW: i64 = 1_700_000_000_000;
+const NOW: Timestamp = Timestamp::from_ms(1_700_000_000_000);
 
 /// A result's derived paths as plain strings, for comparisons.
 fn strs(v: &valem_engine::Paths) -> Vec<&str> {
@@ -326,7 +327,7 @@ fn library_constants_and_pinned_clock() {
     set(&mut m, &[("$.net", json!(10.01))]);
     assert_eq!(get(&mut m, "$.gross"), json!(12.51));
     assert_eq!(get(&mut m, "$.stamp"), json!("2023-11-14T22:13:20.000Z"));
-    assert_eq!(get(&mut m, "$.ms"), json!(NOW));
+    assert_eq!(get(&mut m, "$.ms"), json!(NOW.ms()));
 }
 
 #[test]

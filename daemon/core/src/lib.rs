@@ -10,6 +10,7 @@ pub mod examples;
 pub mod expr;
 pub mod hash;
 pub mod spec;
+pub mod time;
 pub mod value;
 
 /// Start loading the cache line holding `p` without waiting for it (a hint: nothing happens

@@ -36,6 +36,7 @@ use valem_core::expr::path::{render, Address};
 use valem_core::expr::Limits;
 use valem_core::prefetch;
 use valem_core::spec::{kind_of, ModelSpec};
+pub use valem_core::time::Timestamp;
 use valem_core::value::{json_deeper_than, room_below, Seg, TooDeep, Val, MAX_DEPTH};
 
 /// A mutation of at most this many writes starts loading what each reads first
@@ -428,18 +429,19 @@ impl Model {
     /// every eager derivation and meta-derivation is computed.
     pub fn create(
         spec: &ModelSpec,
-        now_ms: i64,
+        now: Timestamp,
         limits: EngineLimits,
     ) -> Result<(Model, MutationResult), CreateError> {
         let compiled = compile_cached(spec, &limits).map_err(CreateError::Compile)?;
-        Model::from_compiled(compiled, now_ms, limits)
+        Model::from_compiled(compiled, now, limits)
     }
 
     pub fn from_compiled(
         compiled: Rc<CompiledModel>,
-        now_ms: i64,
+        now: Timestamp,
         limits: EngineLimits,
     ) -> Result<(Model, MutationResult), CreateError> {
+        let now_ms = now.ms();
         let mut model = Model {
             state: State::empty(&compiled),
             compiled,
@@ -457,9 +459,10 @@ impl Model {
         compiled: Rc<CompiledModel>,
         base: Val,
         effect_keys: OrdMap<Arc<str>, Val>,
-        now_ms: i64,
+        now: Timestamp,
         limits: EngineLimits,
     ) -> Model {
+        let now_ms = now.ms();
         let mut model = Model {
             state: State {
                 base,
@@ -478,20 +481,21 @@ impl Model {
     pub fn mutate(
         &mut self,
         mutations: &[(String, Json)],
-        now_ms: i64,
+        now: Timestamp,
     ) -> Result<MutationResult, MutationError> {
         // The values are borrowed, not copied (a load's is the whole document).
         let writes = mutations.iter().map(|(k, v)| (k, v));
         let parsed = parse_writes(writes, self.limits.max_mutations)?;
-        self.mutate_parsed(&parsed, now_ms)
+        self.mutate_parsed(&parsed, now)
     }
 
     /// Run a cycle for already-parsed addresses (their values owned or borrowed).
     pub fn mutate_parsed<J: std::borrow::Borrow<Json>>(
         &mut self,
         mutations: &[(Vec<Seg>, J)],
-        now_ms: i64,
+        now: Timestamp,
     ) -> Result<MutationResult, MutationError> {
+        let now_ms = now.ms();
         if mutations.len() <= PREFETCH_WRITES {
             for (segs, _) in mutations {
                 self.prefetch_write(segs);
@@ -602,7 +606,8 @@ impl Model {
     }
 
     /// Evaluate stale lazy derivations (reads do this before answering).
-    pub fn materialize(&mut self, now_ms: i64) {
+    pub fn materialize(&mut self, now: Timestamp) {
+        let now_ms = now.ms();
         if self.state.lazy_stale.is_empty() {
             return;
         }
@@ -616,14 +621,14 @@ impl Model {
     }
 
     /// The merged document as JSON, lazy derivations evaluated.
-    pub fn merged_json(&mut self, now_ms: i64) -> Json {
-        self.materialize(now_ms);
+    pub fn merged_json(&mut self, now: Timestamp) -> Json {
+        self.materialize(now);
         self.state.merged_json()
     }
 
     /// The value at an address (lazy derivations evaluated); `None` when absent.
-    pub fn get(&mut self, path: &[Seg], now_ms: i64) -> Option<Json> {
-        self.materialize(now_ms);
+    pub fn get(&mut self, path: &[Seg], now: Timestamp) -> Option<Json> {
+        self.materialize(now);
         if path.is_empty() {
             return Some(self.state.merged_json());
         }
@@ -645,7 +650,8 @@ impl Model {
     }
 
     /// Replace the base document and recompute everything derived from it.
-    pub fn reset_base(&mut self, base: Val, now_ms: i64) {
+    pub fn reset_base(&mut self, base: Val, now: Timestamp) {
+        let now_ms = now.ms();
         self.state.base = base;
         cycle::recompute(&self.compiled, &self.limits, &mut self.state, now_ms);
         self.forget_undo();
@@ -653,8 +659,8 @@ impl Model {
 
     /// Derived values: every address whose merged value is not (or not wholly) the base value,
     /// keyed by canonical address (the snapshot's `derivedCache`).
-    pub fn derived_cache(&mut self, now_ms: i64) -> Map<String, Json> {
-        self.materialize(now_ms);
+    pub fn derived_cache(&mut self, now: Timestamp) -> Map<String, Json> {
+        self.materialize(now);
         let mut out = Map::new();
         self.state.merged().derived_diff(&self.state.base, &mut out);
         out

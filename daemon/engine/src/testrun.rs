@@ -1,6 +1,7 @@
 //! Embedded tests (`given` → `expect`, with `$meta` assertions), dry runs and their result
 //! shapes. Each case runs in a fresh throwaway model; nothing here touches a registry.
 
+use crate::Timestamp;
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value as Json};
@@ -66,7 +67,7 @@ pub fn json_matches(expected: &Json, actual: &Json) -> bool {
 pub fn run_tests(
     spec: &ModelSpec,
     tests: Option<&[TestCase]>,
-    now_ms: i64,
+    now: Timestamp,
     limits: &EngineLimits,
 ) -> Result<TestReport, CreateError> {
     let compiled = compile_cached(spec, limits).map_err(CreateError::Compile)?;
@@ -77,14 +78,14 @@ pub fn run_tests(
             .description
             .clone()
             .unwrap_or_else(|| format!("test #{}", i + 1));
-        let failures = match Model::from_compiled(compiled.clone(), now_ms, limits.clone()) {
+        let failures = match Model::from_compiled(compiled.clone(), now, limits.clone()) {
             Err(e) => vec![Failure {
                 path: "$".into(),
                 expected: Json::Null,
                 actual: Json::Null,
                 message: format!("the model could not be created: {e}"),
             }],
-            Ok((mut model, _)) => run_case(&mut model, case, now_ms),
+            Ok((mut model, _)) => run_case(&mut model, case, now),
         };
         results.push(CaseResult {
             description,
@@ -101,13 +102,13 @@ pub fn run_tests(
     })
 }
 
-fn run_case(model: &mut Model, case: &TestCase, now_ms: i64) -> Vec<Failure> {
+fn run_case(model: &mut Model, case: &TestCase, now: Timestamp) -> Vec<Failure> {
     let given: Vec<(String, Json)> = case
         .given
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    if let Err(e) = model.mutate(&given, now_ms) {
+    if let Err(e) = model.mutate(&given, now) {
         return vec![Failure {
             path: "$".into(),
             expected: Json::Null,
@@ -151,7 +152,7 @@ fn run_case(model: &mut Model, case: &TestCase, now_ms: i64) -> Vec<Failure> {
                 });
                 continue;
             };
-            model.materialize(now_ms);
+            model.materialize(now);
             for (prop, want) in meta {
                 let Some(p) = MetaProp::parse_any(prop) else {
                     failures.push(Failure {
@@ -177,7 +178,7 @@ fn run_case(model: &mut Model, case: &TestCase, now_ms: i64) -> Vec<Failure> {
             }
             continue;
         }
-        let actual = model.get(&segs, now_ms).unwrap_or(Json::Null);
+        let actual = model.get(&segs, now).unwrap_or(Json::Null);
         if !json_matches(expected, &actual) {
             failures.push(Failure {
                 path: path.clone(),
@@ -218,7 +219,7 @@ pub struct Verification {
 /// Run the spec's embedded tests as a verification report.
 pub fn verify(
     spec: &ModelSpec,
-    now_ms: i64,
+    now: Timestamp,
     limits: &EngineLimits,
 ) -> Result<Verification, CreateError> {
     let checkable: Vec<TestCase> = spec
@@ -227,7 +228,7 @@ pub fn verify(
         .filter(|t| !t.expect.is_empty())
         .cloned()
         .collect();
-    let mut results = run_tests(spec, Some(&checkable), now_ms, limits)?
+    let mut results = run_tests(spec, Some(&checkable), now, limits)?
         .results
         .into_iter();
     let cases: Vec<VerificationCase> = spec
@@ -290,16 +291,16 @@ pub enum DryRunError {
 pub fn dry_run(
     spec: &ModelSpec,
     batches: &[Vec<(String, Json)>],
-    now_ms: i64,
+    now: Timestamp,
     limits: &EngineLimits,
 ) -> Result<Json, DryRunError> {
-    let (mut model, _) = Model::create(spec, now_ms, limits.clone())?;
+    let (mut model, _) = Model::create(spec, now, limits.clone())?;
     for (index, batch) in batches.iter().enumerate() {
         model
-            .mutate(batch, now_ms)
+            .mutate(batch, now)
             .map_err(|error| DryRunError::Mutation { index, error })?;
     }
-    Ok(model.merged_json(now_ms))
+    Ok(model.merged_json(now))
 }
 
 /// Mutation batches that are not one `{"$.path": value}` map or an array of them.

@@ -7,6 +7,7 @@ use valem_core::spec::schema::{model_spec_schema, output_schema, spec_evolution_
 use valem_core::spec::{parse_evolution, parse_spec, parse_spec_text};
 use valem_engine::testrun::{run_tests, TestReport};
 use valem_engine::validate::{validate, validate_json, Report};
+use valem_engine::Timestamp;
 use valem_engine::{EngineLimits, Model, MutationResult};
 
 fn validator(schema: &Json) -> jsonschema::Validator {
@@ -258,13 +259,14 @@ fn real_results_validate_against_their_output_schemas() {
     let limits = EngineLimits::default();
     for (name, text) in valem_core::examples::ALL {
         let spec = parse_spec_text(text).unwrap();
-        let (mut model, created) = Model::create(&spec, 0, Default::default()).unwrap();
+        let (mut model, created) =
+            Model::create(&spec, Timestamp::default(), Default::default()).unwrap();
         assert_valid(&mutation, &created.to_json(true), name);
-        if let Ok(r) = model.mutate(&[("$.x".into(), json!(1))], 0) {
+        if let Ok(r) = model.mutate(&[("$.x".into(), json!(1))], Timestamp::default()) {
             assert_valid(&mutation, &r.to_json(true), name);
             assert_valid(&mutation, &r.to_json(false), name);
         }
-        let t = run_tests(&spec, None, 0, &limits).unwrap();
+        let t = run_tests(&spec, None, Timestamp::default(), &limits).unwrap();
         assert_valid(&tests, &serde_json::to_value(&t).unwrap(), name);
         let rep = validate(&spec, &limits);
         assert_valid(&report, &serde_json::to_value(&rep).unwrap(), name);
@@ -283,11 +285,11 @@ fn real_results_validate_against_their_output_schemas() {
                 "expect": {"$.total": 6, "$.qty": {"$meta": {"maximum": 10}}}},
             {"given": {"$.price": 2, "$.qty": 3}, "expect": {"$.total": 7}}]}))
     .unwrap();
-    let (mut model, _) = Model::create(&spec, 0, Default::default()).unwrap();
+    let (mut model, _) = Model::create(&spec, Timestamp::default(), Default::default()).unwrap();
     let r = model
         .mutate(
             &[("$.price".into(), json!(2)), ("$.qty".into(), json!(6))],
-            0,
+            Timestamp::default(),
         )
         .unwrap();
     assert!(!r.flagged_constraints.is_empty() && !r.dispatched_effects.is_empty());
@@ -298,7 +300,7 @@ fn real_results_validate_against_their_output_schemas() {
     );
     assert_valid(&mutation, &with, "full, traces");
     assert_valid(&mutation, &r.to_json(false), "full");
-    let t = run_tests(&spec, None, 0, &limits).unwrap();
+    let t = run_tests(&spec, None, Timestamp::default(), &limits).unwrap();
     assert_eq!((t.passed, t.failed), (1, 1));
     assert_valid(&tests, &serde_json::to_value(&t).unwrap(), "full tests");
     let rep = validate_json(

@@ -4,7 +4,7 @@
 
 use serde_json::{json, Map, Value as Json};
 
-use super::time::now_us;
+use super::time::{now, now_us};
 use super::ModelService;
 use valem_core::spec::{ModelSpec, TestCase};
 
@@ -36,7 +36,7 @@ impl ModelService {
         spec: &ModelSpec,
         cases: Option<&[TestCase]>,
     ) -> Result<TestReport, CreateError> {
-        valem_engine::testrun::run_tests(spec, cases, now_us() / 1000, &self.limits().engine)
+        valem_engine::testrun::run_tests(spec, cases, now(), &self.limits().engine)
     }
 
     /// Compile the spec in a throwaway model, apply `batches` in order, and return the merged
@@ -46,7 +46,7 @@ impl ModelService {
         spec: &ModelSpec,
         batches: &[Vec<(String, Json)>],
     ) -> Result<Json, DryRunError> {
-        valem_engine::testrun::dry_run(spec, batches, now_us() / 1000, &self.limits().engine)
+        valem_engine::testrun::dry_run(spec, batches, now(), &self.limits().engine)
     }
 
     /// Evaluate one expression: `{ok: true, undefined, result}` or `{ok: false, error:

@@ -3,6 +3,13 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 
+pub use valem_core::time::Timestamp;
+
+/// Now, on the wall clock.
+pub fn now() -> Timestamp {
+    Timestamp::from_us(now_us())
+}
+
 /// Now, in epoch microseconds.
 pub fn now_us() -> i64 {
     Utc::now().timestamp_micros()

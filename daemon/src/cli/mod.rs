@@ -11,7 +11,6 @@ use plugins::*;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 use serde_json::{json, Value as Json};
@@ -20,7 +19,7 @@ use valem_core::expr::{eval_once, Limits};
 use valem_core::spec::{parse_spec, ModelSpec};
 use valem_engine::testrun::{dry_run, parse_batches, run_tests, DryRunError};
 use valem_engine::validate::{validate_json, Report};
-use valem_engine::EngineLimits;
+use valem_engine::{EngineLimits, Timestamp};
 
 /// Run the CLI; returns the process exit code.
 pub fn main() -> i32 {
@@ -39,13 +38,6 @@ pub fn main() -> i32 {
             1
         }
     }
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 /// Read a file argument (`-` = stdin, `example:<name>` = a bundled example).
@@ -240,8 +232,13 @@ fn spec(action: SpecAction, limits: &EngineLimits) -> Result<i32, String> {
                 }
                 return Ok(1);
             }
-            let r = run_tests(&spec, None, now.unwrap_or_else(now_ms), limits)
-                .map_err(|e| e.to_string())?;
+            let r = run_tests(
+                &spec,
+                None,
+                now.map_or_else(valem_service::time::now, Timestamp::from_ms),
+                limits,
+            )
+            .map_err(|e| e.to_string())?;
             if json {
                 print_json(&serde_json::to_value(&r).unwrap_or(Json::Null));
             } else {
@@ -275,7 +272,12 @@ fn spec(action: SpecAction, limits: &EngineLimits) -> Result<i32, String> {
                     parse_batches(&parse_json(&text, "--mutations")?).map_err(|e| e.to_string())?
                 }
             };
-            match dry_run(&spec, &batches, now.unwrap_or_else(now_ms), limits) {
+            match dry_run(
+                &spec,
+                &batches,
+                now.map_or_else(valem_service::time::now, Timestamp::from_ms),
+                limits,
+            ) {
                 Ok(state) => {
                     print_json(&state);
                     Ok(0)

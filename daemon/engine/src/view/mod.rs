@@ -99,7 +99,7 @@ pub fn evaluate_view(
     merged: &Json,
     meta: &Map<String, Json>,
     view_id: Option<&str>,
-    now_ms: i64,
+    now: crate::Timestamp,
     limits: &Limits,
 ) -> Result<Json, ViewError> {
     let def = match &spec.view_definition {
@@ -131,7 +131,7 @@ pub fn evaluate_view(
             .collect();
         return Err(ViewError::Invalid(msg.join("; ")));
     }
-    env.now_ms = Some(now_ms);
+    env.now_ms = Some(now.ms());
 
     let derived = spec
         .derivations
@@ -831,6 +831,7 @@ fn report_failures(kind: Kind, fails: Failures, out: &mut Map<String, Json>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Timestamp;
     use valem_core::spec::parse_spec;
 
     fn spec(view: Json) -> ModelSpec {
@@ -859,7 +860,14 @@ mod tests {
         meta: &Map<String, Json>,
         view: Option<&str>,
     ) -> Result<Json, ViewError> {
-        evaluate_view(s, &doc(), meta, view, 0, &Limits::default())
+        evaluate_view(
+            s,
+            &doc(),
+            meta,
+            view,
+            Timestamp::default(),
+            &Limits::default(),
+        )
     }
 
     fn one(components: Json, meta: Map<String, Json>) -> Vec<Json> {
@@ -1119,15 +1127,22 @@ mod tests {
     /// Evaluate every view of `spec` in `model`'s state; assert no component failed and every
     /// bind shows the merged value. Returns the number of item-view rows seen.
     fn check_views(label: &str, spec: &ModelSpec, model: &mut crate::Model) -> usize {
-        let merged = model.merged_json(0);
+        let merged = model.merged_json(Timestamp::default());
         let meta = model.state().meta_json();
         let merged_val = valem_core::value::Val::from_json(&merged);
         let mut rows = 0;
         let def = spec.view_definition.as_ref().unwrap();
         for view in def["views"].as_array().unwrap() {
             let id = view["id"].as_str().unwrap();
-            let v = evaluate_view(spec, &merged, &meta, Some(id), 0, &Limits::default())
-                .unwrap_or_else(|e| panic!("{label}/{id}: {e}"));
+            let v = evaluate_view(
+                spec,
+                &merged,
+                &meta,
+                Some(id),
+                Timestamp::default(),
+                &Limits::default(),
+            )
+            .unwrap_or_else(|e| panic!("{label}/{id}: {e}"));
             assert_eq!(v["viewId"], json!(id));
             let mut all = Vec::new();
             walk(&v["components"], &mut all);
@@ -1165,7 +1180,7 @@ mod tests {
             }
             with_views += 1;
             let create = || {
-                crate::Model::create(&spec, 0, Default::default())
+                crate::Model::create(&spec, Timestamp::default(), Default::default())
                     .unwrap()
                     .0
             };
@@ -1178,7 +1193,7 @@ mod tests {
                     .iter()
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect();
-                if model.mutate(&given, 0).is_ok() {
+                if model.mutate(&given, Timestamp::default()).is_ok() {
                     rows += check_views(&format!("{name} tests[{i}]"), &spec, &mut model);
                 }
             }

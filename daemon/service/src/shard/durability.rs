@@ -35,7 +35,7 @@ pub(super) fn model_at(
         compiled,
         base,
         keys,
-        at_us / 1000,
+        Timestamp::from_us(at_us),
         limits.clone(),
     ))
 }
@@ -109,7 +109,7 @@ pub(super) fn apply_record(
 ) -> Result<MutationResult, String> {
     let writes = record_writes(rec)?;
     model
-        .unbounded(|m| m.mutate_parsed(&writes, rec.at_us / 1000))
+        .unbounded(|m| m.mutate_parsed(&writes, Timestamp::from_us(rec.at_us)))
         .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))
 }
 

@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value as Json};
 
 use super::audit::{AuditTrail, Entry as AuditEntry};
 use super::metrics::{CheckpointMetrics, CycleMetrics};
-use super::time::{iso, now_us};
+use super::time::{iso, now, now_us, Timestamp};
 use super::{
     AuditQuery, Event, ModelInfo, Reply, ServiceError, ServiceLimits, Source, Subscribers,
 };
@@ -208,7 +208,8 @@ impl Shard {
         t: i64,
     ) -> Result<(&mut Entry, MutationResult), ServiceError> {
         let (model, seeded) =
-            Model::create(&spec, t / 1000, self.limits.engine.clone()).map_err(create_error)?;
+            Model::create(&spec, Timestamp::from_us(t), self.limits.engine.clone())
+                .map_err(create_error)?;
         Ok((self.register(spec, model, t)?, seeded))
     }
 

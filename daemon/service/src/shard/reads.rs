@@ -49,10 +49,7 @@ impl Shard {
     pub fn state(&mut self, id: &str, at: Option<i64>) -> Result<Json, ServiceError> {
         let e = self.entry(id)?;
         match at {
-            None => {
-                let now = now_us() / 1000;
-                Ok(e.model.merged_json(now))
-            }
+            None => Ok(e.model.merged_json(now())),
             Some(at) => {
                 // The ring holds the newest commits without a gap: a hit in it is the answer.
                 if let Some(doc) = e.state_at(at) {
@@ -92,7 +89,7 @@ impl Shard {
         let mut model = match &checkpoint {
             Some(cp) => model_at(spec, &cp.state, cp.at_us, limits)?,
             None => {
-                Model::create(spec, created_us / 1000, limits.clone())
+                Model::create(spec, Timestamp::from_us(created_us), limits.clone())
                     .map_err(create_error)?
                     .0
             }
@@ -111,13 +108,13 @@ impl Shard {
     pub fn field(&mut self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {
         let segs = concrete(path)?;
         let e = self.entry(id)?;
-        Ok(e.model.get(&segs, now_us() / 1000))
+        Ok(e.model.get(&segs, now()))
     }
 
     pub fn effective_schema(&mut self, id: &str, path: &str) -> Result<Json, ServiceError> {
         let segs = concrete(path)?;
         let e = self.entry(id)?;
-        e.model.materialize(now_us() / 1000);
+        e.model.materialize(now());
         let node =
             effective_schema(&e.model.compiled, &e.model.state().meta, &segs).ok_or_else(|| {
                 ServiceError::BadRequest(format!(
@@ -219,7 +216,7 @@ impl Shard {
     pub fn view(&mut self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
         let limits = self.limits.engine.expr.clone();
         let e = self.entry(id)?;
-        let now = now_us() / 1000;
+        let now = now();
         let merged = e.model.merged_json(now);
         let meta = e.model.state().meta_json();
         valem_engine::view::evaluate_view(&e.spec, &merged, &meta, view_id, now, &limits).map_err(
@@ -244,8 +241,8 @@ impl Shard {
         if let Some(v) = &e.verification {
             return Ok(v.clone());
         }
-        let report = valem_engine::testrun::verify(&e.spec, now_us() / 1000, &limits)
-            .map_err(create_error)?;
+        let report =
+            valem_engine::testrun::verify(&e.spec, now(), &limits).map_err(create_error)?;
         let v = Arc::new(serde_json::to_value(report).unwrap_or(Json::Null));
         e.verification = Some(v.clone());
         Ok(v)
@@ -261,6 +258,6 @@ impl Shard {
             }
         }
         let e = self.entry(id)?;
-        Ok(walk(&e.model.merged_json(now_us() / 1000), blob_id))
+        Ok(walk(&e.model.merged_json(now()), blob_id))
     }
 }

@@ -278,7 +278,7 @@ impl Shard {
         let e = self.entry(id)?;
         let t = e.tick();
         let started = std::time::Instant::now();
-        let outcome = e.model.mutate_parsed(&parsed, t / 1000);
+        let outcome = e.model.mutate_parsed(&parsed, Timestamp::from_us(t));
         let took = started.elapsed();
         let result = match outcome {
             Ok(r) => r,
@@ -352,7 +352,7 @@ impl Shard {
     pub fn snapshot(&mut self, id: &str) -> Result<Json, ServiceError> {
         let e = self.entry(id)?;
         let now = now_us();
-        let derived = e.model.derived_cache(now / 1000);
+        let derived = e.model.derived_cache(Timestamp::from_us(now));
         let st = e.model.state();
         Ok(json!({
             "modelId": id,
@@ -432,7 +432,8 @@ impl Shard {
             return Err(ServiceError::Mutation(MutationError::Schema(violations)));
         }
         let t = e.tick();
-        e.model.reset_base(Val::from_json(base), t / 1000);
+        e.model
+            .reset_base(Val::from_json(base), Timestamp::from_us(t));
         e.traces.clear();
         e.restart_history(t);
         let version = e.spec.version_or_default().to_string();
@@ -519,7 +520,7 @@ impl Shard {
             compiled,
             base.clone(),
             st.effect_keys.clone(),
-            t / 1000,
+            Timestamp::from_us(t),
             limits,
         );
         if let Some(backfill) = &evo.backfill {
@@ -532,7 +533,7 @@ impl Shard {
             }
             if !writes.is_empty() {
                 model
-                    .mutate_parsed(&writes, t / 1000)
+                    .mutate_parsed(&writes, Timestamp::from_us(t))
                     .map_err(ServiceError::Mutation)?;
             }
         }
