@@ -181,7 +181,7 @@ fn fill(dir: &std::path::Path, n: u64, every: Option<u64>) {
         id: "demo".into(),
         spec_text: DEMO.into(),
         version: "1".into(),
-        at_us: valem_benches::T0 - 1,
+        at: valem_store::Timestamp::from_us(valem_benches::T0 - 1),
     })
     .expect("the model");
     let mut chain = valem_benches::AuditChain::new("demo");
@@ -192,7 +192,7 @@ fn fill(dir: &std::path::Path, n: u64, every: Option<u64>) {
             let op = Op::Checkpoint {
                 model_id: "demo".into(),
                 sequence: Some(i),
-                at_us: valem_benches::T0 + i as i64,
+                at: valem_store::Timestamp::from_us(valem_benches::T0 + i as i64),
                 state,
                 kind: valem_store::CheckpointKind::Periodic,
             };

@@ -19,7 +19,7 @@ use criterion::{
 };
 use serde_json::json;
 use valem_benches::AuditChain as Chain;
-use valem_store::{Op, SqliteStore, StoreOptions, Writer};
+use valem_store::{Op, SqliteStore, StoreOptions, Timestamp, Writer};
 
 use valem_benches::T0;
 
@@ -55,7 +55,7 @@ fn setup(threads: usize) -> (tempfile::TempDir, SqliteStore, Vec<Chain>) {
                     id: model.clone(),
                     spec_text: "{}".into(),
                     version: "1".into(),
-                    at_us: 0,
+                    at: Timestamp::from_us(0),
                 })
                 .expect("model");
             Chain::new(&model)
@@ -125,7 +125,7 @@ fn reads(c: &mut Criterion) {
                 Op::Checkpoint {
                     model_id: "m0".into(),
                     sequence: Some(i),
-                    at_us: T0 + i as i64,
+                    at: Timestamp::from_us(T0 + i as i64),
                     state,
                     kind: valem_store::CheckpointKind::Periodic,
                 },
@@ -167,7 +167,7 @@ fn reads(c: &mut Criterion) {
             // An instant 999 records past a checkpoint: the worst case for K = 1000.
             m = (m + 7) % (N / K);
             let at = m * K + K - 2;
-            let instant = T0 + at as i64;
+            let instant = Timestamp::from_us(T0 + at as i64);
             let cp = store
                 .usable_checkpoint("m0", Some(instant))
                 .expect("checkpoint")

@@ -307,9 +307,13 @@ impl AuditChain {
         });
         let h = valem_store::record_hash(&self.prev, &r);
         r["hash"] = json!(h);
-        let op =
-            valem_store::AuditAppend::new(at_us, &r, vec!["$.qty".into(), "$.total".into()], None)
-                .expect("a synthetic record is valid");
+        let op = valem_store::AuditAppend::new(
+            Timestamp::from_us(at_us),
+            &r,
+            vec!["$.qty".into(), "$.total".into()],
+            None,
+        )
+        .expect("a synthetic record is valid");
         self.prev = h;
         self.next += 1;
         valem_store::Op::AppendAudit(op)

@@ -3,8 +3,21 @@
 //! (`valem_service::time::now`) and gives the engine one per cycle; the engine hands
 //! JSONata the milliseconds its `$now()` and `$millis()` speak.
 
-/// An instant: microseconds since 1970-01-01T00:00:00Z (UTC).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// An instant: microseconds since 1970-01-01T00:00:00Z (UTC). Serialised as that integer.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(transparent)]
 pub struct Timestamp(i64);
 
 impl Timestamp {
@@ -21,6 +34,11 @@ impl Timestamp {
     /// Microseconds since the epoch.
     pub const fn us(self) -> i64 {
         self.0
+    }
+
+    /// One microsecond later (saturating): the next of strictly increasing instants.
+    pub const fn next(self) -> Timestamp {
+        Timestamp(self.0.saturating_add(1))
     }
 
     /// Whole milliseconds since the epoch, truncated toward zero.

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 
 use serde_json::{json, Map, Value as Json};
 
-use super::time::iso;
+use super::time::{iso, Timestamp};
 
 pub use valem_store::GENESIS;
 use valem_store::{record_hash, AuditAppend, AuditKey, ChainHasher, Sealed, StoreError};
@@ -17,7 +17,7 @@ use valem_store::{record_hash, AuditAppend, AuditKey, ChainHasher, Sealed, Store
 #[derive(Clone, Debug)]
 pub struct AuditRecord {
     pub sequence: u64,
-    pub at_us: i64,
+    pub at: Timestamp,
     /// The record as served (with `prevHash` and `hash`).
     pub json: Json,
     /// Paths a `pathPrefix` filter matches: mutation keys, derived updates, trace targets.
@@ -28,8 +28,8 @@ pub struct AuditRecord {
 #[derive(Clone, Debug, Default)]
 pub struct AuditQuery {
     pub path_prefix: Option<String>,
-    pub from_us: Option<i64>,
-    pub to_us: Option<i64>,
+    pub from: Option<Timestamp>,
+    pub to: Option<Timestamp>,
     pub limit: Option<usize>,
 }
 
@@ -47,7 +47,7 @@ pub struct Entry<'a> {
     pub model_id: &'a str,
     pub model_version: &'a str,
     pub source: &'a str,
-    pub at_us: i64,
+    pub at: Timestamp,
     pub mutations: Map<String, Json>,
     pub result: &'a valem_engine::MutationResult,
 }
@@ -77,7 +77,7 @@ impl AuditTrail {
     }
 
     /// A record read back from the store (recovery): it continues the chain as it is.
-    pub fn push_stored(&mut self, sequence: u64, at_us: i64, json: Json) {
+    pub fn push_stored(&mut self, sequence: u64, at: Timestamp, json: Json) {
         debug_assert!(
             self.records.back().is_none_or(|r| r.sequence < sequence),
             "stored records come back in increasing sequence"
@@ -109,7 +109,7 @@ impl AuditTrail {
         self.next_seq = sequence + 1;
         self.records.push_back(AuditRecord {
             sequence,
-            at_us,
+            at,
             json,
             paths,
         });
@@ -130,7 +130,7 @@ impl AuditTrail {
         paths.extend(r.derived_updated.iter().map(|d| d.to_string()));
         paths.extend(r.traces.iter().map(|t| t.target_path.to_string()));
         let fields = json!({
-            "timestamp": iso(e.at_us),
+            "timestamp": iso(e.at),
             "modelVersion": e.model_version,
             "source": e.source,
             "mutations": e.mutations,
@@ -151,14 +151,14 @@ impl AuditTrail {
             self.key.as_ref(),
         );
         let append = if durable {
-            Some(AuditAppend::sealed(e.at_us, &sealed, paths.clone())?)
+            Some(AuditAppend::sealed(e.at, &sealed, paths.clone())?)
         } else {
             None
         };
         self.last_hash = sealed.hash().to_string();
         self.records.push_back(AuditRecord {
             sequence: self.next_seq,
-            at_us: e.at_us,
+            at: e.at,
             json: sealed.into_json(),
             paths,
         });
@@ -175,8 +175,8 @@ impl AuditTrail {
         self.records
             .iter()
             .rev()
-            .filter(|r| q.from_us.is_none_or(|f| r.at_us >= f))
-            .filter(|r| q.to_us.is_none_or(|t| r.at_us <= t))
+            .filter(|r| q.from.is_none_or(|f| r.at >= f))
+            .filter(|r| q.to.is_none_or(|t| r.at <= t))
             .filter(|r| {
                 q.path_prefix
                     .as_deref()
@@ -305,7 +305,7 @@ mod tests {
                         model_id: "m",
                         model_version: "1.0.0",
                         source: "client",
-                        at_us: i as i64,
+                        at: Timestamp::from_us(i as i64),
                         mutations: m,
                         result: &r,
                     },
@@ -369,8 +369,8 @@ mod tests {
         let all = t.query(&AuditQuery::default());
         assert_eq!(all[0]["sequence"], 4);
         let q = AuditQuery {
-            from_us: Some(1),
-            to_us: Some(3),
+            from: Some(Timestamp::from_us(1)),
+            to: Some(Timestamp::from_us(3)),
             limit: Some(2),
             ..Default::default()
         };

@@ -4,7 +4,7 @@
 
 use serde_json::{json, Map, Value as Json};
 
-use super::time::{now, now_us};
+use super::time::now;
 use super::ModelService;
 use valem_core::spec::{ModelSpec, TestCase};
 
@@ -57,7 +57,7 @@ impl ModelService {
         use valem_core::expr::{json_to_jvalue, jvalue_to_json, Compiled, Env, Phase};
         let limits = &self.limits().engine.expr;
         let mut env = Env {
-            now_ms: Some(now_us() / 1000),
+            now_ms: Some(now().ms()),
             ..Env::default()
         };
         if let Some(k) = e.constants {

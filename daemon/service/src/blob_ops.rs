@@ -16,7 +16,7 @@ pub(super) fn put_blob_meta(
             size: r.bytes as u64,
             media_type: r.media_type.clone(),
             filename: None,
-            created_us: time::now_us(),
+            created: time::now(),
         }))
         .map_err(|e| ServiceError::Storage(e.to_string()))
 }

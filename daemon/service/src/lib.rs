@@ -13,6 +13,7 @@ pub use pending::{Answer, Call, Pending};
 // finding): surfaces name them through the service, never the engine.
 use pending::*;
 pub use types::*;
+pub use valem_core::time::Timestamp;
 pub use valem_engine::validate::Finding;
 pub use valem_engine::{MutationError, MutationResult};
 
@@ -437,8 +438,8 @@ impl ModelService {
 
     // --- reads ------------------------------------------------------------------------------
 
-    /// The merged state, now or as of `at` (epoch µs).
-    pub fn state(&self, id: &str, at: Option<i64>) -> Result<Json, ServiceError> {
+    /// The merged state, now or as of `at`.
+    pub fn state(&self, id: &str, at: Option<Timestamp>) -> Result<Json, ServiceError> {
         let owned = id.to_string();
         self.on_model(id, move |s| s.state(&owned, at))
     }
@@ -532,8 +533,8 @@ impl ModelService {
         sink.settle(std::time::Duration::from_secs(5));
         let query = valem_sdk::AuditQuery {
             model_id: id.to_string(),
-            from_us: q.from_us,
-            to_us: q.to_us,
+            from_us: q.from.map(Timestamp::us),
+            to_us: q.to.map(Timestamp::us),
             path_prefix: q.path_prefix,
             limit: q.limit,
         };

@@ -7,19 +7,14 @@ pub use valem_core::time::Timestamp;
 
 /// Now, on the wall clock.
 pub fn now() -> Timestamp {
-    Timestamp::from_us(now_us())
-}
-
-/// Now, in epoch microseconds.
-pub fn now_us() -> i64 {
-    Utc::now().timestamp_micros()
+    Timestamp::from_us(Utc::now().timestamp_micros())
 }
 
 /// ISO-8601 UTC with microseconds (`2026-12-02T18:31:39.123456Z`).
-pub fn iso(us: i64) -> String {
-    DateTime::<Utc>::from_timestamp_micros(us)
+pub fn iso(t: Timestamp) -> String {
+    DateTime::<Utc>::from_timestamp_micros(t.us())
         .map(|t| t.to_rfc3339_opts(SecondsFormat::Micros, true))
-        .unwrap_or_else(|| us.to_string())
+        .unwrap_or_else(|| t.us().to_string())
 }
 
 /// A text that is not an ISO-8601 instant.
@@ -29,16 +24,23 @@ pub struct NotAnInstant {
     pub text: String,
 }
 
+/// ISO-8601 UTC with milliseconds (`2026-12-02T18:31:39.123Z`), as effect statuses show it.
+pub fn iso_millis(t: Timestamp) -> String {
+    DateTime::<Utc>::from_timestamp_millis(t.ms())
+        .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
+        .unwrap_or_default()
+}
+
 /// Parse an ISO-8601 instant (RFC 3339: a `Z` or `±hh:mm` offset; a date alone means its
 /// midnight UTC) to epoch microseconds.
-pub fn parse_iso(s: &str) -> Result<i64, NotAnInstant> {
+pub fn parse_iso(s: &str) -> Result<Timestamp, NotAnInstant> {
     let t = s.trim();
     if let Ok(d) = DateTime::parse_from_rfc3339(t) {
-        return Ok(d.with_timezone(&Utc).timestamp_micros());
+        return Ok(Timestamp::from_us(d.with_timezone(&Utc).timestamp_micros()));
     }
     if let Ok(d) = chrono::NaiveDate::parse_from_str(t, "%Y-%m-%d") {
         if let Some(dt) = d.and_hms_opt(0, 0, 0) {
-            return Ok(dt.and_utc().timestamp_micros());
+            return Ok(Timestamp::from_us(dt.and_utc().timestamp_micros()));
         }
     }
     Err(NotAnInstant {
@@ -83,14 +85,17 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        let us = 1_767_225_600_123_456;
+        let us = Timestamp::from_us(1_767_225_600_123_456);
         assert_eq!(iso(us), "2026-01-01T00:00:00.123456Z");
         assert_eq!(parse_iso(&iso(us)), Ok(us));
         assert_eq!(
             parse_iso("2026-01-01T01:00:00+01:00"),
-            Ok(1_767_225_600_000_000)
+            Ok(Timestamp::from_us(1_767_225_600_000_000))
         );
-        assert_eq!(parse_iso("2026-01-01"), Ok(1_767_225_600_000_000));
+        assert_eq!(
+            parse_iso("2026-01-01"),
+            Ok(Timestamp::from_us(1_767_225_600_000_000))
+        );
         assert!(parse_iso("yesterday")
             .unwrap_err()
             .to_string()

@@ -11,6 +11,7 @@ use serde_json::Value as Json;
 use crate::chain::{AuditKey, BrokenCheckpoint, ChainHasher, ChainReport};
 use crate::checkpoints::CheckpointChoice;
 use crate::keys::KeyAdoption;
+use crate::Timestamp;
 use crate::{
     AuditEntry, AuditFilter, BlobMeta, SqliteStore, StoreError, StoredModel, StoredSnapshot,
     Writer, WriterStats,
@@ -36,13 +37,13 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// Every stored model.
     fn load_models(&self) -> Result<Vec<StoredModel>, StoreError>;
     /// Stream a model's records with sequence > `after_seq` (all when `None`) oldest first,
-    /// stopping before the first committed after `up_to_at_us`, or when `f` breaks; returns
+    /// stopping before the first committed after `up_to`, or when `f` breaks; returns
     /// how many `f` saw.
     fn audit_after(
         &self,
         model_id: &str,
         after_seq: Option<u64>,
-        up_to_at_us: Option<i64>,
+        up_to: Option<Timestamp>,
         f: &mut dyn FnMut(AuditEntry) -> ControlFlow<()>,
     ) -> Result<u64, StoreError>;
     /// A model's records matching `filter`, newest first.
@@ -63,7 +64,7 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn usable_checkpoint(
         &self,
         model_id: &str,
-        at_or_before_us: Option<i64>,
+        at_or_before: Option<Timestamp>,
     ) -> Result<CheckpointChoice, StoreError>;
     /// How many of a model's checkpoints verify, and the first that does not.
     fn verify_model_checkpoints(
@@ -101,10 +102,10 @@ impl Store for SqliteStore {
         &self,
         model_id: &str,
         after_seq: Option<u64>,
-        up_to_at_us: Option<i64>,
+        up_to: Option<Timestamp>,
         f: &mut dyn FnMut(AuditEntry) -> ControlFlow<()>,
     ) -> Result<u64, StoreError> {
-        SqliteStore::audit_after(self, model_id, after_seq, up_to_at_us, f)
+        SqliteStore::audit_after(self, model_id, after_seq, up_to, f)
     }
     fn query_audit(&self, model_id: &str, filter: &AuditFilter) -> Result<Vec<Json>, StoreError> {
         SqliteStore::query_audit(self, model_id, filter)
@@ -130,9 +131,9 @@ impl Store for SqliteStore {
     fn usable_checkpoint(
         &self,
         model_id: &str,
-        at_or_before_us: Option<i64>,
+        at_or_before: Option<Timestamp>,
     ) -> Result<CheckpointChoice, StoreError> {
-        SqliteStore::usable_checkpoint(self, model_id, at_or_before_us)
+        SqliteStore::usable_checkpoint(self, model_id, at_or_before)
     }
     fn verify_model_checkpoints(
         &self,

@@ -16,7 +16,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value as Json;
 
 use super::chain::{self, AuditKey, BrokenCheckpoint, CheckpointHeader, GENESIS};
-use super::{sql_err, SqliteStore, StoreError, StoredCheckpoint};
+use super::{sql_err, SqliteStore, StoreError, StoredCheckpoint, Timestamp};
 
 /// What a checkpoint's state is, and so whether recovery may fall back past it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -287,15 +287,16 @@ pub(super) fn rehash_keyed(c: &Connection, key: &AuditKey) -> rusqlite::Result<u
 
 impl SqliteStore {
     /// The checkpoint model `model_id` is recovered from: the newest that verifies against its
-    /// state and the chain (`at_or_before_us`: the newest taken at or before that instant, for
+    /// state and the chain (`at_or_before`: the newest taken at or before that instant, for
     /// an `?at=` read), with the newer ones refused on the way (`checkpoint: None`: replay from
     /// the spec's initial state). Never falls back past a base checkpoint (see the module doc):
     /// a refused or missing one is [`StoreError::CheckpointUnusable`].
     pub fn usable_checkpoint(
         &self,
         model_id: &str,
-        at_or_before_us: Option<i64>,
+        at_or_before: Option<Timestamp>,
     ) -> Result<CheckpointChoice, StoreError> {
+        let at_or_before_us = at_or_before.map(Timestamp::us);
         let q = |e| sql_err(&self.db, e);
         self.with_reader(|c| {
             c.execute_batch("BEGIN").map_err(q)?;
@@ -361,7 +362,7 @@ impl SqliteStore {
                         return Ok(CheckpointChoice {
                             checkpoint: Some(StoredCheckpoint {
                                 sequence: row.sequence(),
-                                at_us: row.at_us,
+                                at: Timestamp::from_us(row.at_us),
                                 state,
                                 kind: CheckpointKind::parse(&row.kind)
                                     .unwrap_or(CheckpointKind::Legacy),

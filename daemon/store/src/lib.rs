@@ -85,6 +85,7 @@ pub use chain::{
 };
 pub use checkpoints::{CheckpointChoice, CheckpointFault, CheckpointKind, RefusedCheckpoint};
 pub use keys::KeyAdoption;
+pub use valem_core::time::Timestamp;
 pub use writer::{AuditAppend, Done, Op, Writer, WriterStats};
 
 /// File name of the database inside the data directory.
@@ -293,10 +294,10 @@ pub struct StoredModel {
     pub spec_text: String,
     /// The model version.
     pub version: String,
-    /// When it was first stored (epoch µs).
-    pub created_us: i64,
-    /// When its spec was last stored (epoch µs).
-    pub updated_us: i64,
+    /// When it was first stored.
+    pub created: Timestamp,
+    /// When its spec was last stored.
+    pub updated: Timestamp,
     /// Sequence of the last committed audit record (`None`: no record yet).
     pub head_seq: Option<u64>,
     /// Hash of that record ([`GENESIS`] before the first).
@@ -308,8 +309,8 @@ pub struct StoredModel {
 pub struct StoredCheckpoint {
     /// The last record applied.
     pub sequence: Option<u64>,
-    /// That record's commit time (epoch µs).
-    pub at_us: i64,
+    /// That record's commit time.
+    pub at: Timestamp,
     /// The state.
     pub state: Json,
     /// Periodic, or a base set by a restore or an evolve.
@@ -321,8 +322,8 @@ pub struct StoredCheckpoint {
 pub struct AuditEntry {
     /// Its sequence.
     pub sequence: u64,
-    /// Its commit time (epoch µs).
-    pub at_us: i64,
+    /// Its commit time.
+    pub at: Timestamp,
     /// The record as served.
     pub record: Json,
 }
@@ -332,8 +333,8 @@ pub struct AuditEntry {
 pub struct StoredSnapshot {
     /// The snapshot id.
     pub snapshot_id: String,
-    /// When it was taken (epoch µs).
-    pub at_us: i64,
+    /// When it was taken.
+    pub at: Timestamp,
     /// The snapshot document.
     pub snapshot: Json,
 }
@@ -352,19 +353,20 @@ pub struct BlobMeta {
     pub media_type: String,
     /// Original file name, if any.
     pub filename: Option<String>,
-    /// Upload time (epoch µs).
-    pub created_us: i64,
+    /// Upload time (serialised as `createdUs`, epoch µs).
+    #[serde(rename = "createdUs")]
+    pub created: Timestamp,
 }
 
-/// Filters of [`SqliteStore::query_audit`] (all optional; times inclusive, epoch µs).
+/// Filters of [`SqliteStore::query_audit`] (all optional; times inclusive).
 #[derive(Clone, Debug, Default)]
 pub struct AuditFilter {
     /// Records touching a path that starts with this string.
     pub path_prefix: Option<String>,
     /// Committed at or after.
-    pub from_us: Option<i64>,
+    pub from: Option<Timestamp>,
     /// Committed at or before.
-    pub to_us: Option<i64>,
+    pub to: Option<Timestamp>,
     /// Most records (default [`DEFAULT_QUERY_LIMIT`], capped at [`MAX_QUERY_LIMIT`]).
     pub limit: Option<usize>,
 }

@@ -20,8 +20,8 @@ impl SqliteStore {
                         id: r.get(0)?,
                         spec_text: r.get(1)?,
                         version: r.get(2)?,
-                        created_us: r.get(3)?,
-                        updated_us: r.get(4)?,
+                        created: Timestamp::from_us(r.get(3)?),
+                        updated: Timestamp::from_us(r.get(4)?),
                         head_seq: r.get::<_, Option<i64>>(5)?.map(|s| s.max(0) as u64),
                         head_hash: r.get(6)?,
                     })
@@ -33,15 +33,16 @@ impl SqliteStore {
     }
 
     /// Stream a model's records with sequence > `after_seq` (all when `None`) oldest first, stopping
-    /// before the first record committed after `up_to_at_us`, or when `f` breaks. Returns how many
+    /// before the first record committed after `up_to`, or when `f` breaks. Returns how many
     /// records `f` saw. Records are read one at a time (no full load), in one read snapshot.
     pub fn audit_after(
         &self,
         model_id: &str,
         after_seq: Option<u64>,
-        up_to_at_us: Option<i64>,
+        up_to: Option<Timestamp>,
         mut f: impl FnMut(AuditEntry) -> ControlFlow<()>,
     ) -> Result<u64, StoreError> {
+        let up_to_at_us = up_to.map(Timestamp::us);
         let after = match after_seq {
             None => -1,
             Some(s) => i64::try_from(s).unwrap_or(i64::MAX),
@@ -73,7 +74,7 @@ impl SqliteStore {
                 seen += 1;
                 if f(AuditEntry {
                     sequence,
-                    at_us,
+                    at: Timestamp::from_us(at_us),
                     record,
                 })
                 .is_break()
@@ -110,11 +111,12 @@ impl SqliteStore {
             }
             sql.push(')');
         }
-        if let Some(from) = &filter.from_us {
+        let (from, to) = (filter.from.map(Timestamp::us), filter.to.map(Timestamp::us));
+        if let Some(from) = &from {
             sql.push_str(" AND at_us >= :from");
             args.push((":from", from));
         }
-        if let Some(to) = &filter.to_us {
+        if let Some(to) = &to {
             sql.push_str(" AND at_us <= :to");
             args.push((":to", to));
         }
@@ -162,7 +164,7 @@ impl SqliteStore {
                 })?;
                 out.push(StoredSnapshot {
                     snapshot_id,
-                    at_us,
+                    at: Timestamp::from_us(at_us),
                     snapshot,
                 });
             }
@@ -184,7 +186,7 @@ impl SqliteStore {
                         size: r.get::<_, i64>(2)?.max(0) as u64,
                         media_type: r.get(3)?,
                         filename: r.get(4)?,
-                        created_us: r.get(5)?,
+                        created: Timestamp::from_us(r.get(5)?),
                     })
                 })
                 .optional()

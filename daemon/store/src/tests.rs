@@ -60,7 +60,7 @@ impl Chain {
         let r = self.record(at_us, qty);
         Op::AppendAudit(
             AuditAppend::new(
-                at_us,
+                Timestamp::from_us(at_us),
                 &r,
                 vec!["$.qty".into(), "$.total".into()],
                 self.key.as_ref(),
@@ -75,7 +75,7 @@ fn put_model(id: &str) -> Op {
         id: id.into(),
         spec_text: format!("{{\"id\":\"{id}\"}}"),
         version: "1.0.0".into(),
-        at_us: 1,
+        at: Timestamp::from_us(1),
     }
 }
 
@@ -194,7 +194,7 @@ fn everything_written_is_back_after_reopen() {
         w.apply(Op::Checkpoint {
             model_id: "orders".into(),
             sequence: Some(9),
-            at_us: 1090,
+            at: Timestamp::from_us(1090),
             state: json!({"qty": 9}),
             kind: CheckpointKind::Periodic,
         })
@@ -202,7 +202,7 @@ fn everything_written_is_back_after_reopen() {
         w.apply(Op::Checkpoint {
             model_id: "orders".into(),
             sequence: Some(19),
-            at_us: 1190,
+            at: Timestamp::from_us(1190),
             state: json!({"qty": 19}),
             kind: CheckpointKind::Periodic,
         })
@@ -210,7 +210,7 @@ fn everything_written_is_back_after_reopen() {
         w.apply(Op::PutSnapshot {
             model_id: "orders".into(),
             snapshot_id: "s1".into(),
-            at_us: 5,
+            at: Timestamp::from_us(5),
             snapshot: json!({"state": {"qty": 3}}),
         })
         .expect("snapshot");
@@ -227,7 +227,7 @@ fn everything_written_is_back_after_reopen() {
             size: bytes.len() as u64,
             media_type: "text/plain".into(),
             filename: Some("h.txt".into()),
-            created_us: 7,
+            created: Timestamp::from_us(7),
         }))
         .expect("blob meta");
         store.close().expect("close");
@@ -254,14 +254,14 @@ fn everything_written_is_back_after_reopen() {
         (cp.sequence, cp.state.clone(), cp.kind),
         (Some(19), json!({"qty": 19}), CheckpointKind::Periodic)
     );
-    let cp = usable(Some(1150)).expect("some");
+    let cp = usable(Some(Timestamp::from_us(1150))).expect("some");
     assert_eq!(cp.sequence, Some(9));
-    assert!(usable(Some(10)).is_none());
+    assert!(usable(Some(Timestamp::from_us(10))).is_none());
 
     // Replay after checkpoint 9 up to t=1125: records 10, 11, 12.
     let mut seen = Vec::new();
     let n = store
-        .audit_after("orders", Some(9), Some(1125), |e| {
+        .audit_after("orders", Some(9), Some(Timestamp::from_us(1125)), |e| {
             seen.push((e.sequence, e.record["mutations"]["$.qty"].clone()));
             ControlFlow::Continue(())
         })
@@ -291,8 +291,8 @@ fn everything_written_is_back_after_reopen() {
     assert_eq!(seqs(AuditFilter::default()).len(), 20);
     assert_eq!(seqs(AuditFilter::default())[0], 19, "newest first");
     let window = AuditFilter {
-        from_us: Some(1030),
-        to_us: Some(1060),
+        from: Some(Timestamp::from_us(1030)),
+        to: Some(Timestamp::from_us(1060)),
         limit: Some(3),
         ..Default::default()
     };
@@ -377,7 +377,7 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
     let ahead = Op::Checkpoint {
         model_id: "m".into(),
         sequence: Some(9),
-        at_us: 5,
+        at: Timestamp::from_us(5),
         state: json!({}),
         kind: CheckpointKind::Periodic,
     };
@@ -436,11 +436,16 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
     let mut bad = Chain::new("m").record(1, 0);
     bad["mutations"]["$.qty"] = json!(1);
     assert!(matches!(
-        AuditAppend::new(1, &bad, vec![], None),
+        AuditAppend::new(Timestamp::from_us(1), &bad, vec![], None),
         Err(StoreError::InvalidRecord { .. })
     ));
     assert!(matches!(
-        AuditAppend::new(1, &json!({"modelId": "m"}), vec![], None),
+        AuditAppend::new(
+            Timestamp::from_us(1),
+            &json!({"modelId": "m"}),
+            vec![],
+            None
+        ),
         Err(StoreError::InvalidRecord { .. })
     ));
 }
@@ -528,7 +533,7 @@ fn a_full_database_fails_whole_batches_and_the_writer_recovers_when_space_return
         let r = w.apply(Op::PutSnapshot {
             model_id: "filler".into(),
             snapshot_id: format!("s{n}"),
-            at_us: n,
+            at: Timestamp::from_us(n),
             snapshot: json!({"pad": big}),
         });
         match r {
@@ -574,7 +579,7 @@ fn delete_model_removes_its_rows_from_every_table() {
         w.apply(Op::Checkpoint {
             model_id: id.into(),
             sequence: Some(2),
-            at_us: 2,
+            at: Timestamp::from_us(2),
             state: json!({}),
             kind: CheckpointKind::Periodic,
         })
@@ -582,7 +587,7 @@ fn delete_model_removes_its_rows_from_every_table() {
         w.apply(Op::PutSnapshot {
             model_id: id.into(),
             snapshot_id: "s".into(),
-            at_us: 2,
+            at: Timestamp::from_us(2),
             snapshot: json!({}),
         })
         .expect("snap");
@@ -754,7 +759,7 @@ fn ten_records() -> (tempfile::TempDir, Vec<Json>) {
         let r = chain.record(i, i);
         recs.push(r.clone());
         w.apply(Op::AppendAudit(
-            AuditAppend::new(i, &r, vec![], None).expect("valid"),
+            AuditAppend::new(Timestamp::from_us(i), &r, vec![], None).expect("valid"),
         ))
         .expect("append");
     }
@@ -958,7 +963,7 @@ fn checkpoint(
     Op::Checkpoint {
         model_id: model.into(),
         sequence,
-        at_us,
+        at: Timestamp::from_us(at_us),
         state: json!({"base": {"qty": qty, "note": "b"}, "effectKeys": {}}),
         kind,
     }
@@ -1013,7 +1018,7 @@ type Pick = (Option<Option<u64>>, Vec<(Option<u64>, &'static str)>);
 
 fn pick(store: &SqliteStore, at: Option<i64>) -> Pick {
     let c = store
-        .usable_checkpoint("m", at)
+        .usable_checkpoint("m", at.map(Timestamp::from_us))
         .expect("a usable checkpoint");
     (
         c.checkpoint.map(|cp| cp.sequence),
@@ -1230,7 +1235,7 @@ fn recovery_never_falls_back_past_a_restore_or_an_evolve() {
     let tmp = checkpointed(None, with_base);
     let store = open(tmp.path());
     let cp = store
-        .usable_checkpoint("m", Some(40))
+        .usable_checkpoint("m", Some(Timestamp::from_us(40)))
         .expect("cp")
         .checkpoint
         .expect("some");
@@ -1294,7 +1299,9 @@ fn recovery_never_falls_back_past_a_restore_or_an_evolve() {
         // Reads of instants before the restore do not need it (unless it is gone, and with
         // it when it was taken).
         if sql.starts_with("DELETE") {
-            assert!(store.usable_checkpoint("m", Some(3)).is_err());
+            assert!(store
+                .usable_checkpoint("m", Some(Timestamp::from_us(3)))
+                .is_err());
         } else {
             assert_eq!(pick(&store, Some(3)).0, Some(Some(3)), "{sql}");
         }
@@ -1728,7 +1735,13 @@ fn append_round(w: &Writer, chains: &mut [Chain], acked: &mut Acked, per_model: 
                 r["hash"].as_str().expect("hash").to_string(),
             ));
             ops.push(Op::AppendAudit(
-                AuditAppend::new(c.next as i64, &r, vec!["$.qty".into()], None).expect("valid"),
+                AuditAppend::new(
+                    Timestamp::from_us(c.next as i64),
+                    &r,
+                    vec!["$.qty".into()],
+                    None,
+                )
+                .expect("valid"),
             ));
         }
     }
@@ -1973,8 +1986,12 @@ fn a_sealed_record_is_the_validated_record_and_chains_in_the_store() {
                 "member order, key {key:?}"
             );
             assert_eq!(Some(sealed.hash()), validated["hash"].as_str());
-            let a = AuditAppend::sealed(10 + i, &sealed, vec!["$.qty".into(), "$.qty".into()])
-                .expect("appendable");
+            let a = AuditAppend::sealed(
+                Timestamp::from_us(10 + i),
+                &sealed,
+                vec!["$.qty".into(), "$.qty".into()],
+            )
+            .expect("appendable");
             assert_eq!((a.model_id(), a.sequence()), ("m", i as u64));
             ops.push(Op::AppendAudit(a));
         }

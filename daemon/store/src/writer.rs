@@ -16,7 +16,7 @@ use serde_json::Value as Json;
 use super::chain::{
     self, record_hash, record_hash_keyed, AuditKey, CheckpointHeader, Sealed, GENESIS,
 };
-use super::{sql_err, BlobMeta, CheckpointKind, Durability, StoreError};
+use super::{sql_err, BlobMeta, CheckpointKind, Durability, StoreError, Timestamp};
 
 /// Completion of one op: called exactly once, on the writer thread, with `Ok` after the op's batch
 /// committed (fsynced in strict mode) or with the error. It must not block or wait on the store.
@@ -30,7 +30,7 @@ pub enum Op {
         id: String,
         spec_text: String,
         version: String,
-        at_us: i64,
+        at: Timestamp,
     },
     /// Remove the model and all its rows: audit, audit paths, checkpoints, snapshots. Idempotent.
     DeleteModel { id: String },
@@ -44,7 +44,7 @@ pub enum Op {
     Checkpoint {
         model_id: String,
         sequence: Option<u64>,
-        at_us: i64,
+        at: Timestamp,
         state: Json,
         kind: CheckpointKind,
     },
@@ -52,7 +52,7 @@ pub enum Op {
     PutSnapshot {
         model_id: String,
         snapshot_id: String,
-        at_us: i64,
+        at: Timestamp,
         snapshot: Json,
     },
     /// Remove a named snapshot. Idempotent.
@@ -85,7 +85,7 @@ impl AuditAppend {
     /// what a `pathPrefix` filter matches (duplicates are fine). Fails when a field is missing or
     /// `hash` is not [`record_hash`] of the record (keyed with `key`: the store's audit key).
     pub fn new(
-        at_us: i64,
+        at: Timestamp,
         record: &Json,
         mut paths: Vec<String>,
         key: Option<&AuditKey>,
@@ -129,7 +129,7 @@ impl AuditAppend {
         Ok(AuditAppend {
             model_id: model_id.to_string(),
             sequence,
-            at_us,
+            at_us: at.us(),
             prev_hash: prev_hash.to_string(),
             hash: hash.to_string(),
             text,
@@ -140,7 +140,7 @@ impl AuditAppend {
     /// From a record [`Sealed`] by the caller: serialised here, once, and not hashed again.
     /// Fails only when the sequence is past 2^63 (the store's integer).
     pub fn sealed(
-        at_us: i64,
+        at: Timestamp,
         record: &Sealed,
         mut paths: Vec<String>,
     ) -> Result<AuditAppend, StoreError> {
@@ -159,7 +159,7 @@ impl AuditAppend {
         Ok(AuditAppend {
             model_id: model_id.to_string(),
             sequence,
-            at_us,
+            at_us: at.us(),
             prev_hash: prev_hash.to_string(),
             hash: record.hash().to_string(),
             text,
@@ -493,7 +493,7 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
             id,
             spec_text,
             version,
-            at_us,
+            at,
         } => {
             // In a keyed store a new model's chain is keyed from its first record.
             let (key_from, anchor) = match key {
@@ -508,7 +508,13 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                      updated_us = excluded.updated_us",
             )?
             .execute(params![
-                id, spec_text, version, at_us, GENESIS, key_from, anchor
+                id,
+                spec_text,
+                version,
+                at.us(),
+                GENESIS,
+                key_from,
+                anchor
             ])?;
         }
         Op::DeleteModel { id } => {
@@ -526,14 +532,14 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
         Op::Checkpoint {
             model_id,
             sequence,
-            at_us,
+            at,
             state,
             kind,
-        } => put_checkpoint(conn, model_id, sequence, at_us, state, kind, key)?,
+        } => put_checkpoint(conn, model_id, sequence, &at.us(), state, kind, key)?,
         Op::PutSnapshot {
             model_id,
             snapshot_id,
-            at_us,
+            at,
             snapshot,
         } => {
             head(conn, model_id)?;
@@ -541,7 +547,7 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                 "INSERT OR REPLACE INTO snapshots (model_id, snapshot_id, at_us, snapshot)
                  VALUES (?1, ?2, ?3, ?4)",
             )?
-            .execute(params![model_id, snapshot_id, at_us, to_text(snapshot)?])?;
+            .execute(params![model_id, snapshot_id, at.us(), to_text(snapshot)?])?;
         }
         Op::DeleteSnapshot {
             model_id,
@@ -566,7 +572,7 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                 size,
                 b.media_type,
                 b.filename,
-                b.created_us
+                b.created.us()
             ])?;
         }
     }

@@ -60,8 +60,8 @@ impl Params {
         }
     }
 
-    /// An ISO-8601 instant parameter, in epoch µs (400 when unparseable).
-    pub fn instant(&self, name: &str) -> Result<Option<i64>, ApiError> {
+    /// An ISO-8601 instant parameter (400 when unparseable).
+    pub fn instant(&self, name: &str) -> Result<Option<valem_service::Timestamp>, ApiError> {
         self.get(name)
             .map(|v| parse_iso(v).map_err(|m| ApiError::bad_request(format!("`{name}`: {m}"))))
             .transpose()

@@ -229,8 +229,8 @@ pub async fn audit(
 ) -> Result<Response, ApiError> {
     let query = AuditQuery {
         path_prefix: q.get("path").map(String::from),
-        from_us: q.instant("from")?,
-        to_us: q.instant("to")?,
+        from: q.instant("from")?,
+        to: q.instant("to")?,
         limit: q.positive("limit")?,
     };
     Ok(ok(call(&st, move |svc| svc.audit(&id, query)).await?))

@@ -26,7 +26,7 @@ use valem_service::authoring::{
 use valem_service::plugins::{Kind, Plugin, Plugins};
 use valem_service::time::parse_iso;
 use valem_service::MutationError;
-use valem_service::{AuditQuery, BlobRef, ModelInfo, ServiceError};
+use valem_service::{AuditQuery, BlobRef, ModelInfo, ServiceError, Timestamp};
 
 /// The tools that never touch the registry (the proxy runs them locally).
 pub const AUTHORING: &[&str] = &[
@@ -426,14 +426,14 @@ fn write_tools() -> Vec<Tool> {
             cycle: None,
             handler: |c, a| {
                 let a: AuditArgs = args("get_audit", a)?;
-                let instant = |s: Option<String>| -> Result<Option<i64>, ToolError> {
+                let instant = |s: Option<String>| -> Result<Option<Timestamp>, ToolError> {
                     s.map(|s| parse_iso(&s).map_err(|e| ToolError::Message(e.to_string())))
                         .transpose()
                 };
                 let q = AuditQuery {
                     path_prefix: a.path_prefix,
-                    from_us: instant(a.from)?,
-                    to_us: instant(a.to)?,
+                    from: instant(a.from)?,
+                    to: instant(a.to)?,
                     limit: a.limit,
                 };
                 Ok(json!(c.server.service.audit(&a.id, q)?))

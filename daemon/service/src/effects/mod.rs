@@ -57,6 +57,7 @@ use std::time::Duration;
 
 use serde_json::{json, Map, Value as Json};
 
+use super::time::{iso_millis, now, Timestamp};
 use super::{Event, EventFilter, ModelService, ServiceError};
 use valem_core::expr::{json_to_jvalue, jvalue_to_json, Compiled, Env, Limits, Value as JValue};
 use valem_core::spec::{EffectSpec, ModelSpec};
@@ -126,7 +127,7 @@ struct Job<'a> {
 /// A timer waiting to fire.
 #[derive(Clone, Debug)]
 struct Timer {
-    fire_at_ms: i64,
+    fire_at: Timestamp,
     model: String,
     req: EffectRequest,
 }
@@ -139,22 +140,12 @@ pub struct Runner {
     slots: (Mutex<usize>, Condvar),
 }
 
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
-}
-
-fn iso(ms: i64) -> String {
-    chrono::DateTime::from_timestamp_millis(ms)
-        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
-        .unwrap_or_default()
-}
-
 /// The status sub-document of one phase.
 fn status(phase: &str, key: &Option<Json>, extra: &[(&str, Json)]) -> Json {
     let mut m = Map::new();
     m.insert("phase".into(), json!(phase));
     m.insert("key".into(), key.clone().unwrap_or(Json::Null));
-    m.insert("at".into(), json!(iso(now_ms())));
+    m.insert("at".into(), json!(iso_millis(now())));
     for (k, v) in extra {
         m.insert((*k).to_string(), v.clone());
     }
@@ -247,16 +238,16 @@ impl Runner {
                     self.report(model, &req, r);
                 }
             }
-            "timer" => match fire_time(&req, now_ms()) {
+            "timer" => match fire_time(&req, now()) {
                 Ok(at) => {
                     let r = self.set_status(
                         model,
                         &req,
-                        status("pending", &req.dedupe_key, &[("fireAt", json!(at))]),
+                        status("pending", &req.dedupe_key, &[("fireAt", json!(at.ms()))]),
                     );
                     if r.is_ok() {
                         self.schedule(Timer {
-                            fire_at_ms: at,
+                            fire_at: at,
                             model: model.to_string(),
                             req,
                         });
@@ -325,9 +316,9 @@ impl Runner {
                         let at = st
                             .get("fireAt")
                             .and_then(|a| a.as_i64())
-                            .unwrap_or_else(now_ms);
+                            .map_or_else(now, Timestamp::from_ms);
                         self.schedule(Timer {
-                            fire_at_ms: at,
+                            fire_at: at,
                             model: id.clone(),
                             req,
                         });
@@ -545,15 +536,27 @@ mod tests {
             at,
             after_ms: after,
         };
-        assert_eq!(fire_time(&r(None, Some(json!("1500"))), 1000), Ok(2500));
-        assert_eq!(fire_time(&r(None, Some(json!(20))), 1000), Ok(1020));
-        assert_eq!(fire_time(&r(Some(json!(5000)), None), 1000), Ok(5000));
         assert_eq!(
-            fire_time(&r(Some(json!("1970-01-01T00:00:02Z")), None), 0),
-            Ok(2000)
+            fire_time(&r(None, Some(json!("1500"))), Timestamp::from_ms(1000)),
+            Ok(Timestamp::from_ms(2500))
         );
-        assert!(fire_time(&r(None, Some(json!("soon"))), 0).is_err());
-        assert!(fire_time(&r(None, None), 0).is_err());
+        assert_eq!(
+            fire_time(&r(None, Some(json!(20))), Timestamp::from_ms(1000)),
+            Ok(Timestamp::from_ms(1020))
+        );
+        assert_eq!(
+            fire_time(&r(Some(json!(5000)), None), Timestamp::from_ms(1000)),
+            Ok(Timestamp::from_ms(5000))
+        );
+        assert_eq!(
+            fire_time(
+                &r(Some(json!("1970-01-01T00:00:02Z")), None),
+                Timestamp::from_ms(0)
+            ),
+            Ok(Timestamp::from_ms(2000))
+        );
+        assert!(fire_time(&r(None, Some(json!("soon"))), Timestamp::from_ms(0)).is_err());
+        assert!(fire_time(&r(None, None), Timestamp::from_ms(0)).is_err());
     }
 
     #[test]

@@ -24,7 +24,7 @@ pub(super) fn model_input(
 ) -> Result<(JValue, Env), ServiceError> {
     let doc = svc.state(model, None)?;
     let mut env = Env {
-        now_ms: Some(now_ms()),
+        now_ms: Some(now().ms()),
         ..Env::default()
     };
     env.vars.push((

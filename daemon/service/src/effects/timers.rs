@@ -3,16 +3,20 @@
 use super::*;
 
 /// When a timer request fires: `at` (epoch ms or ISO-8601) or `afterMs` after `now`.
-pub(super) fn fire_time(req: &EffectRequest, now: i64) -> Result<i64, String> {
+pub(super) fn fire_time(req: &EffectRequest, now: Timestamp) -> Result<Timestamp, String> {
     if let Some(at) = &req.at {
         return match at {
             Json::Number(n) => n
                 .as_f64()
-                .map(|f| f as i64)
+                .map(|f| Timestamp::from_ms(f as i64))
                 .ok_or_else(|| "`at` is not a time".into()),
             Json::String(s) => chrono::DateTime::parse_from_rfc3339(s)
-                .map(|t| t.timestamp_millis())
-                .or_else(|_| s.trim().parse::<f64>().map(|f| f as i64))
+                .map(|t| Timestamp::from_ms(t.timestamp_millis()))
+                .or_else(|_| {
+                    s.trim()
+                        .parse::<f64>()
+                        .map(|f| Timestamp::from_ms(f as i64))
+                })
                 .map_err(|_| format!("`at` is neither epoch ms nor ISO-8601: {s:?}")),
             other => Err(format!("`at` is neither epoch ms nor ISO-8601: {other}")),
         };
@@ -25,7 +29,7 @@ pub(super) fn fire_time(req: &EffectRequest, now: i64) -> Result<i64, String> {
         }
         .filter(|f| f.is_finite() && *f >= 0.0)
         .ok_or_else(|| format!("`afterMs` is not a delay in milliseconds: {after}"))?;
-        return Ok(now + ms as i64);
+        return Ok(Timestamp::from_ms(now.ms().saturating_add(ms as i64)));
     }
     Err("a timer effect needs `at` or `afterMs`".into())
 }
@@ -48,13 +52,13 @@ impl Runner {
                     if self.svc.strong_count() == 0 {
                         return;
                     }
-                    let now = now_ms();
-                    if let Some(i) = ts.iter().position(|t| t.fire_at_ms <= now) {
+                    let now = now();
+                    if let Some(i) = ts.iter().position(|t| t.fire_at <= now) {
                         break ts.swap_remove(i);
                     }
-                    let next = ts.iter().map(|t| t.fire_at_ms).min();
+                    let next = ts.iter().map(|t| t.fire_at).min();
                     let wait = next.map_or(Duration::from_secs(1), |n| {
-                        Duration::from_millis((n - now).clamp(1, 1000) as u64)
+                        Duration::from_millis((n.ms() - now.ms()).clamp(1, 1000) as u64)
                     });
                     ts = self
                         .wake

@@ -4,11 +4,11 @@
 use super::*;
 
 /// The model `spec` defines, with the base document and effect dedupe keys of a checkpoint
-/// (`{base, effectKeys}`), evaluated at `at_us`.
+/// (`{base, effectKeys}`), evaluated at `at`.
 pub(super) fn model_at(
     spec: &ModelSpec,
     state: &Json,
-    at_us: i64,
+    at: Timestamp,
     limits: &valem_engine::EngineLimits,
 ) -> Result<Model, ServiceError> {
     let compiled = compile_cached(spec, limits).map_err(|errs| {
@@ -31,23 +31,17 @@ pub(super) fn model_at(
                 .collect()
         })
         .unwrap_or_default();
-    Ok(Model::from_base(
-        compiled,
-        base,
-        keys,
-        Timestamp::from_us(at_us),
-        limits.clone(),
-    ))
+    Ok(Model::from_base(compiled, base, keys, at, limits.clone()))
 }
 
-/// The store write of `spec` as the model's current spec, at `at_us`.
-pub(super) fn put_model_op(spec: &ModelSpec, at_us: i64) -> Result<Op, ServiceError> {
+/// The store write of `spec` as the model's current spec, at `at`.
+pub(super) fn put_model_op(spec: &ModelSpec, at: Timestamp) -> Result<Op, ServiceError> {
     let text = serde_json::to_string(spec).map_err(|e| ServiceError::Storage(e.to_string()))?;
     Ok(Op::PutModel {
         id: spec.id.clone(),
         spec_text: text,
         version: spec.version_or_default().to_string(),
-        at_us,
+        at,
     })
 }
 
@@ -63,7 +57,7 @@ pub(super) fn checkpoint_op(id: &str, e: &Entry, kind: CheckpointKind) -> Op {
     Op::Checkpoint {
         model_id: id.to_string(),
         sequence: e.audit.head(),
-        at_us: e.last_us,
+        at: e.last,
         state: json!({"base": st.base.to_json(), "effectKeys": keys}),
         kind,
     }
@@ -96,9 +90,9 @@ pub(super) fn replay(
 ) -> Result<(), String> {
     let result = apply_record(&mut e.model, &rec)?;
     push_traces(&mut e.traces, result.traces.iter(), explain_max);
-    e.remember(rec.at_us, history_max);
-    e.last_us = e.last_us.max(rec.at_us);
-    e.audit.push_stored(rec.sequence, rec.at_us, rec.record);
+    e.remember(rec.at, history_max);
+    e.last = e.last.max(rec.at);
+    e.audit.push_stored(rec.sequence, rec.at, rec.record);
     Ok(())
 }
 
@@ -109,22 +103,22 @@ pub(super) fn apply_record(
 ) -> Result<MutationResult, String> {
     let writes = record_writes(rec)?;
     model
-        .unbounded(|m| m.mutate_parsed(&writes, Timestamp::from_us(rec.at_us)))
+        .unbounded(|m| m.mutate_parsed(&writes, rec.at))
         .map_err(|x| format!("record {} no longer commits: {x}", rec.sequence))
 }
 
-/// Feed model `id`'s stored records after `after` (up to `up_to_us`) to `f`, oldest first,
+/// Feed model `id`'s stored records after `after` (up to `up_to`) to `f`, oldest first,
 /// stopping at its first failure.
 pub(super) fn replay_stored(
     store: &dyn Store,
     id: &str,
     after: Option<u64>,
-    up_to_us: Option<i64>,
+    up_to: Option<Timestamp>,
     mut f: impl FnMut(valem_store::AuditEntry) -> Result<(), String>,
 ) -> Result<(), ServiceError> {
     let mut failure = None;
     store
-        .audit_after(id, after, up_to_us, &mut |rec| match f(rec) {
+        .audit_after(id, after, up_to, &mut |rec| match f(rec) {
             Ok(()) => std::ops::ControlFlow::Continue(()),
             Err(m) => {
                 failure = Some(m);
@@ -291,16 +285,16 @@ impl Shard {
         let checkpoint = choice.checkpoint;
         let after = checkpoint.as_ref().and_then(|c| c.sequence);
         let e = match checkpoint {
-            None => self.insert(spec, stored.created_us)?,
+            None => self.insert(spec, stored.created)?,
             Some(cp) => {
-                let model = model_at(&spec, &cp.state, cp.at_us, &self.limits.engine)?;
-                let e = self.register(spec, model, cp.at_us)?;
+                let model = model_at(&spec, &cp.state, cp.at, &self.limits.engine)?;
+                let e = self.register(spec, model, cp.at)?;
                 e.checkpointed = cp.sequence;
                 e
             }
         };
-        e.created_us = stored.created_us;
-        e.evolved_us = stored.updated_us.max(stored.created_us);
+        e.created = stored.created;
+        e.evolved = stored.updated.max(stored.created);
         if let Some(head) = stored.head_seq {
             e.audit.resume(head, &stored.head_hash);
         }

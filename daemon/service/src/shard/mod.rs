@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value as Json};
 
 use super::audit::{AuditTrail, Entry as AuditEntry};
 use super::metrics::{CheckpointMetrics, CycleMetrics};
-use super::time::{iso, now, now_us, Timestamp};
+use super::time::{iso, now, Timestamp};
 use super::{
     AuditQuery, Event, ModelInfo, Reply, ServiceError, ServiceLimits, Source, Subscribers,
 };
@@ -42,7 +42,7 @@ pub(super) struct Entry {
     traces: VecDeque<Trace>,
     audit: AuditTrail,
     /// Last commit time: commit times are strictly increasing per model.
-    last_us: i64,
+    last: Timestamp,
     /// The verification report of `spec` (a pure function of it), once computed.
     verification: Option<Arc<Json>>,
     /// Set (by the store's writer) when a write of this model failed: memory is ahead of the
@@ -50,10 +50,10 @@ pub(super) struct Entry {
     stale: Arc<std::sync::atomic::AtomicBool>,
     /// The sequence of the newest checkpoint written (with a store).
     checkpointed: Option<u64>,
-    /// When the model was created (µs): nothing exists before it.
-    created_us: i64,
-    /// When its spec last changed (creation or evolve, µs): the history starts there.
-    evolved_us: i64,
+    /// When the model was created: nothing exists before it.
+    created: Timestamp,
+    /// When its spec last changed (creation or evolve): the history starts there.
+    evolved: Timestamp,
 }
 
 /// One commit of the history ring: its time, and what changed after it up to and including the
@@ -62,16 +62,16 @@ pub(super) struct Entry {
 /// the live one, so the next commit would copy every branch on the paths it writes (criterion,
 /// 100k fan-out: 7.4 µs a commit that way, 1.9 µs this way).
 struct Commit {
-    at_us: i64,
+    at: Timestamp,
     after: Vec<Undo>,
 }
 
 impl Entry {
-    /// Record a commit at `t` (µs) in the ring, keeping the newest `max`.
-    fn remember(&mut self, t: i64, max: usize) {
+    /// Record a commit at `t` in the ring, keeping the newest `max`.
+    fn remember(&mut self, t: Timestamp, max: usize) {
         self.settle_history();
         self.history.push_back(Commit {
-            at_us: t,
+            at: t,
             after: Vec::new(),
         });
         while self.history.len() > max.max(1) {
@@ -81,7 +81,7 @@ impl Entry {
 
     /// Start the ring again at `t` (creation, evolution, restore): nothing before is carried;
     /// the model logs its changes from here.
-    fn restart_history(&mut self, t: i64) {
+    fn restart_history(&mut self, t: Timestamp) {
         self.model.record_undo(true);
         self.history.clear();
         self.remember(t, 1);
@@ -95,11 +95,11 @@ impl Entry {
         }
     }
 
-    /// The merged document as it was right after the newest commit at or before `at` (µs), if
-    /// the ring still holds it.
-    fn state_at(&mut self, at: i64) -> Option<Json> {
+    /// The merged document as it was right after the newest commit at or before `at`, if the
+    /// ring still holds it.
+    fn state_at(&mut self, at: Timestamp) -> Option<Json> {
         self.settle_history();
-        let k = self.history.iter().rposition(|c| c.at_us <= at)?;
+        let k = self.history.iter().rposition(|c| c.at <= at)?;
         let later = self.history.range(k..).rev();
         let st = self
             .model
@@ -107,9 +107,9 @@ impl Entry {
         Some(st.merged_json())
     }
 
-    fn tick(&mut self) -> i64 {
-        let t = now_us().max(self.last_us + 1);
-        self.last_us = t;
+    fn tick(&mut self) -> Timestamp {
+        let t = now().max(self.last.next());
+        self.last = t;
         t
     }
 }
@@ -175,7 +175,7 @@ impl Shard {
                 why: why.clone(),
             }));
         }
-        let t = now_us();
+        let t = now();
         let persist = match &self.store {
             None => None,
             Some(_) => match put_model_op(&spec, t) {
@@ -196,8 +196,8 @@ impl Shard {
         self.durably(&id, persist, info, reply, event);
     }
 
-    /// Compile `spec` into a fresh model created at `t` (µs) and register it.
-    fn insert(&mut self, spec: ModelSpec, t: i64) -> Result<&mut Entry, ServiceError> {
+    /// Compile `spec` into a fresh model created at `t` and register it.
+    fn insert(&mut self, spec: ModelSpec, t: Timestamp) -> Result<&mut Entry, ServiceError> {
         Ok(self.insert_seeded(spec, t)?.0)
     }
 
@@ -205,11 +205,10 @@ impl Shard {
     fn insert_seeded(
         &mut self,
         spec: ModelSpec,
-        t: i64,
+        t: Timestamp,
     ) -> Result<(&mut Entry, MutationResult), ServiceError> {
         let (model, seeded) =
-            Model::create(&spec, Timestamp::from_us(t), self.limits.engine.clone())
-                .map_err(create_error)?;
+            Model::create(&spec, t, self.limits.engine.clone()).map_err(create_error)?;
         Ok((self.register(spec, model, t)?, seeded))
     }
 
@@ -217,7 +216,7 @@ impl Shard {
         &mut self,
         spec: ModelSpec,
         model: Model,
-        t: i64,
+        t: Timestamp,
     ) -> Result<&mut Entry, ServiceError> {
         let id = spec.id.clone();
         self.models.insert(
@@ -231,12 +230,12 @@ impl Shard {
                     self.limits.audit_entries,
                     self.store.as_ref().and_then(|s| s.audit_key().copied()),
                 ),
-                last_us: t,
+                last: t,
                 verification: None,
                 stale: Arc::default(),
                 checkpointed: None,
-                created_us: t,
-                evolved_us: t,
+                created: t,
+                evolved: t,
             },
         );
         let e = self.entry_raw(&id)?;

@@ -46,7 +46,7 @@ impl Shard {
         ))
     }
 
-    pub fn state(&mut self, id: &str, at: Option<i64>) -> Result<Json, ServiceError> {
+    pub fn state(&mut self, id: &str, at: Option<Timestamp>) -> Result<Json, ServiceError> {
         let e = self.entry(id)?;
         match at {
             None => Ok(e.model.merged_json(now())),
@@ -55,30 +55,30 @@ impl Shard {
                 if let Some(doc) = e.state_at(at) {
                     return Ok(doc);
                 }
-                let (spec, created_us, evolved_us) = (e.spec.clone(), e.created_us, e.evolved_us);
-                if at < evolved_us {
+                let (spec, created, evolved) = (e.spec.clone(), e.created, e.evolved);
+                if at < evolved {
                     // Before the current spec: that runtime's history is not carried.
                     return Err(ServiceError::HistoryNotFound(iso(at)));
                 }
                 match self.store.clone() {
-                    Some(store) => self.state_from_store(&*store, &spec, created_us, id, at),
+                    Some(store) => self.state_from_store(&*store, &spec, created, id, at),
                     None => Err(ServiceError::HistoryNotFound(iso(at))),
                 }
             }
         }
     }
 
-    /// The state of model `id` at `at` (µs) rebuilt from the store: the newest checkpoint taken
+    /// The state of model `id` at `at` rebuilt from the store: the newest checkpoint taken
     /// at or before it, plus the records committed up to it.
     pub(super) fn state_from_store(
         &self,
         store: &dyn Store,
         spec: &ModelSpec,
-        created_us: i64,
+        created: Timestamp,
         id: &str,
-        at: i64,
+        at: Timestamp,
     ) -> Result<Json, ServiceError> {
-        if at < created_us {
+        if at < created {
             return Err(ServiceError::HistoryNotFound(iso(at)));
         }
         let storage = |x: valem_store::StoreError| ServiceError::Storage(x.to_string());
@@ -87,9 +87,9 @@ impl Shard {
         self.report_refused(id, &choice, "the `?at=` read");
         let checkpoint = choice.checkpoint;
         let mut model = match &checkpoint {
-            Some(cp) => model_at(spec, &cp.state, cp.at_us, limits)?,
+            Some(cp) => model_at(spec, &cp.state, cp.at, limits)?,
             None => {
-                Model::create(spec, Timestamp::from_us(created_us), limits.clone())
+                Model::create(spec, created, limits.clone())
                     .map_err(create_error)?
                     .0
             }
@@ -148,13 +148,13 @@ impl Shard {
         let store = self.store.clone();
         let e = self.entry(id)?;
         let Some(store) = store else {
-            return Ok(e.history.iter().map(|c| iso(c.at_us)).collect());
+            return Ok(e.history.iter().map(|c| iso(c.at)).collect());
         };
         // The commit times the store holds (the ring restarts with the process): the creation
         // or last evolve, then one per record since, the newest `max` of them.
         let filter = valem_store::AuditFilter {
             limit: Some(max),
-            from_us: Some(e.evolved_us),
+            from: Some(e.evolved),
             ..Default::default()
         };
         let newest = store
@@ -170,7 +170,7 @@ impl Shard {
             })
             .collect();
         if times.len() < max {
-            times.insert(0, iso(e.evolved_us));
+            times.insert(0, iso(e.evolved));
         }
         Ok(times)
     }
@@ -185,8 +185,8 @@ impl Shard {
                     id,
                     &valem_store::AuditFilter {
                         path_prefix: q.path_prefix.clone(),
-                        from_us: q.from_us,
-                        to_us: q.to_us,
+                        from: q.from,
+                        to: q.to,
                         limit: q.limit,
                     },
                 )

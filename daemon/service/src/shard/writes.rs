@@ -243,7 +243,7 @@ impl Shard {
                     let entry = valem_sdk::AuditEntry {
                         model_id: id.to_string(),
                         sequence: r.sequence,
-                        at_us: r.at_us,
+                        at_us: r.at.us(),
                         paths: r.paths.clone(),
                         record: r.json.clone(),
                     };
@@ -278,7 +278,7 @@ impl Shard {
         let e = self.entry(id)?;
         let t = e.tick();
         let started = std::time::Instant::now();
-        let outcome = e.model.mutate_parsed(&parsed, Timestamp::from_us(t));
+        let outcome = e.model.mutate_parsed(&parsed, t);
         let took = started.elapsed();
         let result = match outcome {
             Ok(r) => r,
@@ -314,7 +314,7 @@ impl Shard {
                     model_id: id,
                     model_version: &version,
                     source: source.as_str(),
-                    at_us: t,
+                    at: t,
                     mutations,
                     result: &result,
                 },
@@ -351,8 +351,8 @@ impl Shard {
 
     pub fn snapshot(&mut self, id: &str) -> Result<Json, ServiceError> {
         let e = self.entry(id)?;
-        let now = now_us();
-        let derived = e.model.derived_cache(Timestamp::from_us(now));
+        let now = now();
+        let derived = e.model.derived_cache(now);
         let st = e.model.state();
         Ok(json!({
             "modelId": id,
@@ -432,8 +432,7 @@ impl Shard {
             return Err(ServiceError::Mutation(MutationError::Schema(violations)));
         }
         let t = e.tick();
-        e.model
-            .reset_base(Val::from_json(base), Timestamp::from_us(t));
+        e.model.reset_base(Val::from_json(base), t);
         e.traces.clear();
         e.restart_history(t);
         let version = e.spec.version_or_default().to_string();
@@ -454,8 +453,8 @@ impl Shard {
                 let op = match (&self.store, self.models.get_mut(id)) {
                     (Some(_), Some(e)) => {
                         e.checkpointed = e.audit.head();
-                        e.evolved_us = e.last_us;
-                        match put_model_op(&e.spec, e.last_us) {
+                        e.evolved = e.last;
+                        match put_model_op(&e.spec, e.last) {
                             Ok(put) => Some(Op::Atomic(vec![
                                 put,
                                 checkpoint_op(id, e, CheckpointKind::Base),
@@ -516,13 +515,7 @@ impl Shard {
         let t = e.tick();
         let st = e.model.state();
         let base = st.base.clone();
-        let mut model = Model::from_base(
-            compiled,
-            base.clone(),
-            st.effect_keys.clone(),
-            Timestamp::from_us(t),
-            limits,
-        );
+        let mut model = Model::from_base(compiled, base.clone(), st.effect_keys.clone(), t, limits);
         if let Some(backfill) = &evo.backfill {
             let mut writes = Vec::new();
             for (k, v) in backfill {
@@ -533,7 +526,7 @@ impl Shard {
             }
             if !writes.is_empty() {
                 model
-                    .mutate_parsed(&writes, Timestamp::from_us(t))
+                    .mutate_parsed(&writes, t)
                     .map_err(ServiceError::Mutation)?;
             }
         }
