@@ -191,7 +191,7 @@ fn fill(dir: &std::path::Path, n: u64, every: Option<u64>) {
             let state = json!({"base": {"qty": i % 1000}, "effectKeys": {}});
             let op = Op::Checkpoint {
                 model_id: "demo".into(),
-                sequence: Some(i),
+                sequence: Some(valem_store::Seq::new(i)),
                 at: valem_store::Timestamp::from_us(valem_benches::T0 + i as i64),
                 state,
                 kind: valem_store::CheckpointKind::Periodic,

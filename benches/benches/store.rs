@@ -19,7 +19,7 @@ use criterion::{
 };
 use serde_json::json;
 use valem_benches::AuditChain as Chain;
-use valem_store::{Op, SqliteStore, StoreOptions, Timestamp, Writer};
+use valem_store::{Op, Seq, SqliteStore, StoreOptions, Timestamp, Writer};
 
 use valem_benches::T0;
 
@@ -124,7 +124,7 @@ fn reads(c: &mut Criterion) {
             w.submit(
                 Op::Checkpoint {
                     model_id: "m0".into(),
-                    sequence: Some(i),
+                    sequence: Some(Seq::new(i)),
                     at: Timestamp::from_us(T0 + i as i64),
                     state,
                     kind: valem_store::CheckpointKind::Periodic,
@@ -180,7 +180,7 @@ fn reads(c: &mut Criterion) {
                     ControlFlow::Continue(())
                 })
                 .expect("replay");
-            assert_eq!(last.or(after), Some(at));
+            assert_eq!(last.or(after), Some(Seq::new(at)));
         })
     });
     g.finish();

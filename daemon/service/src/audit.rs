@@ -11,12 +11,12 @@ use serde_json::{json, Map, Value as Json};
 use super::time::{iso, Timestamp};
 
 pub use valem_store::GENESIS;
-use valem_store::{record_hash, AuditAppend, AuditKey, ChainHasher, Sealed, StoreError};
+use valem_store::{record_hash, AuditAppend, AuditKey, ChainHasher, Sealed, Seq, StoreError};
 
 /// One committed cycle.
 #[derive(Clone, Debug)]
 pub struct AuditRecord {
-    pub sequence: u64,
+    pub sequence: Seq,
     pub at: Timestamp,
     /// The record as served (with `prevHash` and `hash`).
     pub json: Json,
@@ -35,7 +35,8 @@ pub struct AuditQuery {
 
 pub struct AuditTrail {
     records: VecDeque<AuditRecord>,
-    next_seq: u64,
+    /// The newest record's sequence (`None`: no record yet).
+    head: Option<Seq>,
     last_hash: String,
     max: usize,
     /// The store's audit key: every record appended is hashed with it.
@@ -57,7 +58,7 @@ impl AuditTrail {
     pub fn new(max: usize, key: Option<AuditKey>) -> AuditTrail {
         AuditTrail {
             records: VecDeque::new(),
-            next_seq: 0,
+            head: None,
             last_hash: GENESIS.to_string(),
             max: max.max(1),
             key,
@@ -66,18 +67,18 @@ impl AuditTrail {
 
     /// Continue a stored chain whose head is record `sequence` with hash `hash` (recovery from a
     /// checkpoint: the records before it are in the store, not here).
-    pub fn resume(&mut self, sequence: u64, hash: &str) {
-        self.next_seq = sequence + 1;
+    pub fn resume(&mut self, sequence: Seq, hash: &str) {
+        self.head = Some(sequence);
         self.last_hash = hash.to_string();
     }
 
     /// The sequence of the newest record, if any.
-    pub fn head(&self) -> Option<u64> {
-        self.next_seq.checked_sub(1)
+    pub fn head(&self) -> Option<Seq> {
+        self.head
     }
 
     /// A record read back from the store (recovery): it continues the chain as it is.
-    pub fn push_stored(&mut self, sequence: u64, at: Timestamp, json: Json) {
+    pub fn push_stored(&mut self, sequence: Seq, at: Timestamp, json: Json) {
         debug_assert!(
             self.records.back().is_none_or(|r| r.sequence < sequence),
             "stored records come back in increasing sequence"
@@ -106,7 +107,7 @@ impl AuditTrail {
             .and_then(Json::as_str)
             .unwrap_or(GENESIS)
             .to_string();
-        self.next_seq = sequence + 1;
+        self.head = Some(sequence);
         self.records.push_back(AuditRecord {
             sequence,
             at,
@@ -142,10 +143,11 @@ impl AuditTrail {
         let Json::Object(fields) = fields else {
             unreachable!("json! of an object literal is an object")
         };
+        let sequence = Seq::after(self.head);
         // A keyed store's chains are keyed from their adoption on: new records always are.
         let sealed = Sealed::seal(
             e.model_id,
-            self.next_seq,
+            sequence,
             &self.last_hash,
             fields,
             self.key.as_ref(),
@@ -157,12 +159,12 @@ impl AuditTrail {
         };
         self.last_hash = sealed.hash().to_string();
         self.records.push_back(AuditRecord {
-            sequence: self.next_seq,
+            sequence,
             at: e.at,
             json: sealed.into_json(),
             paths,
         });
-        self.next_seq += 1;
+        self.head = Some(sequence);
         while self.records.len() > self.max {
             self.records.pop_front();
         }
@@ -244,9 +246,10 @@ pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>, hasher: &Chai
 /// its newest sequence) so a truncated tail is caught.
 pub fn verify_stored(
     records: &[valem_sdk::AuditEntry],
-    head: Option<u64>,
+    head: Option<Seq>,
     hasher: &ChainHasher,
 ) -> Json {
+    let head = head.map(Seq::get);
     let broken = |checked: usize, seq: Json, detail: String| json!({"valid": false, "recordsChecked": checked, "firstBrokenSequence": seq, "detail": detail});
     if let Some(first) = records.first() {
         if first.record.get("prevHash").and_then(|h| h.as_str()) != Some(GENESIS) {
@@ -313,7 +316,7 @@ mod tests {
                 )
                 .expect("a sequence far below 2^63");
             let append = append.expect("durable: the store's append");
-            assert_eq!(append.sequence(), i as u64);
+            assert_eq!(append.sequence(), Seq::new(i as u64));
         }
         t
     }

@@ -16,6 +16,7 @@ pub use types::*;
 pub use valem_core::time::Timestamp;
 pub use valem_engine::validate::Finding;
 pub use valem_engine::{MutationError, MutationResult};
+pub use valem_store::Seq;
 
 mod audit;
 mod audit_sink;

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use serde_json::Value as Json;
 
-use crate::chain::{AuditKey, BrokenCheckpoint, ChainHasher, ChainReport};
+use crate::chain::{AuditKey, BrokenCheckpoint, ChainHasher, ChainReport, Seq};
 use crate::checkpoints::CheckpointChoice;
 use crate::keys::KeyAdoption;
 use crate::Timestamp;
@@ -36,13 +36,13 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn stats(&self) -> WriterStats;
     /// Every stored model.
     fn load_models(&self) -> Result<Vec<StoredModel>, StoreError>;
-    /// Stream a model's records with sequence > `after_seq` (all when `None`) oldest first,
+    /// Stream a model's records with sequence > `after` (all when `None`) oldest first,
     /// stopping before the first committed after `up_to`, or when `f` breaks; returns
     /// how many `f` saw.
     fn audit_after(
         &self,
         model_id: &str,
-        after_seq: Option<u64>,
+        after: Option<Seq>,
         up_to: Option<Timestamp>,
         f: &mut dyn FnMut(AuditEntry) -> ControlFlow<()>,
     ) -> Result<u64, StoreError>;
@@ -101,11 +101,11 @@ impl Store for SqliteStore {
     fn audit_after(
         &self,
         model_id: &str,
-        after_seq: Option<u64>,
+        after: Option<Seq>,
         up_to: Option<Timestamp>,
         f: &mut dyn FnMut(AuditEntry) -> ControlFlow<()>,
     ) -> Result<u64, StoreError> {
-        SqliteStore::audit_after(self, model_id, after_seq, up_to, f)
+        SqliteStore::audit_after(self, model_id, after, up_to, f)
     }
     fn query_audit(&self, model_id: &str, filter: &AuditFilter) -> Result<Vec<Json>, StoreError> {
         SqliteStore::query_audit(self, model_id, filter)

@@ -55,12 +55,60 @@ pub fn record_hash_keyed(key: &AuditKey, prev_hash: &str, record: &Json) -> Stri
     h.finalize().to_hex().to_string()
 }
 
+/// A record's place in its model's audit chain: 0 for the first record, each next one more.
+/// `Option<Seq>` is a position in the chain, `None` before its first record. Serialised as the
+/// integer.
+#[derive(
+    Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct Seq(u64);
+
+impl Seq {
+    /// The first record's.
+    pub const FIRST: Seq = Seq(0);
+
+    pub const fn new(n: u64) -> Seq {
+        Seq(n)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The record after this one's.
+    pub const fn next(self) -> Seq {
+        Seq(self.0.saturating_add(1))
+    }
+
+    /// The sequence after a chain position (`None`: before the first record).
+    pub const fn after(head: Option<Seq>) -> Seq {
+        match head {
+            Some(s) => s.next(),
+            None => Seq::FIRST,
+        }
+    }
+}
+
+impl std::fmt::Display for Seq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The bare number, as messages that show an `Option<Seq>` with `{:?}` always have.
+impl std::fmt::Debug for Seq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// An audit record chained and hashed once, by [`Sealed::seal`]: the only way to make one, so its
 /// `hash` is the record's hash by construction and the store appends it without hashing again.
 #[derive(Clone, Debug)]
 pub struct Sealed {
     model_id: String,
-    sequence: u64,
+    sequence: Seq,
     prev_hash: String,
     hash: String,
     json: Json,
@@ -71,7 +119,7 @@ impl Sealed {
     /// this adds) after `prev_hash`, hashing with `key` when the store has one.
     pub fn seal(
         model_id: &str,
-        sequence: u64,
+        sequence: Seq,
         prev_hash: &str,
         fields: serde_json::Map<String, Json>,
         key: Option<&AuditKey>,
@@ -79,7 +127,7 @@ impl Sealed {
         // Served in this order: modelId, sequence, the fields, prevHash, hash.
         let mut record = serde_json::Map::with_capacity(fields.len() + 4);
         record.insert("modelId".into(), Json::String(model_id.to_string()));
-        record.insert("sequence".into(), Json::from(sequence));
+        record.insert("sequence".into(), Json::from(sequence.get()));
         for (k, v) in fields {
             if !matches!(k.as_str(), "modelId" | "sequence" | "prevHash" | "hash") {
                 record.insert(k, v);
@@ -114,7 +162,7 @@ impl Sealed {
     }
 
     /// The record's sequence.
-    pub fn sequence(&self) -> u64 {
+    pub fn sequence(&self) -> Seq {
         self.sequence
     }
 
@@ -238,7 +286,7 @@ pub struct CheckpointHeader<'a> {
     /// The model.
     pub model_id: &'a str,
     /// The last record applied (`None`: before the first).
-    pub sequence: Option<u64>,
+    pub sequence: Option<Seq>,
     /// Its commit time (epoch µs).
     pub at_us: i64,
     /// `periodic`, `base` or `legacy` (see `store::CheckpointKind`).
@@ -299,7 +347,7 @@ fn tagged_hash(key: Option<&AuditKey>, tag: &str, body: &Json) -> String {
 #[serde(rename_all = "camelCase")]
 pub struct BrokenCheckpoint {
     /// The last record it claims to follow (`None`: before the first record).
-    pub sequence: Option<u64>,
+    pub sequence: Option<Seq>,
     /// What does not match.
     pub detail: String,
 }

@@ -16,7 +16,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value as Json;
 
 use super::chain::{self, AuditKey, BrokenCheckpoint, CheckpointHeader, GENESIS};
-use super::{sql_err, SqliteStore, StoreError, StoredCheckpoint, Timestamp};
+use super::{sql_err, Seq, SqliteStore, StoreError, StoredCheckpoint, Timestamp};
 
 /// What a checkpoint's state is, and so whether recovery may fall back past it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,9 +63,9 @@ pub enum CheckpointFault {
     /// Its state text does not hash to its `state_hash`.
     StateHash,
     /// The record it follows is not stored.
-    RecordMissing { sequence: u64 },
+    RecordMissing { sequence: Seq },
     /// Its `head_hash` is not the hash of the record it follows (or not the genesis).
-    HeadHash { sequence: Option<u64> },
+    HeadHash { sequence: Option<Seq> },
     /// Its hash does not cover its fields; `unkeyed`: it is the plain hash, made without the key.
     Hash { unkeyed: bool },
     /// It verifies but its state is not JSON, or its row is not one this build wrote.
@@ -130,7 +130,7 @@ impl std::fmt::Display for CheckpointFault {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RefusedCheckpoint {
     /// The record it claims to follow (`None`: before the first).
-    pub sequence: Option<u64>,
+    pub sequence: Option<Seq>,
     /// What did not match.
     pub fault: CheckpointFault,
 }
@@ -145,7 +145,7 @@ pub struct CheckpointChoice {
 }
 
 /// "the checkpoint after record N" / "the checkpoint before the first record".
-pub fn describe(sequence: Option<u64>) -> String {
+pub fn describe(sequence: Option<Seq>) -> String {
     match sequence {
         Some(s) => format!("the checkpoint after record {s}"),
         None => "the checkpoint before the first record".to_string(),
@@ -163,8 +163,8 @@ struct Row {
 }
 
 impl Row {
-    fn sequence(&self) -> Option<u64> {
-        u64::try_from(self.sequence).ok()
+    fn sequence(&self) -> Option<Seq> {
+        u64::try_from(self.sequence).ok().map(Seq::new)
     }
 }
 
@@ -330,7 +330,7 @@ impl SqliteStore {
             };
             let missing_base = |f: i64| StoreError::CheckpointUnusable {
                 model_id: model_id.to_string(),
-                sequence: u64::try_from(f).ok(),
+                sequence: u64::try_from(f).ok().map(Seq::new),
                 detail: "it is missing (deleted), although the model names it as its newest restore or evolve".into(),
             };
             let mut st = match at_or_before_us {
@@ -454,10 +454,10 @@ impl SqliteStore {
             let sequence = u64::try_from(b).ok();
             let earlier = broken
                 .as_ref()
-                .is_none_or(|x: &BrokenCheckpoint| x.sequence.map_or(-1, |s| s as i64) > b);
+                .is_none_or(|x: &BrokenCheckpoint| x.sequence.map_or(-1, |s| s.get() as i64) > b);
             if earlier {
                 broken = Some(BrokenCheckpoint {
-                    sequence,
+                    sequence: sequence.map(Seq::new),
                     detail: "it is missing (deleted), although the model names it as its newest restore or evolve".into(),
                 });
             }

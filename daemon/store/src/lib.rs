@@ -81,7 +81,7 @@ use serde_json::Value as Json;
 pub use api::Store;
 pub use chain::{
     canonical, record_hash, AuditKey, BrokenCheckpoint, ChainHasher, ChainReport, ChainVerifier,
-    NotAKey, Sealed, GENESIS,
+    NotAKey, Sealed, Seq, GENESIS,
 };
 pub use checkpoints::{CheckpointChoice, CheckpointFault, CheckpointKind, RefusedCheckpoint};
 pub use keys::KeyAdoption;
@@ -225,7 +225,7 @@ pub enum StoreError {
     #[error("model `{model_id}`: {} cannot be used ({detail}), and recovery cannot fall back past it: its state was set by a restore or a spec evolution (or written before schema v3), which no earlier checkpoint or replay of the records reproduces. Restore the data directory from a backup", checkpoints::describe(*sequence))]
     CheckpointUnusable {
         model_id: String,
-        sequence: Option<u64>,
+        sequence: Option<Seq>,
         detail: String,
     },
     /// The store is keyed and no key was given.
@@ -299,7 +299,7 @@ pub struct StoredModel {
     /// When its spec was last stored.
     pub updated: Timestamp,
     /// Sequence of the last committed audit record (`None`: no record yet).
-    pub head_seq: Option<u64>,
+    pub head_seq: Option<Seq>,
     /// Hash of that record ([`GENESIS`] before the first).
     pub head_hash: String,
 }
@@ -308,7 +308,7 @@ pub struct StoredModel {
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoredCheckpoint {
     /// The last record applied.
-    pub sequence: Option<u64>,
+    pub sequence: Option<Seq>,
     /// That record's commit time.
     pub at: Timestamp,
     /// The state.
@@ -321,7 +321,7 @@ pub struct StoredCheckpoint {
 #[derive(Clone, Debug, PartialEq)]
 pub struct AuditEntry {
     /// Its sequence.
-    pub sequence: u64,
+    pub sequence: Seq,
     /// Its commit time.
     pub at: Timestamp,
     /// The record as served.

@@ -22,7 +22,10 @@ impl SqliteStore {
                         version: r.get(2)?,
                         created: Timestamp::from_us(r.get(3)?),
                         updated: Timestamp::from_us(r.get(4)?),
-                        head_seq: r.get::<_, Option<i64>>(5)?.map(|s| s.max(0) as u64),
+                        head_seq: r
+                            .get::<_, Option<i64>>(5)?
+                            .map(|s| s.max(0) as u64)
+                            .map(Seq::new),
                         head_hash: r.get(6)?,
                     })
                 })
@@ -38,14 +41,14 @@ impl SqliteStore {
     pub fn audit_after(
         &self,
         model_id: &str,
-        after_seq: Option<u64>,
+        after: Option<Seq>,
         up_to: Option<Timestamp>,
         mut f: impl FnMut(AuditEntry) -> ControlFlow<()>,
     ) -> Result<u64, StoreError> {
         let up_to_at_us = up_to.map(Timestamp::us);
-        let after = match after_seq {
+        let after = match after {
             None => -1,
-            Some(s) => i64::try_from(s).unwrap_or(i64::MAX),
+            Some(s) => i64::try_from(s.get()).unwrap_or(i64::MAX),
         };
         self.with_reader(|c| {
             let mut st = c
@@ -73,7 +76,7 @@ impl SqliteStore {
                 })?;
                 seen += 1;
                 if f(AuditEntry {
-                    sequence,
+                    sequence: Seq::new(sequence),
                     at: Timestamp::from_us(at_us),
                     record,
                 })

@@ -154,7 +154,7 @@ fn hash_legacy_checkpoints(tx: &Transaction<'_>) -> rusqlite::Result<()> {
             None,
             &super::chain::CheckpointHeader {
                 model_id: &model_id,
-                sequence: u64::try_from(seq).ok(),
+                sequence: u64::try_from(seq).ok().map(super::Seq::new),
                 at_us,
                 kind: super::CheckpointKind::Legacy.as_str(),
                 head_hash: &head,

@@ -193,7 +193,7 @@ fn everything_written_is_back_after_reopen() {
         }
         w.apply(Op::Checkpoint {
             model_id: "orders".into(),
-            sequence: Some(9),
+            sequence: Some(Seq::new(9)),
             at: Timestamp::from_us(1090),
             state: json!({"qty": 9}),
             kind: CheckpointKind::Periodic,
@@ -201,7 +201,7 @@ fn everything_written_is_back_after_reopen() {
         .expect("checkpoint");
         w.apply(Op::Checkpoint {
             model_id: "orders".into(),
-            sequence: Some(19),
+            sequence: Some(Seq::new(19)),
             at: Timestamp::from_us(1190),
             state: json!({"qty": 19}),
             kind: CheckpointKind::Periodic,
@@ -239,7 +239,7 @@ fn everything_written_is_back_after_reopen() {
     assert_eq!(orders.spec_text, "{\"id\":\"orders\"}");
     assert_eq!(
         (orders.head_seq, orders.head_hash.as_str()),
-        (Some(19), chain.prev.as_str())
+        (Some(Seq::new(19)), chain.prev.as_str())
     );
     let empty = models.iter().find(|m| m.id == "empty").expect("empty");
     assert_eq!((empty.head_seq, empty.head_hash.as_str()), (None, GENESIS));
@@ -252,24 +252,37 @@ fn everything_written_is_back_after_reopen() {
     let cp = usable(None).expect("some");
     assert_eq!(
         (cp.sequence, cp.state.clone(), cp.kind),
-        (Some(19), json!({"qty": 19}), CheckpointKind::Periodic)
+        (
+            Some(Seq::new(19)),
+            json!({"qty": 19}),
+            CheckpointKind::Periodic
+        )
     );
     let cp = usable(Some(Timestamp::from_us(1150))).expect("some");
-    assert_eq!(cp.sequence, Some(9));
+    assert_eq!(cp.sequence, Some(Seq::new(9)));
     assert!(usable(Some(Timestamp::from_us(10))).is_none());
 
     // Replay after checkpoint 9 up to t=1125: records 10, 11, 12.
     let mut seen = Vec::new();
     let n = store
-        .audit_after("orders", Some(9), Some(Timestamp::from_us(1125)), |e| {
-            seen.push((e.sequence, e.record["mutations"]["$.qty"].clone()));
-            ControlFlow::Continue(())
-        })
+        .audit_after(
+            "orders",
+            Some(Seq::new(9)),
+            Some(Timestamp::from_us(1125)),
+            |e| {
+                seen.push((e.sequence, e.record["mutations"]["$.qty"].clone()));
+                ControlFlow::Continue(())
+            },
+        )
         .expect("replay");
     assert_eq!(n, 3);
     assert_eq!(
         seen,
-        vec![(10, json!(10)), (11, json!(11)), (12, json!(12))]
+        vec![
+            (Seq::new(10), json!(10)),
+            (Seq::new(11), json!(11)),
+            (Seq::new(12), json!(12))
+        ]
     );
     let mut first = None;
     store
@@ -278,7 +291,7 @@ fn everything_written_is_back_after_reopen() {
             ControlFlow::Break(())
         })
         .expect("break");
-    assert_eq!(first, Some(0));
+    assert_eq!(first, Some(Seq::new(0)));
 
     let seqs = |f: AuditFilter| -> Vec<u64> {
         store
@@ -376,7 +389,7 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
     let good2 = chain.op(4, 2);
     let ahead = Op::Checkpoint {
         model_id: "m".into(),
-        sequence: Some(9),
+        sequence: Some(Seq::new(9)),
         at: Timestamp::from_us(5),
         state: json!({}),
         kind: CheckpointKind::Periodic,
@@ -578,7 +591,7 @@ fn delete_model_removes_its_rows_from_every_table() {
         }
         w.apply(Op::Checkpoint {
             model_id: id.into(),
-            sequence: Some(2),
+            sequence: Some(Seq::new(2)),
             at: Timestamp::from_us(2),
             state: json!({}),
             kind: CheckpointKind::Periodic,
@@ -962,7 +975,7 @@ fn checkpoint(
 ) -> Op {
     Op::Checkpoint {
         model_id: model.into(),
-        sequence,
+        sequence: sequence.map(Seq::new),
         at: Timestamp::from_us(at_us),
         state: json!({"base": {"qty": qty, "note": "b"}, "effectKeys": {}}),
         kind,
@@ -1021,10 +1034,10 @@ fn pick(store: &SqliteStore, at: Option<i64>) -> Pick {
         .usable_checkpoint("m", at.map(Timestamp::from_us))
         .expect("a usable checkpoint");
     (
-        c.checkpoint.map(|cp| cp.sequence),
+        c.checkpoint.map(|cp| cp.sequence.map(Seq::get)),
         c.refused
             .iter()
-            .map(|r| (r.sequence, r.fault.label()))
+            .map(|r| (r.sequence.map(Seq::get), r.fault.label()))
             .collect(),
     )
 }
@@ -1037,13 +1050,16 @@ fn assert_checkpoint_broken(r: &ChainReport, seq: Option<u64>, word: &str) {
     );
     assert_eq!(r.records_checked, 10, "{r:?}");
     let b = r.broken_checkpoint.as_ref().expect("a broken checkpoint");
-    assert_eq!(b.sequence, seq, "{r:?}");
+    assert_eq!(b.sequence, seq.map(Seq::new), "{r:?}");
     assert!(
         b.detail.contains(word),
         "expected {word:?} in {:?}",
         b.detail
     );
-    assert!(r.detail.contains(&checkpoints::describe(seq)), "{r:?}");
+    assert!(
+        r.detail.contains(&checkpoints::describe(seq.map(Seq::new))),
+        "{r:?}"
+    );
 }
 
 #[test]
@@ -1079,7 +1095,7 @@ fn a_sound_checkpoint_names_its_record_and_its_state() {
     assert_eq!(kind, "periodic");
     let header = chain::CheckpointHeader {
         model_id: "m",
-        sequence: Some(6),
+        sequence: Some(Seq::new(6)),
         at_us: 6,
         kind: "periodic",
         head_hash: &head,
@@ -1089,7 +1105,7 @@ fn a_sound_checkpoint_names_its_record_and_its_state() {
     // Every field is covered.
     for other in [
         chain::CheckpointHeader {
-            sequence: Some(5),
+            sequence: Some(Seq::new(5)),
             ..header
         },
         chain::CheckpointHeader { at_us: 7, ..header },
@@ -1241,7 +1257,7 @@ fn recovery_never_falls_back_past_a_restore_or_an_evolve() {
         .expect("some");
     assert_eq!(
         (cp.sequence, cp.kind, cp.state["base"]["qty"].clone()),
-        (Some(4), CheckpointKind::Base, json!(1000))
+        (Some(Seq::new(4)), CheckpointKind::Base, json!(1000))
     );
     drop(store);
     // A refused periodic checkpoint after the base falls back to the base.
@@ -1275,9 +1291,9 @@ fn recovery_never_falls_back_past_a_restore_or_an_evolve() {
             matches!(
                 &err,
                 StoreError::CheckpointUnusable {
-                    sequence: Some(4),
+                    sequence: Some(s),
                     ..
-                }
+                } if s.get() == 4
             ),
             "{sql}: {err}"
         );
@@ -1427,7 +1443,10 @@ fn a_keyed_store_needs_its_key_and_catches_a_rewrite_without_it() {
     assert_eq!(r.first_broken_sequence, Some(3), "{r:?}");
     assert!(r.detail.contains("without this store's audit key"), "{r:?}");
     // The checkpoints after it no longer name their records' hashes.
-    assert_eq!(r.broken_checkpoint.map(|b| b.sequence), Some(Some(3)));
+    assert_eq!(
+        r.broken_checkpoint.map(|b| b.sequence),
+        Some(Some(Seq::new(3)))
+    );
     drop(store);
 
     // A checkpoint rehashed with plain blake3 after an edit: refused, and said so.
@@ -1447,7 +1466,7 @@ fn a_keyed_store_needs_its_key_and_catches_a_rewrite_without_it() {
             None,
             &chain::CheckpointHeader {
                 model_id: "m",
-                sequence: Some(9),
+                sequence: Some(Seq::new(9)),
                 at_us: 9,
                 kind: "periodic",
                 head_hash: &head,
@@ -1684,13 +1703,19 @@ fn v2_checkpoints_are_hashed_once_on_migration_and_kept_as_bases() {
         .expect("cp")
         .checkpoint
         .expect("some");
-    assert_eq!((cp.sequence, cp.kind), (Some(2), CheckpointKind::Legacy));
+    assert_eq!(
+        (cp.sequence, cp.kind),
+        (Some(Seq::new(2)), CheckpointKind::Legacy)
+    );
     let err = store
         .usable_checkpoint("n", None)
         .expect_err("unhashed legacy");
     assert!(err.to_string().contains("no hashes"), "{err}");
     let r = store.verify_chain("n").expect("verify");
-    assert_eq!(r.broken_checkpoint.map(|b| b.sequence), Some(Some(0)));
+    assert_eq!(
+        r.broken_checkpoint.map(|b| b.sequence),
+        Some(Some(Seq::new(0)))
+    );
     drop(store);
     // A legacy checkpoint edited after the migration is refused, and recovery does not guess.
     c.execute("UPDATE checkpoints SET state = replace(state, '2', '3') WHERE model_id = 'm' AND sequence = 2", [])
@@ -1699,9 +1724,9 @@ fn v2_checkpoints_are_hashed_once_on_migration_and_kept_as_bases() {
     assert!(matches!(
         store.usable_checkpoint("m", None),
         Err(StoreError::CheckpointUnusable {
-            sequence: Some(2),
+            sequence: Some(s),
             ..
-        })
+        }) if s.get() == 2
     ));
     // New checkpoints are periodic and hashed, above the floor.
     store.writer().apply(chain.op(3, 3)).expect("append");
@@ -1714,7 +1739,10 @@ fn v2_checkpoints_are_hashed_once_on_migration_and_kept_as_bases() {
         .expect("cp")
         .checkpoint
         .expect("some");
-    assert_eq!((cp.sequence, cp.kind), (Some(3), CheckpointKind::Periodic));
+    assert_eq!(
+        (cp.sequence, cp.kind),
+        (Some(Seq::new(3)), CheckpointKind::Periodic)
+    );
 }
 
 // --- torn writes -----------------------------------------------------------------------------
@@ -1978,7 +2006,7 @@ fn a_sealed_record_is_the_validated_record_and_chains_in_the_store() {
                 fields.shift_remove(k);
             }
             let prev = validated["prevHash"].as_str().expect("prevHash");
-            let sealed = Sealed::seal("m", i as u64, prev, fields, key.as_ref());
+            let sealed = Sealed::seal("m", Seq::new(i as u64), prev, fields, key.as_ref());
             assert_eq!(sealed.json(), &validated, "key {key:?}, record {i}");
             assert_eq!(
                 serde_json::to_string(sealed.json()).expect("text"),
@@ -1992,7 +2020,7 @@ fn a_sealed_record_is_the_validated_record_and_chains_in_the_store() {
                 vec!["$.qty".into(), "$.qty".into()],
             )
             .expect("appendable");
-            assert_eq!((a.model_id(), a.sequence()), ("m", i as u64));
+            assert_eq!((a.model_id(), a.sequence()), ("m", Seq::new(i as u64)));
             ops.push(Op::AppendAudit(a));
         }
         let rx = submit_all(&w, ops);

@@ -14,7 +14,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value as Json;
 
 use super::chain::{
-    self, record_hash, record_hash_keyed, AuditKey, CheckpointHeader, Sealed, GENESIS,
+    self, record_hash, record_hash_keyed, AuditKey, CheckpointHeader, Sealed, Seq, GENESIS,
 };
 use super::{sql_err, BlobMeta, CheckpointKind, Durability, StoreError, Timestamp};
 
@@ -43,7 +43,7 @@ pub enum Op {
     /// the base must stay recognisable); a base one becomes the model's recovery floor.
     Checkpoint {
         model_id: String,
-        sequence: Option<u64>,
+        sequence: Option<Seq>,
         at: Timestamp,
         state: Json,
         kind: CheckpointKind,
@@ -147,7 +147,7 @@ impl AuditAppend {
         paths.sort_unstable();
         paths.dedup();
         let sequence = record.sequence();
-        if i64::try_from(sequence).is_err() {
+        if i64::try_from(sequence.get()).is_err() {
             return Err(StoreError::InvalidRecord {
                 detail: format!("sequence {sequence} is past the store's 2^63"),
             });
@@ -158,7 +158,7 @@ impl AuditAppend {
         })?;
         Ok(AuditAppend {
             model_id: model_id.to_string(),
-            sequence,
+            sequence: sequence.get(),
             at_us: at.us(),
             prev_hash: prev_hash.to_string(),
             hash: record.hash().to_string(),
@@ -173,8 +173,8 @@ impl AuditAppend {
     }
 
     /// The record's sequence.
-    pub fn sequence(&self) -> u64 {
-        self.sequence
+    pub fn sequence(&self) -> Seq {
+        Seq::new(self.sequence)
     }
 }
 
@@ -535,7 +535,15 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
             at,
             state,
             kind,
-        } => put_checkpoint(conn, model_id, sequence, &at.us(), state, kind, key)?,
+        } => put_checkpoint(
+            conn,
+            model_id,
+            &sequence.map(Seq::get),
+            &at.us(),
+            state,
+            kind,
+            key,
+        )?,
         Op::PutSnapshot {
             model_id,
             snapshot_id,
@@ -681,7 +689,7 @@ fn put_checkpoint(
         key,
         &CheckpointHeader {
             model_id,
-            sequence: *sequence,
+            sequence: sequence.map(Seq::new),
             at_us: *at_us,
             kind: kind.as_str(),
             head_hash: &head_hash,

@@ -112,7 +112,7 @@ pub(super) fn apply_record(
 pub(super) fn replay_stored(
     store: &dyn Store,
     id: &str,
-    after: Option<u64>,
+    after: Option<Seq>,
     up_to: Option<Timestamp>,
     mut f: impl FnMut(valem_store::AuditEntry) -> Result<(), String>,
 ) -> Result<(), ServiceError> {
@@ -313,7 +313,7 @@ impl Shard {
             self.checkpoint_metrics.refused(&r.fault);
             tracing::warn!(
                 model = %id,
-                checkpoint = r.sequence.map_or(-1, |s| s as i64),
+                checkpoint = r.sequence.map_or(-1, |s| s.get() as i64),
                 reason = r.fault.label(),
                 "model `{id}`: {} refused: {}; {purpose} starts from {fallback} instead and replays the records after it",
                 valem_store::checkpoints::describe(r.sequence),

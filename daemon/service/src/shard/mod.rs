@@ -16,6 +16,7 @@ use serde_json::{json, Map, Value as Json};
 use super::audit::{AuditTrail, Entry as AuditEntry};
 use super::metrics::{CheckpointMetrics, CycleMetrics};
 use super::time::{iso, now, Timestamp};
+use super::Seq;
 use super::{
     AuditQuery, Event, ModelInfo, Reply, ServiceError, ServiceLimits, Source, Subscribers,
 };
@@ -49,7 +50,7 @@ pub(super) struct Entry {
     /// store, so the model is reloaded from the store before its next operation.
     stale: Arc<std::sync::atomic::AtomicBool>,
     /// The sequence of the newest checkpoint written (with a store).
-    checkpointed: Option<u64>,
+    checkpointed: Option<Seq>,
     /// When the model was created: nothing exists before it.
     created: Timestamp,
     /// When its spec last changed (creation or evolve): the history starts there.

@@ -196,7 +196,7 @@ impl Shard {
     }
 
     /// The newest audit sequence of model `id`.
-    pub fn audit_head(&mut self, id: &str) -> Result<Option<u64>, ServiceError> {
+    pub fn audit_head(&mut self, id: &str) -> Result<Option<Seq>, ServiceError> {
         Ok(self.entry(id)?.audit.head())
     }
 

@@ -242,7 +242,7 @@ impl Shard {
                     let r = self.models.get(id)?.audit.last()?;
                     let entry = valem_sdk::AuditEntry {
                         model_id: id.to_string(),
-                        sequence: r.sequence,
+                        sequence: r.sequence.get(),
                         at_us: r.at.us(),
                         paths: r.paths.clone(),
                         record: r.json.clone(),
@@ -256,7 +256,7 @@ impl Shard {
                     .models
                     .get(id)
                     .and_then(|e| e.audit.head())
-                    .is_some_and(|seq| (seq + 1).is_multiple_of(every));
+                    .is_some_and(|seq| (seq.get() + 1).is_multiple_of(every));
                 if due {
                     self.checkpoint(id);
                 }
