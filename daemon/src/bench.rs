@@ -348,7 +348,7 @@ impl Target for Engine {
 /// (removed after).
 struct Service {
     service: Arc<valem_service::ModelService>,
-    id: String,
+    id: valem_service::ModelId,
     built: (f64, f64, usize),
     _dir: Option<tempfile::TempDir>,
 }
@@ -379,7 +379,7 @@ impl Service {
         } else {
             (valem_service::ModelService::new(1, limits), None)
         };
-        let id = spec.id.clone();
+        let id = valem_service::ModelId::from(&spec.id);
         let nodes = spec_nodes(&spec);
         progress(Progress::Building {
             nodes,

@@ -1133,7 +1133,7 @@ proptest! {
         }
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let svc = service();
-        let id = format!("fuzz-patch-{}", NEXT.fetch_add(1, Ordering::Relaxed));
+        let id = valem_service::ModelId::from(format!("fuzz-patch-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
         let spec = parse_spec(&mutation_spec(&id, mask & !(1 << 6), false)).unwrap();
         svc.create(spec).unwrap();
         let seed: Vec<(String, Value)> = seed_doc

@@ -1,14 +1,15 @@
 //! valem-core: the values and texts every layer shares. The persistent state value
-//! (`value`), keyed hashing of client-chosen names (`hash`), the JSONata wrapper and address
-//! dialect (`expr`), the ModelSpec / SpecEvolution types with their JSON Schemas and the
-//! evolution's application (`spec`), evaluation memory budgets (`budget`) and the bundled
-//! example specs (`examples`). Never does I/O, never reads the environment or the clock, and
+//! (`value`), keyed hashing of client-chosen names (`hash`), model ids (`id`) and instants
+//! (`time`), the JSONata wrapper and address dialect (`expr`), the ModelSpec / SpecEvolution
+//! types with their JSON Schemas and the evolution's application (`spec`), evaluation memory
+//! budgets (`budget`) and the bundled example specs (`examples`). Never does I/O, never reads the environment or the clock, and
 //! knows nothing of the engine, the store or any surface.
 
 pub mod budget;
 pub mod examples;
 pub mod expr;
 pub mod hash;
+pub mod id;
 pub mod spec;
 pub mod time;
 pub mod value;

@@ -97,7 +97,7 @@ async fn subscribe(
     // not a socket left open on nothing. A refused subscriber's channel is closed, and its
     // filter asks for the next event of any model so that the sink sees it and is dropped.
     let (filter, sink, rx, overflow) = subscriber(&id, QUEUE);
-    let owned = id.clone();
+    let owned = valem_service::ModelId::from(&id);
     call(&st, move |svc| {
         svc.subscribe_with(filter, sink);
         svc.info(&owned)

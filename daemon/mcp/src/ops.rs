@@ -9,7 +9,7 @@ use super::tools::{Outcome, ToolError};
 use valem_core::expr::path::Address;
 use valem_core::spec::{parse_evolution_checked, parse_spec};
 use valem_service::time::parse_iso;
-use valem_service::{mutation_list, Call, Change, ModelService, Viewed};
+use valem_service::{mutation_list, Call, Change, ModelId, ModelService, Viewed};
 
 pub fn list_models(s: &ModelService) -> Outcome {
     Ok(json!(s.list()?))
@@ -23,12 +23,12 @@ pub fn create_model(s: &ModelService, spec: Map<String, Json>) -> Outcome {
     Ok(json!(s.create(spec)?))
 }
 
-pub fn model_info(s: &ModelService, id: &str) -> Outcome {
+pub fn model_info(s: &ModelService, id: &ModelId) -> Outcome {
     Ok(json!(s.info(id)?))
 }
 
 /// The spec verbatim.
-pub fn model_spec(s: &ModelService, id: &str) -> Outcome {
+pub fn model_spec(s: &ModelService, id: &ModelId) -> Outcome {
     let spec = s.spec(id)?;
     serde_json::to_value(&*spec).map_err(|e| ToolError::Message(e.to_string()))
 }
@@ -36,7 +36,7 @@ pub fn model_spec(s: &ModelService, id: &str) -> Outcome {
 /// The merged state (as of the ISO-8601 instant `at`), projected on `paths`, trimmed to `depth`.
 pub fn state(
     s: &ModelService,
-    id: &str,
+    id: &ModelId,
     at: Option<&str>,
     paths: Option<&[String]>,
     depth: Option<usize>,
@@ -56,12 +56,12 @@ pub fn state(
 }
 
 /// The merged value at `path`; an absent value is a failure naming it.
-pub fn field(s: &ModelService, id: &str, path: &str) -> Outcome {
+pub fn field(s: &ModelService, id: &ModelId, path: &str) -> Outcome {
     s.field(id, path)?
         .ok_or_else(|| ToolError::Message(format!("`{path}` has no value in model `{id}`")))
 }
 
-pub fn effective_schema(s: &ModelService, id: &str, path: &str) -> Outcome {
+pub fn effective_schema(s: &ModelService, id: &ModelId, path: &str) -> Outcome {
     Ok(s.effective_schema(id, path)?)
 }
 
@@ -91,7 +91,7 @@ impl Cycle<'_> {
 /// One reactive cycle for a `{"$.path": value}` mutation set.
 pub fn mutate<'a>(
     s: &'a ModelService,
-    id: &str,
+    id: &ModelId,
     mutations: &Map<String, Json>,
     include_traces: bool,
 ) -> Cycle<'a> {
@@ -104,7 +104,7 @@ pub fn mutate<'a>(
 /// One reactive cycle for an RFC 6902 JSON Patch; fails at once when the patch does not parse.
 pub fn patch<'a>(
     s: &'a ModelService,
-    id: &str,
+    id: &ModelId,
     patch: Json,
     include_traces: bool,
 ) -> Result<Cycle<'a>, ToolError> {
@@ -115,25 +115,25 @@ pub fn patch<'a>(
     })
 }
 
-pub fn explain(s: &ModelService, id: &str, path: &str, limit: Option<usize>) -> Outcome {
+pub fn explain(s: &ModelService, id: &ModelId, path: &str, limit: Option<usize>) -> Outcome {
     Ok(json!(s.explain(id, path, limit)?))
 }
 
-pub fn history(s: &ModelService, id: &str) -> Outcome {
+pub fn history(s: &ModelService, id: &ModelId) -> Outcome {
     Ok(json!(s.history(id)?))
 }
 
-pub fn snapshot(s: &ModelService, id: &str) -> Outcome {
+pub fn snapshot(s: &ModelService, id: &ModelId) -> Outcome {
     Ok(s.snapshot(id)?)
 }
 
-pub fn restore(s: &ModelService, id: &str, snapshot: Map<String, Json>) -> Outcome {
+pub fn restore(s: &ModelService, id: &ModelId, snapshot: Map<String, Json>) -> Outcome {
     Ok(s.restore(id, Json::Object(snapshot)).wait()?)
 }
 
 /// Apply a SpecEvolution; the result is the new model info, with `warnings` when the evolution
 /// had keys it ignored or changed nothing.
-pub fn evolve(s: &ModelService, id: &str, evolution: &Json) -> Outcome {
+pub fn evolve(s: &ModelService, id: &ModelId, evolution: &Json) -> Outcome {
     let (evo, warnings) = parse_evolution_checked(evolution).map_err(|e| {
         ToolError::Message(format!(
             "invalid evolution at {}: {}",
@@ -148,12 +148,12 @@ pub fn evolve(s: &ModelService, id: &str, evolution: &Json) -> Outcome {
     Ok(info)
 }
 
-pub fn delete(s: &ModelService, id: &str) -> Outcome {
+pub fn delete(s: &ModelService, id: &ModelId) -> Outcome {
     s.delete(id)?;
     Ok(json!({"deleted": true, "id": id}))
 }
 
-pub fn view(s: &ModelService, id: &str, view_id: Option<&str>) -> Outcome {
+pub fn view(s: &ModelService, id: &ModelId, view_id: Option<&str>) -> Outcome {
     Ok(s.view(id, view_id)?)
 }
 

@@ -13,6 +13,7 @@ pub use pending::{Answer, Call, Pending};
 // finding): surfaces name them through the service, never the engine.
 use pending::*;
 pub use types::*;
+pub use valem_core::id::ModelId;
 pub use valem_core::time::Timestamp;
 pub use valem_engine::validate::Finding;
 pub use valem_engine::{MutationError, MutationResult};
@@ -384,7 +385,7 @@ impl ModelService {
                 t.reference
             )));
         }
-        let template = match self.spec(&reference) {
+        let template = match self.spec(&crate::ModelId::from(&reference)) {
             Ok(s) => s,
             Err(ServiceError::NotFound(_)) => {
                 return Err(finding(format!(
@@ -407,8 +408,8 @@ impl ModelService {
         Ok(all)
     }
 
-    pub fn delete(&self, id: &str) -> Result<(), ServiceError> {
-        let owned = id.to_string();
+    pub fn delete(&self, id: &ModelId) -> Result<(), ServiceError> {
+        let owned = id.clone();
         self.on_model_reply(id, true, move |s, r| s.delete(&owned, r))
             .wait()??;
         self.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
@@ -421,73 +422,73 @@ impl ModelService {
         Ok(())
     }
 
-    pub fn info(&self, id: &str) -> Result<ModelInfo, ServiceError> {
-        let owned = id.to_string();
+    pub fn info(&self, id: &ModelId) -> Result<ModelInfo, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| Ok(ModelInfo::of(&s.entry(&owned)?.spec)))
     }
 
-    pub fn spec(&self, id: &str) -> Result<Arc<ModelSpec>, ServiceError> {
-        let owned = id.to_string();
+    pub fn spec(&self, id: &ModelId) -> Result<Arc<ModelSpec>, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| Ok(s.entry(&owned)?.spec.clone()))
     }
 
     /// The library a model binds: layers and exports (`None` when it has none).
-    pub fn library(&self, id: &str) -> Result<Option<Json>, ServiceError> {
-        let owned = id.to_string();
+    pub fn library(&self, id: &ModelId) -> Result<Option<Json>, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| s.library(&owned))
     }
 
     // --- reads ------------------------------------------------------------------------------
 
     /// The merged state, now or as of `at`.
-    pub fn state(&self, id: &str, at: Option<Timestamp>) -> Result<Json, ServiceError> {
-        let owned = id.to_string();
+    pub fn state(&self, id: &ModelId, at: Option<Timestamp>) -> Result<Json, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| s.state(&owned, at))
     }
 
     /// The merged value at `path`; `None` when absent.
-    pub fn field(&self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {
-        let (owned, p) = (id.to_string(), path.to_string());
+    pub fn field(&self, id: &ModelId, path: &str) -> Result<Option<Json>, ServiceError> {
+        let (owned, p) = (id.clone(), path.to_string());
         self.on_model(id, move |s| s.field(&owned, &p))
     }
 
     /// The static schema at `path` overlaid with live meta.
-    pub fn effective_schema(&self, id: &str, path: &str) -> Result<Json, ServiceError> {
-        let (owned, p) = (id.to_string(), path.to_string());
+    pub fn effective_schema(&self, id: &ModelId, path: &str) -> Result<Json, ServiceError> {
+        let (owned, p) = (id.clone(), path.to_string());
         self.on_model(id, move |s| s.effective_schema(&owned, &p))
     }
 
     /// Traces whose target starts with `path`, oldest first (the most recent `limit`).
     pub fn explain(
         &self,
-        id: &str,
+        id: &ModelId,
         path: &str,
         limit: Option<usize>,
     ) -> Result<Vec<Trace>, ServiceError> {
-        let (owned, p) = (id.to_string(), path.to_string());
+        let (owned, p) = (id.clone(), path.to_string());
         self.on_model(id, move |s| s.explain(&owned, &p, limit))
     }
 
     /// Commit times (ISO-8601), oldest first.
-    pub fn history(&self, id: &str) -> Result<Vec<String>, ServiceError> {
-        let owned = id.to_string();
+    pub fn history(&self, id: &ModelId) -> Result<Vec<String>, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| s.history(&owned))
     }
 
-    pub fn audit(&self, id: &str, q: AuditQuery) -> Result<Vec<Json>, ServiceError> {
+    pub fn audit(&self, id: &ModelId, q: AuditQuery) -> Result<Vec<Json>, ServiceError> {
         if let Some(sink) = self.audit_sink.get() {
             self.info(id)?;
             let mut records = self.plugin_audit(sink, id, q)?;
             records.reverse(); // newest first, as everywhere
             return Ok(records.into_iter().map(|e| e.record).collect());
         }
-        let owned = id.to_string();
+        let owned = id.clone();
         self.on_model(id, move |s| s.audit(&owned, &q))
     }
 
-    pub fn verify_audit(&self, id: &str) -> Result<Json, ServiceError> {
+    pub fn verify_audit(&self, id: &ModelId) -> Result<Json, ServiceError> {
         if let Some(sink) = self.audit_sink.get() {
-            let owned = id.to_string();
+            let owned = id.clone();
             let head = self.on_model(id, move |s| s.audit_head(&owned))?;
             let records = self.plugin_audit(sink, id, AuditQuery::default())?;
             let storage = |e: valem_store::StoreError| ServiceError::Storage(e.to_string());
@@ -514,7 +515,7 @@ impl ModelService {
             }
             return Ok(report);
         }
-        let owned = id.to_string();
+        let owned = id.clone();
         self.on_model(id, move |s| s.verify_audit(&owned))
     }
 
@@ -554,20 +555,20 @@ impl ModelService {
         })
     }
 
-    pub fn view(&self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
+    pub fn view(&self, id: &ModelId, view_id: Option<&str>) -> Result<Json, ServiceError> {
         let (owned, v) = (id.to_string(), view_id.map(String::from));
         self.on_model(id, move |s| s.view(&owned, v.as_deref()))
     }
 
     /// The dependency graph of the compiled spec: nodes, edges, topological levels.
-    pub fn graph(&self, id: &str) -> Result<Json, ServiceError> {
-        let owned = id.to_string();
+    pub fn graph(&self, id: &ModelId) -> Result<Json, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| s.graph(&owned))
     }
 
     /// The trust report of the spec's embedded tests (computed once per spec).
-    pub fn verification(&self, id: &str) -> Result<Arc<Json>, ServiceError> {
-        let owned = id.to_string();
+    pub fn verification(&self, id: &ModelId) -> Result<Arc<Json>, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| s.verification(&owned))
     }
 
@@ -577,10 +578,10 @@ impl ModelService {
     /// once, or when the store has made its write durable).
     fn write<R: Send + 'static>(
         &self,
-        id: &str,
+        id: &ModelId,
         f: impl FnOnce(&mut Shard, &str, Reply<R>) + Send + 'static,
     ) -> Call<'_, R> {
-        let owned = id.to_string();
+        let owned = id.clone();
         Call {
             service: self,
             shard: self.shard_of(id),
@@ -591,7 +592,7 @@ impl ModelService {
     /// One reactive cycle for a flat `{"$.path": value}` mutation set.
     pub fn mutate(
         &self,
-        id: &str,
+        id: &ModelId,
         mutations: Vec<(String, Json)>,
     ) -> Call<'_, Arc<MutationResult>> {
         self.write(id, move |s, id, r| {
@@ -603,7 +604,7 @@ impl ModelService {
     /// dedupe key is still `key` — checked on the shard, so no write slips in between.
     pub fn foldback(
         &self,
-        id: &str,
+        id: &ModelId,
         effect_id: &str,
         key: Option<Json>,
         mutations: Vec<(String, Json)>,
@@ -627,15 +628,15 @@ impl ModelService {
     /// A write from another model's `target` link (audited `source: "link"`).
     pub fn mutate_linked(
         &self,
-        id: &str,
+        id: &ModelId,
         mutations: Vec<(String, Json)>,
     ) -> Call<'_, Arc<MutationResult>> {
         self.write(id, move |s, id, r| s.mutate(id, mutations, Source::Link, r))
     }
 
     /// The dedupe key each effect of the model last fired with.
-    pub fn effect_keys(&self, id: &str) -> Result<Map<String, Json>, ServiceError> {
-        let owned = id.to_string();
+    pub fn effect_keys(&self, id: &ModelId) -> Result<Map<String, Json>, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| {
             let e = s.entry(&owned)?;
             Ok(e.model
@@ -650,27 +651,32 @@ impl ModelService {
     /// One write (mutations or a JSON Patch), answered with `view` of the state it committed
     /// when one is asked for: the check that the view exists, the cycle and the view are one
     /// shard job, so no other write comes between them.
-    pub fn write_viewed(&self, id: &str, change: Change, view: Option<String>) -> Call<'_, Viewed> {
+    pub fn write_viewed(
+        &self,
+        id: &ModelId,
+        change: Change,
+        view: Option<String>,
+    ) -> Call<'_, Viewed> {
         self.write(id, move |s, id, r| s.write_viewed(id, change, view, r))
     }
 
     /// One reactive cycle for an RFC 6902 JSON Patch of the base document.
-    pub fn patch(&self, id: &str, patch: json_patch::Patch) -> Call<'_, Viewed> {
+    pub fn patch(&self, id: &ModelId, patch: json_patch::Patch) -> Call<'_, Viewed> {
         self.write_viewed(id, Change::Patch(patch), None)
     }
 
-    pub fn snapshot(&self, id: &str) -> Result<Json, ServiceError> {
-        let owned = id.to_string();
+    pub fn snapshot(&self, id: &ModelId) -> Result<Json, ServiceError> {
+        let owned = id.clone();
         self.on_model(id, move |s| s.snapshot(&owned))
     }
 
     /// Replace the model's state with a snapshot's (one cycle, audited).
-    pub fn restore(&self, id: &str, snapshot: Json) -> Call<'_, Json> {
+    pub fn restore(&self, id: &ModelId, snapshot: Json) -> Call<'_, Json> {
         self.write(id, move |s, id, r| s.restore_durably(id, snapshot, r))
     }
 
     /// Apply a SpecEvolution: the new spec and the state evolved under it, committed together.
-    pub fn evolve(&self, id: &str, evo: SpecEvolution) -> Call<'_, ModelInfo> {
+    pub fn evolve(&self, id: &ModelId, evo: SpecEvolution) -> Call<'_, ModelInfo> {
         self.write(id, move |s, id, r| s.evolve_durably(id, evo, r))
     }
 }
@@ -721,11 +727,11 @@ mod tests {
             .expect("a runtime");
         // An awaited cycle answers as a waited one does.
         let r = rt
-            .block_on(svc.mutate("demo", write(2)).queue())
+            .block_on(svc.mutate(&ModelId::from("demo"), write(2)).queue())
             .expect("the cycle commits");
         assert!(r.success);
         assert_eq!(
-            svc.field("demo", "$.total").ok().flatten(),
+            svc.field(&ModelId::from("demo"), "$.total").ok().flatten(),
             Some(serde_json::json!(6))
         );
 
@@ -738,9 +744,9 @@ mod tests {
         });
         started.recv().expect("the shard runs the holding job");
         let queued: Vec<_> = (0..SHARD_QUEUE)
-            .map(|i| svc.mutate("demo", write(i as i64)).queue())
+            .map(|i| svc.mutate(&ModelId::from("demo"), write(i as i64)).queue())
             .collect();
-        let refused = rt.block_on(svc.mutate("demo", write(-1)).queue());
+        let refused = rt.block_on(svc.mutate(&ModelId::from("demo"), write(-1)).queue());
         assert!(
             matches!(refused, Err(ServiceError::Busy(n)) if n == SHARD_QUEUE),
             "{refused:?}"
@@ -754,12 +760,12 @@ mod tests {
         // Every queued cycle ran, in order, and the refused one did not.
         let last = SHARD_QUEUE as i64 - 1;
         assert_eq!(
-            svc.field("demo", "$.total").ok().flatten(),
+            svc.field(&ModelId::from("demo"), "$.total").ok().flatten(),
             Some(serde_json::json!(last * 3))
         );
         let newest = svc
             .audit(
-                "demo",
+                &ModelId::from("demo"),
                 AuditQuery {
                     limit: Some(1),
                     ..Default::default()

@@ -3,6 +3,7 @@
 //! command (the backends do).
 
 use serde_json::{json, Map, Value as Json};
+use valem_service::ModelId;
 
 /// One argument of a command, as `help` lists it.
 pub struct Arg {
@@ -233,53 +234,53 @@ pub enum Command {
         spec: Map<String, Json>,
     },
     GetSpec {
-        id: String,
+        id: ModelId,
     },
     GetInfo {
-        id: String,
+        id: ModelId,
     },
     GetState {
-        id: String,
+        id: ModelId,
         at: Option<String>,
     },
     GetField {
-        id: String,
+        id: ModelId,
         path: String,
     },
     Mutate {
-        id: String,
+        id: ModelId,
         mutations: Map<String, Json>,
         include_traces: bool,
     },
     PatchMutate {
-        id: String,
+        id: ModelId,
         patch: Vec<Json>,
         include_traces: bool,
     },
     GetHistory {
-        id: String,
+        id: ModelId,
     },
     GetSchema {
-        id: String,
+        id: ModelId,
         path: String,
     },
     Explain {
-        id: String,
+        id: ModelId,
         path: String,
     },
     Snapshot {
-        id: String,
+        id: ModelId,
     },
     Restore {
-        id: String,
+        id: ModelId,
         snapshot: Map<String, Json>,
     },
     EvolveSpec {
-        id: String,
+        id: ModelId,
         evolution: Map<String, Json>,
     },
     DeleteModel {
-        id: String,
+        id: ModelId,
     },
     UploadBlob {
         data: String,
@@ -289,11 +290,11 @@ pub enum Command {
         blob_id: String,
     },
     GetModelBlob {
-        id: String,
+        id: ModelId,
         blob_id: String,
     },
     GetView {
-        id: String,
+        id: ModelId,
         view_id: Option<String>,
     },
     Help,
@@ -428,53 +429,53 @@ pub fn parse(line: Json) -> Result<Command, String> {
             spec: a.object("spec")?,
         },
         "get-spec" => Command::GetSpec {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
         },
         "get-info" => Command::GetInfo {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
         },
         "get-state" => Command::GetState {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             at: a.opt_string("at")?,
         },
         "get-field" => Command::GetField {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             path: a.string("path")?,
         },
         "mutate" => Command::Mutate {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             mutations: a.object("mutations")?,
             include_traces: a.flag("includeTraces")?,
         },
         "patch-mutate" => Command::PatchMutate {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             patch: a.array("patch")?,
             include_traces: a.flag("includeTraces")?,
         },
         "get-history" => Command::GetHistory {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
         },
         "get-schema" => Command::GetSchema {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             path: a.string("path")?,
         },
         "explain" => Command::Explain {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             path: a.string("path")?,
         },
         "snapshot" => Command::Snapshot {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
         },
         "restore" => Command::Restore {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             snapshot: a.object("snapshot")?,
         },
         "evolve-spec" => Command::EvolveSpec {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             evolution: a.object("evolution")?,
         },
         "delete-model" => Command::DeleteModel {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
         },
         "upload-blob" => {
             let data = a.string("data")?;
@@ -492,11 +493,11 @@ pub fn parse(line: Json) -> Result<Command, String> {
             blob_id: a.string("blobId")?,
         },
         "get-model-blob" => Command::GetModelBlob {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             blob_id: a.string("blobId")?,
         },
         "get-view" => Command::GetView {
-            id: a.string("id")?,
+            id: a.string("id")?.into(),
             view_id: a.opt_string("viewId")?,
         },
         "help" => Command::Help,

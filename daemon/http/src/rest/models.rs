@@ -12,7 +12,7 @@ use crate::AppState;
 use valem_core::spec::{parse_evolution_checked, parse_spec, SpecParseError};
 use valem_service::Finding;
 use valem_service::MutationError;
-use valem_service::{mutation_list, AuditQuery, Change, ServiceError, Viewed};
+use valem_service::{mutation_list, AuditQuery, Change, ModelId, ServiceError, Viewed};
 
 /// The header naming the view whose evaluated components a mutation response carries.
 const VIEW_HEADER: &str = "x-view";
@@ -55,22 +55,22 @@ pub async fn create(State(st): State<AppState>, JsonBody(body): JsonBody) -> Res
     }
 }
 
-pub async fn info(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn info(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     Ok(ok(call(&st, move |svc| svc.info(&id)).await?))
 }
 
-pub async fn delete(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn delete(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     let owned = id.clone();
     call(&st, move |svc| svc.delete(&owned)).await?;
     Ok(ok(json!({"deleted": true, "id": id})))
 }
 
-pub async fn spec(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn spec(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     let spec = call(&st, move |svc| svc.spec(&id)).await?;
     Ok(ok(&*spec))
 }
 
-pub async fn library(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn library(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     let owned = id.clone();
     match call(&st, move |svc| svc.library(&owned)).await? {
         Some(lib) => Ok(ok(lib)),
@@ -79,7 +79,7 @@ pub async fn library(State(st): State<AppState>, P(id): P<String>) -> Result<Res
 }
 
 /// The pinned ancestor chain of a branch; `[]` for a model that is not one.
-pub async fn lineage(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn lineage(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     let spec = call(&st, move |svc| svc.spec(&id)).await?;
     Ok(ok(&spec.lineage))
 }
@@ -127,7 +127,7 @@ fn mutation_response(out: Viewed) -> Response {
 /// (the worker serves other connections meanwhile).
 async fn write(
     st: &AppState,
-    id: &str,
+    id: &ModelId,
     headers: &HeaderMap,
     change: Change,
 ) -> Result<Response, ApiError> {
@@ -138,7 +138,7 @@ async fn write(
 
 pub async fn mutate(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
     headers: HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
@@ -152,7 +152,7 @@ pub async fn mutate(
 
 pub async fn patch(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
     headers: HeaderMap,
     PatchBody(body): PatchBody,
 ) -> Result<Response, ApiError> {
@@ -166,7 +166,7 @@ pub async fn patch(
 
 pub async fn state(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
     q: Params,
 ) -> Result<Response, ApiError> {
     let at = q.instant("at")?;
@@ -175,7 +175,7 @@ pub async fn state(
 
 pub async fn field(
     State(st): State<AppState>,
-    P((id, path)): P<(String, String)>,
+    P((id, path)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
     let (i, p) = (id.clone(), path.clone());
     match call(&st, move |svc| svc.field(&i, &p)).await? {
@@ -186,13 +186,13 @@ pub async fn field(
     }
 }
 
-pub async fn history(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn history(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     Ok(ok(call(&st, move |svc| svc.history(&id)).await?))
 }
 
 pub async fn schema(
     State(st): State<AppState>,
-    P((id, path)): P<(String, String)>,
+    P((id, path)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
     Ok(ok(
         call(&st, move |svc| svc.effective_schema(&id, &path)).await?
@@ -201,7 +201,7 @@ pub async fn schema(
 
 pub async fn explain(
     State(st): State<AppState>,
-    P((id, path)): P<(String, String)>,
+    P((id, path)): P<(ModelId, String)>,
     q: Params,
 ) -> Result<Response, ApiError> {
     let limit = q.positive("limit")?;
@@ -210,13 +210,13 @@ pub async fn explain(
     ))
 }
 
-pub async fn graph(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn graph(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     Ok(ok(call(&st, move |svc| svc.graph(&id)).await?))
 }
 
 pub async fn verification(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
 ) -> Result<Response, ApiError> {
     let report = call(&st, move |svc| svc.verification(&id)).await?;
     Ok(ok(&*report))
@@ -224,7 +224,7 @@ pub async fn verification(
 
 pub async fn audit(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
     q: Params,
 ) -> Result<Response, ApiError> {
     let query = AuditQuery {
@@ -238,18 +238,18 @@ pub async fn audit(
 
 pub async fn verify_audit(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
 ) -> Result<Response, ApiError> {
     Ok(ok(call(&st, move |svc| svc.verify_audit(&id)).await?))
 }
 
-pub async fn snapshot(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn snapshot(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     Ok(ok(call(&st, move |svc| svc.snapshot(&id)).await?))
 }
 
 pub async fn restore(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     if !body.is_object() {
@@ -262,7 +262,7 @@ pub async fn restore(
 
 pub async fn evolve(
     State(st): State<AppState>,
-    P(id): P<String>,
+    P(id): P<ModelId>,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let (evo, warnings) = parse_evolution_checked(&body).map_err(|e| {
@@ -279,13 +279,13 @@ pub async fn evolve(
     Ok(ok(body))
 }
 
-pub async fn view(State(st): State<AppState>, P(id): P<String>) -> Result<Response, ApiError> {
+pub async fn view(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
     Ok(ok(call(&st, move |svc| svc.view(&id, None)).await?))
 }
 
 pub async fn named_view(
     State(st): State<AppState>,
-    P((id, view_id)): P<(String, String)>,
+    P((id, view_id)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
     Ok(ok(
         call(&st, move |svc| svc.view(&id, Some(&view_id))).await?

@@ -75,14 +75,14 @@ pub(super) struct NoArgs {}
 #[serde(deny_unknown_fields)]
 pub(super) struct IdArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
 }
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct StateArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// Read the state as of this ISO-8601 instant (the most recent commit at or before it).
     pub(super) at: Option<String>,
     /// Return only these subtrees (canonical addresses such as "$.order"), spliced into a
@@ -98,7 +98,7 @@ pub(super) struct StateArgs {
 #[serde(deny_unknown_fields)]
 pub(super) struct PathArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// A canonical address, e.g. "$.order.items[0].qty".
     pub(super) path: String,
 }
@@ -107,7 +107,7 @@ pub(super) struct PathArgs {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct MutateArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// Writes as {"$.path": value}, applied in order in one reactive cycle.
     pub(super) mutations: Map<String, Json>,
     /// Include the derivation and constraint traces of the cycle (default false).
@@ -118,7 +118,7 @@ pub(super) struct MutateArgs {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct PatchArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// An RFC 6902 JSON Patch of the base document; paths are RFC 6901 JSON Pointers
     /// ("/items/0", "/items/-" to append).
     #[schemars(schema_with = "patch_schema")]
@@ -148,7 +148,7 @@ pub(super) fn patch_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schem
 #[serde(deny_unknown_fields)]
 pub(super) struct ExplainArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// Traces whose target address starts with this path ("$" for all).
     pub(super) path: String,
     /// Only the most recent N traces.
@@ -160,7 +160,7 @@ pub(super) struct ExplainArgs {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct AuditArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// Records whose mutations, derived updates or trace targets start with this address.
     pub(super) path_prefix: Option<String>,
     /// Records at or after this ISO-8601 instant.
@@ -176,7 +176,7 @@ pub(super) struct AuditArgs {
 #[serde(deny_unknown_fields)]
 pub(super) struct RestoreArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// A snapshot exactly as `snapshot` returned it.
     pub(super) snapshot: Map<String, Json>,
 }
@@ -185,7 +185,7 @@ pub(super) struct RestoreArgs {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct ViewArgs {
     /// The model id.
-    pub(super) id: String,
+    pub(super) id: ModelId,
     /// The view to evaluate (default: the definition's defaultView).
     pub(super) view_id: Option<String>,
 }

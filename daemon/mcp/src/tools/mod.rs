@@ -26,7 +26,7 @@ use valem_service::authoring::{
 use valem_service::plugins::{Kind, Plugin, Plugins};
 use valem_service::time::parse_iso;
 use valem_service::MutationError;
-use valem_service::{AuditQuery, BlobRef, ModelInfo, ServiceError, Timestamp};
+use valem_service::{AuditQuery, BlobRef, ModelId, ModelInfo, ServiceError, Timestamp};
 
 /// The tools that never touch the registry (the proxy runs them locally).
 pub const AUTHORING: &[&str] = &[
@@ -517,7 +517,7 @@ fn lifecycle_tools() -> Vec<Tool> {
                 #[derive(Deserialize)]
                 #[serde(deny_unknown_fields)]
                 struct A {
-                    id: String,
+                    id: ModelId,
                     evolution: Json,
                 }
                 let a: A = args("evolve_spec", a)?;

@@ -308,7 +308,7 @@ impl Runner {
         };
         if let Some(read) = target.get("read").and_then(|r| r.as_str()) {
             return svc
-                .field(&linked, read)
+                .field(&crate::ModelId::from(&linked), read)
                 .map(|v| v.unwrap_or(Json::Null))
                 .map_err(missing);
         }
@@ -325,7 +325,10 @@ impl Runner {
             None => Json::Null,
         };
         let r = svc
-            .mutate_linked(&linked, vec![(path.to_string(), body)])
+            .mutate_linked(
+                &crate::ModelId::from(&linked),
+                vec![(path.to_string(), body)],
+            )
             .wait()
             .map_err(missing)?;
         let mut out = r.to_json(false);

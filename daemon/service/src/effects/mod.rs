@@ -197,7 +197,7 @@ impl Runner {
             return Ok(());
         };
         svc.foldback(
-            model,
+            &crate::ModelId::from(model),
             &req.effect_id,
             req.dedupe_key.clone(),
             vec![(path.clone(), st)],
@@ -280,7 +280,9 @@ impl Runner {
         let Ok(ids) = svc.list() else { return };
         let mut resumed = 0usize;
         for id in ids {
-            let Ok(spec) = svc.spec(&id) else { continue };
+            let Ok(spec) = svc.spec(&crate::ModelId::from(&id)) else {
+                continue;
+            };
             if !spec
                 .effects
                 .iter()
@@ -288,13 +290,19 @@ impl Runner {
             {
                 continue;
             }
-            let keys = svc.effect_keys(&id).unwrap_or_default();
+            let keys = svc
+                .effect_keys(&crate::ModelId::from(&id))
+                .unwrap_or_default();
             for e in &spec.effects {
                 let (Some(path), "server" | "timer") = (&e.status_path, e.executor()) else {
                     continue;
                 };
                 let key = keys.get(&e.id).cloned();
-                let st = svc.field(&id, path).ok().flatten().unwrap_or(Json::Null);
+                let st = svc
+                    .field(&crate::ModelId::from(&id), path)
+                    .ok()
+                    .flatten()
+                    .unwrap_or(Json::Null);
                 let phase = st.get("phase").and_then(|p| p.as_str()).unwrap_or("");
                 let same_key = st.get("key") == Some(key.as_ref().unwrap_or(&Json::Null));
                 let req = EffectRequest {
@@ -403,7 +411,9 @@ impl Runner {
     /// Run one server effect to its end: attempts, retries, fold-back.
     fn call(&self, model: &str, req: &EffectRequest, mut attempts: u32) {
         let Some(svc) = self.service() else { return };
-        let Ok(spec) = svc.spec(model) else { return };
+        let Ok(spec) = svc.spec(&crate::ModelId::from(model)) else {
+            return;
+        };
         let Some(e) = spec.effects.iter().find(|e| e.id == req.effect_id) else {
             return;
         };
@@ -506,7 +516,12 @@ impl Runner {
             return Ok(());
         }
         match svc
-            .foldback(model, &req.effect_id, req.dedupe_key.clone(), writes)
+            .foldback(
+                &crate::ModelId::from(model),
+                &req.effect_id,
+                req.dedupe_key.clone(),
+                writes,
+            )
             .wait()
         {
             Ok(_) => Ok(()),
