@@ -1146,8 +1146,8 @@ proptest! {
         }
         let result = (|| -> Result<(), TestCaseError> {
             for ops in &patches {
-                let base = svc.snapshot(&id).unwrap()["baseDoc"].clone();
-                let state = svc.state(&id, None).unwrap();
+                let base = svc.snapshot(&id).wait().unwrap()["baseDoc"].clone();
+                let state = svc.state(&id, None).wait().unwrap();
                 let mut doc = base.clone();
                 let mut resolved = Vec::new();
                 for op in ops {
@@ -1163,9 +1163,9 @@ proptest! {
                 let ops_text = short(&Value::Array(resolved.clone()).to_string());
                 match svc.patch(&id, patch).wait() {
                     Ok(_) => {
-                        let after = svc.snapshot(&id).unwrap()["baseDoc"].clone();
+                        let after = svc.snapshot(&id).wait().unwrap()["baseDoc"].clone();
                         prop_assert!(!json_deeper_than(&after, MAX_DEPTH));
-                        prop_assert!(!json_deeper_than(&svc.state(&id, None).unwrap(), MAX_DEPTH));
+                        prop_assert!(!json_deeper_than(&svc.state(&id, None).wait().unwrap(), MAX_DEPTH));
                         match &want {
                             Some(w) => prop_assert!(same_value(&after, w), "{} gave {}", ops_text, short(&after.to_string())),
                             None => return Err(TestCaseError::fail(format!("applied a patch RFC 6902 or the depth limit refuses: {ops_text}"))),
@@ -1173,8 +1173,8 @@ proptest! {
                     }
                     Err(e) => {
                         prop_assert!(want.is_none() || derived, "refused {}: {}", ops_text, short(&e.to_string()));
-                        prop_assert_eq!(&svc.snapshot(&id).unwrap()["baseDoc"], &base, "a refused patch changed the base");
-                        prop_assert_eq!(&svc.state(&id, None).unwrap(), &state, "a refused patch changed the state");
+                        prop_assert_eq!(&svc.snapshot(&id).wait().unwrap()["baseDoc"], &base, "a refused patch changed the base");
+                        prop_assert_eq!(&svc.state(&id, None).wait().unwrap(), &state, "a refused patch changed the state");
                     }
                 }
             }

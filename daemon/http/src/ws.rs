@@ -30,7 +30,7 @@ use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
 use super::rest::extract::{Params, P};
-use super::rest::{call, count_errors, ApiError};
+use super::rest::{count_errors, ApiError};
 use super::AppState;
 use valem_core::expr::path::Address;
 use valem_service::MutationResult;
@@ -97,12 +97,8 @@ async fn subscribe(
     // not a socket left open on nothing. A refused subscriber's channel is closed, and its
     // filter asks for the next event of any model so that the sink sees it and is dropped.
     let (filter, sink, rx, overflow) = subscriber(&id, QUEUE);
-    let owned = valem_service::ModelId::from(&id);
-    call(&st, move |svc| {
-        svc.subscribe_with(filter, sink);
-        svc.info(&owned)
-    })
-    .await?;
+    st.service.subscribe_with(filter, sink);
+    st.service.info(&valem_service::ModelId::from(&id)).await?;
 
     let stop = st.shutdown.clone();
     // A sandbox session's frames name the model by the session's own id.

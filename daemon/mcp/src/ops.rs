@@ -24,12 +24,12 @@ pub fn create_model(s: &ModelService, spec: Map<String, Json>) -> Outcome {
 }
 
 pub fn model_info(s: &ModelService, id: &ModelId) -> Outcome {
-    Ok(json!(s.info(id)?))
+    Ok(json!(s.info(id).wait()?))
 }
 
 /// The spec verbatim.
 pub fn model_spec(s: &ModelService, id: &ModelId) -> Outcome {
-    let spec = s.spec(id)?;
+    let spec = s.spec(id).wait()?;
     serde_json::to_value(&*spec).map_err(|e| ToolError::Message(e.to_string()))
 }
 
@@ -45,7 +45,7 @@ pub fn state(
         .map(parse_iso)
         .transpose()
         .map_err(|e| ToolError::Message(e.to_string()))?;
-    let mut doc = s.state(id, at)?;
+    let mut doc = s.state(id, at).wait()?;
     if let Some(paths) = paths {
         doc = project(&doc, paths)?;
     }
@@ -57,12 +57,13 @@ pub fn state(
 
 /// The merged value at `path`; an absent value is a failure naming it.
 pub fn field(s: &ModelService, id: &ModelId, path: &str) -> Outcome {
-    s.field(id, path)?
+    s.field(id, path)
+        .wait()?
         .ok_or_else(|| ToolError::Message(format!("`{path}` has no value in model `{id}`")))
 }
 
 pub fn effective_schema(s: &ModelService, id: &ModelId, path: &str) -> Outcome {
-    Ok(s.effective_schema(id, path)?)
+    Ok(s.effective_schema(id, path).wait()?)
 }
 
 /// A write that is one reactive cycle, not yet queued: the service's call and whether its
@@ -116,15 +117,15 @@ pub fn patch<'a>(
 }
 
 pub fn explain(s: &ModelService, id: &ModelId, path: &str, limit: Option<usize>) -> Outcome {
-    Ok(json!(s.explain(id, path, limit)?))
+    Ok(json!(s.explain(id, path, limit).wait()?))
 }
 
 pub fn history(s: &ModelService, id: &ModelId) -> Outcome {
-    Ok(json!(s.history(id)?))
+    Ok(json!(s.history(id).wait()?))
 }
 
 pub fn snapshot(s: &ModelService, id: &ModelId) -> Outcome {
-    Ok(s.snapshot(id)?)
+    Ok(s.snapshot(id).wait()?)
 }
 
 pub fn restore(s: &ModelService, id: &ModelId, snapshot: Map<String, Json>) -> Outcome {
@@ -154,7 +155,7 @@ pub fn delete(s: &ModelService, id: &ModelId) -> Outcome {
 }
 
 pub fn view(s: &ModelService, id: &ModelId, view_id: Option<&str>) -> Outcome {
-    Ok(s.view(id, view_id)?)
+    Ok(s.view(id, view_id).wait()?)
 }
 
 /// Store base64 `data`; the BlobRef.

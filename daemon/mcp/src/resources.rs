@@ -159,7 +159,7 @@ pub fn read(server: &Server, uri: &str) -> Result<Json, Json> {
         }
     }
     if let Some(id) = uri.strip_prefix("valem://state/") {
-        return match server.service.state(&id.into(), None) {
+        return match server.service.state(&id.into(), None).wait() {
             Ok(s) => Ok(contents(uri, "application/json", pretty(&s))),
             Err(e) => Err(not_found(uri, format!("Resource not found: {uri} ({e})"))),
         };

@@ -385,7 +385,7 @@ impl ModelService {
                 t.reference
             )));
         }
-        let template = match self.spec(&crate::ModelId::from(&reference)) {
+        let template = match self.spec(&crate::ModelId::from(&reference)).wait() {
             Ok(s) => s,
             Err(ServiceError::NotFound(_)) => {
                 return Err(finding(format!(
@@ -422,62 +422,57 @@ impl ModelService {
         Ok(())
     }
 
-    pub fn info(&self, id: &ModelId) -> Result<ModelInfo, ServiceError> {
+    pub fn info(&self, id: &ModelId) -> Call<'_, ModelInfo> {
         let owned = id.clone();
-        self.on_model(id, move |s| Ok(ModelInfo::of(&s.entry(&owned)?.spec)))
+        self.read(id, move |s| Ok(ModelInfo::of(&s.entry(&owned)?.spec)))
     }
 
-    pub fn spec(&self, id: &ModelId) -> Result<Arc<ModelSpec>, ServiceError> {
+    pub fn spec(&self, id: &ModelId) -> Call<'_, Arc<ModelSpec>> {
         let owned = id.clone();
-        self.on_model(id, move |s| Ok(s.entry(&owned)?.spec.clone()))
+        self.read(id, move |s| Ok(s.entry(&owned)?.spec.clone()))
     }
 
     /// The library a model binds: layers and exports (`None` when it has none).
-    pub fn library(&self, id: &ModelId) -> Result<Option<Json>, ServiceError> {
+    pub fn library(&self, id: &ModelId) -> Call<'_, Option<Json>> {
         let owned = id.clone();
-        self.on_model(id, move |s| s.library(&owned))
+        self.read(id, move |s| s.library(&owned))
     }
 
     // --- reads ------------------------------------------------------------------------------
 
     /// The merged state, now or as of `at`.
-    pub fn state(&self, id: &ModelId, at: Option<Timestamp>) -> Result<Json, ServiceError> {
+    pub fn state(&self, id: &ModelId, at: Option<Timestamp>) -> Call<'_, Json> {
         let owned = id.clone();
-        self.on_model(id, move |s| s.state(&owned, at))
+        self.read(id, move |s| s.state(&owned, at))
     }
 
     /// The merged value at `path`; `None` when absent.
-    pub fn field(&self, id: &ModelId, path: &str) -> Result<Option<Json>, ServiceError> {
+    pub fn field(&self, id: &ModelId, path: &str) -> Call<'_, Option<Json>> {
         let (owned, p) = (id.clone(), path.to_string());
-        self.on_model(id, move |s| s.field(&owned, &p))
+        self.read(id, move |s| s.field(&owned, &p))
     }
 
     /// The static schema at `path` overlaid with live meta.
-    pub fn effective_schema(&self, id: &ModelId, path: &str) -> Result<Json, ServiceError> {
+    pub fn effective_schema(&self, id: &ModelId, path: &str) -> Call<'_, Json> {
         let (owned, p) = (id.clone(), path.to_string());
-        self.on_model(id, move |s| s.effective_schema(&owned, &p))
+        self.read(id, move |s| s.effective_schema(&owned, &p))
     }
 
     /// Traces whose target starts with `path`, oldest first (the most recent `limit`).
-    pub fn explain(
-        &self,
-        id: &ModelId,
-        path: &str,
-        limit: Option<usize>,
-    ) -> Result<Vec<Trace>, ServiceError> {
+    pub fn explain(&self, id: &ModelId, path: &str, limit: Option<usize>) -> Call<'_, Vec<Trace>> {
         let (owned, p) = (id.clone(), path.to_string());
-        self.on_model(id, move |s| s.explain(&owned, &p, limit))
+        self.read(id, move |s| s.explain(&owned, &p, limit))
     }
 
     /// Commit times (ISO-8601), oldest first.
-    pub fn history(&self, id: &ModelId) -> Result<Vec<String>, ServiceError> {
+    pub fn history(&self, id: &ModelId) -> Call<'_, Vec<String>> {
         let owned = id.clone();
-        self.on_model(id, move |s| s.history(&owned))
+        self.read(id, move |s| s.history(&owned))
     }
 
     pub fn audit(&self, id: &ModelId, q: AuditQuery) -> Result<Vec<Json>, ServiceError> {
         if let Some(sink) = self.audit_sink.get() {
-            self.info(id)?;
+            self.info(id).wait()?;
             let mut records = self.plugin_audit(sink, id, q)?;
             records.reverse(); // newest first, as everywhere
             return Ok(records.into_iter().map(|e| e.record).collect());
@@ -555,21 +550,21 @@ impl ModelService {
         })
     }
 
-    pub fn view(&self, id: &ModelId, view_id: Option<&str>) -> Result<Json, ServiceError> {
+    pub fn view(&self, id: &ModelId, view_id: Option<&str>) -> Call<'_, Json> {
         let (owned, v) = (id.to_string(), view_id.map(String::from));
-        self.on_model(id, move |s| s.view(&owned, v.as_deref()))
+        self.read(id, move |s| s.view(&owned, v.as_deref()))
     }
 
     /// The dependency graph of the compiled spec: nodes, edges, topological levels.
-    pub fn graph(&self, id: &ModelId) -> Result<Json, ServiceError> {
+    pub fn graph(&self, id: &ModelId) -> Call<'_, Json> {
         let owned = id.clone();
-        self.on_model(id, move |s| s.graph(&owned))
+        self.read(id, move |s| s.graph(&owned))
     }
 
     /// The trust report of the spec's embedded tests (computed once per spec).
-    pub fn verification(&self, id: &ModelId) -> Result<Arc<Json>, ServiceError> {
+    pub fn verification(&self, id: &ModelId) -> Call<'_, Arc<Json>> {
         let owned = id.clone();
-        self.on_model(id, move |s| s.verification(&owned))
+        self.read(id, move |s| s.verification(&owned))
     }
 
     // --- writes -----------------------------------------------------------------------------
@@ -587,6 +582,15 @@ impl ModelService {
             shard: self.shard_of(id),
             job: Box::new(move |s, r| f(s, &owned, r)),
         }
+    }
+
+    /// A read on the shard owning `id`, as a [`Call`].
+    fn read<R: Send + 'static>(
+        &self,
+        id: &ModelId,
+        f: impl FnOnce(&mut Shard) -> Result<R, ServiceError> + Send + 'static,
+    ) -> Call<'_, R> {
+        self.write(id, move |s, _, r| r.send(f(s)))
     }
 
     /// One reactive cycle for a flat `{"$.path": value}` mutation set.
@@ -635,9 +639,9 @@ impl ModelService {
     }
 
     /// The dedupe key each effect of the model last fired with.
-    pub fn effect_keys(&self, id: &ModelId) -> Result<Map<String, Json>, ServiceError> {
+    pub fn effect_keys(&self, id: &ModelId) -> Call<'_, Map<String, Json>> {
         let owned = id.clone();
-        self.on_model(id, move |s| {
+        self.read(id, move |s| {
             let e = s.entry(&owned)?;
             Ok(e.model
                 .state()
@@ -665,9 +669,9 @@ impl ModelService {
         self.write_viewed(id, Change::Patch(patch), None)
     }
 
-    pub fn snapshot(&self, id: &ModelId) -> Result<Json, ServiceError> {
+    pub fn snapshot(&self, id: &ModelId) -> Call<'_, Json> {
         let owned = id.clone();
-        self.on_model(id, move |s| s.snapshot(&owned))
+        self.read(id, move |s| s.snapshot(&owned))
     }
 
     /// Replace the model's state with a snapshot's (one cycle, audited).
@@ -731,7 +735,10 @@ mod tests {
             .expect("the cycle commits");
         assert!(r.success);
         assert_eq!(
-            svc.field(&ModelId::from("demo"), "$.total").ok().flatten(),
+            svc.field(&ModelId::from("demo"), "$.total")
+                .wait()
+                .ok()
+                .flatten(),
             Some(serde_json::json!(6))
         );
 
@@ -760,7 +767,10 @@ mod tests {
         // Every queued cycle ran, in order, and the refused one did not.
         let last = SHARD_QUEUE as i64 - 1;
         assert_eq!(
-            svc.field(&ModelId::from("demo"), "$.total").ok().flatten(),
+            svc.field(&ModelId::from("demo"), "$.total")
+                .wait()
+                .ok()
+                .flatten(),
             Some(serde_json::json!(last * 3))
         );
         let newest = svc

@@ -56,7 +56,7 @@ pub async fn create(State(st): State<AppState>, JsonBody(body): JsonBody) -> Res
 }
 
 pub async fn info(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    Ok(ok(call(&st, move |svc| svc.info(&id)).await?))
+    Ok(ok(st.service.info(&id).await?))
 }
 
 pub async fn delete(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
@@ -66,13 +66,12 @@ pub async fn delete(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Res
 }
 
 pub async fn spec(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    let spec = call(&st, move |svc| svc.spec(&id)).await?;
+    let spec = st.service.spec(&id).await?;
     Ok(ok(&*spec))
 }
 
 pub async fn library(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    let owned = id.clone();
-    match call(&st, move |svc| svc.library(&owned)).await? {
+    match st.service.library(&id).await? {
         Some(lib) => Ok(ok(lib)),
         None => Err(ApiError::not_found(format!("model `{id}` has no library"))),
     }
@@ -80,7 +79,7 @@ pub async fn library(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Re
 
 /// The pinned ancestor chain of a branch; `[]` for a model that is not one.
 pub async fn lineage(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    let spec = call(&st, move |svc| svc.spec(&id)).await?;
+    let spec = st.service.spec(&id).await?;
     Ok(ok(&spec.lineage))
 }
 
@@ -170,7 +169,7 @@ pub async fn state(
     q: Params,
 ) -> Result<Response, ApiError> {
     let at = q.instant("at")?;
-    Ok(ok(call(&st, move |svc| svc.state(&id, at)).await?))
+    Ok(ok(st.service.state(&id, at).await?))
 }
 
 pub async fn field(
@@ -178,7 +177,7 @@ pub async fn field(
     P((id, path)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
     let (i, p) = (id.clone(), path.clone());
-    match call(&st, move |svc| svc.field(&i, &p)).await? {
+    match st.service.field(&i, &p).await? {
         Some(v) => Ok(ok(v)),
         None => Err(ApiError::not_found(format!(
             "`{path}` has no value in model `{id}`"
@@ -187,16 +186,14 @@ pub async fn field(
 }
 
 pub async fn history(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    Ok(ok(call(&st, move |svc| svc.history(&id)).await?))
+    Ok(ok(st.service.history(&id).await?))
 }
 
 pub async fn schema(
     State(st): State<AppState>,
     P((id, path)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
-    Ok(ok(
-        call(&st, move |svc| svc.effective_schema(&id, &path)).await?
-    ))
+    Ok(ok(st.service.effective_schema(&id, &path).await?))
 }
 
 pub async fn explain(
@@ -205,20 +202,18 @@ pub async fn explain(
     q: Params,
 ) -> Result<Response, ApiError> {
     let limit = q.positive("limit")?;
-    Ok(ok(
-        call(&st, move |svc| svc.explain(&id, &path, limit)).await?
-    ))
+    Ok(ok(st.service.explain(&id, &path, limit).await?))
 }
 
 pub async fn graph(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    Ok(ok(call(&st, move |svc| svc.graph(&id)).await?))
+    Ok(ok(st.service.graph(&id).await?))
 }
 
 pub async fn verification(
     State(st): State<AppState>,
     P(id): P<ModelId>,
 ) -> Result<Response, ApiError> {
-    let report = call(&st, move |svc| svc.verification(&id)).await?;
+    let report = st.service.verification(&id).await?;
     Ok(ok(&*report))
 }
 
@@ -244,7 +239,7 @@ pub async fn verify_audit(
 }
 
 pub async fn snapshot(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    Ok(ok(call(&st, move |svc| svc.snapshot(&id)).await?))
+    Ok(ok(st.service.snapshot(&id).await?))
 }
 
 pub async fn restore(
@@ -280,14 +275,12 @@ pub async fn evolve(
 }
 
 pub async fn view(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
-    Ok(ok(call(&st, move |svc| svc.view(&id, None)).await?))
+    Ok(ok(st.service.view(&id, None).await?))
 }
 
 pub async fn named_view(
     State(st): State<AppState>,
     P((id, view_id)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
-    Ok(ok(
-        call(&st, move |svc| svc.view(&id, Some(&view_id))).await?
-    ))
+    Ok(ok(st.service.view(&id, Some(&view_id)).await?))
 }

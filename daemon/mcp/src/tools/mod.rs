@@ -574,7 +574,7 @@ fn view_and_blob_tools() -> Vec<Tool> {
             cycle: None,
             handler: |c, a| {
                 let a: IdArgs = args("get_library", a)?;
-                c.server.service.library(&a.id)?.ok_or_else(|| {
+                c.server.service.library(&a.id).wait()?.ok_or_else(|| {
                     ToolError::Message(format!("model `{}` has no library", a.id))
                 })
             },

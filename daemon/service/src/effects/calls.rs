@@ -309,6 +309,7 @@ impl Runner {
         if let Some(read) = target.get("read").and_then(|r| r.as_str()) {
             return svc
                 .field(&crate::ModelId::from(&linked), read)
+                .wait()
                 .map(|v| v.unwrap_or(Json::Null))
                 .map_err(missing);
         }

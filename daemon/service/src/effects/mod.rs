@@ -280,7 +280,7 @@ impl Runner {
         let Ok(ids) = svc.list() else { return };
         let mut resumed = 0usize;
         for id in ids {
-            let Ok(spec) = svc.spec(&crate::ModelId::from(&id)) else {
+            let Ok(spec) = svc.spec(&crate::ModelId::from(&id)).wait() else {
                 continue;
             };
             if !spec
@@ -292,6 +292,7 @@ impl Runner {
             }
             let keys = svc
                 .effect_keys(&crate::ModelId::from(&id))
+                .wait()
                 .unwrap_or_default();
             for e in &spec.effects {
                 let (Some(path), "server" | "timer") = (&e.status_path, e.executor()) else {
@@ -300,6 +301,7 @@ impl Runner {
                 let key = keys.get(&e.id).cloned();
                 let st = svc
                     .field(&crate::ModelId::from(&id), path)
+                    .wait()
                     .ok()
                     .flatten()
                     .unwrap_or(Json::Null);
@@ -411,7 +413,7 @@ impl Runner {
     /// Run one server effect to its end: attempts, retries, fold-back.
     fn call(&self, model: &str, req: &EffectRequest, mut attempts: u32) {
         let Some(svc) = self.service() else { return };
-        let Ok(spec) = svc.spec(&crate::ModelId::from(model)) else {
+        let Ok(spec) = svc.spec(&crate::ModelId::from(model)).wait() else {
             return;
         };
         let Some(e) = spec.effects.iter().find(|e| e.id == req.effect_id) else {

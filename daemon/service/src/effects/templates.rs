@@ -22,7 +22,7 @@ pub(super) fn model_input(
     model: &str,
     spec: &ModelSpec,
 ) -> Result<(JValue, Env), ServiceError> {
-    let doc = svc.state(&crate::ModelId::from(model), None)?;
+    let doc = svc.state(&crate::ModelId::from(model), None).wait()?;
     let mut env = Env {
         now_ms: Some(now().ms()),
         ..Env::default()

@@ -73,7 +73,7 @@ impl Runner {
 
     pub(super) fn fire(&self, t: &Timer) {
         let Some(svc) = self.service() else { return };
-        let Ok(spec) = svc.spec(&crate::ModelId::from(&t.model)) else {
+        let Ok(spec) = svc.spec(&crate::ModelId::from(&t.model)).wait() else {
             return;
         };
         let Some(e) = spec.effects.iter().find(|e| e.id == t.req.effect_id) else {
