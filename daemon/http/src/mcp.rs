@@ -330,10 +330,19 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         // A cycle: await the shard; the worker serves other connections meanwhile.
         let reply = call.await.map(&out);
         plain_reply(&st, created, &sid, reply, json_ok)
-    } else if runs_inline(&st, &msg) {
-        reply_inline(&st, session, msg, (created, &sid), json_ok, sse_ok, out)
     } else {
-        reply_streamed(&st, session, msg, (created, &sid), json_ok, sse_ok, out).await
+        let to = Recipient {
+            st: &st,
+            created,
+            sid: &sid,
+            json_ok,
+            sse_ok,
+        };
+        if runs_inline(&st, &msg) {
+            reply_inline(session, msg, to, out)
+        } else {
+            reply_streamed(session, msg, to, out).await
+        }
     };
     with_session_header(res, created, &sid)
 }
@@ -378,17 +387,26 @@ fn session_for(
     }
 }
 
+/// Who a reply goes to: the session (and whether this request opened it) and what the
+/// request accepts (JSON, SSE).
+struct Recipient<'a> {
+    st: &'a AppState,
+    created: bool,
+    sid: &'a str,
+    json_ok: bool,
+    sse_ok: bool,
+}
+
 /// A request in which nothing waits on the client or reports progress, run in place (no hop
 /// to the blocking pool); what it emitted (logs) is sent before the reply.
 fn reply_inline(
-    st: &AppState,
     session: Arc<Session>,
     msg: Json,
-    (created, sid): (bool, &str),
-    json_ok: bool,
-    sse_ok: bool,
+    to: Recipient<'_>,
     out: impl Fn(Json) -> Json,
 ) -> Response {
+    let (st, created, sid) = (to.st, to.created, to.sid);
+    let (json_ok, sse_ok) = (to.json_ok, to.sse_ok);
     let emitted: Arc<Mutex<Vec<Json>>> = Arc::default();
     let sink = emitted.clone();
     let io: Option<Outbox> = sse_ok.then(|| {
@@ -431,14 +449,13 @@ fn reply_inline(
 /// run on the blocking pool: the reply switches to SSE at the first message; a plain call
 /// stays JSON.
 async fn reply_streamed(
-    st: &AppState,
     session: Arc<Session>,
     msg: Json,
-    (created, sid): (bool, &str),
-    json_ok: bool,
-    sse_ok: bool,
+    to: Recipient<'_>,
     out: impl Fn(Json) -> Json + Send + 'static,
 ) -> Response {
+    let (st, created, sid) = (to.st, to.created, to.sid);
+    let (json_ok, sse_ok) = (to.json_ok, to.sse_ok);
     let (tx, mut rx) = mpsc::unbounded_channel::<Json>();
     let io: Option<Outbox> = sse_ok.then(|| {
         Arc::new(move |m: &Json| {
