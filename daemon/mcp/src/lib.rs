@@ -4,6 +4,7 @@
 //! notifications the session emits on its own go through the transport's [`Outbox`]. Tools
 //! call only the [`ModelService`](valem_service::ModelService) and the authoring functions.
 
+#[cfg(feature = "fixtures")]
 pub mod fixtures;
 pub mod guidance;
 pub mod ops;
@@ -130,7 +131,7 @@ impl Server {
 
     /// Serving the conformance suite's fixtures?
     pub fn fixtures(&self) -> bool {
-        self.mode == Mode::DaemonWithFixtures
+        cfg!(feature = "fixtures") && self.mode == Mode::DaemonWithFixtures
     }
 
     fn instructions(&self) -> String {
@@ -643,7 +644,9 @@ impl Session {
         }
         match method {
             "tools/list" => {
+                #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
                 let mut list = self.server.tools.list_json();
+                #[cfg(feature = "fixtures")]
                 if self.server.fixtures() {
                     fixtures::add_tools(&mut list);
                 }
@@ -651,14 +654,18 @@ impl Session {
             }
             "tools/call" => self.call_tool(params, id, io),
             "resources/list" => {
+                #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
                 let mut r = resources::list(&self.server);
+                #[cfg(feature = "fixtures")]
                 if self.server.fixtures() {
                     fixtures::add_resources(&mut r);
                 }
                 result(id, r)
             }
             "resources/templates/list" => {
+                #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
                 let mut r = resources::templates();
+                #[cfg(feature = "fixtures")]
                 if self.server.fixtures() {
                     fixtures::add_templates(&mut r);
                 }
@@ -670,6 +677,7 @@ impl Session {
                     code::INVALID_PARAMS,
                     "resources/read needs a `uri` string",
                 ),
+                #[cfg(feature = "fixtures")]
                 Some(uri) if self.server.fixtures() && uri.starts_with("test://") => {
                     match fixtures::read_resource(uri) {
                         Some(r) => result(id, r),
@@ -746,6 +754,7 @@ impl Session {
                     "logging/setLevel needs a `level` string",
                 ),
             },
+            #[cfg(feature = "fixtures")]
             "prompts/list" | "prompts/get" | "completion/complete" if self.server.fixtures() => {
                 match fixtures::prompts(method, &params) {
                     Ok(r) => result(id, r),
@@ -800,10 +809,12 @@ impl Session {
         )
     }
 
+    #[cfg_attr(not(feature = "fixtures"), allow(unused_variables))]
     fn call_tool(&self, params: Json, id: Json, io: Option<&Outbox>) -> Json {
         let Some(name) = params.get("name").and_then(|n| n.as_str()) else {
             return error(id, code::INVALID_PARAMS, "tools/call needs a `name` string");
         };
+        #[cfg(feature = "fixtures")]
         if self.server.fixtures() {
             if let Some(r) = fixtures::call_tool(self, name, &params, io) {
                 return result(id, r);
