@@ -24,10 +24,12 @@ impl schemars::JsonSchema for ModelId {
 }
 
 impl ModelId {
+    /// The id with this text (a spec's `id`; the validator checks its form at creation).
     pub fn new(id: impl Into<Arc<str>>) -> ModelId {
         ModelId(id.into())
     }
 
+    /// The text.
     pub fn as_str(&self) -> &str {
         &self.0
     }

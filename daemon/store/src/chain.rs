@@ -68,10 +68,12 @@ impl Seq {
     /// The first record's.
     pub const FIRST: Seq = Seq(0);
 
+    /// The `n`th record's (counting from 0).
     pub const fn new(n: u64) -> Seq {
         Seq(n)
     }
 
+    /// The number.
     pub const fn get(self) -> u64 {
         self.0
     }
