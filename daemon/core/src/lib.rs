@@ -5,6 +5,9 @@
 //! budgets (`budget`) and the bundled example specs (`examples`). Never does I/O, never reads the environment or the clock, and
 //! knows nothing of the engine, the store or any surface.
 
+// What is not part of the crate's API is pub(crate): the compiler keeps it so.
+#![warn(unreachable_pub)]
+
 pub mod budget;
 pub mod examples;
 pub mod expr;

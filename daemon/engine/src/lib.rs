@@ -3,6 +3,9 @@
 //! constraints → effects requested → commit). Atomic: a failed cycle leaves the state exactly as
 //! it was. Never does I/O and never reads the clock; the caller passes `now`.
 
+// What is not part of the crate's API is pub(crate): the compiler keeps it so.
+#![warn(unreachable_pub)]
+
 pub mod compile;
 mod cycle;
 pub use cycle::Undo;

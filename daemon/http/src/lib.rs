@@ -9,6 +9,8 @@
 //! `block_in_place` (the worker hands its other tasks to another thread first), never as plain
 //! code on a reactor thread.
 
+// What is not part of the crate's API is pub(crate): the compiler keeps it so.
+#![warn(unreachable_pub)]
 // `Result<_, Response>` is axum's idiom for early exits; the error is built once per request.
 #![allow(clippy::result_large_err)]
 

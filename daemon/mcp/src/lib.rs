@@ -4,6 +4,9 @@
 //! notifications the session emits on its own go through the transport's [`Outbox`]. Tools
 //! call only the [`ModelService`](valem_service::ModelService) and the authoring functions.
 
+// What is not part of the crate's API is pub(crate): the compiler keeps it so.
+#![warn(unreachable_pub)]
+
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
 pub mod guidance;

@@ -10,7 +10,7 @@ use serde_json::{json, Map, Value as Json};
 
 use super::time::{iso, Timestamp};
 
-pub use valem_store::GENESIS;
+pub(crate) use valem_store::GENESIS;
 use valem_store::{record_hash, AuditAppend, AuditKey, ChainHasher, Sealed, Seq, StoreError};
 
 /// One committed cycle.
@@ -33,7 +33,7 @@ pub struct AuditQuery {
     pub limit: Option<usize>,
 }
 
-pub struct AuditTrail {
+pub(crate) struct AuditTrail {
     records: VecDeque<AuditRecord>,
     /// The newest record's sequence (`None`: no record yet).
     head: Option<Seq>,
@@ -44,7 +44,7 @@ pub struct AuditTrail {
 }
 
 /// What one record says, before chaining.
-pub struct Entry<'a> {
+pub(crate) struct Entry<'a> {
     pub model_id: &'a str,
     pub model_version: &'a str,
     pub source: &'a str,
@@ -55,7 +55,7 @@ pub struct Entry<'a> {
 
 impl AuditTrail {
     /// A trail keeping the newest `max` records, hashing with `key` (a keyed store's key).
-    pub fn new(max: usize, key: Option<AuditKey>) -> AuditTrail {
+    pub(crate) fn new(max: usize, key: Option<AuditKey>) -> AuditTrail {
         AuditTrail {
             records: VecDeque::new(),
             head: None,
@@ -67,18 +67,18 @@ impl AuditTrail {
 
     /// Continue a stored chain whose head is record `sequence` with hash `hash` (recovery from a
     /// checkpoint: the records before it are in the store, not here).
-    pub fn resume(&mut self, sequence: Seq, hash: &str) {
+    pub(crate) fn resume(&mut self, sequence: Seq, hash: &str) {
         self.head = Some(sequence);
         self.last_hash = hash.to_string();
     }
 
     /// The sequence of the newest record, if any.
-    pub fn head(&self) -> Option<Seq> {
+    pub(crate) fn head(&self) -> Option<Seq> {
         self.head
     }
 
     /// A record read back from the store (recovery): it continues the chain as it is.
-    pub fn push_stored(&mut self, sequence: Seq, at: Timestamp, json: Json) {
+    pub(crate) fn push_stored(&mut self, sequence: Seq, at: Timestamp, json: Json) {
         debug_assert!(
             self.records.back().is_none_or(|r| r.sequence < sequence),
             "stored records come back in increasing sequence"
@@ -121,7 +121,7 @@ impl AuditTrail {
 
     /// Chain and keep the record of one committed cycle, hashed once ([`Sealed`]); with
     /// `durable`, also the store's append of it, serialised once.
-    pub fn append(
+    pub(crate) fn append(
         &mut self,
         e: Entry<'_>,
         durable: bool,
@@ -172,7 +172,7 @@ impl AuditTrail {
     }
 
     /// Newest first, filtered.
-    pub fn query(&self, q: &AuditQuery) -> Vec<Json> {
+    pub(crate) fn query(&self, q: &AuditQuery) -> Vec<Json> {
         let limit = q.limit.unwrap_or(100);
         self.records
             .iter()
@@ -190,12 +190,12 @@ impl AuditTrail {
     }
 
     /// The newest record.
-    pub fn last(&self) -> Option<&AuditRecord> {
+    pub(crate) fn last(&self) -> Option<&AuditRecord> {
         self.records.back()
     }
 
     /// Walk the chain oldest first; report the first broken record.
-    pub fn verify(&self) -> Json {
+    pub(crate) fn verify(&self) -> Json {
         let hasher = match self.key {
             Some(k) => ChainHasher::keyed(k, 0),
             None => ChainHasher::plain(),
@@ -206,7 +206,10 @@ impl AuditTrail {
 
 /// Verify a sequence of records (oldest first): each `prevHash` must be the previous record's
 /// `hash`, and each `hash` must be the hash of the record's content, as `hasher` makes it.
-pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>, hasher: &ChainHasher) -> Json {
+pub(crate) fn verify_records<'a>(
+    records: impl Iterator<Item = &'a Json>,
+    hasher: &ChainHasher,
+) -> Json {
     let mut expected_prev: Option<String> = None;
     let mut checked = 0u64;
     for r in records {
@@ -244,7 +247,7 @@ pub fn verify_records<'a>(records: impl Iterator<Item = &'a Json>, hasher: &Chai
 /// Verify the chain an audit-store plugin returned: from genesis, linked, each hash right (as
 /// `hasher` makes them: the model's chain in the store), and reaching the model's head (`head`:
 /// its newest sequence) so a truncated tail is caught.
-pub fn verify_stored(
+pub(crate) fn verify_stored(
     records: &[valem_sdk::AuditEntry],
     head: Option<Seq>,
     hasher: &ChainHasher,

@@ -30,7 +30,7 @@ struct Progress {
 
 /// A cheap handle to the feed.
 #[derive(Clone)]
-pub struct AuditSink {
+pub(crate) struct AuditSink {
     tx: Sender<Msg>,
     progress: Arc<Progress>,
     pub plugin: Arc<Plugin>,
@@ -38,7 +38,7 @@ pub struct AuditSink {
 
 impl AuditSink {
     /// Start the feed thread for `plugin`.
-    pub fn start(plugin: Arc<Plugin>) -> AuditSink {
+    pub(crate) fn start(plugin: Arc<Plugin>) -> AuditSink {
         let (tx, rx) = mpsc::channel::<Msg>();
         let progress = Arc::new(Progress::default());
         let (p, prog) = (plugin.clone(), progress.clone());
@@ -99,17 +99,17 @@ impl AuditSink {
     }
 
     /// A committed record.
-    pub fn append(&self, e: valem_sdk::AuditEntry) {
+    pub(crate) fn append(&self, e: valem_sdk::AuditEntry) {
         self.send(Msg::Append(e));
     }
 
     /// A deleted model.
-    pub fn delete(&self, model_id: &str) {
+    pub(crate) fn delete(&self, model_id: &str) {
         self.send(Msg::Delete(model_id.to_string()));
     }
 
     /// Wait (at most `limit`) until everything sent so far was handed to the plugin.
-    pub fn settle(&self, limit: Duration) {
+    pub(crate) fn settle(&self, limit: Duration) {
         let target = self.progress.sent.load(Ordering::Acquire);
         let Ok(d) = self.progress.done.lock() else {
             return;

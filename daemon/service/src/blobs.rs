@@ -18,7 +18,7 @@ pub struct BlobRef {
 }
 
 /// A blob of `len` bytes fits under `max`, or the TooLarge error naming both.
-pub fn check_size(len: usize, max: usize) -> Result<(), ServiceError> {
+pub(crate) fn check_size(len: usize, max: usize) -> Result<(), ServiceError> {
     if len > max {
         return Err(ServiceError::TooLarge(format!(
             "blob of {len} bytes exceeds the limit of {max} bytes"

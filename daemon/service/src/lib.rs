@@ -4,6 +4,9 @@
 //! history and explain rings, the session audit trail, the blob store and change subscriptions.
 //! Never speaks a wire protocol: surfaces translate to and from these calls.
 
+// What is not part of the crate's API is pub(crate): the compiler keeps it so.
+#![warn(unreachable_pub)]
+
 mod blob_ops;
 mod pending;
 mod types;

@@ -13,13 +13,13 @@ pub(super) type ReplyJob<R> = Box<dyn FnOnce(&mut Shard, Reply<R>) + Send>;
 pub(crate) struct Reply<R>(pub(crate) oneshot::Sender<Result<R, ServiceError>>);
 
 impl<R: Send + 'static> Reply<R> {
-    pub fn send(self, r: Result<R, ServiceError>) {
+    pub(crate) fn send(self, r: Result<R, ServiceError>) {
         let _ = self.0.send(r);
     }
 
     /// Answer `ok` once `op` is committed (fsynced in strict mode), or the store's error; `then`
     /// runs first with whether it committed (on the writer thread: it must not block).
-    pub fn after(
+    pub(crate) fn after(
         self,
         writer: &valem_store::Writer,
         op: valem_store::Op,

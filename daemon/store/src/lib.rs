@@ -52,6 +52,9 @@
 //! store records the key's fingerprint and refuses to open without it or with another key. An
 //! unkeyed store given a key adopts it: see [`keys`].
 
+// What is not part of the crate's API is pub(crate): the compiler keeps it so.
+#![warn(unreachable_pub)]
+
 mod reads;
 
 mod api;

@@ -49,7 +49,7 @@ pub(super) fn parse_address(
 }
 
 /// Convert an address pattern to trie segments.
-pub fn tsegs(a: &Address) -> Vec<TSeg> {
+pub(super) fn tsegs(a: &Address) -> Vec<TSeg> {
     tseg_iter(a).collect()
 }
 

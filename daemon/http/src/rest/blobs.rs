@@ -25,7 +25,7 @@ fn multipart_error(status: StatusCode, text: String) -> ApiError {
 
 /// `POST /blobs`: multipart field `file` (the content), optional field `mediaType` (else the
 /// part's own content type, else `application/octet-stream`). 201 with the BlobRef.
-pub async fn upload(
+pub(super) async fn upload(
     State(st): State<AppState>,
     headers: HeaderMap,
     mp: Result<Multipart, axum::extract::multipart::MultipartRejection>,
@@ -110,7 +110,7 @@ fn raw(r: &BlobRef, bytes: std::sync::Arc<[u8]>) -> Response {
     res
 }
 
-pub async fn download(
+pub(super) async fn download(
     State(st): State<AppState>,
     P(blob_id): P<String>,
 ) -> Result<Response, ApiError> {
@@ -119,7 +119,7 @@ pub async fn download(
 }
 
 /// A blob, only when the model's current state references it.
-pub async fn model_blob(
+pub(super) async fn model_blob(
     State(st): State<AppState>,
     P((id, blob_id)): P<(String, String)>,
 ) -> Result<Response, ApiError> {

@@ -15,7 +15,7 @@ use crate::AppState;
 use valem_service::time::parse_iso;
 
 /// Path parameters (percent-decoded).
-pub struct P<T>(pub T);
+pub(crate) struct P<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for P<T> {
     type Rejection = ApiError;
@@ -29,7 +29,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for P<T> {
 }
 
 /// Query parameters as a map (unknown ones are ignored by the handlers).
-pub struct Params(pub HashMap<String, String>);
+pub(crate) struct Params(pub HashMap<String, String>);
 
 impl<S: Send + Sync> FromRequestParts<S> for Params {
     type Rejection = ApiError;
@@ -43,12 +43,12 @@ impl<S: Send + Sync> FromRequestParts<S> for Params {
 }
 
 impl Params {
-    pub fn get(&self, name: &str) -> Option<&str> {
+    pub(crate) fn get(&self, name: &str) -> Option<&str> {
         self.0.get(name).map(String::as_str)
     }
 
     /// A positive integer parameter.
-    pub fn positive(&self, name: &str) -> Result<Option<usize>, ApiError> {
+    pub(crate) fn positive(&self, name: &str) -> Result<Option<usize>, ApiError> {
         match self.get(name) {
             None => Ok(None),
             Some(v) => match v.trim().parse::<usize>() {
@@ -61,7 +61,7 @@ impl Params {
     }
 
     /// An ISO-8601 instant parameter (400 when unparseable).
-    pub fn instant(&self, name: &str) -> Result<Option<valem_service::Timestamp>, ApiError> {
+    pub(crate) fn instant(&self, name: &str) -> Result<Option<valem_service::Timestamp>, ApiError> {
         self.get(name)
             .map(|v| parse_iso(v).map_err(|m| ApiError::bad_request(format!("`{name}`: {m}"))))
             .transpose()
@@ -69,10 +69,10 @@ impl Params {
 }
 
 /// A JSON request body (`Content-Type: application/json`).
-pub struct JsonBody(pub Json);
+pub(crate) struct JsonBody(pub Json);
 
 /// An RFC 6902 JSON Patch body (`Content-Type: application/json-patch+json`).
-pub struct PatchBody(pub Json);
+pub(crate) struct PatchBody(pub Json);
 
 impl FromRequest<AppState> for JsonBody {
     type Rejection = ApiError;
@@ -95,7 +95,7 @@ impl FromRequest<AppState> for PatchBody {
 }
 
 /// The media type of a request (`type/subtype`, lowercase, parameters dropped).
-pub fn media_type(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn media_type(headers: &HeaderMap) -> Option<String> {
     let v = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
     Some(v.split(';').next()?.trim().to_ascii_lowercase())
 }
@@ -130,7 +130,7 @@ fn too_large(limit: usize, flag: &str) -> ApiError {
 
 /// Whether the request declares a `Content-Length` over `limit` (refused before a byte of the
 /// body is read; the limit on the body stream catches undeclared lengths).
-pub fn declares_over(headers: &HeaderMap, limit: usize) -> bool {
+pub(crate) fn declares_over(headers: &HeaderMap, limit: usize) -> bool {
     headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -139,7 +139,7 @@ pub fn declares_over(headers: &HeaderMap, limit: usize) -> bool {
 }
 
 /// 413 for a body whose declared `Content-Length` is over `limit`.
-pub fn check_declared_length(
+pub(crate) fn check_declared_length(
     headers: &HeaderMap,
     limit: usize,
     flag: &str,
@@ -184,7 +184,7 @@ fn malformed(e: &serde_json::Error) -> ApiError {
 }
 
 /// 400 for a JSON body of the wrong shape (`expected` names what was wanted).
-pub fn wrong_shape(expected: &str) -> ApiError {
+pub(crate) fn wrong_shape(expected: &str) -> ApiError {
     ApiError::new(
         StatusCode::BAD_REQUEST,
         "malformed_body",

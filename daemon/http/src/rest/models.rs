@@ -24,11 +24,11 @@ fn parse_finding(e: &SpecParseError) -> Finding {
     }
 }
 
-pub async fn list(State(st): State<AppState>) -> Result<Response, ApiError> {
+pub(super) async fn list(State(st): State<AppState>) -> Result<Response, ApiError> {
     Ok(ok(call(&st, |svc| svc.list()).await?))
 }
 
-pub async fn create(State(st): State<AppState>, JsonBody(body): JsonBody) -> Response {
+pub(super) async fn create(State(st): State<AppState>, JsonBody(body): JsonBody) -> Response {
     let spec = match parse_spec(&body) {
         Ok(s) => s,
         Err(e) => {
@@ -55,22 +55,34 @@ pub async fn create(State(st): State<AppState>, JsonBody(body): JsonBody) -> Res
     }
 }
 
-pub async fn info(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn info(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     Ok(ok(st.service.info(&id).await?))
 }
 
-pub async fn delete(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn delete(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     let owned = id.clone();
     call(&st, move |svc| svc.delete(&owned)).await?;
     Ok(ok(json!({"deleted": true, "id": id})))
 }
 
-pub async fn spec(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn spec(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     let spec = st.service.spec(&id).await?;
     Ok(ok(&*spec))
 }
 
-pub async fn library(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn library(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     match st.service.library(&id).await? {
         Some(lib) => Ok(ok(lib)),
         None => Err(ApiError::not_found(format!("model `{id}` has no library"))),
@@ -78,7 +90,10 @@ pub async fn library(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Re
 }
 
 /// The pinned ancestor chain of a branch; `[]` for a model that is not one.
-pub async fn lineage(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn lineage(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     let spec = st.service.spec(&id).await?;
     Ok(ok(&spec.lineage))
 }
@@ -135,7 +150,7 @@ async fn write(
     Ok(mutation_response(out))
 }
 
-pub async fn mutate(
+pub(super) async fn mutate(
     State(st): State<AppState>,
     P(id): P<ModelId>,
     headers: HeaderMap,
@@ -149,7 +164,7 @@ pub async fn mutate(
     write(&st, &id, &headers, Change::Mutations(mutation_list(&m))).await
 }
 
-pub async fn patch(
+pub(super) async fn patch(
     State(st): State<AppState>,
     P(id): P<ModelId>,
     headers: HeaderMap,
@@ -163,7 +178,7 @@ pub async fn patch(
     write(&st, &id, &headers, Change::Patch(patch)).await
 }
 
-pub async fn state(
+pub(super) async fn state(
     State(st): State<AppState>,
     P(id): P<ModelId>,
     q: Params,
@@ -172,7 +187,7 @@ pub async fn state(
     Ok(ok(st.service.state(&id, at).await?))
 }
 
-pub async fn field(
+pub(super) async fn field(
     State(st): State<AppState>,
     P((id, path)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
@@ -185,18 +200,21 @@ pub async fn field(
     }
 }
 
-pub async fn history(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn history(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     Ok(ok(st.service.history(&id).await?))
 }
 
-pub async fn schema(
+pub(super) async fn schema(
     State(st): State<AppState>,
     P((id, path)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {
     Ok(ok(st.service.effective_schema(&id, &path).await?))
 }
 
-pub async fn explain(
+pub(super) async fn explain(
     State(st): State<AppState>,
     P((id, path)): P<(ModelId, String)>,
     q: Params,
@@ -205,11 +223,14 @@ pub async fn explain(
     Ok(ok(st.service.explain(&id, &path, limit).await?))
 }
 
-pub async fn graph(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn graph(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     Ok(ok(st.service.graph(&id).await?))
 }
 
-pub async fn verification(
+pub(super) async fn verification(
     State(st): State<AppState>,
     P(id): P<ModelId>,
 ) -> Result<Response, ApiError> {
@@ -217,7 +238,7 @@ pub async fn verification(
     Ok(ok(&*report))
 }
 
-pub async fn audit(
+pub(super) async fn audit(
     State(st): State<AppState>,
     P(id): P<ModelId>,
     q: Params,
@@ -231,18 +252,21 @@ pub async fn audit(
     Ok(ok(call(&st, move |svc| svc.audit(&id, query)).await?))
 }
 
-pub async fn verify_audit(
+pub(super) async fn verify_audit(
     State(st): State<AppState>,
     P(id): P<ModelId>,
 ) -> Result<Response, ApiError> {
     Ok(ok(call(&st, move |svc| svc.verify_audit(&id)).await?))
 }
 
-pub async fn snapshot(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn snapshot(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     Ok(ok(st.service.snapshot(&id).await?))
 }
 
-pub async fn restore(
+pub(super) async fn restore(
     State(st): State<AppState>,
     P(id): P<ModelId>,
     JsonBody(body): JsonBody,
@@ -255,7 +279,7 @@ pub async fn restore(
     Ok(ok(st.service.restore(&id, body).await?))
 }
 
-pub async fn evolve(
+pub(super) async fn evolve(
     State(st): State<AppState>,
     P(id): P<ModelId>,
     JsonBody(body): JsonBody,
@@ -274,11 +298,14 @@ pub async fn evolve(
     Ok(ok(body))
 }
 
-pub async fn view(State(st): State<AppState>, P(id): P<ModelId>) -> Result<Response, ApiError> {
+pub(super) async fn view(
+    State(st): State<AppState>,
+    P(id): P<ModelId>,
+) -> Result<Response, ApiError> {
     Ok(ok(st.service.view(&id, None).await?))
 }
 
-pub async fn named_view(
+pub(super) async fn named_view(
     State(st): State<AppState>,
     P((id, view_id)): P<(ModelId, String)>,
 ) -> Result<Response, ApiError> {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Most threads (and so most calls at once) per plugin.
-pub const MAX_THREADS: usize = 8;
+pub(super) const MAX_THREADS: usize = 8;
 
 /// Why a plugin call failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -72,7 +72,7 @@ fn next_job(rx: &Receiver<Job>) -> Result<Job, mpsc::RecvError> {
     rx.recv()
 }
 
-pub struct Pool {
+pub(super) struct Pool {
     tx: Mutex<Sender<Job>>,
     rx: Arc<Mutex<Receiver<Job>>>,
     /// Calls handed to the pool and not finished (running or queued).
@@ -82,7 +82,7 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(timeout: Duration) -> Pool {
+    pub(super) fn new(timeout: Duration) -> Pool {
         let (tx, rx) = mpsc::channel::<Job>();
         Pool {
             tx: Mutex::new(tx),
@@ -94,7 +94,7 @@ impl Pool {
     }
 
     /// Run `f` on a pool thread; its result, or why there is none.
-    pub fn run<T: Send + 'static>(
+    pub(super) fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce() -> Result<T, PluginError> + Send + 'static,
         plugin: &str,
@@ -187,13 +187,13 @@ impl Pool {
 
 /// Why [`once`] has no result.
 #[derive(Debug)]
-pub enum OnceError {
+pub(super) enum OnceError {
     Timeout,
     Panicked(String),
 }
 
 /// Run `f` on a new thread and wait at most `timeout` (a plugin's initialisation).
-pub fn once<T: Send + 'static>(
+pub(super) fn once<T: Send + 'static>(
     timeout: Duration,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, OnceError> {

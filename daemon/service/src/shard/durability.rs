@@ -240,7 +240,7 @@ impl Shard {
     }
 
     /// Checkpoint every model at its head (shutdown: the next start replays nothing).
-    pub fn checkpoint_all(&mut self) {
+    pub(crate) fn checkpoint_all(&mut self) {
         for id in self.ids() {
             self.checkpoint(&id);
         }
@@ -251,7 +251,7 @@ impl Shard {
     /// the store does not hold is dropped.
     /// Recover a stored model (see [`Shard::recover_model`]); one that cannot be is kept
     /// aside as unrecovered, so that the shard serves the others and answers for it.
-    pub fn recover(&mut self, stored: StoredModel) -> Result<(), ServiceError> {
+    pub(crate) fn recover(&mut self, stored: StoredModel) -> Result<(), ServiceError> {
         let id = stored.id.clone();
         let result = self.recover_model(stored);
         let was = match &result {

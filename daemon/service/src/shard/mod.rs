@@ -131,7 +131,7 @@ pub(super) struct Shard {
 }
 
 impl Shard {
-    pub fn new(
+    pub(crate) fn new(
         limits: ServiceLimits,
         subscribers: Arc<Subscribers>,
         metrics: Arc<CycleMetrics>,
@@ -151,7 +151,7 @@ impl Shard {
         }
     }
 
-    pub fn entry(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
+    pub(crate) fn entry(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
         let stale = self
             .models
             .get(id)
@@ -162,11 +162,11 @@ impl Shard {
         self.entry_raw(id)
     }
 
-    pub fn ids(&self) -> Vec<String> {
+    pub(crate) fn ids(&self) -> Vec<String> {
         self.models.keys().cloned().collect()
     }
 
-    pub fn create(&mut self, spec: ModelSpec, reply: Reply<ModelInfo>) {
+    pub(crate) fn create(&mut self, spec: ModelSpec, reply: Reply<ModelInfo>) {
         if self.models.contains_key(&spec.id) {
             return reply.send(Err(ServiceError::Duplicate(spec.id)));
         }
@@ -256,7 +256,7 @@ impl Shard {
             .ok_or_else(|| ServiceError::NotFound(id.to_string()))
     }
 
-    pub fn delete(&mut self, id: &str, reply: Reply<()>) {
+    pub(crate) fn delete(&mut self, id: &str, reply: Reply<()>) {
         let unrecovered = self.unrecovered.remove(id).is_some();
         if unrecovered {
             self.checkpoint_metrics.unrecovered(false);

@@ -4,7 +4,7 @@
 use super::*;
 
 impl Shard {
-    pub fn library(&mut self, id: &str) -> Result<Option<Json>, ServiceError> {
+    pub(crate) fn library(&mut self, id: &str) -> Result<Option<Json>, ServiceError> {
         let e = self.entry(id)?;
         let Some(lib) = &e.spec.library else {
             return Ok(None);
@@ -46,7 +46,7 @@ impl Shard {
         ))
     }
 
-    pub fn state(&mut self, id: &str, at: Option<Timestamp>) -> Result<Json, ServiceError> {
+    pub(crate) fn state(&mut self, id: &str, at: Option<Timestamp>) -> Result<Json, ServiceError> {
         let e = self.entry(id)?;
         match at {
             None => Ok(e.model.merged_json(now())),
@@ -105,13 +105,13 @@ impl Shard {
         Ok(st.merged_json())
     }
 
-    pub fn field(&mut self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {
+    pub(crate) fn field(&mut self, id: &str, path: &str) -> Result<Option<Json>, ServiceError> {
         let segs = concrete(path)?;
         let e = self.entry(id)?;
         Ok(e.model.get(&segs, now()))
     }
 
-    pub fn effective_schema(&mut self, id: &str, path: &str) -> Result<Json, ServiceError> {
+    pub(crate) fn effective_schema(&mut self, id: &str, path: &str) -> Result<Json, ServiceError> {
         let segs = concrete(path)?;
         let e = self.entry(id)?;
         e.model.materialize(now());
@@ -125,7 +125,7 @@ impl Shard {
         Ok(inline_refs(&node, &e.model.compiled.schema, 0))
     }
 
-    pub fn explain(
+    pub(crate) fn explain(
         &mut self,
         id: &str,
         path: &str,
@@ -143,7 +143,7 @@ impl Shard {
         Ok(hits.into_iter().skip(skip).cloned().collect())
     }
 
-    pub fn history(&mut self, id: &str) -> Result<Vec<String>, ServiceError> {
+    pub(crate) fn history(&mut self, id: &str) -> Result<Vec<String>, ServiceError> {
         let max = self.limits.history_entries.max(1);
         let store = self.store.clone();
         let e = self.entry(id)?;
@@ -175,7 +175,7 @@ impl Shard {
         Ok(times)
     }
 
-    pub fn audit(&mut self, id: &str, q: &AuditQuery) -> Result<Vec<Json>, ServiceError> {
+    pub(crate) fn audit(&mut self, id: &str, q: &AuditQuery) -> Result<Vec<Json>, ServiceError> {
         let store = self.store.clone();
         let e = self.entry(id)?;
         match store {
@@ -196,11 +196,11 @@ impl Shard {
     }
 
     /// The newest audit sequence of model `id`.
-    pub fn audit_head(&mut self, id: &str) -> Result<Option<Seq>, ServiceError> {
+    pub(crate) fn audit_head(&mut self, id: &str) -> Result<Option<Seq>, ServiceError> {
         Ok(self.entry(id)?.audit.head())
     }
 
-    pub fn verify_audit(&mut self, id: &str) -> Result<Json, ServiceError> {
+    pub(crate) fn verify_audit(&mut self, id: &str) -> Result<Json, ServiceError> {
         let store = self.store.clone();
         let e = self.entry(id)?;
         match store {
@@ -213,7 +213,7 @@ impl Shard {
         }
     }
 
-    pub fn view(&mut self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
+    pub(crate) fn view(&mut self, id: &str, view_id: Option<&str>) -> Result<Json, ServiceError> {
         let limits = self.limits.engine.expr.clone();
         let e = self.entry(id)?;
         let now = now();
@@ -229,13 +229,13 @@ impl Shard {
         )
     }
 
-    pub fn graph(&mut self, id: &str) -> Result<Json, ServiceError> {
+    pub(crate) fn graph(&mut self, id: &str) -> Result<Json, ServiceError> {
         Ok(valem_engine::graph::project(
             &self.entry(id)?.model.compiled,
         ))
     }
 
-    pub fn verification(&mut self, id: &str) -> Result<Arc<Json>, ServiceError> {
+    pub(crate) fn verification(&mut self, id: &str) -> Result<Arc<Json>, ServiceError> {
         let limits = self.limits.engine.clone();
         let e = self.entry(id)?;
         if let Some(v) = &e.verification {
@@ -248,7 +248,7 @@ impl Shard {
         Ok(v)
     }
 
-    pub fn references(&mut self, id: &str, blob_id: &str) -> Result<bool, ServiceError> {
+    pub(crate) fn references(&mut self, id: &str, blob_id: &str) -> Result<bool, ServiceError> {
         fn walk(v: &Json, id: &str) -> bool {
             match v {
                 Json::String(s) => s == id || s.ends_with(&format!("/{id}")),

@@ -140,7 +140,7 @@ pub(super) fn diff(old: &Json, new: &Json, at: &mut Vec<Seg>, out: &mut Vec<(Vec
 impl Shard {
     // --- writes -----------------------------------------------------------------------------
 
-    pub fn mutate(
+    pub(crate) fn mutate(
         &mut self,
         id: &str,
         mutations: Vec<(String, Json)>,
@@ -175,7 +175,7 @@ impl Shard {
 
     /// A write answered with `view` of the state it committed, evaluated in the same shard job
     /// (no other write comes between); an unknown view is refused before anything is written.
-    pub fn write_viewed(
+    pub(crate) fn write_viewed(
         &mut self,
         id: &str,
         change: Change,
@@ -349,7 +349,7 @@ impl Shard {
         Ok((!writes.is_empty()).then_some(writes))
     }
 
-    pub fn snapshot(&mut self, id: &str) -> Result<Json, ServiceError> {
+    pub(crate) fn snapshot(&mut self, id: &str) -> Result<Json, ServiceError> {
         let e = self.entry(id)?;
         let now = now();
         let derived = e.model.derived_cache(now);
@@ -366,7 +366,7 @@ impl Shard {
 
     /// Replace the base document with a snapshot's; with a store, answered once a checkpoint of
     /// the restored state is durable (recovery starts from it).
-    pub fn restore_durably(&mut self, id: &str, snapshot: Json, reply: Reply<Json>) {
+    pub(crate) fn restore_durably(&mut self, id: &str, snapshot: Json, reply: Reply<Json>) {
         match self.restore(id, snapshot) {
             Ok(v) => {
                 let op = match (&self.store, self.models.get_mut(id)) {
@@ -442,7 +442,7 @@ impl Shard {
     /// Evolve the spec; with a store, answered once the new spec and a checkpoint of the
     /// evolved state are durable, together (recovery and `?at=` start from it: the history of
     /// the old runtime is not carried, as in the reference).
-    pub fn evolve_durably(&mut self, id: &str, evo: SpecEvolution, reply: Reply<ModelInfo>) {
+    pub(crate) fn evolve_durably(&mut self, id: &str, evo: SpecEvolution, reply: Reply<ModelInfo>) {
         match self.evolve(id, evo) {
             // Nothing changed: nothing to store or announce.
             Ok(None) => match self.entry(id) {
