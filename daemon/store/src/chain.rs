@@ -650,6 +650,20 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    #[test]
+    fn a_seq_counts_from_the_first_record_and_shows_as_its_number() {
+        assert_eq!(Seq::after(None), Seq::FIRST);
+        assert_eq!(Seq::after(Some(Seq::new(41))), Seq::new(42));
+        assert_eq!(Seq::new(u64::MAX).next(), Seq::new(u64::MAX));
+        assert!(Seq::new(2) > Seq::new(1));
+        assert_eq!(
+            format!("{} {:?}", Seq::new(7), Some(Seq::new(7))),
+            "7 Some(7)"
+        );
+        assert_eq!(serde_json::to_string(&Seq::new(7)).unwrap(), "7");
+        assert_eq!(serde_json::from_str::<Seq>("7").unwrap(), Seq::new(7));
+    }
+
     fn parse(s: &str) -> Json {
         serde_json::from_str(s).expect("test JSON parses")
     }
