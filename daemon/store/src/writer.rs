@@ -535,15 +535,7 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
             at,
             state,
             kind,
-        } => put_checkpoint(
-            conn,
-            model_id,
-            &sequence.map(Seq::get),
-            &at.us(),
-            state,
-            kind,
-            key,
-        )?,
+        } => put_checkpoint(conn, model_id, *sequence, &at.us(), state, kind, key)?,
         Op::PutSnapshot {
             model_id,
             snapshot_id,
@@ -637,7 +629,7 @@ fn append_audit(conn: &Connection, a: &AuditAppend) -> Result<(), Failure> {
 fn put_checkpoint(
     conn: &Connection,
     model_id: &str,
-    sequence: &Option<u64>,
+    sequence: Option<Seq>,
     at_us: &i64,
     state: &Json,
     kind: &CheckpointKind,
@@ -645,7 +637,8 @@ fn put_checkpoint(
 ) -> Result<(), Failure> {
     let head = head(conn, model_id)?;
     let committed = head.as_ref().map(|(s, _)| *s);
-    if let Some(seq) = *sequence {
+    let number = sequence.map(Seq::get);
+    if let Some(seq) = number {
         if committed.is_none_or(|h| seq > h) {
             return Err(Failure::Op(StoreError::CheckpointAhead {
                 model_id: model_id.to_string(),
@@ -655,8 +648,8 @@ fn put_checkpoint(
         }
     }
     // Before the first record is stored as -1, below every real sequence.
-    let seq = match sequence {
-        Some(s) => seq_param(*s)?,
+    let seq = match number {
+        Some(s) => seq_param(s)?,
         None => -1,
     };
     if *kind == CheckpointKind::Periodic {
@@ -668,7 +661,7 @@ fn put_checkpoint(
             return Ok(());
         }
     }
-    let head_hash = match (*sequence, head) {
+    let head_hash = match (number, head) {
         (None, _) => GENESIS.to_string(),
         (Some(s), Some((h, hash))) if s == h => hash,
         (Some(s), _) => conn
@@ -689,7 +682,7 @@ fn put_checkpoint(
         key,
         &CheckpointHeader {
             model_id,
-            sequence: sequence.map(Seq::new),
+            sequence,
             at_us: *at_us,
             kind: kind.as_str(),
             head_hash: &head_hash,
