@@ -16,6 +16,7 @@
 
 pub mod guard;
 pub mod mcp;
+mod mcp_modern;
 pub mod metrics;
 pub mod rest;
 pub mod sandbox;

@@ -12,6 +12,10 @@
 //! - `DELETE /mcp`: ends the session.
 //!
 //! `MCP-Protocol-Version`, when sent, must be a revision we speak (400 otherwise).
+//!
+//! A POST of the modern era (MCP 2026-07-28: the version named in the body's `_meta`) needs no
+//! session and is served by [`super::mcp_modern`]; GET and DELETE are not part of that era
+//! (405 when their `MCP-Protocol-Version` names it).
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -86,6 +90,10 @@ pub struct Sessions {
     map: Mutex<HashMap<String, Arc<HttpSession>>>,
     max: usize,
     idle: Duration,
+    /// The one session modern-era requests are served by (made on first use).
+    stateless: std::sync::OnceLock<Arc<Session>>,
+    /// Open `subscriptions/listen` streams.
+    pub listens: std::sync::atomic::AtomicUsize,
 }
 
 impl Sessions {
@@ -94,7 +102,21 @@ impl Sessions {
             map: Mutex::new(HashMap::new()),
             max,
             idle,
+            stateless: std::sync::OnceLock::new(),
+            listens: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// The session of modern-era requests.
+    pub(crate) fn stateless(&self, st: &AppState) -> Arc<Session> {
+        self.stateless
+            .get_or_init(|| super::mcp_modern::stateless_session(st))
+            .clone()
+    }
+
+    /// Most `subscriptions/listen` streams open at once (as many as legacy sessions).
+    pub(crate) fn max_listens(&self) -> usize {
+        self.max
     }
 
     pub fn len(&self) -> usize {
@@ -168,19 +190,26 @@ fn is_json_content(headers: &HeaderMap) -> bool {
     super::rest::extract::media_type(headers).as_deref() == Some("application/json")
 }
 
-fn check_version(headers: &HeaderMap) -> Result<(), Response> {
+fn check_version(headers: &HeaderMap, id: Option<&Json>) -> Result<(), Response> {
     match headers.get(VERSION_HEADER).map(|v| v.to_str()) {
         None => Ok(()),
-        Some(Ok(v)) if PROTOCOL_VERSIONS.contains(&v) => Ok(()),
-        Some(v) => Err(rpc_error(
-            StatusCode::BAD_REQUEST,
-            code::INVALID_REQUEST,
-            format!(
-                "unsupported MCP-Protocol-Version `{}`; this server speaks {}",
-                v.unwrap_or("?"),
-                PROTOCOL_VERSIONS.join(", ")
-            ),
-        )),
+        Some(Ok(v))
+            if PROTOCOL_VERSIONS.contains(&v)
+                || valem_mcp::modern::MODERN_VERSIONS.contains(&v) =>
+        {
+            Ok(())
+        }
+        Some(v) => {
+            let requested = v.unwrap_or("?");
+            let body = valem_mcp::modern::unsupported_version(
+                id.filter(|i| i.is_string() || i.is_number())
+                    .cloned()
+                    .unwrap_or(Json::Null),
+                requested,
+                &format!("MCP-Protocol-Version `{requested}` is not a revision this server speaks"),
+            );
+            Err((StatusCode::BAD_REQUEST, axum::Json(body)).into_response())
+        }
     }
 }
 
@@ -247,7 +276,6 @@ async fn read_incoming(st: &AppState, req: Request) -> Result<Incoming, Response
             ))
         }
     };
-    check_version(&headers)?;
     let json_ok = accepts(&headers, "application/json");
     let sse_ok = accepts(&headers, "text/event-stream");
     if !json_ok && !sse_ok {
@@ -274,6 +302,7 @@ async fn read_incoming(st: &AppState, req: Request) -> Result<Incoming, Response
             ))
         }
     };
+    check_version(&headers, msg.get("id"))?;
     Ok(Incoming {
         headers,
         scoped,
@@ -294,6 +323,9 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
+    if super::mcp_modern::is_modern(&headers, &msg) {
+        return super::mcp_modern::post(&st, &headers, scoped, msg, json_ok, sse_ok).await;
+    }
     let (sid, hs, created) = match session_for(&st, &headers, &msg, &scoped) {
         Ok(s) => s,
         Err(r) => return r,
@@ -337,6 +369,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             sid: &sid,
             json_ok,
             sse_ok,
+            modern: false,
         };
         if runs_inline(&st, &msg) {
             reply_inline(session, msg, to, out)
@@ -388,25 +421,26 @@ fn session_for(
 }
 
 /// Who a reply goes to: the session (and whether this request opened it) and what the
-/// request accepts (JSON, SSE).
-struct Recipient<'a> {
-    st: &'a AppState,
-    created: bool,
-    sid: &'a str,
-    json_ok: bool,
-    sse_ok: bool,
+/// request accepts (JSON, SSE); a modern-era request has no session.
+pub(crate) struct Recipient<'a> {
+    pub(crate) st: &'a AppState,
+    pub(crate) created: bool,
+    pub(crate) sid: &'a str,
+    pub(crate) json_ok: bool,
+    pub(crate) sse_ok: bool,
+    pub(crate) modern: bool,
 }
 
 /// A request in which nothing waits on the client or reports progress, run in place (no hop
 /// to the blocking pool); what it emitted (logs) is sent before the reply.
-fn reply_inline(
+pub(crate) fn reply_inline(
     session: Arc<Session>,
     msg: Json,
     to: Recipient<'_>,
     out: impl Fn(Json) -> Json,
 ) -> Response {
     let (st, created, sid) = (to.st, to.created, to.sid);
-    let (json_ok, sse_ok) = (to.json_ok, to.sse_ok);
+    let (json_ok, sse_ok, modern) = (to.json_ok, to.sse_ok, to.modern);
     let emitted: Arc<Mutex<Vec<Json>>> = Arc::default();
     let sink = emitted.clone();
     let io: Option<Outbox> = sse_ok.then(|| {
@@ -435,7 +469,7 @@ fn reply_inline(
         .map(&out)
         .collect();
     if emitted.is_empty() {
-        plain_reply(st, created, sid, reply, json_ok)
+        plain_reply_as(st, created, sid, reply, json_ok, modern)
     } else {
         let all = emitted.into_iter().chain(reply);
         Sse::new(stream::iter(
@@ -448,14 +482,14 @@ fn reply_inline(
 /// A request that may emit messages while it runs (progress, logs, requests to the client),
 /// run on the blocking pool: the reply switches to SSE at the first message; a plain call
 /// stays JSON.
-async fn reply_streamed(
+pub(crate) async fn reply_streamed(
     session: Arc<Session>,
     msg: Json,
     to: Recipient<'_>,
     out: impl Fn(Json) -> Json + Send + 'static,
 ) -> Response {
     let (st, created, sid) = (to.st, to.created, to.sid);
-    let (json_ok, sse_ok) = (to.json_ok, to.sse_ok);
+    let (json_ok, sse_ok, modern) = (to.json_ok, to.sse_ok, to.modern);
     let (tx, mut rx) = mpsc::unbounded_channel::<Json>();
     let io: Option<Outbox> = sse_ok.then(|| {
         Arc::new(move |m: &Json| {
@@ -465,7 +499,7 @@ async fn reply_streamed(
     let task = tokio::task::spawn_blocking(move || session.handle_in(msg, io.as_ref()));
     match rx.recv().await {
         None => match task.await {
-            Ok(reply) => plain_reply(st, created, sid, reply.map(&out), json_ok),
+            Ok(reply) => plain_reply_as(st, created, sid, reply.map(&out), json_ok, modern),
             Err(_) => rpc_error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 code::INTERNAL_ERROR,
@@ -488,7 +522,7 @@ async fn reply_streamed(
 /// A sandbox session's call it may not make ([`Scoped::refused_call`]), answered here: an
 /// `isError` tool result naming why (nothing for a notification); a batch holding one is
 /// refused whole. `None` lets the message through.
-fn refuse_scoped(s: &Scoped, msg: &Json) -> Option<Option<Json>> {
+pub(crate) fn refuse_scoped(s: &Scoped, msg: &Json) -> Option<Option<Json>> {
     if let Json::Array(items) = msg {
         let why = items.iter().find_map(|m| s.refused_call(m))?;
         return Some(Some(json!({"jsonrpc": "2.0", "id": null,
@@ -513,7 +547,7 @@ fn with_session_header(mut res: Response, created: bool, sid: &str) -> Response 
 
 /// Whether a request can run in place on the reactor's worker: only when no tool may ask the
 /// client something mid-call (the conformance fixtures do) and no progress is to be streamed.
-fn runs_inline(st: &AppState, msg: &Json) -> bool {
+pub(crate) fn runs_inline(st: &AppState, msg: &Json) -> bool {
     fn progress(m: &Json) -> bool {
         m.pointer("/params/_meta/progressToken").is_some()
     }
@@ -525,6 +559,26 @@ fn runs_inline(st: &AppState, msg: &Json) -> bool {
         && !wants_progress
         && tokio::runtime::Handle::current().runtime_flavor()
             == tokio::runtime::RuntimeFlavor::MultiThread
+}
+
+/// [`plain_reply`], with the status of a modern-era reply when `modern`.
+fn plain_reply_as(
+    st: &AppState,
+    created: bool,
+    sid: &str,
+    reply: Option<Json>,
+    json_ok: bool,
+    modern: bool,
+) -> Response {
+    match reply {
+        Some(r) if modern && json_ok => (
+            super::mcp_modern::status_of(&r),
+            [(header::CONTENT_TYPE, "application/json")],
+            valem_mcp::wire::to_string(&r),
+        )
+            .into_response(),
+        r => plain_reply(st, created, sid, r, json_ok),
+    }
 }
 
 /// The answer to a request that emitted nothing: JSON (or one SSE event), 202 for no reply.
@@ -615,8 +669,28 @@ fn open_session(
     Ok((sid, hs))
 }
 
+/// GET and DELETE are not part of the modern era: 405 when the request names it.
+fn refuse_modern(headers: &HeaderMap, verb: &str) -> Option<Response> {
+    let v = headers.get(VERSION_HEADER)?.to_str().ok()?;
+    valem_mcp::modern::MODERN_VERSIONS.contains(&v).then(|| {
+        let mut r = rpc_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            code::INVALID_REQUEST,
+            format!(
+                "{verb} /mcp is not part of MCP {v}: POST each request; POST                  subscriptions/listen for change notifications"
+            ),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
+        r
+    })
+}
+
 async fn get_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
-    if let Err(r) = check_version(&headers) {
+    if let Some(r) = refuse_modern(&headers, "GET") {
+        return r;
+    }
+    if let Err(r) = check_version(&headers, None) {
         return r;
     }
     if !accepts(&headers, "text/event-stream") {
@@ -643,7 +717,7 @@ async fn get_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
         .into_response()
 }
 
-fn message_event(m: &Json) -> SseEvent {
+pub(crate) fn message_event(m: &Json) -> SseEvent {
     SseEvent::default()
         .event("message")
         .data(valem_mcp::wire::to_string(m))
@@ -667,6 +741,9 @@ fn event_stream(
 }
 
 async fn delete_mcp(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    if let Some(r) = refuse_modern(&headers, "DELETE") {
+        return r;
+    }
     let (sid, _) = match session_of(&st, &headers) {
         Ok(x) => x,
         Err(r) => return r,

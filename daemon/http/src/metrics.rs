@@ -19,6 +19,10 @@ use valem_service::metrics::BUCKETS;
 pub struct Metrics {
     requests: [AtomicU64; 6],
     errors: Mutex<BTreeMap<&'static str, u64>>,
+    /// `subscriptions/listen` streams opened over `/mcp`.
+    pub mcp_listens_opened: AtomicU64,
+    /// Listen streams closed because their reader fell too far behind.
+    pub mcp_listens_overflowed: AtomicU64,
 }
 
 impl Metrics {
@@ -93,6 +97,21 @@ pub async fn serve(State(st): State<AppState>) -> Response {
         out,
         "# HELP valem_mcp_sessions Live Streamable HTTP MCP sessions.\n# TYPE valem_mcp_sessions gauge\nvalem_mcp_sessions {}",
         st.sessions.len()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_mcp_listens Open subscriptions/listen streams (MCP 2026-07-28).\n# TYPE valem_mcp_listens gauge\nvalem_mcp_listens {}",
+        st.sessions.listens.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_mcp_listens_opened_total subscriptions/listen streams opened.\n# TYPE valem_mcp_listens_opened_total counter\nvalem_mcp_listens_opened_total {}",
+        st.metrics.mcp_listens_opened.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_mcp_listens_overflowed_total Listen streams closed because their reader fell too far behind.\n# TYPE valem_mcp_listens_overflowed_total counter\nvalem_mcp_listens_overflowed_total {}",
+        st.metrics.mcp_listens_overflowed.load(Ordering::Relaxed)
     );
     let p = st.pairings.stats();
     let _ = writeln!(

@@ -216,6 +216,8 @@ fn frame(model_id: &str, e: &Event, paths: &[String]) -> Out {
         ),
         // The reference has no frame for a restore; clients re-read on their next event.
         Event::Restored { .. } => Out::Skip,
+        // A socket is opened on a model that exists; its creation is not news to it.
+        Event::Created { .. } => Out::Skip,
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value as Json};
 
+use super::modern::Meta;
 use super::{Outbox, Session};
 
 /// A 1×1 PNG.
@@ -106,8 +107,10 @@ fn text(t: &str) -> Json {
     json!({"content": [{"type": "text", "text": t}]})
 }
 
-fn log(session: &Session, io: Option<&Outbox>, message: &str) {
-    if session.log_enabled("info") {
+fn log(session: &Session, io: Option<&Outbox>, meta: Option<&Meta>, message: &str) {
+    // A modern request logs only at the level it named; a legacy session at its floor.
+    let on = meta.map_or_else(|| session.log_enabled("info"), |m| m.logs("info"));
+    if on {
         session.notify(
             io,
             &json!({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "logger": "fixtures", "data": message}}),
@@ -136,6 +139,7 @@ pub fn call_tool(
     name: &str,
     params: &Json,
     io: Option<&Outbox>,
+    meta: Option<&Meta>,
 ) -> Option<Json> {
     let args = params
         .get("arguments")
@@ -164,11 +168,11 @@ pub fn call_tool(
             {"type": "resource", "resource": {"uri": "test://mixed-content-resource", "mimeType": "application/json", "text": "{\"test\":\"data\",\"value\":123}"}},
         ]}),
         "test_tool_with_logging" => {
-            log(session, io, "Tool execution started");
+            log(session, io, meta, "Tool execution started");
             pause();
-            log(session, io, "Tool processing data");
+            log(session, io, meta, "Tool processing data");
             pause();
-            log(session, io, "Tool execution completed");
+            log(session, io, meta, "Tool execution completed");
             text("Tool with logging executed successfully")
         }
         "test_error_handling" => {

@@ -10,6 +10,8 @@
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
 pub mod guidance;
+pub mod listen;
+pub mod modern;
 pub mod ops;
 pub mod pairing;
 pub mod proxy;
@@ -207,7 +209,15 @@ pub struct Session {
     /// Requests we sent the client, waiting for its response (by id).
     asked: Mutex<std::collections::HashMap<String, std::sync::mpsc::SyncSender<Json>>>,
     next_ask: std::sync::atomic::AtomicU64,
+    /// Open `subscriptions/listen` requests of this channel (stdio), by request id: set to end.
+    listens: Mutex<std::collections::HashMap<String, Arc<std::sync::atomic::AtomicBool>>>,
 }
+
+/// Most `subscriptions/listen` streams one stdio channel may hold open.
+pub const MAX_LISTENS_PER_CHANNEL: usize = 64;
+
+/// Notifications a listen stream may have waiting for its reader before it is closed.
+pub const LISTEN_QUEUE: usize = 1024;
 
 /// A JSON-RPC response: no `method`, a `result` or an `error`. Never answered.
 fn is_response(m: &Map<String, Json>) -> bool {
@@ -256,6 +266,7 @@ impl Session {
             me: me.clone(),
             asked: Mutex::default(),
             next_ask: std::sync::atomic::AtomicU64::new(1),
+            listens: Mutex::default(),
         })
     }
 
@@ -405,6 +416,12 @@ impl Session {
         {
             if let Some(rid) = msg.get("params").and_then(|p| p.get("requestId")) {
                 let key = id_key(rid);
+                let listen = self.listens.lock().ok().and_then(|mut l| l.remove(&key));
+                if let Some(stop) = listen {
+                    // Ends a subscription: it owes no reply.
+                    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                    return true;
+                }
                 let mut st = self.lock();
                 st.cancelled.insert(key);
                 // Bound the set: ids of requests that already finished are never removed.
@@ -460,9 +477,13 @@ impl Session {
         let args = call_arguments(params).ok()?;
         let me = self.me.upgrade()?;
         let key = id_key(&id);
+        let modern = modern::selects_modern("tools/call", params);
+        if modern && modern::read_meta("tools/call", params, &id).is_err() {
+            return None;
+        }
         {
             let mut st = self.lock();
-            if !st.initialized || st.cancelled.contains(&key) {
+            if !(st.initialized || modern) || st.cancelled.contains(&key) {
                 return None;
             }
             st.in_flight.insert(key.clone());
@@ -484,7 +505,12 @@ impl Session {
             if st.cancelled.remove(&key) {
                 return None;
             }
-            Some(result(id, tools::envelope_for(name, outcome)))
+            let reply = result(id, tools::envelope_for(name, outcome));
+            Some(if modern {
+                modern_response(reply, "tools/call", &Json::Null)
+            } else {
+                reply
+            })
         })
     }
 
@@ -594,14 +620,18 @@ impl Session {
             }
             st.in_flight.insert(key.clone());
         }
-        let reply = self.request(&method, params, id, io);
+        let reply = if modern::selects_modern(&method, &params) {
+            self.modern_request(&method, params, id, io)
+        } else {
+            Some(self.request(&method, params, id, io))
+        };
         let mut st = self.lock();
         st.in_flight.remove(&key);
         if st.cancelled.remove(&key) {
             // Cancelled while running: the client no longer wants the answer.
             return None;
         }
-        Some(reply)
+        reply
     }
 
     fn notification(&self, method: &str, _params: &Json) {
@@ -628,6 +658,7 @@ impl Session {
         }
     }
 
+    /// A legacy-era request: the handshake, then what a session of a handshake revision may ask.
     fn request(&self, method: &str, params: Json, id: Json, io: Option<&Outbox>) -> Json {
         if method == "initialize" {
             return self.initialize(params, id);
@@ -636,15 +667,257 @@ impl Session {
             return result(id, json!({}));
         }
         if !self.lock().initialized {
-            if method == "server/discover" {
-                return error(id, code::METHOD_NOT_FOUND, "method not found: server/discover (this server speaks initialize-based revisions up to 2025-11-25)");
-            }
             return error(
                 id,
                 code::INVALID_REQUEST,
-                format!("the session is not initialized: send `initialize` before `{method}`"),
+                format!(
+                    "the session is not initialized: send `initialize` before `{method}`, or \
+                     name the revision in `_meta[\"{}\"]` (one of {}) to speak MCP without a \
+                     handshake",
+                    modern::key::PROTOCOL_VERSION,
+                    modern::MODERN_VERSIONS.join(", ")
+                ),
             );
         }
+        match method {
+            "resources/subscribe" | "resources/unsubscribe" => {
+                self.subscribe_legacy(method, &params, id)
+            }
+            "logging/setLevel" => match params.get("level").and_then(|l| l.as_str()) {
+                Some(l) => match level_rank(l) {
+                    Some(r) => {
+                        self.lock().min_level = r;
+                        result(id, json!({}))
+                    }
+                    None => error(
+                        id,
+                        code::INVALID_PARAMS,
+                        format!("unknown log level `{l}`; use one of {}", LEVELS.join(", ")),
+                    ),
+                },
+                None => error(
+                    id,
+                    code::INVALID_PARAMS,
+                    "logging/setLevel needs a `level` string",
+                ),
+            },
+            _ => self.common(method, params, id, io, None),
+        }
+    }
+
+    /// A modern-era request: its `_meta` read and checked, then served without any session
+    /// state; the result shaped as the revision wants ([`modern::finish`]). `None` when the
+    /// request stays open (a `subscriptions/listen` on stdio).
+    fn modern_request(
+        &self,
+        method: &str,
+        params: Json,
+        id: Json,
+        io: Option<&Outbox>,
+    ) -> Option<Json> {
+        let meta = match modern::read_meta(method, &params, &id) {
+            Ok(m) => m,
+            Err(e) => return Some(e),
+        };
+        let span = tracing::info_span!(
+            "mcp_request",
+            method,
+            traceparent = meta.traceparent.as_deref().unwrap_or("")
+        );
+        let _entered = span.enter();
+        let reply = match method {
+            "server/discover" => result(id, self.discover()),
+            "subscriptions/listen" => return self.listen(&params, id),
+            "initialize"
+            | "ping"
+            | "logging/setLevel"
+            | "resources/subscribe"
+            | "resources/unsubscribe" => error(
+                id,
+                code::METHOD_NOT_FOUND,
+                format!(
+                    "method not found: {method} is not part of MCP {} (use it after an \
+                     `initialize` handshake of an older revision{})",
+                    meta.version,
+                    match method {
+                        "logging/setLevel" =>
+                            "; per request, name a level in `_meta[\"io.modelcontextprotocol/logLevel\"]`",
+                        "resources/subscribe" | "resources/unsubscribe" =>
+                            "; subscriptions/listen with `resourceSubscriptions` replaces it",
+                        _ => "",
+                    }
+                ),
+            ),
+            _ => self.common(method, params.clone(), id, io, Some(&meta)),
+        };
+        Some(modern_response(reply, method, &params))
+    }
+
+    /// `subscriptions/listen` on a channel of its own (stdio): acknowledged at once, then the
+    /// notifications it asked for go to the outbox until `notifications/cancelled` names it or
+    /// the channel ends. No reply now (`None`); a malformed filter is answered with an error.
+    fn listen(&self, params: &Json, id: Json) -> Option<Json> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let filter = match listen::Filter::parse(params, self.server.fixtures()) {
+            Ok(f) => Arc::new(f),
+            Err(why) => return Some(error(id, code::INVALID_PARAMS, why)),
+        };
+        let key = id_key(&id);
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let Ok(mut l) = self.listens.lock() else {
+                return Some(error(
+                    id,
+                    code::INTERNAL_ERROR,
+                    "the listen registry failed",
+                ));
+            };
+            l.retain(|_, s| !s.load(Ordering::SeqCst));
+            if l.contains_key(&key) {
+                return Some(error(
+                    id,
+                    code::INVALID_REQUEST,
+                    "a subscriptions/listen with this request id is already open",
+                ));
+            }
+            if l.len() >= MAX_LISTENS_PER_CHANNEL {
+                return Some(error(
+                    id,
+                    code::INVALID_REQUEST,
+                    format!(
+                        "too many open subscriptions on this channel (limit \
+                         {MAX_LISTENS_PER_CHANNEL}); cancel one first"
+                    ),
+                ));
+            }
+            l.insert(key, stop.clone());
+        }
+        (self.out)(&listen::acknowledgement(&id, &filter));
+        let (tx, rx) = std::sync::mpsc::sync_channel::<listen::Notice>(LISTEN_QUEUE);
+        let full = Arc::new(AtomicBool::new(false));
+        let (sink_stop, sink_full) = (stop.clone(), full.clone());
+        listen::attach(&self.server.service, filter, move |n| {
+            if sink_stop.load(Ordering::SeqCst) {
+                return false;
+            }
+            match tx.try_send(n) {
+                Ok(()) => true,
+                Err(std::sync::mpsc::TrySendError::Full(_)) => {
+                    sink_full.store(true, Ordering::SeqCst);
+                    false
+                }
+                Err(_) => false,
+            }
+        });
+        let out = self.out.clone();
+        let listens = self.me.clone();
+        let spawned = std::thread::Builder::new()
+            .name("valem-mcp-listen".into())
+            .spawn(move || loop {
+                match rx.recv_timeout(std::time::Duration::from_millis(250)) {
+                    Ok(n) if !stop.load(Ordering::SeqCst) => out(&listen::notification(&id, &n)),
+                    Ok(_) => break,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                        if !stop.load(Ordering::SeqCst) => {}
+                    Err(_) => {
+                        if full.load(Ordering::SeqCst) && !stop.load(Ordering::SeqCst) {
+                            out(&listen::overflowed(&id, LISTEN_QUEUE));
+                        }
+                        break;
+                    }
+                }
+            });
+        if spawned.is_err() {
+            if let Some(me) = listens.upgrade() {
+                if let Ok(mut l) = me.listens.lock() {
+                    l.clear();
+                }
+            }
+            return Some(error(
+                json!(null),
+                code::INTERNAL_ERROR,
+                "could not start the subscription's thread",
+            ));
+        }
+        None
+    }
+
+    /// `server/discover`: the revisions, capabilities, identity and instructions.
+    fn discover(&self) -> Json {
+        let mut capabilities = json!({
+            "tools": {"listChanged": false},
+            "resources": {"subscribe": true, "listChanged": false},
+            "logging": {},
+        });
+        if self.server.fixtures() {
+            capabilities["prompts"] = json!({"listChanged": false});
+            capabilities["completions"] = json!({});
+        }
+        modern::finish(
+            json!({
+                "supportedVersions": modern::MODERN_VERSIONS,
+                "capabilities": capabilities,
+                "instructions": self.server.instructions(),
+            }),
+            Some(modern::LONG),
+        )
+    }
+
+    /// `resources/subscribe` / `resources/unsubscribe` of a legacy session.
+    fn subscribe_legacy(&self, method: &str, params: &Json, id: Json) -> Json {
+        let Some(uri) = params.get("uri").and_then(|u| u.as_str()) else {
+            return error(
+                id,
+                code::INVALID_PARAMS,
+                format!("{method} needs a `uri` string"),
+            );
+        };
+        if !resources::subscribable(uri) {
+            return json!({"jsonrpc": "2.0", "id": id, "error": {
+                "code": code::RESOURCE_NOT_FOUND,
+                "message": format!("`{uri}` is not a subscribable resource; subscribe to valem://state/{{modelId}}"),
+                "data": {"uri": uri},
+            }});
+        }
+        let mut st = self.lock();
+        if method == "resources/subscribe" {
+            if st.subscriptions.len() >= 1000 && !st.subscriptions.contains(uri) {
+                return error(
+                    id,
+                    code::INVALID_PARAMS,
+                    "too many subscriptions in this session (limit 1000)",
+                );
+            }
+            st.subscriptions.insert(uri.to_string());
+        } else {
+            st.subscriptions.remove(uri);
+        }
+        drop(st);
+        if let Some(model) = uri.strip_prefix(resources::STATE_PREFIX) {
+            if let Ok(mut w) = self.watched.write() {
+                if method == "resources/subscribe" {
+                    w.insert(model.to_string());
+                } else {
+                    w.remove(model);
+                }
+            }
+        }
+        if method == "resources/subscribe" {
+            self.start_forwarding();
+        }
+        result(id, json!({}))
+    }
+
+    /// What both eras serve alike: tools, resources, prompts and completion. `meta` is the
+    /// modern request's declaration (`None` in a legacy session).
+    fn common(
+        &self,
+        method: &str,
+        params: Json,
+        id: Json,
+        io: Option<&Outbox>,
+        meta: Option<&modern::Meta>,
+    ) -> Json {
         match method {
             "tools/list" => {
                 #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
@@ -655,7 +928,7 @@ impl Session {
                 }
                 result(id, list)
             }
-            "tools/call" => self.call_tool(params, id, io),
+            "tools/call" => self.call_tool(params, id, io, meta),
             "resources/list" => {
                 #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
                 let mut r = resources::list(&self.server);
@@ -695,67 +968,6 @@ impl Session {
                     Ok(r) => result(id, r),
                     Err(e) => json!({"jsonrpc": "2.0", "id": id, "error": e}),
                 },
-            },
-            "resources/subscribe" | "resources/unsubscribe" => {
-                let Some(uri) = params.get("uri").and_then(|u| u.as_str()) else {
-                    return error(
-                        id,
-                        code::INVALID_PARAMS,
-                        format!("{method} needs a `uri` string"),
-                    );
-                };
-                if !resources::subscribable(uri) {
-                    return json!({"jsonrpc": "2.0", "id": id, "error": {
-                        "code": code::RESOURCE_NOT_FOUND,
-                        "message": format!("`{uri}` is not a subscribable resource; subscribe to valem://state/{{modelId}}"),
-                        "data": {"uri": uri},
-                    }});
-                }
-                let mut st = self.lock();
-                if method == "resources/subscribe" {
-                    if st.subscriptions.len() >= 1000 && !st.subscriptions.contains(uri) {
-                        return error(
-                            id,
-                            code::INVALID_PARAMS,
-                            "too many subscriptions in this session (limit 1000)",
-                        );
-                    }
-                    st.subscriptions.insert(uri.to_string());
-                } else {
-                    st.subscriptions.remove(uri);
-                }
-                drop(st);
-                if let Some(model) = uri.strip_prefix(resources::STATE_PREFIX) {
-                    if let Ok(mut w) = self.watched.write() {
-                        if method == "resources/subscribe" {
-                            w.insert(model.to_string());
-                        } else {
-                            w.remove(model);
-                        }
-                    }
-                }
-                if method == "resources/subscribe" {
-                    self.start_forwarding();
-                }
-                result(id, json!({}))
-            }
-            "logging/setLevel" => match params.get("level").and_then(|l| l.as_str()) {
-                Some(l) => match level_rank(l) {
-                    Some(r) => {
-                        self.lock().min_level = r;
-                        result(id, json!({}))
-                    }
-                    None => error(
-                        id,
-                        code::INVALID_PARAMS,
-                        format!("unknown log level `{l}`; use one of {}", LEVELS.join(", ")),
-                    ),
-                },
-                None => error(
-                    id,
-                    code::INVALID_PARAMS,
-                    "logging/setLevel needs a `level` string",
-                ),
             },
             #[cfg(feature = "fixtures")]
             "prompts/list" | "prompts/get" | "completion/complete" if self.server.fixtures() => {
@@ -813,13 +1025,19 @@ impl Session {
     }
 
     #[cfg_attr(not(feature = "fixtures"), allow(unused_variables))]
-    fn call_tool(&self, params: Json, id: Json, io: Option<&Outbox>) -> Json {
+    fn call_tool(
+        &self,
+        params: Json,
+        id: Json,
+        io: Option<&Outbox>,
+        meta: Option<&modern::Meta>,
+    ) -> Json {
         let Some(name) = params.get("name").and_then(|n| n.as_str()) else {
             return error(id, code::INVALID_PARAMS, "tools/call needs a `name` string");
         };
         #[cfg(feature = "fixtures")]
         if self.server.fixtures() {
-            if let Some(r) = fixtures::call_tool(self, name, &params, io) {
+            if let Some(r) = fixtures::call_tool(self, name, &params, io, meta) {
                 return result(id, r);
             }
         }
@@ -839,6 +1057,29 @@ impl Session {
         };
         result(id, tools::envelope_for(tool.name, tool.call(&ctx, args)))
     }
+}
+
+/// A modern reply: its result shaped by [`modern::finish`] with the caching hints of `method`
+/// (a model's state and the model list are private and short; the rest public and long); a
+/// missing resource is `-32602` (the legacy era's `-32002`).
+fn modern_response(mut reply: Json, method: &str, params: &Json) -> Json {
+    if let Some(r) = reply.get_mut("result") {
+        let cache = match method {
+            "tools/list" | "prompts/list" | "resources/templates/list" => Some(modern::LONG),
+            "resources/list" => Some(modern::SHORT),
+            "resources/read" => Some(match params.get("uri").and_then(Json::as_str) {
+                Some(u) if u.starts_with(resources::STATE_PREFIX) => modern::SHORT,
+                _ => modern::LONG,
+            }),
+            _ => None,
+        };
+        *r = modern::finish(std::mem::take(r), cache);
+    } else if let Some(e) = reply.get_mut("error") {
+        if e.get("code").and_then(Json::as_i64) == Some(code::RESOURCE_NOT_FOUND) {
+            e["code"] = json!(code::INVALID_PARAMS);
+        }
+    }
+    reply
 }
 
 /// A `tools/call`'s `arguments`: an object (absent or null: an empty one).

@@ -359,8 +359,13 @@ impl ModelService {
             .on_model_reply(&id, true, move |s, r| s.create(spec, r))
             .wait()
             .and_then(|r| r);
-        if r.is_err() {
-            self.count.fetch_sub(1, Ordering::SeqCst);
+        match &r {
+            Ok(_) => self.subscribers.publish(Event::Created {
+                model_id: id.to_string(),
+            }),
+            Err(_) => {
+                self.count.fetch_sub(1, Ordering::SeqCst);
+            }
         }
         r
     }

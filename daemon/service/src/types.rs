@@ -241,6 +241,10 @@ pub enum Event {
     Restored {
         model_id: String,
     },
+    /// A model was created (the list of models changed).
+    Created {
+        model_id: String,
+    },
     Deleted {
         model_id: String,
     },
@@ -252,6 +256,7 @@ impl Event {
             Event::Mutation { model_id, .. }
             | Event::SpecEvolved { model_id, .. }
             | Event::Restored { model_id }
+            | Event::Created { model_id }
             | Event::Deleted { model_id } => model_id,
         }
     }

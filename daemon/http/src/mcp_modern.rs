@@ -1,0 +1,440 @@
+//! `/mcp` in the modern era (MCP 2026-07-28): a POST whose body names its protocol version in
+//! `_meta` (or whose `MCP-Protocol-Version` header names a modern revision) is served without a
+//! session. Its standard headers must agree with the body (`MCP-Protocol-Version`,
+//! `Mcp-Method`, and `Mcp-Name` for `tools/call`, `resources/read` and `prompts/get`; a value
+//! may be in the `=?base64?…?=` form): a missing or contradicting one is refused with `400` and
+//! `HeaderMismatch` (-32020). An unsupported version is `400` with
+//! `UnsupportedProtocolVersionError` (-32022), an unknown method `404` with -32601.
+//! `subscriptions/listen` is answered with a long-lived SSE stream: the acknowledgement, then
+//! the change notifications it asked for. A sandbox session's token scopes the request as it
+//! scopes a legacy session.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use futures_util::stream::{self, StreamExt};
+use serde_json::{json, Value as Json};
+use tokio::sync::mpsc;
+
+use super::mcp::{message_event, refuse_scoped, reply_inline, reply_streamed, runs_inline};
+use super::mcp::{Recipient, VERSION_HEADER};
+use super::sandbox::Scoped;
+use super::AppState;
+use valem_mcp::modern::{self, codes};
+use valem_mcp::{code, listen, Session};
+
+pub(crate) const METHOD_HEADER: &str = "mcp-method";
+pub(crate) const NAME_HEADER: &str = "mcp-name";
+
+/// Does this POST speak the modern era? Its body names a version in `_meta` (or is
+/// `server/discover`), or its `MCP-Protocol-Version` header names a modern revision.
+pub(crate) fn is_modern(headers: &HeaderMap, msg: &Json) -> bool {
+    let header_modern = headers
+        .get(VERSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| modern::MODERN_VERSIONS.contains(&v));
+    let body_modern = msg
+        .get("method")
+        .and_then(Json::as_str)
+        .is_some_and(|m| modern::selects_modern(m, msg.get("params").unwrap_or(&Json::Null)));
+    header_modern || body_modern
+}
+
+/// The HTTP status a modern reply travels with: 400 for the errors that say the request
+/// itself was wrong for this server, 404 for an unknown method, else 200.
+pub(crate) fn status_of(reply: &Json) -> StatusCode {
+    match reply.pointer("/error/code").and_then(Json::as_i64) {
+        Some(codes::HEADER_MISMATCH)
+        | Some(codes::UNSUPPORTED_PROTOCOL_VERSION)
+        | Some(codes::MISSING_REQUIRED_CLIENT_CAPABILITY)
+        | Some(code::PARSE_ERROR)
+        | Some(code::INVALID_REQUEST) => StatusCode::BAD_REQUEST,
+        Some(code::METHOD_NOT_FOUND) => StatusCode::NOT_FOUND,
+        _ => StatusCode::OK,
+    }
+}
+
+fn rpc(status: StatusCode, id: &Json, code: i64, message: String) -> Response {
+    let body = json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}});
+    (status, axum::Json(body)).into_response()
+}
+
+/// A header value in its plain or `=?base64?…?=` form, decoded; `Err` names what is wrong.
+fn header_text(headers: &HeaderMap, name: &str) -> Result<Option<String>, String> {
+    let Some(v) = headers.get(name) else {
+        return Ok(None);
+    };
+    let raw = v
+        .to_str()
+        .map_err(|_| format!("the {name} header holds bytes that are not visible ASCII"))?;
+    match raw
+        .strip_prefix("=?base64?")
+        .and_then(|r| r.strip_suffix("?="))
+    {
+        Some(b64) => {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| format!("the {name} header's base64 value does not decode: {e}"))?;
+            String::from_utf8(bytes)
+                .map(Some)
+                .map_err(|_| format!("the {name} header's base64 value is not UTF-8"))
+        }
+        None => Ok(Some(raw.to_string())),
+    }
+}
+
+/// The standard headers agree with the body; the `HeaderMismatch` refusal otherwise.
+fn check_headers(headers: &HeaderMap, msg: &Json) -> Result<(), Response> {
+    let id = msg.get("id").cloned().unwrap_or(Json::Null);
+    let mismatch = |m: String| {
+        rpc(
+            StatusCode::BAD_REQUEST,
+            &id,
+            codes::HEADER_MISMATCH,
+            format!("Header mismatch: {m}"),
+        )
+    };
+    let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
+    let params = msg.get("params").unwrap_or(&Json::Null);
+    let body_version = params
+        .pointer("/_meta")
+        .and_then(|m| m.get(modern::key::PROTOCOL_VERSION));
+    match (headers.get(VERSION_HEADER), body_version) {
+        (None, _) => {
+            return Err(mismatch(
+                "the MCP-Protocol-Version header is required on every request".into(),
+            ))
+        }
+        (Some(h), Some(Json::String(b))) if h.to_str().ok() != Some(b.as_str()) => {
+            return Err(mismatch(format!(
+                "MCP-Protocol-Version header value '{}' does not match body value '{b}'",
+                h.to_str().unwrap_or("?")
+            )))
+        }
+        _ => {}
+    }
+    match header_text(headers, METHOD_HEADER) {
+        Err(e) => return Err(mismatch(e)),
+        Ok(None) => return Err(mismatch("the Mcp-Method header is required".into())),
+        Ok(Some(h)) if h != method => {
+            return Err(mismatch(format!(
+                "Mcp-Method header value '{h}' does not match body value '{method}'"
+            )))
+        }
+        Ok(Some(_)) => {}
+    }
+    let named = match method {
+        "tools/call" | "prompts/get" => Some(("name", params.get("name"))),
+        "resources/read" => Some(("uri", params.get("uri"))),
+        _ => None,
+    };
+    if let Some((field, value)) = named {
+        let body = value.and_then(Json::as_str);
+        match header_text(headers, NAME_HEADER) {
+            Err(e) => return Err(mismatch(e)),
+            Ok(None) => {
+                return Err(mismatch(format!(
+                    "the Mcp-Name header is required on {method} (it carries params.{field})"
+                )))
+            }
+            Ok(Some(h)) if Some(h.as_str()) != body => {
+                return Err(mismatch(format!(
+                    "Mcp-Name header value '{h}' does not match body value '{}'",
+                    body.unwrap_or("")
+                )))
+            }
+            Ok(Some(_)) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Serve one modern POST (its body read and parsed, its Accept and Content-Type checked).
+pub(crate) async fn post(
+    st: &AppState,
+    headers: &HeaderMap,
+    scoped: Option<Scoped>,
+    mut msg: Json,
+    json_ok: bool,
+    sse_ok: bool,
+) -> Response {
+    if !msg.is_object() {
+        return rpc(
+            StatusCode::BAD_REQUEST,
+            &Json::Null,
+            code::INVALID_REQUEST,
+            "Invalid Request: MCP 2026-07-28 has no JSON-RPC batches; send one message per POST"
+                .into(),
+        );
+    }
+    if msg.get("id").is_none() {
+        // No client notification is defined over HTTP in this era (closing a stream cancels):
+        // accepted and dropped, never handed to a session.
+        return StatusCode::ACCEPTED.into_response();
+    }
+    if let Err(r) = check_headers(headers, &msg) {
+        return r;
+    }
+    // A request whose `_meta` lacks what the era requires is refused here, with 400.
+    let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
+    let id = msg.get("id").cloned().unwrap_or(Json::Null);
+    if let Err(e) = modern::read_meta(method, msg.get("params").unwrap_or(&Json::Null), &id) {
+        return (StatusCode::BAD_REQUEST, axum::Json(e)).into_response();
+    }
+    if let Some(s) = &scoped {
+        if let Some(r) = refuse_scoped(s, &msg) {
+            let r = r.unwrap_or(Json::Null);
+            return (status_of(&r), axum::Json(r)).into_response();
+        }
+    }
+    let request = msg.clone();
+    if let Some(s) = &scoped {
+        s.inbound_rpc(&mut msg);
+    }
+    let scope = scoped.clone();
+    let out = move |mut r: Json| {
+        if let Some(s) = &scope {
+            s.outbound_rpc(&request, &mut r);
+        }
+        r
+    };
+    let session = st.sessions.stateless(st);
+    if msg.get("method").and_then(Json::as_str) == Some("subscriptions/listen") {
+        return listen_stream(st, msg, scoped);
+    }
+    if let Some(call) = session.call_deferred(&msg) {
+        let reply = call.await.map(&out);
+        return plain(reply, json_ok);
+    }
+    let to = Recipient {
+        st,
+        created: false,
+        sid: "",
+        json_ok,
+        sse_ok,
+        modern: true,
+    };
+    if runs_inline(st, &msg) {
+        reply_inline(session, msg, to, out)
+    } else {
+        reply_streamed(session, msg, to, out).await
+    }
+}
+
+/// A reply as JSON (or one SSE event), with the modern status.
+fn plain(reply: Option<Json>, json_ok: bool) -> Response {
+    match reply {
+        None => StatusCode::ACCEPTED.into_response(),
+        Some(r) if json_ok => (
+            status_of(&r),
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            valem_mcp::wire::to_string(&r),
+        )
+            .into_response(),
+        Some(r) => Sse::new(stream::iter([Ok::<_, Infallible>(message_event(&r))])).into_response(),
+    }
+}
+
+/// Counts the open listen streams; its drop (the stream ended) gives the place back.
+struct ListenSlot {
+    st: AppState,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for ListenSlot {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.st.sessions.listens.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// `subscriptions/listen`: an SSE stream of the acknowledgement, then the notifications, until
+/// the client closes it, its reader falls [`valem_mcp::LISTEN_QUEUE`] behind (an error response
+/// ends it), or the daemon shuts down (the graceful completion result ends it).
+fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
+    let id = msg.get("id").cloned().unwrap_or(Json::Null);
+    let params = msg.get("params").cloned().unwrap_or(Json::Null);
+    if let Err(e) = modern::read_meta("subscriptions/listen", &params, &id) {
+        return (status_of(&e), axum::Json(e)).into_response();
+    }
+    let filter = match listen::Filter::parse(&params, st.config.conformance_fixtures) {
+        Ok(f) => Arc::new(f),
+        Err(why) => {
+            return rpc(StatusCode::OK, &id, code::INVALID_PARAMS, why);
+        }
+    };
+    let max = st.sessions.max_listens();
+    if st
+        .sessions
+        .listens
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .is_err()
+    {
+        return rpc(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &id,
+            code::INTERNAL_ERROR,
+            format!("too many open subscriptions/listen streams ({max}); close one first"),
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let slot = ListenSlot {
+        st: st.clone(),
+        stop: stop.clone(),
+    };
+    let (tx, rx) = mpsc::channel::<listen::Notice>(valem_mcp::LISTEN_QUEUE);
+    let full = Arc::new(AtomicBool::new(false));
+    let sink_full = full.clone();
+    listen::attach(&st.service, filter.clone(), move |n| {
+        if stop.load(Ordering::SeqCst) {
+            return false;
+        }
+        match tx.try_send(n) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                sink_full.store(true, Ordering::SeqCst);
+                false
+            }
+            Err(_) => false,
+        }
+    });
+    st.metrics
+        .mcp_listens_opened
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let strip = move |mut m: Json| {
+        if let Some(s) = &scoped {
+            s.strip(&mut m);
+        }
+        m
+    };
+    let ack = strip(listen::acknowledgement(&id, &filter));
+    let shutdown = st.shutdown.clone();
+    let metrics = st.metrics.clone();
+    let notices = stream::unfold(
+        (rx, shutdown, Some(slot), id.clone()),
+        move |(mut rx, mut stop, slot, sub)| {
+            let full = full.clone();
+            let metrics = metrics.clone();
+            async move {
+                let slot = slot?;
+                if *stop.borrow() {
+                    return Some((listen::closed(&sub), (rx, stop, None, sub)));
+                }
+                tokio::select! {
+                    n = rx.recv() => match n {
+                        Some(n) => Some((listen::notification(&sub, &n), (rx, stop, Some(slot), sub))),
+                        None if full.load(Ordering::SeqCst) => {
+                            metrics.mcp_listens_overflowed.fetch_add(1, Ordering::Relaxed);
+                            Some((listen::overflowed(&sub, valem_mcp::LISTEN_QUEUE), (rx, stop, None, sub)))
+                        }
+                        None => None,
+                    },
+                    _ = stop.changed() => Some((listen::closed(&sub), (rx, stop, None, sub))),
+                }
+            }
+        },
+    )
+    .map(strip);
+    let all = stream::once(async move { ack })
+        .chain(notices)
+        .map(|m| Ok::<_, Infallible>(message_event(&m)));
+    let mut res = Sse::new(all)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response();
+    res.headers_mut().insert(
+        "x-accel-buffering",
+        axum::http::HeaderValue::from_static("no"),
+    );
+    res
+}
+
+/// The session every modern request of a daemon is served by: it holds no per-client state
+/// (a modern request carries what it needs), so one is shared.
+pub(crate) fn stateless_session(st: &AppState) -> Arc<Session> {
+    Session::new(st.mcp.clone(), Arc::new(|_: &Json| {}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(
+                axum::http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    fn call(name: &str) -> Json {
+        json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name,
+            "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}}})
+    }
+
+    #[test]
+    fn headers_must_agree_with_the_body() {
+        let ok = [
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "mutate"),
+        ];
+        assert!(check_headers(&headers(&ok), &call("mutate")).is_ok());
+        // The name in the base64 sentinel form.
+        let b64 = [
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "=?base64?bXV0YXRl?="),
+        ];
+        assert!(check_headers(&headers(&b64), &call("mutate")).is_ok());
+        for bad in [
+            &ok[1..],                                          // no version header
+            &[ok[0], ok[2]][..],                               // no Mcp-Method
+            &ok[..2],                                          // no Mcp-Name
+            &[ok[0], ("mcp-method", "tools/list"), ok[2]][..], // method differs
+            &[ok[0], ok[1], ("mcp-name", "get_state")][..],    // name differs
+            &[("mcp-protocol-version", "2025-11-25"), ok[1], ok[2]][..],
+            &[ok[0], ok[1], ("mcp-name", "=?base64?!!?=")][..],
+        ] {
+            let r = check_headers(&headers(bad), &call("mutate")).unwrap_err();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn statuses_follow_the_error() {
+        let e = |c: i64| json!({"error": {"code": c}});
+        assert_eq!(
+            status_of(&e(codes::UNSUPPORTED_PROTOCOL_VERSION)),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(status_of(&e(code::METHOD_NOT_FOUND)), StatusCode::NOT_FOUND);
+        assert_eq!(status_of(&e(code::INVALID_PARAMS)), StatusCode::OK);
+        assert_eq!(status_of(&json!({"result": {}})), StatusCode::OK);
+    }
+
+    #[test]
+    fn the_era_is_read_from_the_body_or_the_header() {
+        assert!(is_modern(&HeaderMap::new(), &call("x")));
+        let legacy = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"});
+        assert!(!is_modern(&HeaderMap::new(), &legacy));
+        assert!(is_modern(
+            &headers(&[("mcp-protocol-version", "2026-07-28")]),
+            &legacy
+        ));
+        assert!(!is_modern(
+            &headers(&[("mcp-protocol-version", "2025-11-25")]),
+            &legacy
+        ));
+    }
+}

@@ -1,0 +1,279 @@
+//! `subscriptions/listen` (modern era): one long-lived stream of the change notifications a
+//! client opted in to — `notifications/resources/updated` for the `valem://state/{modelId}`
+//! URIs it names, and `notifications/resources/list_changed` when models come and go — each
+//! tagged with the subscription's id (the id of the listen request). The transport owns the
+//! stream: HTTP answers the request with an SSE stream, stdio writes to its one channel. What
+//! is shared is here: reading the filter, the messages, and attaching to the service's events.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use serde_json::{json, Value as Json};
+
+use super::modern::key;
+use super::resources::STATE_PREFIX;
+use valem_service::{Event, EventFilter, ModelService};
+
+/// Most resource URIs one subscription may name.
+pub const MAX_URIS: usize = 1000;
+
+/// What a subscription delivers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Model ids whose state URIs were named.
+    models: HashSet<String>,
+    /// The state URIs, as named (what the acknowledgement repeats).
+    uris: Vec<String>,
+    /// `notifications/resources/list_changed` when a model is created or deleted.
+    resources_list: bool,
+    /// Asked for tool or prompt list changes: honoured (our lists never change while the server
+    /// runs, so nothing is ever sent for them).
+    tools_list: bool,
+    prompts_list: bool,
+}
+
+/// A change to deliver on a subscription.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Notice {
+    /// The state of this model changed (`valem://state/{id}`).
+    Updated(String),
+    /// The list of resources changed (a model was created or deleted).
+    ListChanged,
+}
+
+impl Filter {
+    /// The filter of a `subscriptions/listen` request's `params.notifications`; an error names
+    /// the offending member. URIs that are not a model's state are not subscribable here: they
+    /// are left out of the acknowledgement (the client learns that from it).
+    pub fn parse(params: &Json, prompts: bool) -> Result<Filter, String> {
+        let n = match params.get("notifications") {
+            Some(n @ Json::Object(_)) => n,
+            None | Some(Json::Null) => {
+                return Err(
+                    "subscriptions/listen needs `notifications`: the change notifications to \
+                     receive (toolsListChanged, promptsListChanged, resourcesListChanged, \
+                     resourceSubscriptions)"
+                        .into(),
+                )
+            }
+            Some(_) => return Err("`notifications` must be an object".into()),
+        };
+        let flag = |k: &str| match n.get(k) {
+            None | Some(Json::Null) => Ok(false),
+            Some(Json::Bool(b)) => Ok(*b),
+            Some(_) => Err(format!("`notifications.{k}` must be a boolean")),
+        };
+        let mut f = Filter {
+            resources_list: flag("resourcesListChanged")?,
+            tools_list: flag("toolsListChanged")?,
+            prompts_list: flag("promptsListChanged")? && prompts,
+            ..Filter::default()
+        };
+        match n.get("resourceSubscriptions") {
+            None | Some(Json::Null) => {}
+            Some(Json::Array(uris)) => {
+                if uris.len() > MAX_URIS {
+                    return Err(format!(
+                        "`notifications.resourceSubscriptions` names {} URIs; the limit is {MAX_URIS}",
+                        uris.len()
+                    ));
+                }
+                for (i, u) in uris.iter().enumerate() {
+                    let Some(u) = u.as_str() else {
+                        return Err(format!(
+                            "`notifications.resourceSubscriptions[{i}]` must be a string"
+                        ));
+                    };
+                    if let Some(id) = u.strip_prefix(STATE_PREFIX).filter(|id| !id.is_empty()) {
+                        if f.models.insert(id.to_string()) {
+                            f.uris.push(u.to_string());
+                        }
+                    }
+                }
+            }
+            Some(_) => {
+                return Err("`notifications.resourceSubscriptions` must be an array of URIs".into())
+            }
+        }
+        Ok(f)
+    }
+
+    /// What the server agreed to honour, as the acknowledgement states it.
+    pub fn acknowledged(&self) -> Json {
+        let mut a = json!({});
+        if self.tools_list {
+            a["toolsListChanged"] = json!(true);
+        }
+        if self.prompts_list {
+            a["promptsListChanged"] = json!(true);
+        }
+        if self.resources_list {
+            a["resourcesListChanged"] = json!(true);
+        }
+        if !self.uris.is_empty() {
+            a["resourceSubscriptions"] = json!(self.uris);
+        }
+        a
+    }
+
+    /// The notice an event means for this subscription, if any.
+    pub fn notice(&self, ev: &Event) -> Option<Notice> {
+        let id = ev.model_id();
+        match ev {
+            Event::Created { .. } | Event::Deleted { .. } if self.resources_list => {
+                Some(Notice::ListChanged)
+            }
+            Event::Created { .. } => None,
+            _ if self.models.contains(id) => Some(Notice::Updated(id.to_string())),
+            _ => None,
+        }
+    }
+
+    fn wants(&self, ev: &Event) -> bool {
+        match ev {
+            Event::Created { .. } | Event::Deleted { .. } if self.resources_list => true,
+            Event::Created { .. } => false,
+            _ => self.models.contains(ev.model_id()),
+        }
+    }
+}
+
+/// `notifications/subscriptions/acknowledged`: the first message of subscription `sub`.
+pub fn acknowledgement(sub: &Json, f: &Filter) -> Json {
+    json!({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged", "params": {
+        "_meta": {key::SUBSCRIPTION_ID: sub},
+        "notifications": f.acknowledged(),
+    }})
+}
+
+/// The notification a notice becomes on subscription `sub`.
+pub fn notification(sub: &Json, n: &Notice) -> Json {
+    match n {
+        Notice::Updated(id) => {
+            json!({"jsonrpc": "2.0", "method": "notifications/resources/updated",
+            "params": {"_meta": {key::SUBSCRIPTION_ID: sub}, "uri": format!("{STATE_PREFIX}{id}")}})
+        }
+        Notice::ListChanged => {
+            json!({"jsonrpc": "2.0", "method": "notifications/resources/list_changed",
+            "params": {"_meta": {key::SUBSCRIPTION_ID: sub}}})
+        }
+    }
+}
+
+/// The graceful end of subscription `sub` (the response to its listen request).
+pub fn closed(sub: &Json) -> Json {
+    json!({"jsonrpc": "2.0", "id": sub, "result": super::modern::finish(
+        json!({"_meta": {key::SUBSCRIPTION_ID: sub}}), None)})
+}
+
+/// The end of a subscription whose reader fell too far behind: an error response naming why.
+pub fn overflowed(sub: &Json, queued: usize) -> Json {
+    json!({"jsonrpc": "2.0", "id": sub, "error": {
+        "code": super::code::INTERNAL_ERROR,
+        "message": format!(
+            "the subscription was closed: its reader fell {queued} notifications behind; open \
+             a new subscriptions/listen and re-read the resources it names"
+        ),
+        "data": {key::SUBSCRIPTION_ID: sub},
+    }})
+}
+
+/// Deliver the service's committed changes that `filter` wants to `sink`, on the shard thread
+/// that committed them, until `sink` returns false (it must not block: a transport hands the
+/// notice to a bounded queue and gives up when that is full).
+pub fn attach(
+    service: &ModelService,
+    filter: Arc<Filter>,
+    sink: impl Fn(Notice) -> bool + Send + 'static,
+) {
+    let wants = filter.clone();
+    let events: EventFilter = Arc::new(move |ev: &Event| wants.wants(ev));
+    service.subscribe_with(
+        events,
+        Box::new(move |ev: &Event| match filter.notice(ev) {
+            Some(n) => sink(n),
+            None => true,
+        }),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filter(n: Json) -> Result<Filter, String> {
+        Filter::parse(&json!({"notifications": n}), false)
+    }
+
+    #[test]
+    fn the_filter_keeps_what_we_honour() {
+        let f = filter(json!({"toolsListChanged": true, "promptsListChanged": true,
+            "resourcesListChanged": true,
+            "resourceSubscriptions": ["valem://state/a", "valem://state/a", "valem://guide/x",
+                "file:///etc/passwd", "valem://state/"]}))
+        .unwrap();
+        assert_eq!(
+            f.acknowledged(),
+            json!({"toolsListChanged": true, "resourcesListChanged": true,
+                "resourceSubscriptions": ["valem://state/a"]})
+        );
+        assert_eq!(filter(json!({})).unwrap().acknowledged(), json!({}));
+    }
+
+    #[test]
+    fn bad_filters_name_the_member() {
+        for (n, needle) in [
+            (json!(null), "needs `notifications`"),
+            (json!({"toolsListChanged": "yes"}), "toolsListChanged"),
+            (json!({"resourceSubscriptions": "valem://state/a"}), "array"),
+            (
+                json!({"resourceSubscriptions": [1]}),
+                "resourceSubscriptions[0]",
+            ),
+        ] {
+            let e = filter(n).unwrap_err();
+            assert!(e.contains(needle), "{e}");
+        }
+        let many: Vec<String> = (0..=MAX_URIS)
+            .map(|i| format!("valem://state/m{i}"))
+            .collect();
+        assert!(filter(json!({"resourceSubscriptions": many}))
+            .unwrap_err()
+            .contains("limit"));
+    }
+
+    #[test]
+    fn events_become_notices() {
+        let f = filter(json!({"resourcesListChanged": true,
+            "resourceSubscriptions": ["valem://state/a"]}))
+        .unwrap();
+        let deleted = Event::Deleted {
+            model_id: "b".into(),
+        };
+        let created = Event::Created {
+            model_id: "a".into(),
+        };
+        let restored = Event::Restored {
+            model_id: "a".into(),
+        };
+        let other = Event::Restored {
+            model_id: "b".into(),
+        };
+        assert_eq!(f.notice(&deleted), Some(Notice::ListChanged));
+        assert_eq!(f.notice(&created), Some(Notice::ListChanged));
+        assert_eq!(f.notice(&restored), Some(Notice::Updated("a".into())));
+        assert_eq!(f.notice(&other), None);
+        assert!(!f.wants(&other));
+        let quiet = filter(json!({"resourceSubscriptions": ["valem://state/a"]})).unwrap();
+        assert_eq!(quiet.notice(&created), None);
+        let sub = json!(7);
+        let n = notification(&sub, &Notice::Updated("a".into()));
+        assert_eq!(n["params"]["uri"], "valem://state/a");
+        assert_eq!(n["params"]["_meta"][key::SUBSCRIPTION_ID], 7);
+        assert_eq!(
+            acknowledgement(&sub, &quiet)["params"]["notifications"],
+            json!({"resourceSubscriptions": ["valem://state/a"]})
+        );
+        assert_eq!(closed(&sub)["result"]["_meta"][key::SUBSCRIPTION_ID], 7);
+    }
+}
