@@ -370,6 +370,7 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             json_ok,
             sse_ok,
             modern: false,
+            principal: String::new(),
         };
         if runs_inline(&st, &msg) {
             reply_inline(session, msg, to, out)
@@ -429,6 +430,8 @@ pub(crate) struct Recipient<'a> {
     pub(crate) json_ok: bool,
     pub(crate) sse_ok: bool,
     pub(crate) modern: bool,
+    /// A modern request's caller scope (its tasks are its own).
+    pub(crate) principal: String,
 }
 
 /// A request in which nothing waits on the client or reports progress, run in place (no hop
@@ -451,7 +454,7 @@ pub(crate) fn reply_inline(
         }) as Outbox
     });
     let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        tokio::task::block_in_place(|| session.handle_in(msg, io.as_ref()))
+        tokio::task::block_in_place(|| session.handle_as(msg, io.as_ref(), &to.principal))
     }));
     let Ok(reply) = reply else {
         return rpc_error(
@@ -496,7 +499,8 @@ pub(crate) async fn reply_streamed(
             let _ = tx.send(m.clone());
         }) as Outbox
     });
-    let task = tokio::task::spawn_blocking(move || session.handle_in(msg, io.as_ref()));
+    let principal = to.principal.clone();
+    let task = tokio::task::spawn_blocking(move || session.handle_as(msg, io.as_ref(), &principal));
     match rx.recv().await {
         None => match task.await {
             Ok(reply) => plain_reply_as(st, created, sid, reply.map(&out), json_ok, modern),

@@ -72,12 +72,18 @@ fn header_text(headers: &HeaderMap, name: &str) -> Result<Option<String>, String
     };
     let raw = v
         .to_str()
-        .map_err(|_| format!("the {name} header holds bytes that are not visible ASCII"))?;
+        .map_err(|_| format!("the {name} header holds bytes that are not visible ASCII"))?
+        .trim_matches([' ', '\t']);
     match raw
         .strip_prefix("=?base64?")
         .and_then(|r| r.strip_suffix("?="))
     {
         Some(b64) => {
+            if b64.len() % 4 != 0 {
+                return Err(format!(
+                    "the {name} header's base64 value is not padded to a multiple of 4"
+                ));
+            }
             let bytes = base64::engine::general_purpose::STANDARD
                 .decode(b64)
                 .map_err(|e| format!("the {name} header's base64 value does not decode: {e}"))?;
@@ -132,6 +138,7 @@ fn check_headers(headers: &HeaderMap, msg: &Json) -> Result<(), Response> {
     let named = match method {
         "tools/call" | "prompts/get" => Some(("name", params.get("name"))),
         "resources/read" => Some(("uri", params.get("uri"))),
+        "tasks/get" | "tasks/update" | "tasks/cancel" => Some(("taskId", params.get("taskId"))),
         _ => None,
     };
     if let Some((field, value)) = named {
@@ -150,6 +157,75 @@ fn check_headers(headers: &HeaderMap, msg: &Json) -> Result<(), Response> {
                 )))
             }
             Ok(Some(_)) => {}
+        }
+    }
+    Ok(())
+}
+
+/// The tool's parameters that its input schema mirrors into `Mcp-Param-{Name}` headers
+/// (`x-mcp-header`, reached through `properties` only): (header name, path of property names).
+fn mirrored(schema: &Json) -> Vec<(String, Vec<String>)> {
+    fn walk(s: &Json, path: &mut Vec<String>, out: &mut Vec<(String, Vec<String>)>) {
+        let Some(props) = s.get("properties").and_then(Json::as_object) else {
+            return;
+        };
+        for (k, p) in props {
+            path.push(k.clone());
+            if let Some(h) = p.get("x-mcp-header").and_then(Json::as_str) {
+                out.push((h.to_string(), path.clone()));
+            }
+            walk(p, path, out);
+            path.pop();
+        }
+    }
+    let mut out = Vec::new();
+    walk(schema, &mut Vec::new(), &mut out);
+    out
+}
+
+/// `Mcp-Param-*` headers of a `tools/call` agree with the arguments they mirror.
+fn check_params(headers: &HeaderMap, msg: &Json, schema: &Json) -> Result<(), Response> {
+    let id = msg.get("id").cloned().unwrap_or(Json::Null);
+    let mismatch = |m: String| {
+        rpc(
+            StatusCode::BAD_REQUEST,
+            &id,
+            codes::HEADER_MISMATCH,
+            format!("Header mismatch: {m}"),
+        )
+    };
+    for (name, path) in mirrored(schema) {
+        let mut v = msg.pointer("/params/arguments");
+        for k in &path {
+            v = v.and_then(|x| x.get(k));
+        }
+        let header = format!("mcp-param-{}", name.to_ascii_lowercase());
+        let given = header_text(headers, &header).map_err(&mismatch)?;
+        let body = match v {
+            None | Some(Json::Null) => None,
+            Some(Json::String(s)) => Some(s.clone()),
+            Some(Json::Bool(b)) => Some(b.to_string()),
+            Some(Json::Number(n)) => Some(n.to_string()),
+            Some(_) => None,
+        };
+        match (given, body) {
+            (None, None) => {}
+            (Some(_), None) => {}
+            (None, Some(_)) => {
+                return Err(mismatch(format!(
+                    "the Mcp-Param-{name} header is required: arguments.{} has a value",
+                    path.join(".")
+                )))
+            }
+            (Some(h), Some(b)) => {
+                let same = h == b
+                    || matches!((h.parse::<f64>(), b.parse::<f64>()), (Ok(x), Ok(y)) if x == y && v.is_some_and(Json::is_number));
+                if !same {
+                    return Err(mismatch(format!(
+                        "Mcp-Param-{name} header value '{h}' does not match body value '{b}'"
+                    )));
+                }
+            }
         }
     }
     Ok(())
@@ -180,6 +256,11 @@ pub(crate) async fn post(
     }
     if let Err(r) = check_headers(headers, &msg) {
         return r;
+    }
+    if let Some(schema) = tool_schema(st, &msg) {
+        if let Err(r) = check_params(headers, &msg, &schema) {
+            return r;
+        }
     }
     // A request whose `_meta` lacks what the era requires is refused here, with 400.
     let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
@@ -212,6 +293,7 @@ pub(crate) async fn post(
         let reply = call.await.map(&out);
         return plain(reply, json_ok);
     }
+    let principal = scoped.as_ref().map(|s| s.ns.clone()).unwrap_or_default();
     let to = Recipient {
         st,
         created: false,
@@ -219,12 +301,33 @@ pub(crate) async fn post(
         json_ok,
         sse_ok,
         modern: true,
+        principal,
     };
     if runs_inline(st, &msg) {
         reply_inline(session, msg, to, out)
     } else {
         reply_streamed(session, msg, to, out).await
     }
+}
+
+/// The input schema of the tool a `tools/call` names (fixtures included), when it mirrors a
+/// parameter into a header.
+fn tool_schema(st: &AppState, msg: &Json) -> Option<Json> {
+    if msg.get("method").and_then(Json::as_str) != Some("tools/call") {
+        return None;
+    }
+    let name = msg.pointer("/params/name").and_then(Json::as_str)?;
+    let list = st.mcp.tools_list(true);
+    let tool = list
+        .get("tools")?
+        .as_array()?
+        .iter()
+        .find(|t| t.get("name").and_then(Json::as_str) == Some(name))?;
+    let schema = tool.get("inputSchema")?;
+    schema
+        .to_string()
+        .contains("x-mcp-header")
+        .then(|| schema.clone())
 }
 
 /// A reply as JSON (or one SSE event), with the modern status.
@@ -397,6 +500,12 @@ mod tests {
             ("mcp-name", "=?base64?bXV0YXRl?="),
         ];
         assert!(check_headers(&headers(&b64), &call("mutate")).is_ok());
+        let spaced = [
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "  mutate  "),
+        ];
+        assert!(check_headers(&headers(&spaced), &call("mutate")).is_ok());
         for bad in [
             &ok[1..],                                          // no version header
             &[ok[0], ok[2]][..],                               // no Mcp-Method
@@ -405,9 +514,52 @@ mod tests {
             &[ok[0], ok[1], ("mcp-name", "get_state")][..],    // name differs
             &[("mcp-protocol-version", "2025-11-25"), ok[1], ok[2]][..],
             &[ok[0], ok[1], ("mcp-name", "=?base64?!!?=")][..],
+            &[ok[0], ok[1], ("mcp-name", "=?base64?bXV0YXRlcw?=")][..], // unpadded
+            &[ok[0], ok[1], ("mcp-name", "=?base64?bXV0YXRlcw==?=")][..], // another name
         ] {
             let r = check_headers(&headers(bad), &call("mutate")).unwrap_err();
             assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn mirrored_parameters_must_match_their_headers() {
+        let schema = json!({"type": "object", "properties": {
+            "region": {"type": "string", "x-mcp-header": "Region"},
+            "opts": {"type": "object", "properties": {"n": {"type": "integer", "x-mcp-header": "N"}}}}});
+        let msg = |args: Json| {
+            json!({"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": "t", "arguments": args}})
+        };
+        let h = |p: &[(&str, &str)]| headers(p);
+        let ok = check_params(
+            &h(&[("mcp-param-region", "eu"), ("mcp-param-n", "42")]),
+            &msg(json!({"region": "eu", "opts": {"n": 42}})),
+            &schema,
+        );
+        assert!(ok.is_ok());
+        // Numbers compare numerically; base64 values decode.
+        assert!(check_params(
+            &h(&[
+                ("mcp-param-region", "=?base64?ZXU=?="),
+                ("mcp-param-n", "42.0")
+            ]),
+            &msg(json!({"region": "eu", "opts": {"n": 42}})),
+            &schema
+        )
+        .is_ok());
+        // An absent argument needs no header.
+        assert!(check_params(&h(&[]), &msg(json!({})), &schema).is_ok());
+        for (hs, args) in [
+            (vec![], json!({"region": "eu"})),
+            (vec![("mcp-param-region", "us")], json!({"region": "eu"})),
+            (
+                vec![("mcp-param-region", "=?base64?ZXU?=")],
+                json!({"region": "eu"}),
+            ),
+        ] {
+            let r = check_params(&h(&hs), &msg(args), &schema).unwrap_err();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         }
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value as Json};
 
 use super::modern::Meta;
-use super::{Outbox, Session};
+use super::{Modern, Outbox, Session};
 
 /// A 1×1 PNG.
 const IMAGE: &str = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg==";
@@ -30,7 +30,8 @@ fn one_string(name: &str, description: &str) -> Json {
     json!({"type": "object", "properties": {name: {"type": "string", "description": description}}, "required": [name]})
 }
 
-pub fn add_tools(list: &mut Json) {
+/// Add the fixture tools to `tools/list` (those of MCP 2026-07-28 in a `modern` request).
+pub fn add_tools(list: &mut Json, modern: bool) {
     let fixtures = [
         tool(
             "test_simple_text",
@@ -94,12 +95,20 @@ pub fn add_tools(list: &mut Json) {
         ),
         json!({"name": "json_schema_2020_12_tool", "description": "Tool with JSON Schema 2020-12 features",
             "inputSchema": {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
-                "$defs": {"address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"}}}},
-                "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"}},
+                "$defs": {"address": {"$anchor": "addressDef", "type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"}}}},
+                "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"},
+                    "contactMethod": {"type": "string", "enum": ["phone", "email"]},
+                    "phone": {"type": "string"}, "email": {"type": "string"}},
+                "allOf": [{"anyOf": [{"required": ["phone"]}, {"required": ["email"]}]}],
+                "if": {"properties": {"contactMethod": {"const": "phone"}}, "required": ["contactMethod"]},
+                "then": {"required": ["phone"]}, "else": {"required": ["email"]},
                 "additionalProperties": false}}),
     ];
     if let Some(t) = list.get_mut("tools").and_then(|t| t.as_array_mut()) {
         t.extend(fixtures);
+        if modern {
+            t.extend(super::fixtures2026::tools());
+        }
     }
 }
 
@@ -133,8 +142,24 @@ fn elicit(session: &Session, io: Option<&Outbox>, message: &str, schema: Json) -
     }
 }
 
-/// Run a fixture tool; `None` when `name` is not one.
+/// Run a fixture tool; `None` when `name` is not one. `Err` is an error response whose id the
+/// caller fills in.
 pub fn call_tool(
+    session: &Session,
+    name: &str,
+    params: &Json,
+    io: Option<&Outbox>,
+    cx: Option<&Modern>,
+) -> Option<Result<Json, Json>> {
+    if let Some(cx) = cx {
+        if let Some(r) = super::fixtures2026::call_tool(session, name, params, cx) {
+            return Some(r);
+        }
+    }
+    legacy_tool(session, name, params, io, cx.map(|c| &c.meta)).map(Ok)
+}
+
+fn legacy_tool(
     session: &Session,
     name: &str,
     params: &Json,
@@ -295,9 +320,35 @@ pub fn read_resource(uri: &str) -> Option<Json> {
 }
 
 /// `prompts/list`, `prompts/get`, `completion/complete`.
-pub fn prompts(method: &str, params: &Json) -> Result<Json, String> {
+pub fn prompts(
+    _session: &Session,
+    method: &str,
+    params: &Json,
+    cx: Option<&Modern>,
+) -> Result<Json, String> {
+    let meta = cx.map(|c| &c.meta);
+    if method == "prompts/get" {
+        if let Some(r) = super::fixtures2026::prompt(params, meta) {
+            return r;
+        }
+    }
     match method {
-        "prompts/list" => Ok(json!({"prompts": [
+        "prompts/list" => {
+            let mut list = legacy_prompts();
+            if meta.is_some() {
+                if let Some(p) = list.get_mut("prompts").and_then(Json::as_array_mut) {
+                    p.push(json!({"name": "test_input_required_result_prompt",
+                        "description": "Fixture (MRTR): asks for context before rendering."}));
+                }
+            }
+            Ok(list)
+        }
+        _ => prompt_or_completion(method, params),
+    }
+}
+
+fn legacy_prompts() -> Json {
+    json!({"prompts": [
             {"name": "test_simple_prompt", "description": "Fixture: a prompt without arguments."},
             {"name": "test_prompt_with_arguments", "description": "Fixture: a prompt with two arguments.", "arguments": [
                 {"name": "arg1", "description": "First test argument", "required": true},
@@ -305,7 +356,11 @@ pub fn prompts(method: &str, params: &Json) -> Result<Json, String> {
             {"name": "test_prompt_with_embedded_resource", "description": "Fixture: a prompt embedding a resource.", "arguments": [
                 {"name": "resourceUri", "description": "URI of the resource to embed", "required": true}]},
             {"name": "test_prompt_with_image", "description": "Fixture: a prompt with an image."},
-        ]})),
+    ]})
+}
+
+fn prompt_or_completion(method: &str, params: &Json) -> Result<Json, String> {
+    match method {
         "prompts/get" => {
             let name = params.get("name").and_then(|n| n.as_str()).unwrap_or("");
             let arg = |k: &str| {

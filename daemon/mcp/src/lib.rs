@@ -9,14 +9,18 @@
 
 #[cfg(feature = "fixtures")]
 pub mod fixtures;
+#[cfg(feature = "fixtures")]
+mod fixtures2026;
 pub mod guidance;
 pub mod listen;
 pub mod modern;
+pub mod mrtr;
 pub mod ops;
 pub mod pairing;
 pub mod proxy;
 pub mod resources;
 pub mod stdio;
+pub mod tasks;
 pub mod tools;
 pub mod wire;
 
@@ -85,6 +89,17 @@ pub struct Server {
     pub tools: tools::Catalog,
     pub plugins: Arc<Plugins>,
     pub mode: Mode,
+    /// The tasks of the modern era's tasks extension.
+    pub tasks: Arc<tasks::Tasks>,
+    /// Seals the `requestState` of multi round-trip requests.
+    pub state_key: Option<mrtr::StateKey>,
+}
+
+/// A modern-era request's context: what its `_meta` declared, and whose it is (the caller
+/// scope: `""` for the operator, a sandbox session's namespace for its token's requests).
+pub struct Modern<'a> {
+    pub meta: modern::Meta,
+    pub principal: &'a str,
 }
 
 impl Server {
@@ -108,6 +123,8 @@ impl Server {
             tools,
             plugins: plugins.clone(),
             mode,
+            tasks: tasks::Tasks::new(),
+            state_key: mrtr::StateKey::random(),
         });
         let weak = Arc::downgrade(&server);
         plugins.set_dispatcher(Box::new(move |name, args| {
@@ -132,6 +149,19 @@ impl Server {
             })
         }));
         server
+    }
+
+    /// The `tools/list` result (with the fixtures' tools when serving them; those of MCP
+    /// 2026-07-28 when `modern`).
+    pub fn tools_list(&self, modern: bool) -> Json {
+        #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
+        let mut list = self.tools.list_json();
+        #[cfg(feature = "fixtures")]
+        if self.fixtures() {
+            fixtures::add_tools(&mut list, modern);
+        }
+        let _ = modern;
+        list
     }
 
     /// Serving the conformance suite's fixtures?
@@ -443,9 +473,15 @@ impl Session {
     /// requests to the client) go to `io` — the request's own response stream on HTTP —
     /// instead of the session's outbox.
     pub fn handle_in(&self, msg: Json, io: Option<&Outbox>) -> Option<Json> {
+        self.handle_as(msg, io, "")
+    }
+
+    /// [`handle_in`](Self::handle_in) for a caller scope: a modern request's tasks belong to
+    /// `principal`, and its sealed request states are bound to it.
+    pub fn handle_as(&self, msg: Json, io: Option<&Outbox>, principal: &str) -> Option<Json> {
         match msg {
             Json::Array(items) => self.handle_batch(items, io),
-            other => self.handle_one(other, io),
+            other => self.handle_one(other, io, principal),
         }
     }
 
@@ -544,13 +580,13 @@ impl Session {
                 if self.intercept(&m) {
                     return None;
                 }
-                self.handle_one(m, io)
+                self.handle_one(m, io, "")
             })
             .collect();
         (!replies.is_empty()).then_some(Json::Array(replies))
     }
 
-    fn handle_one(&self, msg: Json, io: Option<&Outbox>) -> Option<Json> {
+    fn handle_one(&self, msg: Json, io: Option<&Outbox>, principal: &str) -> Option<Json> {
         let Json::Object(mut m) = msg else {
             return Some(error(
                 Json::Null,
@@ -621,7 +657,7 @@ impl Session {
             st.in_flight.insert(key.clone());
         }
         let reply = if modern::selects_modern(&method, &params) {
-            self.modern_request(&method, params, id, io)
+            self.modern_request(&method, params, id, io, principal)
         } else {
             Some(self.request(&method, params, id, io))
         };
@@ -714,11 +750,14 @@ impl Session {
         params: Json,
         id: Json,
         io: Option<&Outbox>,
+        principal: &str,
     ) -> Option<Json> {
         let meta = match modern::read_meta(method, &params, &id) {
             Ok(m) => m,
             Err(e) => return Some(e),
         };
+        let cx = Modern { meta, principal };
+        let meta = &cx.meta;
         let span = tracing::info_span!(
             "mcp_request",
             method,
@@ -748,7 +787,16 @@ impl Session {
                     }
                 ),
             ),
-            _ => self.common(method, params.clone(), id, io, Some(&meta)),
+            "tasks/get" | "tasks/update" | "tasks/cancel" => self.task_method(method, &params, id, &cx),
+            "tasks/result" | "tasks/list" => error(
+                id,
+                code::METHOD_NOT_FOUND,
+                format!(
+                    "method not found: {method} is not part of the tasks extension (poll with \
+                     tasks/get)"
+                ),
+            ),
+            _ => self.common(method, params.clone(), id, io, Some(&cx)),
         };
         Some(modern_response(reply, method, &params))
     }
@@ -846,8 +894,9 @@ impl Session {
     fn discover(&self) -> Json {
         let mut capabilities = json!({
             "tools": {"listChanged": false},
-            "resources": {"subscribe": true, "listChanged": false},
+            "resources": {"subscribe": true, "listChanged": true},
             "logging": {},
+            "extensions": {modern::key::TASKS: {}},
         });
         if self.server.fixtures() {
             capabilities["prompts"] = json!({"listChanged": false});
@@ -916,19 +965,11 @@ impl Session {
         params: Json,
         id: Json,
         io: Option<&Outbox>,
-        meta: Option<&modern::Meta>,
+        cx: Option<&Modern>,
     ) -> Json {
         match method {
-            "tools/list" => {
-                #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
-                let mut list = self.server.tools.list_json();
-                #[cfg(feature = "fixtures")]
-                if self.server.fixtures() {
-                    fixtures::add_tools(&mut list);
-                }
-                result(id, list)
-            }
-            "tools/call" => self.call_tool(params, id, io, meta),
+            "tools/list" => result(id, self.server.tools_list(cx.is_some())),
+            "tools/call" => self.call_tool(params, id, io, cx),
             "resources/list" => {
                 #[cfg_attr(not(feature = "fixtures"), allow(unused_mut))]
                 let mut r = resources::list(&self.server);
@@ -971,7 +1012,7 @@ impl Session {
             },
             #[cfg(feature = "fixtures")]
             "prompts/list" | "prompts/get" | "completion/complete" if self.server.fixtures() => {
-                match fixtures::prompts(method, &params) {
+                match fixtures::prompts(self, method, &params, cx) {
                     Ok(r) => result(id, r),
                     Err(m) => error(id, code::INVALID_PARAMS, m),
                 }
@@ -1025,20 +1066,16 @@ impl Session {
     }
 
     #[cfg_attr(not(feature = "fixtures"), allow(unused_variables))]
-    fn call_tool(
-        &self,
-        params: Json,
-        id: Json,
-        io: Option<&Outbox>,
-        meta: Option<&modern::Meta>,
-    ) -> Json {
+    fn call_tool(&self, params: Json, id: Json, io: Option<&Outbox>, cx: Option<&Modern>) -> Json {
         let Some(name) = params.get("name").and_then(|n| n.as_str()) else {
             return error(id, code::INVALID_PARAMS, "tools/call needs a `name` string");
         };
         #[cfg(feature = "fixtures")]
         if self.server.fixtures() {
-            if let Some(r) = fixtures::call_tool(self, name, &params, io, meta) {
-                return result(id, r);
+            match fixtures::call_tool(self, name, &params, io, cx) {
+                Some(Ok(r)) => return result(id, r),
+                Some(Err(e)) => return with_id(e, id),
+                None => {}
             }
         }
         let Some(tool) = self.server.tools.get(name) else {
@@ -1052,11 +1089,85 @@ impl Session {
             Ok(a) => a,
             Err(why) => return error(id, code::INVALID_PARAMS, why),
         };
+        if let Some(cx) = cx {
+            if let Some(r) = self.call_as_task(tool, args.clone(), &id, cx) {
+                return r;
+            }
+        }
         let ctx = tools::Ctx {
             server: &self.server,
         };
         result(id, tools::envelope_for(tool.name, tool.call(&ctx, args)))
     }
+
+    /// A modern call of a long tool (one of [`tools::TASKS`]) from a client that declared the
+    /// tasks extension runs as a task: the answer is its handle. `None`: run it in place.
+    fn call_as_task(&self, tool: &tools::Tool, args: Json, id: &Json, cx: &Modern) -> Option<Json> {
+        if !cx.meta.has_extension(modern::key::TASKS) || !tools::TASKS.contains(&tool.name) {
+            return None;
+        }
+        let server = self.server.clone();
+        let name = tool.name;
+        let spawned = self.server.tasks.spawn(cx.principal, move |_| {
+            let Some(tool) = server.tools.get(name) else {
+                return Err(tasks::task_error(code::INTERNAL_ERROR, "the tool is gone"));
+            };
+            let ctx = tools::Ctx { server: &server };
+            Ok(modern::finish(
+                tools::envelope_for(name, tool.call(&ctx, args)),
+                None,
+            ))
+        });
+        Some(match spawned {
+            Ok(t) => result(id.clone(), t.created_result()),
+            Err(e) => error(id.clone(), code::INTERNAL_ERROR, e.to_string()),
+        })
+    }
+
+    /// `tasks/get`, `tasks/update`, `tasks/cancel` (the tasks extension, declared per request).
+    fn task_method(&self, method: &str, params: &Json, id: Json, cx: &Modern) -> Json {
+        if !cx.meta.has_extension(modern::key::TASKS) {
+            return tasks::missing_extension(id);
+        }
+        let Some(task_id) = params.get("taskId").and_then(Json::as_str) else {
+            return error(
+                id,
+                code::INVALID_PARAMS,
+                format!("{method} needs a `taskId` string"),
+            );
+        };
+        let Some(task) = self.server.tasks.get(cx.principal, task_id) else {
+            return error(
+                id,
+                code::INVALID_PARAMS,
+                format!("unknown task `{task_id}` (it never existed, expired, or is not yours)"),
+            );
+        };
+        match method {
+            "tasks/get" => result(id, task.detail()),
+            "tasks/update" => match params.get("inputResponses") {
+                Some(Json::Object(r)) => {
+                    self.server.tasks.update(&task, r);
+                    result(id, json!({}))
+                }
+                _ => error(
+                    id,
+                    code::INVALID_PARAMS,
+                    "tasks/update needs `inputResponses`: an object of answers by inputRequests key",
+                ),
+            },
+            _ => {
+                self.server.tasks.cancel(&task);
+                result(id, json!({}))
+            }
+        }
+    }
+}
+
+/// An error response carrying `id` (a helper built it without one).
+fn with_id(mut e: Json, id: Json) -> Json {
+    e["id"] = id;
+    e
 }
 
 /// A modern reply: its result shaped by [`modern::finish`] with the caching hints of `method`

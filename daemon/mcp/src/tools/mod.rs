@@ -37,6 +37,10 @@ pub const AUTHORING: &[&str] = &[
     "dry_run",
 ];
 
+/// The tools that run as a task (MCP 2026-07-28, tasks extension) when the client takes tasks:
+/// they may take long over large models.
+pub const TASKS: &[&str] = &["test_spec", "dry_run", "evolve_spec"];
+
 /// Pretty-printed results longer than this many characters are withheld.
 pub const RESULT_LIMIT_CHARS: usize = 50_000;
 
