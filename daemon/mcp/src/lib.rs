@@ -1165,6 +1165,7 @@ impl Session {
 }
 
 /// An error response carrying `id` (a helper built it without one).
+#[cfg(feature = "fixtures")]
 fn with_id(mut e: Json, id: Json) -> Json {
     e["id"] = id;
     e

@@ -85,9 +85,13 @@ impl StateKey {
     }
 }
 
-/// An `InputRequiredResult`.
+/// An `InputRequiredResult` (no `inputRequests` when `requests` is an empty object: the client
+/// retries with the state alone).
 pub fn input_required(requests: Json, state: Option<String>) -> Json {
-    let mut r = json!({"resultType": "input_required", "inputRequests": requests});
+    let mut r = json!({"resultType": "input_required"});
+    if requests.as_object().is_none_or(|o| !o.is_empty()) {
+        r["inputRequests"] = requests;
+    }
     if let Some(s) = state {
         r["requestState"] = json!(s);
     }

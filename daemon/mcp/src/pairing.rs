@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value as Json};
 
+use super::modern::Meta;
+use super::mrtr::{self, StateKey};
 use super::Session;
 
 /// Longest one `pair_browser` call waits for the approval.
@@ -196,7 +198,7 @@ impl Pairing {
             }
         };
         let fresh = minted.is_none();
-        let mut m = match minted {
+        let m = match minted {
             Some(m) => m,
             None => match self.mint(env) {
                 Ok(m) => m,
@@ -209,6 +211,12 @@ impl Pairing {
             // next call waits for the approval.
             return Some(ok_result(pending(&m, false)));
         }
+        self.poll(env, m, elicited)
+    }
+
+    /// Wait (at most [`POLL_BUDGET`]) for the developer's approval of pairing `m`: the paired
+    /// result, a failure, or `pending` when the budget ran out; `None` when cancelled.
+    fn poll(&self, env: &Env, mut m: Minted, elicited: bool) -> Option<Json> {
         let started = Instant::now();
         let mut polls = 0u64;
         loop {
@@ -285,31 +293,138 @@ impl Pairing {
         }
     }
 
-    fn mint(&self, env: &Env) -> Result<Minted, String> {
-        let (status, body) = env.post("/sandbox/pair", json!({}))?;
-        if status != 200 {
-            return Err(format!(
-                "the daemon refused to mint a pairing (HTTP {status}): {}",
-                body.get("message").and_then(|m| m.as_str()).unwrap_or("")
-            ));
+    /// `pair_browser` in a modern request (MCP 2026-07-28), for a client that takes URL-mode
+    /// elicitation: the first call answers an `InputRequiredResult` whose elicitation carries
+    /// the link (and the code to check), with a sealed `requestState` naming the pairing; the
+    /// client's retry (its state echoed) waits for the approval. Still pending after
+    /// [`POLL_BUDGET`], the answer is another `InputRequiredResult` with the state only (the
+    /// client retries). A client without URL-mode elicitation gets the link in the result, as
+    /// in the legacy era. `Err`: a refused `requestState` (altered, foreign or expired), a
+    /// protocol error; `Ok(None)`: cancelled.
+    pub fn call_modern(
+        &self,
+        env: &Env,
+        params: &Json,
+        meta: &Meta,
+        key: &StateKey,
+    ) -> Result<Option<Json>, String> {
+        const PURPOSE: &str = "tools/call:pair_browser";
+        let now_ms = || u64::try_from(valem_service::time::now().ms()).unwrap_or(0);
+        let state = match params.get("requestState") {
+            None => None,
+            Some(Json::String(s)) => {
+                Some(key.open(PURPOSE, s, now_ms()).map_err(|e| e.to_string())?)
+            }
+            Some(_) => return Err("`requestState` must be the string the server gave".into()),
+        };
+        let url_mode = meta
+            .can("elicitation")
+            .is_some_and(|e| e.get("url").is_some());
+        if state.is_none() && !url_mode {
+            return Ok(self.call(env));
         }
-        let s = |k: &str| {
-            body.get(k)
-                .and_then(|v| v.as_str())
-                .map(str::to_string)
-                .ok_or_else(|| format!("the daemon's pairing lacks `{k}`: {body}"))
+        if self.busy.swap(true, Ordering::SeqCst) {
+            return Ok(Some(error_result(
+                "another pair_browser call is already waiting; wait for it or cancel it".into(),
+            )));
+        }
+        let r = self.modern_round(env, params, state, key, PURPOSE, now_ms());
+        self.busy.store(false, Ordering::SeqCst);
+        r
+    }
+
+    fn modern_round(
+        &self,
+        env: &Env,
+        params: &Json,
+        state: Option<Json>,
+        key: &StateKey,
+        purpose: &str,
+        now_ms: u64,
+    ) -> Result<Option<Json>, String> {
+        let current = {
+            let st = self.lock();
+            match &*st {
+                State::Paired { namespace } => {
+                    return Ok(Some(ok_result(
+                        json!({"status": "already_paired", "namespaceId": namespace}),
+                    )))
+                }
+                State::Minted(m) if m.expires > Instant::now() => Some(m.clone()),
+                _ => None,
+            }
         };
-        let n = |k: &str, d: u64| body.get(k).and_then(|v| v.as_u64()).unwrap_or(d);
-        let mut m = Minted {
-            pair_code: s("pairCode")?,
-            device_secret: s("deviceSecret")?,
-            user_code: s("userCode")?,
-            uri: s("verificationUri")?,
-            complete: s("verificationUriComplete")?,
-            expires: Instant::now() + Duration::from_secs(n("expiresInSec", 600)),
-            interval: Duration::from_secs(n("intervalSec", 3).max(1)),
-            elicitation: None,
+        let seal = |m: &Minted| {
+            key.seal(
+                purpose,
+                &json!({"pairCode": m.pair_code}),
+                now_ms,
+                mrtr::STATE_TTL,
+            )
         };
+        let Some(state) = state else {
+            // First round: a pairing (the current one, or a new one) and its link to open.
+            let m = match current {
+                Some(m) => m,
+                None => match self.mint_plain(env) {
+                    Ok(m) => m,
+                    Err(e) => return Ok(Some(error_result(e))),
+                },
+            };
+            let request = json!({"method": "elicitation/create", "params": {
+                "mode": "url",
+                "url": m.complete,
+                "message": format!("Open this link to pair your browser with the agent; check that it shows the code {} and approve.", m.user_code),
+            }});
+            return Ok(Some(mrtr::input_required(
+                json!({"pair": request}),
+                Some(seal(&m)),
+            )));
+        };
+        let named = state.get("pairCode").and_then(Json::as_str).unwrap_or("");
+        let Some(m) = current.filter(|m| m.pair_code == named) else {
+            return Ok(Some(error_result(
+                "the pairing this requestState names is over (expired, denied or replaced); call \
+                 pair_browser again without it for a new link"
+                    .into(),
+            )));
+        };
+        let responses = mrtr::responses(params)?;
+        if let Some(answer) = responses.and_then(|r| r.get("pair")) {
+            match answer.get("action").and_then(Json::as_str) {
+                Some("accept") => {}
+                Some(a @ ("decline" | "cancel")) => {
+                    *self.lock() = State::None;
+                    return Ok(Some(error_result(format!(
+                        "the developer did not open the link ({a}); call pair_browser again for a new one"
+                    ))));
+                }
+                _ => return Err("inputResponses.pair is not an elicitation result".into()),
+            }
+        }
+        let Some(r) = self.poll(env, m.clone(), true) else {
+            return Ok(None);
+        };
+        if r.pointer("/structuredContent/status")
+            .and_then(Json::as_str)
+            == Some("pending")
+        {
+            // Not approved yet: the client retries with the state alone.
+            return Ok(Some(mrtr::input_required(json!({}), Some(seal(&m)))));
+        }
+        Ok(Some(r))
+    }
+
+    /// A new pairing without elicitation (the modern era hands the link over in its result).
+    fn mint_plain(&self, env: &Env) -> Result<Minted, String> {
+        let mut m = self.mint_raw(env)?;
+        m.elicitation = Some("mrtr".into());
+        *self.lock() = State::Minted(m.clone());
+        Ok(m)
+    }
+
+    fn mint(&self, env: &Env) -> Result<Minted, String> {
+        let mut m = self.mint_raw(env)?;
         if url_elicitation(env.local) {
             let eid = format!("pair-{}", &m.pair_code[..8.min(m.pair_code.len())]);
             m.elicitation = Some(eid.clone());
@@ -328,6 +443,34 @@ impl Pairing {
                 });
         }
         *self.lock() = State::Minted(m.clone());
+        Ok(m)
+    }
+
+    fn mint_raw(&self, env: &Env) -> Result<Minted, String> {
+        let (status, body) = env.post("/sandbox/pair", json!({}))?;
+        if status != 200 {
+            return Err(format!(
+                "the daemon refused to mint a pairing (HTTP {status}): {}",
+                body.get("message").and_then(|m| m.as_str()).unwrap_or("")
+            ));
+        }
+        let s = |k: &str| {
+            body.get(k)
+                .and_then(|v| v.as_str())
+                .map(str::to_string)
+                .ok_or_else(|| format!("the daemon's pairing lacks `{k}`: {body}"))
+        };
+        let n = |k: &str, d: u64| body.get(k).and_then(|v| v.as_u64()).unwrap_or(d);
+        let m = Minted {
+            pair_code: s("pairCode")?,
+            device_secret: s("deviceSecret")?,
+            user_code: s("userCode")?,
+            uri: s("verificationUri")?,
+            complete: s("verificationUriComplete")?,
+            expires: Instant::now() + Duration::from_secs(n("expiresInSec", 600)),
+            interval: Duration::from_secs(n("intervalSec", 3).max(1)),
+            elicitation: None,
+        };
         Ok(m)
     }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use serde_json::{json, Value as Json};
 
 use super::pairing::{self, Pairing};
-use super::{code, tools, Handler, Outbox, Server, Session, PROTOCOL_VERSIONS};
+use super::{code, modern, tools, Handler, Outbox, Server, Session, PROTOCOL_VERSIONS};
 
 /// The upstream revision we ask the daemon for.
 const UPSTREAM_VERSION: &str = "2025-11-25";
@@ -68,6 +68,11 @@ impl Proxy {
             w.insert(key.clone(), flag.clone());
         }
         let progress_token = msg.pointer("/params/_meta/progressToken").cloned();
+        let params = msg.get("params").cloned().unwrap_or(Json::Null);
+        // A modern call pairs by a multi round-trip request.
+        let meta = Proxy::is_modern(&msg)
+            .then(|| modern::read_meta("tools/call", &params, &id).ok())
+            .flatten();
         let local = self.local.clone();
         let up = self.up.clone();
         let pairing = self.pairing.clone();
@@ -83,21 +88,40 @@ impl Proxy {
                     cancelled: &flag,
                     progress_token,
                 };
-                let reply = pairing.call(&env);
+                let reply = match (&meta, &local.server.state_key) {
+                    (Some(m), Some(k)) => pairing.call_modern(&env, &params, m, k),
+                    (Some(_), None) => Err("no key to seal a requestState with".into()),
+                    (None, _) => Ok(pairing.call(&env)),
+                };
                 if let Ok(mut w) = waits.lock() {
                     w.remove(&key);
                 }
-                if reply
+                let paired = reply
                     .as_ref()
+                    .ok()
+                    .and_then(|r| r.as_ref())
                     .and_then(|r| r.pointer("/structuredContent/status"))
                     .and_then(|s| s.as_str())
-                    == Some("paired")
-                {
+                    == Some("paired");
+                if paired {
                     // The next upstream request opens a session scoped to the paired one.
                     up.reset();
                 }
-                if let Some(r) = reply {
-                    local.notify(None, &json!({"jsonrpc": "2.0", "id": id, "result": r}));
+                match reply {
+                    Ok(Some(r)) => {
+                        let r = if meta.is_some() {
+                            modern::finish(r, None)
+                        } else {
+                            r
+                        };
+                        local.notify(None, &json!({"jsonrpc": "2.0", "id": id, "result": r}));
+                    }
+                    Ok(None) => {}
+                    Err(e) => local.notify(
+                        None,
+                        &json!({"jsonrpc": "2.0", "id": id, "error": {
+                            "code": code::INVALID_PARAMS, "message": e}}),
+                    ),
                 }
             });
         if spawned.is_err() {
@@ -144,34 +168,145 @@ impl Proxy {
                 reply["id"] = id;
                 Some(reply)
             }
-            Err(why) => {
-                let text = if why.starts_with("HTTP 401") && self.pairing.forget() {
-                    // The daemon no longer knows the session (it restarted, or the session
-                    // ended): unpaired now, so pair_browser mints a new pairing.
-                    self.up.reset();
-                    format!(
-                        "the paired browser session ended ({why}); call pair_browser to pair again"
-                    )
-                } else {
-                    format!(
-                        "the valem daemon at {} could not be reached: {why}. Start it with `valem serve` \
-                         (or check --url); the next call reconnects.",
-                        self.up.base
-                    )
-                };
-                Some(if method == "tools/call" {
-                    json!({"jsonrpc": "2.0", "id": id, "result": {
-                        "content": [{"type": "text", "text": text}],
-                        "isError": true,
-                    }})
-                } else {
-                    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code::INTERNAL_ERROR, "message": text}})
-                })
+            Err(why) => Some(self.unreachable(id, &why, method == "tools/call")),
+        }
+    }
+
+    /// Is this a modern-era request (its version named in `_meta`)?
+    fn is_modern(msg: &Json) -> bool {
+        msg.get("method")
+            .and_then(Json::as_str)
+            .is_some_and(|m| modern::selects_modern(m, msg.get("params").unwrap_or(&Json::Null)))
+    }
+
+    /// A modern-era request (MCP 2026-07-28): model tools, resources and the daemon's tasks go
+    /// to the daemon as modern requests (no upstream session); `subscriptions/listen` is
+    /// relayed from a listen stream of the daemon; the rest is served here.
+    fn handle_modern(&self, msg: Json) -> Option<Json> {
+        let id = msg.get("id").cloned()?;
+        let method = msg
+            .get("method")
+            .and_then(Json::as_str)
+            .unwrap_or("")
+            .to_string();
+        let params = msg.get("params").cloned().unwrap_or(Json::Null);
+        // The local session checks `_meta` (and answers what is wrong with it).
+        if let Err(e) = modern::read_meta(&method, &params, &id) {
+            return Some(e);
+        }
+        match method.as_str() {
+            "subscriptions/listen" => {
+                self.relay_listen(msg);
+                None
             }
+            "tools/call" if self.is_pair_call(&msg) => {
+                self.start_pairing(msg);
+                None
+            }
+            "tools/list" => {
+                let mut reply = self.local.handle(msg)?;
+                if let Ok(up) = self.up.call_modern(&json!({"jsonrpc": "2.0", "id": 0,
+                    "method": "tools/list", "params": {"_meta": params.get("_meta")}}))
+                {
+                    merge_tools(&mut reply, &up);
+                }
+                if self.browser {
+                    if let Some(t) = reply
+                        .pointer_mut("/result/tools")
+                        .and_then(Json::as_array_mut)
+                    {
+                        t.push(pairing::tool_json());
+                    }
+                }
+                Some(reply)
+            }
+            "tasks/get" | "tasks/update" | "tasks/cancel" => {
+                let local = params
+                    .get("taskId")
+                    .and_then(Json::as_str)
+                    .is_some_and(|t| self.local.server.tasks.get("", t).is_some());
+                if local {
+                    self.local.handle(msg)
+                } else {
+                    self.forward_modern(msg)
+                }
+            }
+            _ if Proxy::remote(&msg) => self.forward_modern(msg),
+            _ => self.local.handle(msg),
+        }
+    }
+
+    /// A modern request sent on to the daemon; its reply (an error reply when unreachable).
+    fn forward_modern(&self, msg: Json) -> Option<Json> {
+        let id = msg.get("id").cloned()?;
+        let tool_call = msg.get("method").and_then(Json::as_str) == Some("tools/call");
+        match self.up.call_modern(&msg) {
+            Ok(mut reply) => {
+                reply["id"] = id;
+                Some(reply)
+            }
+            Err(why) => Some(self.unreachable(id, &why, tool_call)),
+        }
+    }
+
+    /// Relay `subscriptions/listen` from the daemon: its notifications (tagged with the
+    /// client's request id) go to stdout until `notifications/cancelled` names it or the daemon
+    /// ends it.
+    fn relay_listen(&self, msg: Json) {
+        let Some(id) = msg.get("id").cloned() else {
+            return;
+        };
+        let flag = Arc::new(AtomicBool::new(false));
+        if let Ok(mut w) = self.waits.lock() {
+            w.insert(id.to_string(), flag.clone());
+        }
+        let up = self.up.clone();
+        let local = self.local.clone();
+        let waits = self.waits.clone();
+        let first_id = id.clone();
+        let spawned = std::thread::Builder::new()
+            .name("valem-proxy-listen".into())
+            .spawn(move || {
+                let end = up.listen_modern(&msg, &id, &flag);
+                if let Ok(mut w) = waits.lock() {
+                    w.remove(&id.to_string());
+                }
+                if let Some(reply) = end {
+                    local.notify(None, &reply);
+                }
+            });
+        if spawned.is_err() {
+            self.local.notify(None, &json!({"jsonrpc": "2.0", "id": first_id, "error": {
+                "code": code::INTERNAL_ERROR, "message": "could not start the subscription's thread"}}));
+        }
+    }
+
+    /// The answer to a request the daemon could not take.
+    fn unreachable(&self, id: Json, why: &str, tool_call: bool) -> Json {
+        let text = if why.starts_with("HTTP 401") && self.pairing.forget() {
+            self.up.reset();
+            format!("the paired browser session ended ({why}); call pair_browser to pair again")
+        } else {
+            format!(
+                "the valem daemon at {} could not be reached: {why}. Start it with `valem serve` \
+                 (or check --url); the next call reconnects.",
+                self.up.base
+            )
+        };
+        if tool_call {
+            json!({"jsonrpc": "2.0", "id": id, "result": {
+                "content": [{"type": "text", "text": text}],
+                "isError": true,
+            }})
+        } else {
+            json!({"jsonrpc": "2.0", "id": id, "error": {"code": code::INTERNAL_ERROR, "message": text}})
         }
     }
 
     fn handle_one(&self, msg: Json) -> Option<Json> {
+        if Proxy::is_modern(&msg) {
+            return self.handle_modern(msg);
+        }
         let initialized = self.local.protocol_version().is_some();
         if initialized && msg.get("id").is_some() && self.is_pair_call(&msg) {
             self.start_pairing(msg);
@@ -198,14 +333,20 @@ impl Proxy {
     /// The daemon's own extra tools (its tool plugins') join the local list; when the daemon
     /// cannot be reached the list is the local one (calls then say the daemon is down).
     fn add_daemon_tools(&self, reply: &mut Json) {
+        if let Ok(up) = self.up.call("tools/list", json!({})) {
+            merge_tools(reply, &up);
+        }
+    }
+}
+
+/// The tools of the daemon's `tools/list` reply `up` that the local reply lacks, appended.
+fn merge_tools(reply: &mut Json, up: &Json) {
+    {
         let Some(local) = reply
             .get_mut("result")
             .and_then(|r| r.get_mut("tools"))
             .and_then(|t| t.as_array_mut())
         else {
-            return;
-        };
-        let Ok(up) = self.up.call("tools/list", json!({})) else {
             return;
         };
         let Some(remote) = up
@@ -494,6 +635,118 @@ impl Upstream {
         Ok(Posted::Reply(reply))
     }
 
+    /// A modern request's POST: the standard headers mirrored from the body, the credentials.
+    fn modern_post(&self, msg: &Json) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
+        let version = msg
+            .pointer("/params/_meta")
+            .and_then(|m| m.get(modern::key::PROTOCOL_VERSION))
+            .and_then(Json::as_str)
+            .unwrap_or(modern::MODERN_VERSIONS[0]);
+        let mut r = self
+            .post_builder()
+            .header("MCP-Protocol-Version", version)
+            .header("Mcp-Method", method);
+        let name = match method {
+            "tools/call" | "prompts/get" => msg.pointer("/params/name"),
+            "resources/read" => msg.pointer("/params/uri"),
+            "tasks/get" | "tasks/update" | "tasks/cancel" => msg.pointer("/params/taskId"),
+            _ => None,
+        };
+        if let Some(n) = name.and_then(Json::as_str) {
+            r = r.header("Mcp-Name", &header_value(n));
+        }
+        r
+    }
+
+    /// One modern request to the daemon (no session); its JSON-RPC reply. A refusal the daemon
+    /// explains (a 4xx with a JSON-RPC error) is a reply too.
+    fn call_modern(&self, msg: &Json) -> Result<Json, String> {
+        let mut msg = msg.clone();
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        msg["id"] = json!(format!("proxy-{n}"));
+        let res = self
+            .modern_post(&msg)
+            .send(msg.to_string().as_bytes())
+            .map_err(describe)?;
+        let status = res.status().as_u16();
+        let reply = read_reply(res, msg.get("id"))?;
+        if status >= 500 || (status >= 400 && reply.get("error").is_none()) {
+            return Err(status_error(status, &reply));
+        }
+        if status == 401 {
+            return Err(status_error(status, &reply));
+        }
+        Ok(reply)
+    }
+
+    /// A modern `subscriptions/listen` on the daemon, relayed to stdout with the client's
+    /// subscription id until `stop` is set (checked at each event and keep-alive) or the
+    /// stream ends; what to answer the client then (the daemon's closing reply, or an error
+    /// when it could not be reached).
+    fn listen_modern(&self, msg: &Json, client_id: &Json, stop: &AtomicBool) -> Option<Json> {
+        let mut up = msg.clone();
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let up_id = json!(format!("proxy-listen-{n}"));
+        up["id"] = up_id.clone();
+        let method = "subscriptions/listen";
+        let version = msg
+            .pointer("/params/_meta")
+            .and_then(|m| m.get(modern::key::PROTOCOL_VERSION))
+            .and_then(Json::as_str)
+            .unwrap_or(modern::MODERN_VERSIONS[0]);
+        let r = self
+            .stream_agent
+            .post(&self.endpoint)
+            .header("Content-Type", "application/json")
+            .header("Accept", "application/json, text/event-stream")
+            .header("MCP-Protocol-Version", version)
+            .header("Mcp-Method", method);
+        let r = authorize(r, self.api_key.as_deref(), self.token().as_deref());
+        let res = match r.send(up.to_string().as_bytes()) {
+            Ok(res) => res,
+            Err(e) => {
+                return Some(
+                    json!({"jsonrpc": "2.0", "id": client_id, "error": {"code": code::INTERNAL_ERROR,
+                    "message": format!("the valem daemon at {} could not be reached: {}", self.base, describe(e))}}),
+                )
+            }
+        };
+        let sse = res
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|t| t.starts_with("text/event-stream"));
+        if !sse {
+            let mut reply = read_reply(res, Some(&up_id)).unwrap_or_else(|e| {
+                json!({"jsonrpc": "2.0", "error": {"code": code::INTERNAL_ERROR, "message": e}})
+            });
+            reply["id"] = client_id.clone();
+            return Some(reply);
+        }
+        let reader = BufReader::new(res.into_body().into_reader());
+        let mut end = None;
+        for_each_event_or_comment(reader, stop, |mut m| {
+            if let Some(meta) = m.pointer_mut("/params/_meta").and_then(Json::as_object_mut) {
+                if meta.contains_key(modern::key::SUBSCRIPTION_ID) {
+                    meta.insert(modern::key::SUBSCRIPTION_ID.into(), client_id.clone());
+                }
+            }
+            if m.get("method").is_some() {
+                self.out.as_ref()(&m);
+                return true;
+            }
+            // The daemon's reply to the listen request ends it.
+            m["id"] = client_id.clone();
+            if let Some(meta) = m.pointer_mut("/result/_meta").and_then(Json::as_object_mut) {
+                meta.insert(modern::key::SUBSCRIPTION_ID.into(), client_id.clone());
+            }
+            end = Some(m);
+            false
+        });
+        end
+    }
+
     /// Relay the daemon's server messages for session `sid` until it is replaced.
     fn start_stream(&self, sid: String, version: String, generation: u64) {
         let agent = self.stream_agent.clone();
@@ -611,6 +864,63 @@ fn relay_events(reader: impl BufRead, out: &Outbox, current: &AtomicU64, generat
     });
 }
 
+/// A header value as is when it is plain visible ASCII without edge spaces, else in the
+/// `=?base64?…?=` form.
+fn header_value(v: &str) -> String {
+    use base64::Engine;
+    let visible = v.bytes().all(|b| (0x20..0x7f).contains(&b));
+    let edges = v.starts_with(' ') || v.ends_with(' ');
+    let sentinel = v.starts_with("=?base64?") && v.ends_with("?=");
+    let plain = visible && !edges && !sentinel;
+    if plain {
+        v.to_string()
+    } else {
+        format!(
+            "=?base64?{}?=",
+            base64::engine::general_purpose::STANDARD.encode(v.as_bytes())
+        )
+    }
+}
+
+/// [`for_each_event`] that also stops once `stop` is set, checked at every line (events and
+/// keep-alive comments alike).
+fn for_each_event_or_comment(
+    mut reader: impl BufRead,
+    stop: &AtomicBool,
+    mut f: impl FnMut(Json) -> bool,
+) {
+    let mut data = String::new();
+    let mut line = String::new();
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let l = line.trim_end_matches(['\r', '\n']);
+        if l.is_empty() {
+            if !data.is_empty() {
+                if let Ok(m) = serde_json::from_str::<Json>(&data) {
+                    if stop.load(Ordering::SeqCst) || !f(m) {
+                        return;
+                    }
+                }
+                data.clear();
+            }
+            continue;
+        }
+        if let Some(d) = l.strip_prefix("data:") {
+            if !data.is_empty() {
+                data.push('\n');
+            }
+            data.push_str(d.strip_prefix(' ').unwrap_or(d));
+        }
+    }
+}
+
 /// Parse `text/event-stream` frames; `f` gets each `data` payload that is JSON and returns
 /// false to stop.
 fn for_each_event(mut reader: impl BufRead, mut f: impl FnMut(Json) -> bool) {
@@ -666,6 +976,21 @@ mod tests {
             true
         });
         assert_eq!(got, vec![json!({"a": 1}), json!({"b": 2})]);
+    }
+
+    #[test]
+    fn header_values_are_encoded_when_not_plain() {
+        assert_eq!(header_value("mutate"), "mutate");
+        assert_eq!(header_value("valem://state/a b"), "valem://state/a b");
+        assert_eq!(
+            header_value("Hello, 世界"),
+            "=?base64?SGVsbG8sIOS4lueVjA==?="
+        );
+        assert_eq!(header_value(" padded "), "=?base64?IHBhZGRlZCA=?=");
+        assert_eq!(
+            header_value("=?base64?literal?="),
+            "=?base64?PT9iYXNlNjQ/bGl0ZXJhbD89?="
+        );
     }
 
     #[test]
