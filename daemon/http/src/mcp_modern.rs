@@ -563,6 +563,77 @@ mod tests {
         }
     }
 
+    /// A listen stream nobody reads: its queue fills, the sink gives up, and the stream ends
+    /// with an error naming why; the metric counts it; writes never waited for it.
+    #[test]
+    fn an_unread_listen_stream_overflows_into_an_error() {
+        use axum::body::{to_bytes, Body};
+        use tower::ServiceExt;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let service =
+                valem_service::ModelService::new(1, valem_service::ServiceLimits::default());
+            let server = valem_mcp::Server::new(
+                service.clone(),
+                valem_mcp::guidance::Catalog::builtin(),
+                valem_mcp::Mode::Daemon,
+            );
+            let (state, _stop) = AppState::new(crate::Config::default(), service, server);
+            let app = crate::router(state.clone());
+            let send = |path: &str, body: String, headers: &[(&str, &str)]| {
+                let mut b = axum::http::Request::post(path)
+                    .header("host", "127.0.0.1:8080")
+                    .header("content-type", "application/json")
+                    .header("accept", "application/json, text/event-stream");
+                for (k, v) in headers {
+                    b = b.header(*k, *v);
+                }
+                app.clone().oneshot(b.body(Body::from(body)).unwrap())
+            };
+            let r = send("/models", json!({"id": "m", "schema": {}}).to_string(), &[]).await;
+            assert_eq!(r.unwrap().status(), 201);
+            let listen = json!({"jsonrpc": "2.0", "id": "L", "method": "subscriptions/listen",
+                "params": {"notifications": {"resourceSubscriptions": ["valem://state/m"]},
+                    "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                        "io.modelcontextprotocol/clientCapabilities": {}}}});
+            let res = send(
+                "/mcp",
+                listen.to_string(),
+                &[
+                    ("mcp-protocol-version", "2026-07-28"),
+                    ("mcp-method", "subscriptions/listen"),
+                ],
+            )
+            .await
+            .unwrap();
+            assert_eq!(res.status(), 200);
+            // The body is not read while the writes go on.
+            let n = valem_mcp::LISTEN_QUEUE + 50;
+            for i in 0..n {
+                let r = send("/models/m/mutations", json!({"$.i": i}).to_string(), &[]).await;
+                assert_eq!(r.unwrap().status(), 200, "write {i}");
+            }
+            let body = to_bytes(res.into_body(), 64 << 20).await.unwrap();
+            let text = String::from_utf8_lossy(&body);
+            let updates = text.matches("notifications/resources/updated").count();
+            assert_eq!(
+                updates,
+                valem_mcp::LISTEN_QUEUE,
+                "the queue's worth, then the end"
+            );
+            assert!(text.contains("fell 1024 notifications behind"), "{text}");
+            assert_eq!(
+                state.metrics.mcp_listens_overflowed.load(Ordering::Relaxed),
+                1
+            );
+            assert_eq!(state.sessions.listens.load(Ordering::Relaxed), 0);
+        });
+    }
+
     #[test]
     fn statuses_follow_the_error() {
         let e = |c: i64| json!({"error": {"code": c}});

@@ -126,6 +126,17 @@ impl Server {
             tasks: tasks::Tasks::new(),
             state_key: mrtr::StateKey::random(),
         });
+        if server.service.store().is_some() {
+            // Tasks survive a restart in their final state; those that were running fail.
+            match server
+                .tasks
+                .persist(Arc::new(tasks::ServiceLog(server.service.clone())))
+            {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(tasks = n, "tasks loaded from the store"),
+                Err(e) => tracing::error!("tasks could not be loaded from the store: {e}"),
+            }
+        }
         let weak = Arc::downgrade(&server);
         plugins.set_dispatcher(Box::new(move |name, args| {
             let fail = |m: String| ("tool_error".to_string(), m);

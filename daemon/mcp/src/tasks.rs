@@ -157,6 +157,21 @@ pub trait TaskLog: Send + Sync {
     fn remove(&self, id: &str);
 }
 
+/// The service's store as a [`TaskLog`].
+pub struct ServiceLog(pub Arc<valem_service::ModelService>);
+
+impl TaskLog for ServiceLog {
+    fn put(&self, id: &str, record: &Json) -> Result<(), String> {
+        self.0.put_task(id, record)
+    }
+    fn load(&self) -> Result<Vec<Json>, String> {
+        self.0.stored_tasks()
+    }
+    fn remove(&self, id: &str) {
+        self.0.delete_task(id);
+    }
+}
+
 /// A status change listener: gets each changed task's detail; returns false once gone.
 type Watcher = Box<dyn Fn(&str, &Json) -> bool + Send>;
 

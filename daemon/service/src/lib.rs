@@ -125,6 +125,45 @@ impl ModelService {
         self.store.as_ref()
     }
 
+    /// Keep a task's record (MCP's tasks extension) durably: committed and synced when this
+    /// returns. Without a store there is nothing to do.
+    pub fn put_task(&self, id: &str, record: &Json) -> Result<(), String> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let w = store.writer();
+        w.apply(valem_store::Op::PutTask {
+            id: id.to_string(),
+            record: record.to_string(),
+            at: time::now(),
+        })
+        .and_then(|()| w.flush())
+        .map_err(|e| e.to_string())
+    }
+
+    /// Forget a task's record.
+    pub fn delete_task(&self, id: &str) {
+        if let Some(store) = &self.store {
+            store.writer().submit(
+                valem_store::Op::DeleteTask { id: id.to_string() },
+                Box::new(|_| {}),
+            );
+        }
+    }
+
+    /// The task records kept in the store (none without one); an unreadable record is skipped.
+    pub fn stored_tasks(&self) -> Result<Vec<Json>, String> {
+        let Some(store) = &self.store else {
+            return Ok(Vec::new());
+        };
+        Ok(store
+            .tasks()
+            .map_err(|e| e.to_string())?
+            .iter()
+            .filter_map(|t| serde_json::from_str(t).ok())
+            .collect())
+    }
+
     fn start(
         shards: usize,
         limits: ServiceLimits,

@@ -50,6 +50,8 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn query_audit(&self, model_id: &str, filter: &AuditFilter) -> Result<Vec<Json>, StoreError>;
     /// A model's named snapshots.
     fn snapshots(&self, model_id: &str) -> Result<Vec<StoredSnapshot>, StoreError>;
+    /// The records of the tasks kept (MCP's tasks extension); written with `Op::PutTask`.
+    fn tasks(&self) -> Result<Vec<String>, StoreError>;
     /// A blob's metadata.
     fn blob(&self, id: &str) -> Result<Option<BlobMeta>, StoreError>;
     /// Keep blob bytes (content-addressed); returns their blake3 hex.
@@ -109,6 +111,9 @@ impl Store for SqliteStore {
     }
     fn query_audit(&self, model_id: &str, filter: &AuditFilter) -> Result<Vec<Json>, StoreError> {
         SqliteStore::query_audit(self, model_id, filter)
+    }
+    fn tasks(&self) -> Result<Vec<String>, StoreError> {
+        SqliteStore::tasks(self)
     }
     fn snapshots(&self, model_id: &str) -> Result<Vec<StoredSnapshot>, StoreError> {
         SqliteStore::snapshots(self, model_id)

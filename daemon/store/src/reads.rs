@@ -142,6 +142,20 @@ impl SqliteStore {
     }
 
     /// A model's snapshots, oldest first.
+    /// The records of the tasks kept (MCP's tasks extension), oldest first.
+    pub fn tasks(&self) -> Result<Vec<String>, StoreError> {
+        self.with_reader(|c| {
+            let mut st = c
+                .prepare_cached("SELECT record FROM tasks ORDER BY at_us, id")
+                .map_err(|e| sql_err(&self.db, e))?;
+            let rows = st
+                .query_map([], |r| r.get::<_, String>(0))
+                .map_err(|e| sql_err(&self.db, e))?;
+            rows.collect::<Result<Vec<_>, _>>()
+                .map_err(|e| sql_err(&self.db, e))
+        })
+    }
+
     pub fn snapshots(&self, model_id: &str) -> Result<Vec<StoredSnapshot>, StoreError> {
         self.with_reader(|c| {
             let mut st = c

@@ -31,6 +31,10 @@ pub(super) const MIGRATIONS: &[Step] = &[
         sql: V3,
         then: Some(hash_legacy_checkpoints),
     },
+    Step {
+        sql: V4,
+        then: None,
+    },
 ];
 
 // v1: the registry and the hash-chained audit log.
@@ -119,6 +123,15 @@ const V3: &str = r#"
     ALTER TABLE models ADD COLUMN key_anchor TEXT;
     UPDATE models SET base_seq =
         (SELECT max(c.sequence) FROM checkpoints c WHERE c.model_id = models.id);
+    "#;
+
+// v4: the tasks of MCP's tasks extension (one JSON record each, replaced as the task moves).
+const V4: &str = r#"
+    CREATE TABLE tasks (
+        id TEXT PRIMARY KEY,
+        record TEXT NOT NULL,
+        at_us INTEGER NOT NULL
+    ) WITHOUT ROWID;
     "#;
 
 /// Hash every checkpoint as it stands (plain blake3: a store before v3 has no key). A checkpoint

@@ -62,6 +62,14 @@ pub enum Op {
     },
     /// Store (or replace) blob metadata; write the bytes first with `Store::put_blob_bytes`.
     PutBlob(BlobMeta),
+    /// Store (or replace) the record of a task (MCP's tasks extension).
+    PutTask {
+        id: String,
+        record: String,
+        at: Timestamp,
+    },
+    /// Forget a task. Idempotent.
+    DeleteTask { id: String },
     /// These ops together, all or none (one savepoint): e.g. a new spec and the checkpoint of
     /// the state evolved under it.
     Atomic(Vec<Op>),
@@ -555,6 +563,16 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
         } => {
             conn.prepare_cached("DELETE FROM snapshots WHERE model_id = ?1 AND snapshot_id = ?2")?
                 .execute(params![model_id, snapshot_id])?;
+        }
+        Op::PutTask { id, record, at } => {
+            conn.prepare_cached(
+                "INSERT OR REPLACE INTO tasks (id, record, at_us) VALUES (?1, ?2, ?3)",
+            )?
+            .execute(params![id, record, at.us()])?;
+        }
+        Op::DeleteTask { id } => {
+            conn.prepare_cached("DELETE FROM tasks WHERE id = ?1")?
+                .execute(params![id])?;
         }
         Op::PutBlob(b) => {
             let size = i64::try_from(b.size).map_err(|_| {

@@ -5,6 +5,13 @@
 //   stdio  (default) `valem mcp`, the embedded engine, over stdio;
 //   http   a fresh `valem serve` per test, reached over Streamable HTTP at /mcp;
 //   proxy  a fresh `valem serve` per test, reached through `valem mcp --url` (the stdio proxy).
+//
+// VALEM_ERA picks the MCP protocol era (and the official client that speaks it):
+//   legacy (default) the v1 SDK `@modelcontextprotocol/sdk`: the initialize handshake, 2025-11-25;
+//   modern the v2 client `@modelcontextprotocol/client` with versionNegotiation {mode: 'auto'}:
+//          server/discover, then stateless requests carrying `_meta`; it must settle on 2026-07-28.
+// The helpers below (connect, call, ok, fails, rawCall, rawRequest, onNotification, isRpcError, …)
+// keep one API for the tests in both eras; era-specific facts are explicit in the tests (ERA).
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
@@ -14,7 +21,14 @@ import { fileURLToPath } from 'node:url';
 import { Client } from '@modelcontextprotocol/sdk/client/index.js';
 import { StdioClientTransport } from '@modelcontextprotocol/sdk/client/stdio.js';
 import { StreamableHTTPClientTransport } from '@modelcontextprotocol/sdk/client/streamableHttp.js';
-import { CallToolResultSchema } from '@modelcontextprotocol/sdk/types.js';
+import {
+  CallToolResultSchema,
+  LoggingMessageNotificationSchema,
+  McpError,
+  ResourceListChangedNotificationSchema,
+  ResourceUpdatedNotificationSchema,
+  ToolListChangedNotificationSchema,
+} from '@modelcontextprotocol/sdk/types.js';
 import Ajv2020 from 'ajv/dist/2020.js';
 import addFormats from 'ajv-formats';
 
@@ -27,6 +41,33 @@ export const TRANSPORT = process.env.VALEM_TRANSPORT || 'stdio';
 if (!['stdio', 'http', 'proxy'].includes(TRANSPORT)) {
   throw new Error(`VALEM_TRANSPORT must be stdio, http or proxy, not ${JSON.stringify(TRANSPORT)}`);
 }
+
+export const ERA = process.env.VALEM_ERA || 'legacy';
+if (!['legacy', 'modern'].includes(ERA)) {
+  throw new Error(`VALEM_ERA must be legacy or modern, not ${JSON.stringify(ERA)}`);
+}
+export const MODERN = ERA === 'modern';
+/** The protocol version each era must negotiate. */
+export const LEGACY_VERSION = '2025-11-25';
+export const MODERN_VERSION = '2026-07-28';
+export const PROTOCOL_VERSION = MODERN ? MODERN_VERSION : LEGACY_VERSION;
+
+// The v2 client is loaded only in the modern era, so the legacy era runs exactly as before.
+const v2 = MODERN
+  ? { ...(await import('@modelcontextprotocol/client')), ...(await import('@modelcontextprotocol/client/stdio')) }
+  : null;
+
+/** The `_meta` keys of the 2026-07-28 per-request envelope. */
+export const META = {
+  protocolVersion: 'io.modelcontextprotocol/protocolVersion',
+  clientInfo: 'io.modelcontextprotocol/clientInfo',
+  clientCapabilities: 'io.modelcontextprotocol/clientCapabilities',
+  logLevel: 'io.modelcontextprotocol/logLevel',
+  serverInfo: 'io.modelcontextprotocol/serverInfo',
+  subscriptionId: 'io.modelcontextprotocol/subscriptionId',
+};
+
+export const CLIENT_INFO = { name: 'valem-ts-e2e', version: '1.0.0' };
 
 /** Per-test timeout (ms) for node:test. */
 export const TEST_TIMEOUT = 60_000;
@@ -90,6 +131,48 @@ class RecordingTransport {
 }
 
 /**
+ * Modern era: record the traffic of an SDK transport *in place* (its own `send` and `onmessage`
+ * slot), because the v2 client treats the transport by its identity: the stdio disposable-sibling
+ * probe runs only for the base StdioClientTransport, and the HTTP transport's version slot,
+ * stream abort and session id are read on the object itself. A wrapper would change the client's
+ * behaviour. Responses to rawExchange() ids are recorded but kept away from the SDK.
+ */
+class InPlaceRecorder {
+  constructor(inner) {
+    this.inner = inner;
+    this.sent = [];
+    this.received = [];
+    this.rawWaiters = new Map();
+    const rec = this;
+    const send = inner.send;
+    inner.send = function (m, opts) {
+      rec.sent.push(m);
+      return send.call(this, m, opts);
+    };
+    let handler;
+    const dispatch = (m, extra) => {
+      rec.received.push(m);
+      const raw = m && m.id !== undefined && rec.rawWaiters.get(m.id);
+      if (raw) {
+        rec.rawWaiters.delete(m.id);
+        raw(m);
+        return undefined;
+      }
+      return handler?.(m, extra);
+    };
+    Object.defineProperty(inner, 'onmessage', {
+      configurable: true,
+      enumerable: true,
+      get: () => (handler === undefined ? undefined : dispatch),
+      // The SDK saves and restores the slot around its probe: restoring `dispatch` keeps the handler.
+      set: (v) => {
+        if (v !== dispatch) handler = v;
+      },
+    });
+  }
+}
+
+/**
  * Start `valem serve` on a free loopback port; resolves { url, stop } once it prints its address
  * ("valem serve: listening on http://127.0.0.1:PORT"). `stop()` sends SIGTERM (a graceful drain)
  * and waits for the exit.
@@ -132,21 +215,31 @@ export function startDaemon(env) {
 }
 
 /**
- * Start valem (per VALEM_TRANSPORT) and connect an SDK client. `before(client)` runs before
- * `connect` (to install notification handlers that must see messages sent right after the
- * handshake). Returns { client, transport, stderr(), notifications, waitFor, close }.
+ * Start valem (per VALEM_TRANSPORT) and connect an SDK client (per VALEM_ERA). `before(client, push)`
+ * runs before `connect` (to install notification handlers that must see messages sent right after
+ * the handshake). `daemon` reuses a running `valem serve` (from startDaemon; http/proxy only) instead
+ * of starting one: it is then left running at close. Returns { client, transport, inner, tools,
+ * stderr(), notifications, waitFor, close, era, daemon }; `transport.sent`/`transport.received` hold
+ * the JSON-RPC messages of the session in both directions.
  */
-export async function connect({ before, listTools = true, env } = {}) {
+export async function connect({ before, listTools = true, env, daemon: shared } = {}) {
   await waitForBinary();
   const fullEnv = { ...process.env, ...(env || {}) };
   delete fullEnv.VALEM_API_KEY;
-  const daemon = TRANSPORT === 'stdio' ? null : await startDaemon(fullEnv);
+  if (shared && TRANSPORT === 'stdio') throw new Error('a shared daemon needs VALEM_TRANSPORT http or proxy');
+  const daemon = TRANSPORT === 'stdio' ? null : shared || (await startDaemon(fullEnv));
+  const stopDaemon = async () => {
+    if (daemon && !shared) await daemon.stop();
+  };
+  const sdk = MODERN
+    ? { Client: v2.Client, Stdio: v2.StdioClientTransport, Http: v2.StreamableHTTPClientTransport }
+    : { Client, Stdio: StdioClientTransport, Http: StreamableHTTPClientTransport };
   let inner;
   let stderrText = '';
   if (TRANSPORT === 'http') {
-    inner = new StreamableHTTPClientTransport(new URL(`${daemon.url}/mcp`));
+    inner = new sdk.Http(new URL(`${daemon.url}/mcp`));
   } else {
-    inner = new StdioClientTransport({
+    inner = new sdk.Stdio({
       command: VALEM_BIN,
       args: daemon ? ['mcp', '--url', daemon.url] : ['mcp'],
       stderr: 'pipe',
@@ -156,8 +249,11 @@ export async function connect({ before, listTools = true, env } = {}) {
       stderrText += d.toString();
     });
   }
-  const transport = new RecordingTransport(inner);
-  const client = new Client({ name: 'valem-ts-e2e', version: '1.0.0' }, { capabilities: {} });
+  const recorder = MODERN ? new InPlaceRecorder(inner) : new RecordingTransport(inner);
+  const transport = MODERN ? inner : recorder;
+  const client = MODERN
+    ? new sdk.Client(CLIENT_INFO, { capabilities: {}, versionNegotiation: { mode: 'auto' } })
+    : new sdk.Client(CLIENT_INFO, { capabilities: {} });
 
   // Every notification, in arrival order, plus waiters for a predicate over them.
   const notifications = [];
@@ -189,28 +285,54 @@ export async function connect({ before, listTools = true, env } = {}) {
   try {
     await client.connect(transport, { timeout: 15_000 });
   } catch (e) {
-    await daemon?.stop();
+    await stopDaemon();
     throw e;
+  }
+  const listens = [];
+  let closed = false;
+  const close = async () => {
+    if (closed) return;
+    closed = true;
+    try {
+      for (const sub of listens) await sub.close().catch(() => {});
+      // Over HTTP, end the session explicitly (DELETE /mcp) as a well-behaved client does.
+      // (The modern era has no session to end.)
+      if (TRANSPORT === 'http' && !MODERN) await inner.terminateSession().catch(() => {});
+      await client.close();
+    } finally {
+      await stopDaemon();
+    }
+  };
+  if (MODERN) {
+    // The era is the point of this mode: the v2 client must have settled on 2026-07-28.
+    try {
+      assert.equal(client.getNegotiatedProtocolVersion(), MODERN_VERSION, 'auto negotiation settles on 2026-07-28');
+      assert.equal(client.getProtocolEra(), 'modern');
+    } catch (e) {
+      await close();
+      throw e;
+    }
   }
   let tools = null;
   if (listTools) {
     // listTools also makes the SDK cache the output validators that callTool applies.
     tools = (await client.listTools()).tools;
   }
-  let closed = false;
-  const close = async () => {
-    if (closed) return;
-    closed = true;
-    try {
-      // Over HTTP, end the session explicitly (DELETE /mcp) as a well-behaved client does.
-      if (TRANSPORT === 'http') await inner.terminateSession().catch(() => {});
-      await client.close();
-    } finally {
-      await daemon?.stop();
-    }
-  };
   const stderr = () => stderrText + (daemon ? daemon.stderr() : '');
-  return { client, transport, tools, stderr, notifications, push, waitFor, close };
+  return {
+    client,
+    transport: recorder,
+    inner,
+    tools,
+    stderr,
+    notifications,
+    push,
+    waitFor,
+    close,
+    era: ERA,
+    daemon,
+    listens,
+  };
 }
 
 /** Run `fn(session)` against a fresh server, always closing it. */
@@ -301,13 +423,155 @@ export async function fails(s, name, args = {}) {
  * can be inspected even where the SDK's callTool would refuse them.
  */
 export async function rawCall(s, name, args = {}) {
-  const result = await s.client.request(
-    { method: 'tools/call', params: { name, arguments: args } },
-    CallToolResultSchema,
-    { timeout: 30_000 },
-  );
+  const result = MODERN
+    ? await s.client.request({ method: 'tools/call', params: { name, arguments: args } }, { timeout: 30_000 })
+    : await s.client.request(
+      { method: 'tools/call', params: { name, arguments: args } },
+      CallToolResultSchema,
+      { timeout: 30_000 },
+    );
   const json = checkEnvelope(s.tools, name, result);
   return { result, json };
+}
+
+// --- era-neutral protocol helpers -------------------------------------------------------------
+
+/** A JSON-RPC error surfaced by the SDK (v1 McpError / v2 ProtocolError), optionally with `code`. */
+export function isRpcError(e, code) {
+  const cls = MODERN ? v2.ProtocolError : McpError;
+  return e instanceof cls && (code === undefined || e.code === code);
+}
+
+/** An assert.rejects predicate: a JSON-RPC error with `code` (message shown on mismatch). */
+export function rpcError(code) {
+  return (e) => {
+    assert.ok(isRpcError(e), `a JSON-RPC error, got ${e?.constructor?.name}: ${e?.message}`);
+    assert.equal(e.code, code, `error code (message: ${e.message})`);
+    return true;
+  };
+}
+
+// v1 notification schemas by method (the v2 client takes the method name itself).
+const V1_NOTIFICATION_SCHEMAS = {
+  'notifications/message': LoggingMessageNotificationSchema,
+  'notifications/resources/updated': ResourceUpdatedNotificationSchema,
+  'notifications/resources/list_changed': ResourceListChangedNotificationSchema,
+  'notifications/tools/list_changed': ToolListChangedNotificationSchema,
+};
+
+/** Install a notification handler for a spec notification `method` on either SDK's client. */
+export function onNotification(client, method, handler) {
+  if (MODERN) {
+    client.setNotificationHandler(method, handler);
+  } else {
+    const schema = V1_NOTIFICATION_SCHEMAS[method];
+    if (!schema) throw new Error(`no v1 schema mapped for ${method}`);
+    client.setNotificationHandler(schema, handler);
+  }
+}
+
+// A result schema that accepts anything (Standard Schema v1), for non-spec methods on the v2 client.
+const ANY_RESULT = { '~standard': { version: 1, vendor: 'valem-ts-e2e', validate: (value) => ({ value }) } };
+
+/**
+ * A request through the SDK's raw request API. `legacySchema` is the v1 result schema (required
+ * there); the v2 client resolves spec methods itself, and non-spec methods get a pass-through schema.
+ */
+export function rawRequest(s, method, params = {}, legacySchema, options = { timeout: 30_000 }) {
+  if (!MODERN) return s.client.request({ method, params }, legacySchema, options);
+  const spec = ['prompts/list', 'tools/call', 'tools/list', 'resources/read', 'resources/list', 'server/discover'];
+  return spec.includes(method)
+    ? s.client.request({ method, params }, options)
+    : s.client.request({ method, params }, ANY_RESULT, options);
+}
+
+/** The modern per-request `_meta` envelope (as the v2 client sends it). */
+export function modernEnvelope(extra = {}) {
+  return {
+    [META.protocolVersion]: MODERN_VERSION,
+    [META.clientInfo]: CLIENT_INFO,
+    [META.clientCapabilities]: {},
+    ...extra,
+  };
+}
+
+let rawIds = 0;
+/**
+ * Modern era only: one JSON-RPC request written straight onto the session's transport (with the
+ * modern `_meta` envelope unless `envelope: false`), bypassing the SDK's own era gate, which refuses
+ * to send methods the 2026-07-28 era removed. Resolves with the raw response message
+ * ({id, result} | {id, error}); over HTTP a non-2xx answer that is not delivered in-band resolves
+ * as { httpError: { status, text } }.
+ */
+export async function rawExchange(s, method, params = {}, { envelope = true, ms = 10_000 } = {}) {
+  assert.ok(MODERN, 'rawExchange is for the modern era');
+  const id = `valem-raw-${++rawIds}`;
+  const rec = s.transport;
+  const reply = new Promise((resolve, reject) => {
+    const timer = setTimeout(() => {
+      rec.rawWaiters.delete(id);
+      reject(new Error(`no response to raw ${method} (${id}) within ${ms} ms`));
+    }, ms);
+    rec.rawWaiters.set(id, (m) => {
+      clearTimeout(timer);
+      resolve(m);
+    });
+  });
+  const message = { jsonrpc: '2.0', id, method, params: envelope ? { ...params, _meta: modernEnvelope(params._meta) } : params };
+  try {
+    await s.inner.send(message);
+  } catch (e) {
+    rec.rawWaiters.delete(id);
+    reply.catch(() => {});
+    if (e?.data?.status !== undefined || e?.status !== undefined) {
+      return { httpError: { status: e.data?.status ?? e.status, text: e.data?.text ?? e.text, message: e.message } };
+    }
+    throw e;
+  }
+  return reply;
+}
+
+/**
+ * Modern era only: open a `subscriptions/listen` stream (v2 `client.listen`); it is closed with
+ * the session. Returns the subscription ({ honoredFilter, close(), closed }) plus `id`, the listen
+ * request's JSON-RPC id (every notification of the stream carries it as its subscriptionId).
+ */
+export async function listen(s, filter) {
+  assert.ok(MODERN, 'subscriptions/listen is a 2026-07-28 method');
+  const before = s.transport.sent.length;
+  const sub = await s.client.listen(filter, { timeout: 10_000 });
+  s.listens.push(sub);
+  const req = s.transport.sent.slice(before).find((m) => m.method === 'subscriptions/listen');
+  assert.ok(req, 'the listen request is on the wire');
+  return Object.assign(sub, { id: req.id });
+}
+
+/**
+ * The raw notifications/resources/updated messages received for `uri`, optionally only those
+ * carrying the subscription id `subId` in `_meta` (read from the wire, before the SDK lifts `_meta`).
+ */
+export function rawUpdates(s, uri, subId) {
+  return s.transport.received.filter(
+    (m) => m.method === 'notifications/resources/updated' && m.params?.uri === uri
+      && (subId === undefined || m.params?._meta?.[META.subscriptionId] === subId),
+  );
+}
+
+/** A write through the daemon's REST API: POST /models/{id}/mutations with a flat `{"$.path": value}` body. */
+export async function restMutate(daemon, id, mutations) {
+  const res = await fetch(`${daemon.url}/models/${encodeURIComponent(id)}/mutations`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify(mutations),
+  });
+  const text = await res.text();
+  let body;
+  try {
+    body = JSON.parse(text);
+  } catch {
+    body = text;
+  }
+  return { status: res.status, body };
 }
 
 // --- fixtures ------------------------------------------------------------------------------
