@@ -38,6 +38,16 @@ pub enum Command {
     /// gives a tool error and the next call reconnects. Extra domain-guidance topics: set
     /// VALEM_DOMAIN_GUIDANCE_TOPICS_FILE to a JSON file of [{"id", "description",
     /// "instructions", "title"?}].
+    ///
+    /// Protocol revisions: both eras of MCP, chosen by the client per message. The modern era
+    /// (2026-07-28): a request names its revision in _meta ("io.modelcontextprotocol/
+    /// protocolVersion") and needs no handshake; server/discover lists what is spoken;
+    /// subscriptions/listen streams state changes; long tools (test_spec, dry_run,
+    /// evolve_spec) run as tasks for a client that declares the tasks extension; pair_browser
+    /// is a multi round-trip request. The legacy era: an `initialize` handshake at 2024-11-05,
+    /// 2025-03-26, 2025-06-18 or 2025-11-25. A client that probes with server/discover (the
+    /// official SDKs' "auto" mode) settles on 2026-07-28; the proxy speaks the client's era to
+    /// the daemon too.
     Mcp(McpArgs),
     /// Run commands given as JSON lines on stdin, one answer line each on stdout.
     ///

@@ -6,7 +6,11 @@ equals the parsed text block; arrays and scalars come as text only.
 `VALEM_TRANSPORT` picks how the client reaches valem (every test runs unchanged in each mode):
   stdio  (default) `valem mcp`, the embedded engine, over stdio;
   http   a fresh `valem serve` per test, reached over Streamable HTTP at /mcp;
-  proxy  a fresh `valem serve` per test, reached through `valem mcp --url` (the stdio proxy)."""
+  proxy  a fresh `valem serve` per test, reached through `valem mcp --url` (the stdio proxy).
+
+`VALEM_ERA` picks the protocol era:
+  modern (default) the client's own choice (mode "auto"), which must settle on 2026-07-28;
+  legacy           the `initialize` handshake (mode "legacy"), which settles on 2025-11-25."""
 
 import json
 import os
@@ -27,6 +31,12 @@ TIMEOUT = 30
 TRANSPORT = os.environ.get("VALEM_TRANSPORT", "stdio")
 if TRANSPORT not in ("stdio", "http", "proxy"):
     raise SystemExit(f"VALEM_TRANSPORT must be stdio, http or proxy, not {TRANSPORT!r}")
+ERA = os.environ.get("VALEM_ERA", "modern")
+if ERA not in ("modern", "legacy"):
+    raise SystemExit(f"VALEM_ERA must be modern or legacy, not {ERA!r}")
+MODERN = ERA == "modern"
+# The revision each era must settle on.
+VERSION = "2026-07-28" if MODERN else "2025-11-25"
 
 
 @pytest.fixture
@@ -37,8 +47,10 @@ def anyio_backend():
 class Session:
     """One connected client plus the notifications it has seen."""
 
-    def __init__(self, client, logs, messages):
+    def __init__(self, client, logs, messages, server=None):
         self.client = client
+        # How to reach the same models again (a second agent's client).
+        self.server = server
         self.logs = logs
         self.messages = messages
         self._schemas = None
@@ -111,9 +123,13 @@ async def connect(env=None, args=(), local_args=()):
             )
         else:
             server = base + "/mcp"
+        mode = "auto" if MODERN else "legacy"
         with anyio.fail_after(TIMEOUT):
-            async with mcp.Client(server, logging_callback=on_log, message_handler=on_message) as client:
-                yield Session(client, logs, messages)
+            async with mcp.Client(
+                server, mode=mode, logging_callback=on_log, message_handler=on_message
+            ) as client:
+                assert client.protocol_version == VERSION, client.protocol_version
+                yield Session(client, logs, messages, server)
 
 
 @contextmanager
