@@ -2,10 +2,15 @@
 //! without durability:
 //! - server time: the whole axum router (guard, metrics, routing, body extraction, the hop to the
 //!   shard and back, the reactive cycle, the audit record, the JSON reply) driven in-process with
-//!   `tower::ServiceExt::oneshot`, one request at a time — REST `POST /models/demo/mutations` and
-//!   MCP `tools/call mutate` at `/mcp`. Target p50 ≤ 50 µs.
+//!   `tower::ServiceExt::oneshot`, one request at a time — REST `POST /models/demo/mutations`,
+//!   and MCP `tools/call mutate` at `/mcp` in the legacy era (a session) and in the modern era
+//!   (2026-07-28: no session, `_meta` and the `MCP-Protocol-Version` / `Mcp-Method` /
+//!   `Mcp-Name` headers). The three surfaces alternate in rounds, so a noisy neighbour hits
+//!   all of them alike. Targets: p50 ≤ 50 µs; modern `/mcp` p50 ≤ 20 µs.
 //! - end to end: the real release `valem serve` on loopback, 1 and 16 keep-alive clients (the
-//!   load generator of `valem_tests::load`), REST and `/mcp`. Target ≥ 20,000 mutations/s with 16.
+//!   load generator of `valem_tests::load` for REST and legacy `/mcp`, its modern-era twin
+//!   `valem_benches::modern::run` for modern `/mcp`). Target ≥ 20,000 mutations/s with 16, the
+//!   modern era no slower than the legacy one.
 //!
 //! Fixed runs print p50/p99/max and mutations/s first; the criterion group then tracks the
 //! in-process round trips. The end-to-end part needs `target/release/valem` (or `VALEM_BIN`).
@@ -29,6 +34,16 @@ use valem_tests::load::{self, Surface};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// The header of a legacy-era `/mcp` request (with its session's `Mcp-Session-Id`).
+const LEGACY: &[(&str, &str)] = &[("mcp-protocol-version", "2025-11-25")];
+
+/// The standard headers of a modern-era `tools/call mutate`.
+const MODERN: &[(&str, &str)] = &[
+    ("mcp-protocol-version", valem_benches::modern::VERSION),
+    ("mcp-method", "tools/call"),
+    ("mcp-name", "mutate"),
+];
+
 const DEMO: &str = r#"{"id":"demo","version":"1","schema":{},"derivations":[{"path":"$.total","expr":"price * qty"}]}"#;
 
 fn price(i: usize) -> f64 {
@@ -47,7 +62,7 @@ async fn app() -> (Router, String) {
         "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}});
     let res = app
         .clone()
-        .oneshot(post("/mcp", init.to_string(), &[]))
+        .oneshot(post("/mcp", init.to_string(), LEGACY))
         .await
         .expect("infallible");
     let sid = res
@@ -57,7 +72,11 @@ async fn app() -> (Router, String) {
         .expect("a session id")
         .to_string();
     let note = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#.to_string();
-    let (status, _) = send(&app, post("/mcp", note, &[("mcp-session-id", &sid)])).await;
+    let (status, _) = send(
+        &app,
+        post("/mcp", note, &[LEGACY[0], ("mcp-session-id", &sid)]),
+    )
+    .await;
     assert_eq!(status, 202);
     (app, sid)
 }
@@ -67,9 +86,6 @@ fn post(path: &str, body: String, extra: &[(&str, &str)]) -> Request<Body> {
         .header("host", "127.0.0.1:8080")
         .header("content-type", "application/json")
         .header("accept", "application/json, text/event-stream");
-    if path == "/mcp" {
-        b = b.header("mcp-protocol-version", "2025-11-25");
-    }
     for (k, v) in extra {
         b = b.header(*k, *v);
     }
@@ -94,12 +110,81 @@ fn rest_request(i: usize) -> Request<Body> {
 fn mcp_request(i: usize, sid: &str) -> Request<Body> {
     let call = json!({"jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
         "params": {"name": "mutate", "arguments": {"id": "demo", "mutations": {"$.price": price(i), "$.qty": 3}}}});
-    post("/mcp", call.to_string(), &[("mcp-session-id", sid)])
+    post(
+        "/mcp",
+        call.to_string(),
+        &[LEGACY[0], ("mcp-session-id", sid)],
+    )
+}
+
+fn modern_request(i: usize) -> Request<Body> {
+    let call = json!({"jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
+        "params": {"name": "mutate", "arguments": {"id": "demo", "mutations": {"$.price": price(i), "$.qty": 3}},
+            "_meta": valem_benches::modern::meta()}});
+    post("/mcp", call.to_string(), MODERN)
+}
+
+/// The in-process surfaces, in the order each round runs them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum InProcess {
+    Rest,
+    Mcp,
+    McpModern,
+}
+
+impl InProcess {
+    const ALL: [InProcess; 3] = [InProcess::Rest, InProcess::Mcp, InProcess::McpModern];
+
+    fn name(self) -> &'static str {
+        match self {
+            InProcess::Rest => "rest",
+            InProcess::Mcp => "mcp",
+            InProcess::McpModern => "mcp_modern",
+        }
+    }
+
+    fn request(self, i: usize, sid: &str) -> Request<Body> {
+        match self {
+            InProcess::Rest => rest_request(i),
+            InProcess::Mcp => mcp_request(i, sid),
+            InProcess::McpModern => modern_request(i),
+        }
+    }
+}
+
+/// One request of each surface, its reply checked: a mutation that went through (and, in the
+/// modern era, a result with its `resultType` and no session header).
+async fn check(app: &Router, sid: &str) {
+    for s in InProcess::ALL {
+        let res = app
+            .clone()
+            .oneshot(s.request(0, sid))
+            .await
+            .expect("infallible");
+        let status = res.status().as_u16();
+        let session = res.headers().get("mcp-session-id").is_some();
+        let body = to_bytes(res.into_body(), 1 << 20).await.expect("a body");
+        let text = String::from_utf8_lossy(&body);
+        assert_eq!(status, 200, "{}: {text}", s.name());
+        if s != InProcess::Rest {
+            let data = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .next_back()
+                .unwrap_or(&text);
+            let v: serde_json::Value = serde_json::from_str(data.trim()).expect("JSON");
+            assert_eq!(v["result"]["isError"], json!(false), "{}: {v}", s.name());
+            if s == InProcess::McpModern {
+                assert_eq!(v["result"]["resultType"], "complete", "{v}");
+                assert!(!session, "a modern reply opened a session");
+            }
+        }
+    }
 }
 
 fn report(label: &str, mut us: Vec<f64>, wall: Duration) {
     us.sort_by(f64::total_cmp);
-    let p = |q: f64| us[((us.len() as f64 - 1.0) * q).round() as usize];
+    let p = |q: f64| quantile(&us, q);
     println!(
         "{label}: {} mutations, p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs, {:.0} mutations/s",
         us.len(),
@@ -110,30 +195,52 @@ fn report(label: &str, mut us: Vec<f64>, wall: Duration) {
     );
 }
 
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * q).round() as usize]
+}
+
 fn server_time(rt: &tokio::runtime::Runtime) {
     let (app, sid) = rt.block_on(app());
-    let n = 20_000;
-    for surface in ["rest", "mcp"] {
-        let mut lat = Vec::with_capacity(n);
-        let t0 = Instant::now();
-        rt.block_on(async {
-            for i in 0..n {
-                let req = if surface == "rest" {
-                    rest_request(i)
-                } else {
-                    mcp_request(i, &sid)
-                };
-                let t = Instant::now();
-                let (status, body) = send(&app, req).await;
-                lat.push(t.elapsed().as_secs_f64() * 1e6);
-                debug_assert_eq!(status, 200, "{body:?}");
-                black_box(body);
-            }
-        });
+    rt.block_on(check(&app, &sid));
+    // Rounds of `per_round` requests per surface, the surfaces alternating.
+    let (rounds, per_round) = (4, 5_000);
+    let mut lat: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds * per_round); 3];
+    let mut round_p50: Vec<Vec<f64>> = vec![Vec::new(); 3];
+    let mut wall = [Duration::ZERO; 3];
+    let mut i = 0usize;
+    for _ in 0..rounds {
+        for (k, s) in InProcess::ALL.into_iter().enumerate() {
+            let mut round = Vec::with_capacity(per_round);
+            let t0 = Instant::now();
+            rt.block_on(async {
+                for _ in 0..per_round {
+                    i += 1;
+                    let req = s.request(i, &sid);
+                    let t = Instant::now();
+                    let (status, body) = send(&app, req).await;
+                    round.push(t.elapsed().as_secs_f64() * 1e6);
+                    debug_assert_eq!(status, 200, "{body:?}");
+                    black_box(body);
+                }
+            });
+            wall[k] += t0.elapsed();
+            lat[k].extend_from_slice(&round);
+            round.sort_by(f64::total_cmp);
+            round_p50[k].push(quantile(&round, 0.5));
+        }
+    }
+    for (k, s) in InProcess::ALL.into_iter().enumerate() {
+        let p50s = &round_p50[k];
+        let (lo, hi) = p50s
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
         report(
-            &format!("http/{surface}_inprocess (server time, 1 client)"),
-            lat,
-            t0.elapsed(),
+            &format!(
+                "http/{}_inprocess (server time, 1 client; p50 by round {lo:.1}–{hi:.1} µs)",
+                s.name()
+            ),
+            std::mem::take(&mut lat[k]),
+            wall[k],
         );
     }
 }
@@ -157,16 +264,23 @@ fn daemon() -> Option<valem_benches::Serve> {
 
 fn end_to_end() {
     let Some(d) = daemon() else { return };
-    for (surface, name) in [(Surface::Rest, "rest"), (Surface::Mcp, "mcp")] {
-        for (clients, per_client) in [(1, 20_000), (16, 2_500)] {
-            let r = load::run(
-                &d.addr,
-                surface,
-                "demo",
-                clients,
-                per_client,
-                |_, i| json!({"$.price": price(i), "$.qty": 3}),
-            );
+    let mutation = |_, i| json!({"$.price": price(i), "$.qty": 3});
+    // The surfaces side by side for each client count, so legacy and modern `/mcp` run close
+    // together in time.
+    for (clients, per_client) in [(1, 20_000), (16, 2_500)] {
+        for name in ["rest", "mcp", "mcp_modern"] {
+            let r = match name {
+                "rest" => load::run(
+                    &d.addr,
+                    Surface::Rest,
+                    "demo",
+                    clients,
+                    per_client,
+                    mutation,
+                ),
+                "mcp" => load::run(&d.addr, Surface::Mcp, "demo", clients, per_client, mutation),
+                _ => valem_benches::modern::run(&d.addr, "demo", clients, per_client, mutation),
+            };
             assert!(
                 r.errors.is_empty(),
                 "{:?}",
@@ -203,6 +317,12 @@ fn http(c: &mut Criterion) {
         b.iter(|| {
             i += 1;
             rt.block_on(send(&app, mcp_request(i, &sid)))
+        })
+    });
+    g.bench_function("mcp_modern_mutate_inprocess", |b| {
+        b.iter(|| {
+            i += 1;
+            rt.block_on(send(&app, modern_request(i)))
         })
     });
     g.finish();

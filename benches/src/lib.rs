@@ -1,6 +1,9 @@
 //! Shared shape builders for the valem engine benchmarks: the fan-out, chain and items specs,
 //! model construction with the initial data applied in one big mutation, and pre-parsed
-//! mutation addresses. Used by the criterion benches and the memory binary.
+//! mutation addresses. Used by the criterion benches and the memory binary. [`modern`] is the
+//! client side of MCP's modern era for the end-to-end benches.
+
+pub mod modern;
 
 use std::sync::Arc;
 use valem_engine::Timestamp;

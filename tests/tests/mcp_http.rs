@@ -277,12 +277,15 @@ fn protocol_errors_are_clean() {
     let r = h.post(&json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}));
     assert_eq!(r.status, 400);
     assert_eq!(r.body["error"]["code"], -32600);
-    // The stateless 2026 discovery probe of new SDKs gets a 4xx JSON-RPC error at once.
+    // A 2026-07-28 request without its `_meta` gets a 400 naming what it lacks (the modern
+    // era itself: tests/tests/mcp_modern.rs).
     let r = h.post_with(
         r#"{"jsonrpc":"2.0","id":1,"method":"server/discover","params":{}}"#,
         &[("MCP-Protocol-Version", "2026-07-28")],
     );
     assert_eq!(r.status, 400);
+    assert_eq!(r.body["error"]["code"], -32602);
+    assert_eq!(r.body["id"], 1);
     assert!(r.body["error"]["message"]
         .as_str()
         .unwrap()

@@ -254,19 +254,26 @@ pub(crate) async fn post(
         // accepted and dropped, never handed to a session.
         return StatusCode::ACCEPTED.into_response();
     }
+    // In this order: `_meta` lacking what the era requires (-32602), headers that disagree
+    // with the body (-32020), a version we do not speak (-32022); each a 400.
+    let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
+    let id = msg.get("id").cloned().unwrap_or(Json::Null);
+    let meta = modern::read_meta(method, msg.get("params").unwrap_or(&Json::Null), &id);
+    if let Err(e) = &meta {
+        if e.pointer("/error/code").and_then(Json::as_i64) == Some(code::INVALID_PARAMS) {
+            return (StatusCode::BAD_REQUEST, axum::Json(e.clone())).into_response();
+        }
+    }
     if let Err(r) = check_headers(headers, &msg) {
         return r;
+    }
+    if let Err(e) = meta {
+        return (StatusCode::BAD_REQUEST, axum::Json(e)).into_response();
     }
     if let Some(schema) = tool_schema(st, &msg) {
         if let Err(r) = check_params(headers, &msg, &schema) {
             return r;
         }
-    }
-    // A request whose `_meta` lacks what the era requires is refused here, with 400.
-    let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
-    let id = msg.get("id").cloned().unwrap_or(Json::Null);
-    if let Err(e) = modern::read_meta(method, msg.get("params").unwrap_or(&Json::Null), &id) {
-        return (StatusCode::BAD_REQUEST, axum::Json(e)).into_response();
     }
     if let Some(s) = &scoped {
         if let Some(r) = refuse_scoped(s, &msg) {
