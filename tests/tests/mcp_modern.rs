@@ -93,6 +93,10 @@ struct Stream {
 
 impl Stream {
     fn open(d: &Daemon, msg: &Value) -> Stream {
+        Stream::open_with(d, msg, &[])
+    }
+
+    fn open_with(d: &Daemon, msg: &Value, extra: &[(&str, &str)]) -> Stream {
         let mut s = TcpStream::connect(&d.addr).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("timeout");
@@ -101,11 +105,37 @@ impl Stream {
         for (k, v) in headers_for(msg) {
             req.push_str(&format!("{k}: {v}\r\n"));
         }
+        for (k, v) in extra {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
         req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
         s.write_all(req.as_bytes()).expect("send");
         Stream {
             reader: BufReader::new(s),
         }
+    }
+
+    /// No message arrives within `ms` milliseconds.
+    fn quiet(&mut self, ms: u64) -> bool {
+        self.reader
+            .get_ref()
+            .set_read_timeout(Some(Duration::from_millis(ms)))
+            .expect("timeout");
+        let mut line = String::new();
+        let quiet = loop {
+            line.clear();
+            match self.reader.read_line(&mut line) {
+                Err(_) => break true,
+                Ok(0) => break false,
+                Ok(_) if line.starts_with("data:") => break false,
+                Ok(_) => {}
+            }
+        };
+        self.reader
+            .get_ref()
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        quiet
     }
 
     /// The next JSON message of the stream (skipping headers, chunk sizes and comments).
@@ -823,5 +853,102 @@ fn pair_browser_is_a_multi_round_trip_request_through_the_proxy() {
             .unwrap()
             .contains("mine"),
         "{l}"
+    );
+}
+
+/// A paired sandbox session's token (the device flow, as the page and an agent run it).
+fn session_token(d: &Daemon, key: &str) -> String {
+    let keyed = Http::new(d).with_key(key);
+    let m = keyed.post_json("/sandbox/pair", &json!({})).json();
+    let ok = Http::new(d).post_json(
+        "/sandbox/pair/approve",
+        &json!({"pairCode": m["pairCode"], "userCode": m["userCode"]}),
+    );
+    assert_eq!(ok.status, 200, "{ok:?}");
+    let t = keyed.post_json(
+        "/sandbox/pair/token",
+        &json!({"pairCode": m["pairCode"], "deviceSecret": m["deviceSecret"]}),
+    );
+    t.json()["sessionToken"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn a_sessions_modern_requests_see_its_own_models_and_tasks_only() {
+    const KEY: &str = "k3y-for-modern-scope";
+    let d = Daemon::start(&["--api-key", KEY, "--pairing-interval", "1"]);
+    let keyed = Http::new(&d).with_key(KEY);
+    let auth = format!("Bearer {KEY}");
+    let op = [("Authorization", auth.as_str())];
+    assert_eq!(keyed.post_json("/models", &demo("shared")).status, 201);
+    let token = session_token(&d, KEY);
+    let me = [("X-Session-Token", token.as_str())];
+    let http = Http::new(&d);
+    // The session's own `shared` (namespaced by the daemon, `shared` to the session).
+    ok(&post(
+        &http,
+        &call(
+            1,
+            "create_model",
+            json!({"spec": demo("shared")}),
+            json!({}),
+        ),
+        &me,
+    ));
+    let listen = rpc(
+        2,
+        "subscriptions/listen",
+        with_meta(
+            json!({"notifications": {"resourceSubscriptions": ["valem://state/shared"],
+                "resourcesListChanged": true}}),
+            json!({}),
+        ),
+    );
+    let mut s = Stream::open_with(&d, &listen, &me);
+    let ack = s.next();
+    assert_eq!(
+        ack["params"]["notifications"]["resourceSubscriptions"],
+        json!(["valem://state/shared"]),
+        "{ack}"
+    );
+    // The operator's writes and creations never reach the session's stream.
+    assert_eq!(
+        keyed
+            .post_json("/models/shared/mutations", &json!({"$.qty": 9}))
+            .status,
+        200
+    );
+    assert_eq!(keyed.post_json("/models", &demo("elsewhere")).status, 201);
+    // The session's own write does, under the session's name.
+    ok(&post(
+        &http,
+        &call(
+            3,
+            "mutate",
+            json!({"id": "shared", "mutations": {"$.qty": 1}}),
+            json!({}),
+        ),
+        &me,
+    ));
+    let u = s.next();
+    assert_eq!(
+        u["method"], "notifications/resources/updated",
+        "the operator's events were skipped: {u}"
+    );
+    assert_eq!(u["params"]["uri"], "valem://state/shared");
+    assert!(
+        s.quiet(500),
+        "one update only: the operator's write was not the session's"
+    );
+    // A task belongs to the scope that made it.
+    let caps = json!({"extensions": {TASKS: {}}});
+    let spec = json!({"spec": {"id": "t", "schema": {}, "tests": []}});
+    let h = ok(&post(&http, &call(4, "test_spec", spec, caps.clone()), &me));
+    let id = h["taskId"].as_str().unwrap();
+    let get = rpc(5, "tasks/get", with_meta(json!({"taskId": id}), caps));
+    assert!(ok(&post(&http, &get, &me))["status"].is_string());
+    let theirs = post(&http, &get, &op).json();
+    assert_eq!(
+        theirs["error"]["code"], -32602,
+        "the operator does not see the session's task: {theirs}"
     );
 }

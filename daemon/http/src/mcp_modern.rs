@@ -374,7 +374,10 @@ fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
         return (status_of(&e), axum::Json(e)).into_response();
     }
     let filter = match listen::Filter::parse(&params, st.config.conformance_fixtures) {
-        Ok(f) => Arc::new(f),
+        Ok(f) => Arc::new(match &scoped {
+            Some(s) => f.within(s.prefix()),
+            None => f,
+        }),
         Err(why) => {
             return rpc(StatusCode::OK, &id, code::INVALID_PARAMS, why);
         }

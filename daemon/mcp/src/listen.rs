@@ -30,6 +30,8 @@ pub struct Filter {
     /// runs, so nothing is ever sent for them).
     tools_list: bool,
     prompts_list: bool,
+    /// A sandbox session's subscription sees only its own namespace's models (`<ns>__`).
+    within: Option<String>,
 }
 
 /// A change to deliver on a subscription.
@@ -98,6 +100,22 @@ impl Filter {
         Ok(f)
     }
 
+    /// Restrict the subscription to the models whose ids start with `prefix` (a sandbox
+    /// session's namespace): other models' changes, creations and deletions never reach it.
+    pub fn within(mut self, prefix: String) -> Filter {
+        self.models.retain(|m| m.starts_with(&prefix));
+        self.uris.retain(|u| {
+            u.strip_prefix(STATE_PREFIX)
+                .is_some_and(|m| m.starts_with(&prefix))
+        });
+        self.within = Some(prefix);
+        self
+    }
+
+    fn sees(&self, id: &str) -> bool {
+        self.within.as_deref().is_none_or(|p| id.starts_with(p))
+    }
+
     /// What the server agreed to honour, as the acknowledgement states it.
     pub fn acknowledged(&self) -> Json {
         let mut a = json!({});
@@ -119,6 +137,9 @@ impl Filter {
     /// The notice an event means for this subscription, if any.
     pub fn notice(&self, ev: &Event) -> Option<Notice> {
         let id = ev.model_id();
+        if !self.sees(id) {
+            return None;
+        }
         match ev {
             Event::Created { .. } | Event::Deleted { .. } if self.resources_list => {
                 Some(Notice::ListChanged)
@@ -130,6 +151,9 @@ impl Filter {
     }
 
     fn wants(&self, ev: &Event) -> bool {
+        if !self.sees(ev.model_id()) {
+            return false;
+        }
         match ev {
             Event::Created { .. } | Event::Deleted { .. } if self.resources_list => true,
             Event::Created { .. } => false,
@@ -264,6 +288,22 @@ mod tests {
         assert_eq!(f.notice(&restored), Some(Notice::Updated("a".into())));
         assert_eq!(f.notice(&other), None);
         assert!(!f.wants(&other));
+        // A session's subscription sees its namespace only.
+        let scoped = filter(json!({"resourcesListChanged": true,
+            "resourceSubscriptions": ["valem://state/s1__a", "valem://state/b"]}))
+        .unwrap()
+        .within("s1__".into());
+        assert_eq!(
+            scoped.acknowledged()["resourceSubscriptions"],
+            json!(["valem://state/s1__a"])
+        );
+        assert_eq!(scoped.notice(&created), None);
+        assert_eq!(
+            scoped.notice(&Event::Created {
+                model_id: "s1__x".into()
+            }),
+            Some(Notice::ListChanged)
+        );
         let quiet = filter(json!({"resourceSubscriptions": ["valem://state/a"]})).unwrap();
         assert_eq!(quiet.notice(&created), None);
         let sub = json!(7);

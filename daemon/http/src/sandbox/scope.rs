@@ -69,6 +69,23 @@ impl Scoped {
                     *s = self.inner_id(s);
                 }
             }
+            "subscriptions/listen" => {
+                let uris = params
+                    .get_mut("notifications")
+                    .and_then(|n| n.get_mut("resourceSubscriptions"))
+                    .and_then(|u| u.as_array_mut());
+                for uri in uris.into_iter().flatten() {
+                    if let Json::String(u) = uri {
+                        if let Some(model) = u.strip_prefix(valem_mcp::resources::STATE_PREFIX) {
+                            *u = format!(
+                                "{}{}",
+                                valem_mcp::resources::STATE_PREFIX,
+                                self.inner_id(model)
+                            );
+                        }
+                    }
+                }
+            }
             "resources/read" | "resources/subscribe" | "resources/unsubscribe" => {
                 if let Some(Json::String(uri)) = params.get_mut("uri") {
                     if let Some(model) = uri.strip_prefix(valem_mcp::resources::STATE_PREFIX) {
