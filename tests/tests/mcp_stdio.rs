@@ -113,9 +113,10 @@ fn bad_input_gets_the_right_error_and_the_server_keeps_serving() {
         .as_str()
         .unwrap()
         .contains("initialize"));
-    // server/discover (the stateless revision probe of newer clients): -32601 at once.
+    // server/discover without its `_meta` (a malformed 2026-07-28 request): -32602 naming it.
     let r = m.call(3, "server/discover", json!({}));
-    assert_eq!(r["error"]["code"], -32601);
+    assert_eq!(r["error"]["code"], -32602);
+    assert!(r["error"]["message"].as_str().unwrap().contains("_meta"));
     m.handshake("2025-11-25");
     let _ready = m.recv(10);
     // Not JSON.
