@@ -598,6 +598,19 @@ fn test_spec_runs_as_a_task_polled_and_cancelled() {
     ));
     let id = h["taskId"].as_str().unwrap().to_string();
     assert_eq!(task_status(&http, 5, &id)["status"], "working");
+    // Its status changes reach a listen stream that names it.
+    let listen = rpc(
+        50,
+        "subscriptions/listen",
+        with_meta(json!({"notifications": {"taskIds": [id]}}), caps.clone()),
+    );
+    let mut watch = Stream::open(&d, &listen);
+    let ack = watch.next();
+    assert_eq!(
+        ack["params"]["notifications"]["taskIds"],
+        json!([id]),
+        "{ack}"
+    );
     let c = ok(&post(
         &http,
         &rpc(
@@ -612,6 +625,19 @@ fn test_spec_runs_as_a_task_polled_and_cancelled() {
         json!({"resultType": "complete", "_meta": c["_meta"].clone()})
     );
     assert_eq!(task_status(&http, 7, &id)["status"], "cancelled");
+    let n = watch.next();
+    assert_eq!(n["method"], "notifications/tasks", "{n}");
+    assert_eq!(
+        (
+            n["params"]["taskId"].as_str(),
+            n["params"]["status"].as_str()
+        ),
+        (Some(id.as_str()), Some("cancelled"))
+    );
+    assert_eq!(
+        n["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"],
+        50
+    );
     std::thread::sleep(Duration::from_millis(300));
     let t = task_status(&http, 8, &id);
     assert_eq!(t["status"], "cancelled");

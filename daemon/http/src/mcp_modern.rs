@@ -406,7 +406,8 @@ fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
     let (tx, rx) = mpsc::channel::<listen::Notice>(valem_mcp::LISTEN_QUEUE);
     let full = Arc::new(AtomicBool::new(false));
     let sink_full = full.clone();
-    listen::attach(&st.service, filter.clone(), move |n| {
+    let owner = scoped.as_ref().map(|s| s.ns.clone()).unwrap_or_default();
+    let sink: listen::Sink = Arc::new(move |n| {
         if stop.load(Ordering::SeqCst) {
             return false;
         }
@@ -419,6 +420,7 @@ fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
             Err(_) => false,
         }
     });
+    listen::attach(&st.service, &st.mcp.tasks, &owner, filter.clone(), sink);
     st.metrics
         .mcp_listens_opened
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -855,7 +855,7 @@ impl Session {
         let (tx, rx) = std::sync::mpsc::sync_channel::<listen::Notice>(LISTEN_QUEUE);
         let full = Arc::new(AtomicBool::new(false));
         let (sink_stop, sink_full) = (stop.clone(), full.clone());
-        listen::attach(&self.server.service, filter, move |n| {
+        let sink: listen::Sink = Arc::new(move |n| {
             if sink_stop.load(Ordering::SeqCst) {
                 return false;
             }
@@ -868,6 +868,7 @@ impl Session {
                 Err(_) => false,
             }
         });
+        listen::attach(&self.server.service, &self.server.tasks, "", filter, sink);
         let out = self.out.clone();
         let listens = self.me.clone();
         let spawned = std::thread::Builder::new()

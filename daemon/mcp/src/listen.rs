@@ -32,6 +32,8 @@ pub struct Filter {
     prompts_list: bool,
     /// A sandbox session's subscription sees only its own namespace's models (`<ns>__`).
     within: Option<String>,
+    /// Tasks whose status changes to deliver (`notifications/tasks`, the tasks extension).
+    task_ids: Vec<String>,
 }
 
 /// A change to deliver on a subscription.
@@ -41,6 +43,8 @@ pub enum Notice {
     Updated(String),
     /// The list of resources changed (a model was created or deleted).
     ListChanged,
+    /// A watched task changed: its detail.
+    Task(Json),
 }
 
 impl Filter {
@@ -97,6 +101,26 @@ impl Filter {
                 return Err("`notifications.resourceSubscriptions` must be an array of URIs".into())
             }
         }
+        match n.get("taskIds") {
+            None | Some(Json::Null) => {}
+            Some(Json::Array(ids)) if ids.len() <= MAX_URIS => {
+                for (i, t) in ids.iter().enumerate() {
+                    let Some(t) = t.as_str() else {
+                        return Err(format!("`notifications.taskIds[{i}]` must be a string"));
+                    };
+                    if !f.task_ids.iter().any(|x| x == t) {
+                        f.task_ids.push(t.to_string());
+                    }
+                }
+            }
+            Some(Json::Array(ids)) => {
+                return Err(format!(
+                    "`notifications.taskIds` names {} tasks; the limit is {MAX_URIS}",
+                    ids.len()
+                ))
+            }
+            Some(_) => return Err("`notifications.taskIds` must be an array of task ids".into()),
+        }
         Ok(f)
     }
 
@@ -131,7 +155,15 @@ impl Filter {
         if !self.uris.is_empty() {
             a["resourceSubscriptions"] = json!(self.uris);
         }
+        if !self.task_ids.is_empty() {
+            a["taskIds"] = json!(self.task_ids);
+        }
         a
+    }
+
+    /// The tasks whose status changes it asked for.
+    pub fn task_ids(&self) -> &[String] {
+        &self.task_ids
     }
 
     /// The notice an event means for this subscription, if any.
@@ -181,6 +213,7 @@ pub fn notification(sub: &Json, n: &Notice) -> Json {
             json!({"jsonrpc": "2.0", "method": "notifications/resources/list_changed",
             "params": {"_meta": {key::SUBSCRIPTION_ID: sub}}})
         }
+        Notice::Task(detail) => super::tasks::notification(sub, detail),
     }
 }
 
@@ -202,14 +235,31 @@ pub fn overflowed(sub: &Json, queued: usize) -> Json {
     }})
 }
 
+/// Where a subscription's notices go; false once it is gone (it must not block: a transport
+/// hands the notice to a bounded queue and gives up when that is full).
+pub type Sink = Arc<dyn Fn(Notice) -> bool + Send + Sync>;
+
 /// Deliver the service's committed changes that `filter` wants to `sink`, on the shard thread
-/// that committed them, until `sink` returns false (it must not block: a transport hands the
-/// notice to a bounded queue and gives up when that is full).
+/// that committed them, and the status changes of the tasks it names (of `owner`), until
+/// `sink` returns false.
 pub fn attach(
     service: &ModelService,
+    tasks: &super::tasks::Tasks,
+    owner: &str,
     filter: Arc<Filter>,
-    sink: impl Fn(Notice) -> bool + Send + 'static,
+    sink: Sink,
 ) {
+    if !filter.task_ids.is_empty() {
+        let to = sink.clone();
+        tasks.watch(
+            owner,
+            filter.task_ids.clone(),
+            Box::new(move |_, detail| to(Notice::Task(detail.clone()))),
+        );
+    }
+    if filter.models.is_empty() && !filter.resources_list {
+        return;
+    }
     let wants = filter.clone();
     let events: EventFilter = Arc::new(move |ev: &Event| wants.wants(ev));
     service.subscribe_with(

@@ -565,9 +565,21 @@ impl Tasks {
 
     /// Watch these tasks of `owner`: `sink` gets each status change until it returns false.
     pub fn watch(&self, owner: &str, ids: Vec<String>, sink: Watcher) {
-        if let Ok(mut w) = self.watchers.lock() {
-            w.push((owner.to_string(), ids, sink));
-        }
+        let Ok(mut w) = self.watchers.lock() else {
+            return;
+        };
+        // Watchers of tasks that all ended (or are gone) have nothing more to hear.
+        let live = |ids: &[String]| {
+            ids.iter().any(|i| {
+                self.map
+                    .lock()
+                    .ok()
+                    .and_then(|m| m.get(i).cloned())
+                    .is_some_and(|t| !t.status().terminal())
+            })
+        };
+        w.retain(|(_, ids, _)| live(ids));
+        w.push((owner.to_string(), ids, sink));
     }
 
     /// Tasks kept (for metrics).
