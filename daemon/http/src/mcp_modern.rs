@@ -271,7 +271,7 @@ pub(crate) async fn post(
         return (StatusCode::BAD_REQUEST, axum::Json(e)).into_response();
     }
     if let Some(schema) = tool_schema(st, &msg) {
-        if let Err(r) = check_params(headers, &msg, &schema) {
+        if let Err(r) = check_params(headers, &msg, schema) {
             return r;
         }
     }
@@ -317,24 +317,15 @@ pub(crate) async fn post(
     }
 }
 
-/// The input schema of the tool a `tools/call` names (fixtures included), when it mirrors a
-/// parameter into a header.
-fn tool_schema(st: &AppState, msg: &Json) -> Option<Json> {
-    if msg.get("method").and_then(Json::as_str) != Some("tools/call") {
+/// The input schema of the tool a `tools/call` names, when it mirrors a parameter into a
+/// header (fixtures included).
+fn tool_schema<'a>(st: &'a AppState, msg: &Json) -> Option<&'a Json> {
+    if st.mcp.mirrored.is_empty() || msg.get("method").and_then(Json::as_str) != Some("tools/call")
+    {
         return None;
     }
     let name = msg.pointer("/params/name").and_then(Json::as_str)?;
-    let list = st.mcp.tools_list(true);
-    let tool = list
-        .get("tools")?
-        .as_array()?
-        .iter()
-        .find(|t| t.get("name").and_then(Json::as_str) == Some(name))?;
-    let schema = tool.get("inputSchema")?;
-    schema
-        .to_string()
-        .contains("x-mcp-header")
-        .then(|| schema.clone())
+    st.mcp.mirrored.get(name)
 }
 
 /// A reply as JSON (or one SSE event), with the modern status.

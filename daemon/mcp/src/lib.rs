@@ -93,6 +93,9 @@ pub struct Server {
     pub tasks: Arc<tasks::Tasks>,
     /// Seals the `requestState` of multi round-trip requests.
     pub state_key: Option<mrtr::StateKey>,
+    /// The input schemas of the tools that mirror a parameter into an `Mcp-Param-*` header
+    /// (`x-mcp-header`), by tool name: what Streamable HTTP checks those headers against.
+    pub mirrored: std::collections::HashMap<String, Json>,
 }
 
 /// A modern-era request's context: what its `_meta` declared, and whose it is (the caller
@@ -125,7 +128,12 @@ impl Server {
             mode,
             tasks: tasks::Tasks::new(),
             state_key: mrtr::StateKey::random(),
+            mirrored: Default::default(),
         });
+        let mut server = server;
+        if let Some(s) = Arc::get_mut(&mut server) {
+            s.mirrored = mirrored_schemas(&s.tools_list(true));
+        }
         if server.service.store().is_some() {
             // Tasks survive a restart in their final state; those that were running fail.
             match server
@@ -1174,6 +1182,23 @@ impl Session {
             }
         }
     }
+}
+
+/// The input schemas in a `tools/list` result that carry `x-mcp-header`, by tool name.
+fn mirrored_schemas(list: &Json) -> std::collections::HashMap<String, Json> {
+    let tools = list.get("tools").and_then(Json::as_array);
+    tools
+        .into_iter()
+        .flatten()
+        .filter_map(|t| {
+            let schema = t.get("inputSchema")?;
+            let name = t.get("name")?.as_str()?;
+            schema
+                .to_string()
+                .contains("\"x-mcp-header\"")
+                .then(|| (name.to_string(), schema.clone()))
+        })
+        .collect()
 }
 
 /// An error response carrying `id` (a helper built it without one).
