@@ -96,16 +96,20 @@ fn header_text(headers: &HeaderMap, name: &str) -> Result<Option<String>, String
 }
 
 /// The standard headers agree with the body; the `HeaderMismatch` refusal otherwise.
-fn check_headers(headers: &HeaderMap, msg: &Json) -> Result<(), Response> {
-    let id = msg.get("id").cloned().unwrap_or(Json::Null);
-    let mismatch = |m: String| {
+/// The `HeaderMismatch` refusal (400) of request `msg`.
+fn mismatch_of(msg: &Json) -> impl Fn(String) -> Response + '_ {
+    move |m: String| {
         rpc(
             StatusCode::BAD_REQUEST,
-            &id,
+            msg.get("id").unwrap_or(&Json::Null),
             codes::HEADER_MISMATCH,
             format!("Header mismatch: {m}"),
         )
-    };
+    }
+}
+
+fn check_headers(headers: &HeaderMap, msg: &Json) -> Result<(), Response> {
+    let mismatch = mismatch_of(msg);
     let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
     let params = msg.get("params").unwrap_or(&Json::Null);
     let body_version = params
@@ -185,15 +189,7 @@ fn mirrored(schema: &Json) -> Vec<(String, Vec<String>)> {
 
 /// `Mcp-Param-*` headers of a `tools/call` agree with the arguments they mirror.
 fn check_params(headers: &HeaderMap, msg: &Json, schema: &Json) -> Result<(), Response> {
-    let id = msg.get("id").cloned().unwrap_or(Json::Null);
-    let mismatch = |m: String| {
-        rpc(
-            StatusCode::BAD_REQUEST,
-            &id,
-            codes::HEADER_MISMATCH,
-            format!("Header mismatch: {m}"),
-        )
-    };
+    let mismatch = mismatch_of(msg);
     for (name, path) in mirrored(schema) {
         let mut v = msg.pointer("/params/arguments");
         for k in &path {

@@ -923,34 +923,8 @@ fn for_each_event_or_comment(
 
 /// Parse `text/event-stream` frames; `f` gets each `data` payload that is JSON and returns
 /// false to stop.
-fn for_each_event(mut reader: impl BufRead, mut f: impl FnMut(Json) -> bool) {
-    let mut data = String::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        let l = line.trim_end_matches(['\r', '\n']);
-        if l.is_empty() {
-            if !data.is_empty() {
-                if let Ok(m) = serde_json::from_str::<Json>(&data) {
-                    if !f(m) {
-                        return;
-                    }
-                }
-                data.clear();
-            }
-            continue;
-        }
-        if let Some(d) = l.strip_prefix("data:") {
-            if !data.is_empty() {
-                data.push('\n');
-            }
-            data.push_str(d.strip_prefix(' ').unwrap_or(d));
-        }
-    }
+fn for_each_event(reader: impl BufRead, f: impl FnMut(Json) -> bool) {
+    for_each_event_or_comment(reader, &AtomicBool::new(false), f);
 }
 
 #[cfg(test)]
