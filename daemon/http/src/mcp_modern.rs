@@ -360,7 +360,7 @@ fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
     if let Err(e) = modern::read_meta("subscriptions/listen", &params, &id) {
         return (status_of(&e), axum::Json(e)).into_response();
     }
-    let filter = match listen::Filter::parse(&params, st.config.conformance_fixtures) {
+    let filter = match listen::Filter::parse(&params) {
         Ok(f) => Arc::new(match &scoped {
             Some(s) => f.within(s.prefix()),
             None => f,

@@ -26,10 +26,6 @@ pub struct Filter {
     uris: Vec<String>,
     /// `notifications/resources/list_changed` when a model is created or deleted.
     resources_list: bool,
-    /// Asked for tool or prompt list changes: honoured (our lists never change while the server
-    /// runs, so nothing is ever sent for them).
-    tools_list: bool,
-    prompts_list: bool,
     /// A sandbox session's subscription sees only its own namespace's models (`<ns>__`).
     within: Option<String>,
     /// Tasks whose status changes to deliver (`notifications/tasks`, the tasks extension).
@@ -51,7 +47,7 @@ impl Filter {
     /// The filter of a `subscriptions/listen` request's `params.notifications`; an error names
     /// the offending member. URIs that are not a model's state are not subscribable here: they
     /// are left out of the acknowledgement (the client learns that from it).
-    pub fn parse(params: &Json, prompts: bool) -> Result<Filter, String> {
+    pub fn parse(params: &Json) -> Result<Filter, String> {
         let n = match params.get("notifications") {
             Some(n @ Json::Object(_)) => n,
             None | Some(Json::Null) => {
@@ -69,10 +65,11 @@ impl Filter {
             Some(Json::Bool(b)) => Ok(*b),
             Some(_) => Err(format!("`notifications.{k}` must be a boolean")),
         };
+        // Checked for their type; never honoured (see `within`).
+        flag("toolsListChanged")?;
+        flag("promptsListChanged")?;
         let mut f = Filter {
             resources_list: flag("resourcesListChanged")?,
-            tools_list: flag("toolsListChanged")?,
-            prompts_list: flag("promptsListChanged")? && prompts,
             ..Filter::default()
         };
         match n.get("resourceSubscriptions") {
@@ -126,6 +123,9 @@ impl Filter {
 
     /// Restrict the subscription to the models whose ids start with `prefix` (a sandbox
     /// session's namespace): other models' changes, creations and deletions never reach it.
+    ///
+    /// Tool and prompt list changes are not offered (the lists never change while the server
+    /// runs, and discover says `listChanged: false`): they are left out of the acknowledgement.
     pub fn within(mut self, prefix: String) -> Filter {
         self.models.retain(|m| m.starts_with(&prefix));
         self.uris.retain(|u| {
@@ -143,12 +143,6 @@ impl Filter {
     /// What the server agreed to honour, as the acknowledgement states it.
     pub fn acknowledged(&self) -> Json {
         let mut a = json!({});
-        if self.tools_list {
-            a["toolsListChanged"] = json!(true);
-        }
-        if self.prompts_list {
-            a["promptsListChanged"] = json!(true);
-        }
         if self.resources_list {
             a["resourcesListChanged"] = json!(true);
         }
@@ -276,7 +270,7 @@ mod tests {
     use super::*;
 
     fn filter(n: Json) -> Result<Filter, String> {
-        Filter::parse(&json!({"notifications": n}), false)
+        Filter::parse(&json!({"notifications": n}))
     }
 
     #[test]
@@ -288,8 +282,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             f.acknowledged(),
-            json!({"toolsListChanged": true, "resourcesListChanged": true,
-                "resourceSubscriptions": ["valem://state/a"]})
+            json!({"resourcesListChanged": true, "resourceSubscriptions": ["valem://state/a"]})
         );
         assert_eq!(filter(json!({})).unwrap().acknowledged(), json!({}));
     }

@@ -75,7 +75,7 @@ impl Session {
     /// the channel ends. No reply now (`None`); a malformed filter is answered with an error.
     fn listen(&self, params: &Json, id: Json) -> Option<Json> {
         use std::sync::atomic::{AtomicBool, Ordering};
-        let filter = match listen::Filter::parse(params, self.server.fixtures()) {
+        let filter = match listen::Filter::parse(params) {
             Ok(f) => Arc::new(f),
             Err(why) => return Some(error(id, code::INVALID_PARAMS, why)),
         };
