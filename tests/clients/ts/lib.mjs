@@ -281,8 +281,8 @@ export async function connect({ before, listTools = true, env, daemon: shared } 
       waiters.push(w);
     });
   };
-  if (before) await before(client, push);
   try {
+    if (before) await before(client, push);
     await client.connect(transport, { timeout: 15_000 });
   } catch (e) {
     await stopDaemon();
@@ -396,7 +396,9 @@ export function checkEnvelope(tools, name, result) {
  * outputSchema), then apply checkEnvelope. Returns { result, json }.
  */
 export async function call(s, name, args = {}) {
-  const result = await s.client.callTool({ name, arguments: args }, undefined, { timeout: 30_000 });
+  const result = MODERN
+    ? await s.client.callTool({ name, arguments: args }, { timeout: 30_000 })
+    : await s.client.callTool({ name, arguments: args }, undefined, { timeout: 30_000 });
   const json = checkEnvelope(s.tools, name, result);
   return { result, json };
 }
@@ -436,17 +438,49 @@ export async function rawCall(s, name, args = {}) {
 
 // --- era-neutral protocol helpers -------------------------------------------------------------
 
-/** A JSON-RPC error surfaced by the SDK (v1 McpError / v2 ProtocolError), optionally with `code`. */
-export function isRpcError(e, code) {
-  const cls = MODERN ? v2.ProtocolError : McpError;
-  return e instanceof cls && (code === undefined || e.code === code);
+/**
+ * The JSON-RPC error a rejected SDK call carries, as { code, message, data, httpStatus? }, or
+ * undefined when it is no JSON-RPC error. v1: McpError. v2: ProtocolError (and its subclasses such as
+ * ResourceNotFoundError); over Streamable HTTP the 2026-07-28 server answers an unknown method with
+ * `404 Not Found` + a JSON-RPC error body (transports spec, "Protocol Version Header"), which the v2
+ * client 2.4.0 surfaces as an SdkHttpError (it lifts only 400 bodies in-band): its body is decoded here.
+ */
+export function rpcErrorOf(e) {
+  if (MODERN ? e instanceof v2.ProtocolError : e instanceof McpError) {
+    return { code: e.code, message: e.message, data: e.data };
+  }
+  if (MODERN && e instanceof v2.SdkHttpError && typeof e.data?.text === 'string') {
+    let body;
+    try {
+      body = JSON.parse(e.data.text);
+    } catch {
+      return undefined;
+    }
+    if (body?.jsonrpc === '2.0' && body.error && typeof body.error.code === 'number') {
+      return { code: body.error.code, message: body.error.message, data: body.error.data, httpStatus: e.data.status };
+    }
+  }
+  return undefined;
 }
 
-/** An assert.rejects predicate: a JSON-RPC error with `code` (message shown on mismatch). */
-export function rpcError(code) {
+/** A JSON-RPC error surfaced by the SDK (see rpcErrorOf), optionally with `code`. */
+export function isRpcError(e, code) {
+  const r = rpcErrorOf(e);
+  return r !== undefined && (code === undefined || r.code === code);
+}
+
+/**
+ * An assert.rejects predicate: a JSON-RPC error with `code` (message shown on mismatch); `message`
+ * (a RegExp) must match its message. An error that came as an HTTP status must have the status
+ * the 2026-07-28 Streamable HTTP binding gives it (404 for -32601).
+ */
+export function rpcError(code, message) {
   return (e) => {
-    assert.ok(isRpcError(e), `a JSON-RPC error, got ${e?.constructor?.name}: ${e?.message}`);
-    assert.equal(e.code, code, `error code (message: ${e.message})`);
+    const r = rpcErrorOf(e);
+    assert.ok(r, `a JSON-RPC error, got ${e?.constructor?.name}: ${e?.message}`);
+    assert.equal(r.code, code, `error code (message: ${r.message})`);
+    if (message) assert.match(r.message, message);
+    if (r.httpStatus !== undefined && code === -32601) assert.equal(r.httpStatus, 404, 'method not found is HTTP 404');
     return true;
   };
 }
@@ -500,8 +534,8 @@ let rawIds = 0;
  * Modern era only: one JSON-RPC request written straight onto the session's transport (with the
  * modern `_meta` envelope unless `envelope: false`), bypassing the SDK's own era gate, which refuses
  * to send methods the 2026-07-28 era removed. Resolves with the raw response message
- * ({id, result} | {id, error}); over HTTP a non-2xx answer that is not delivered in-band resolves
- * as { httpError: { status, text } }.
+ * ({id, result} | {id, error}); over HTTP, an error the transport raised as a non-2xx status
+ * resolves as its JSON-RPC body plus `httpStatus`, or as { httpError: { status, text } }.
  */
 export async function rawExchange(s, method, params = {}, { envelope = true, ms = 10_000 } = {}) {
   assert.ok(MODERN, 'rawExchange is for the modern era');
@@ -523,10 +557,15 @@ export async function rawExchange(s, method, params = {}, { envelope = true, ms 
   } catch (e) {
     rec.rawWaiters.delete(id);
     reply.catch(() => {});
-    if (e?.data?.status !== undefined || e?.status !== undefined) {
-      return { httpError: { status: e.data?.status ?? e.status, text: e.data?.text ?? e.text, message: e.message } };
+    if (e?.data?.status === undefined) throw e;
+    const { status, text } = e.data;
+    try {
+      const body = JSON.parse(text);
+      if (body?.jsonrpc === '2.0' && body.id === id) return { ...body, httpStatus: status };
+    } catch {
+      // not JSON: reported as it is below
     }
-    throw e;
+    return { httpError: { status, text } };
   }
   return reply;
 }

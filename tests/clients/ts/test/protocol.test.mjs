@@ -1,15 +1,29 @@
-// Handshake, capabilities, logging, protocol-level errors, tool catalog and schemas.
+// Handshake (legacy: initialize; modern: server/discover), capabilities, logging, protocol-level
+// errors, tool catalog and schemas.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 
 import {
-  LoggingMessageNotificationSchema,
   LATEST_PROTOCOL_VERSION,
-  McpError,
-  ErrorCode,
+  ListPromptsResultSchema,
+  EmptyResultSchema,
 } from '@modelcontextprotocol/sdk/types.js';
 
-import { connect, withServer, compile, ajvErrors, loadExamples, TEST_TIMEOUT, WORKED_DEMO } from '../lib.mjs';
+import {
+  connect, withServer, compile, ajvErrors, loadExamples, ok, onNotification, rawRequest, rawExchange, rpcError,
+  TEST_TIMEOUT, WORKED_DEMO, MODERN, TRANSPORT, MODERN_VERSION, META, CLIENT_INFO,
+} from '../lib.mjs';
+
+const METHOD_NOT_FOUND = -32601;
+const INVALID_PARAMS = -32602;
+const LEGACY_ONLY = MODERN && 'legacy era only (2025-11-25): the 2026-07-28 era has no such method';
+const MODERN_ONLY = !MODERN && 'modern era only (2026-07-28): run with VALEM_ERA=modern';
+
+/** The connection still answers: legacy a ping; modern (no ping any more) a tools/call round trip. */
+async function stillUsable(s) {
+  if (MODERN) assert.ok(Array.isArray(await ok(s, 'list_models')), 'list_models answers');
+  else assert.deepEqual(await s.client.ping(), {});
+}
 
 const TOOL_NAMES = [
   'list_models', 'create_model', 'get_model_info', 'get_spec', 'get_state', 'get_field',
@@ -94,7 +108,29 @@ const GUIDANCE_TOPICS = [
   'eligibility', 'proration',
 ];
 
-test('initialize: 2025-11-25 negotiated, server valem, tools + resources.subscribe + logging, no prompts, instructions', { timeout: TEST_TIMEOUT }, async () => {
+/** The facts both handshakes establish: identity, capabilities, instructions. */
+function checkServerFacts(s) {
+  const info = s.client.getServerVersion();
+  assert.ok(info, 'the server identifies itself');
+  assert.equal(info.name, 'valem');
+  assert.equal(typeof info.version, 'string');
+  assert.ok(info.version.length > 0);
+
+  const caps = s.client.getServerCapabilities();
+  assert.ok(caps.tools, 'tools capability');
+  assert.equal(caps.resources?.subscribe, true, 'resources.subscribe');
+  assert.ok(caps.logging, 'logging capability');
+  assert.equal(caps.prompts, undefined, 'no prompts capability');
+
+  const instructions = s.client.getInstructions();
+  assert.equal(typeof instructions, 'string');
+  assert.ok(instructions.length > 100, 'instructions present');
+  for (const word of ['create_model', 'mutate', 'get_state', 'explain', 'evolve_spec']) {
+    assert.ok(instructions.includes(word), `instructions mention ${word}`);
+  }
+}
+
+test('initialize: 2025-11-25 negotiated, server valem, tools + resources.subscribe + logging, no prompts, instructions', { timeout: TEST_TIMEOUT, skip: MODERN && 'legacy era only: the 2026-07-28 era has no initialize handshake (see the server/discover test)' }, async () => {
   await withServer(async (s) => {
     assert.equal(LATEST_PROTOCOL_VERSION, '2025-11-25', 'the pinned SDK speaks 2025-11-25');
     const init = s.transport.sent.find((m) => m.method === 'initialize');
@@ -105,25 +141,91 @@ test('initialize: 2025-11-25 negotiated, server valem, tools + resources.subscri
     assert.equal(reply.result.protocolVersion, '2025-11-25');
     assert.ok(s.transport.sent.some((m) => m.method === 'notifications/initialized'));
 
-    const info = s.client.getServerVersion();
-    assert.equal(info.name, 'valem');
-    assert.equal(typeof info.version, 'string');
-    assert.ok(info.version.length > 0);
-
-    const caps = s.client.getServerCapabilities();
-    assert.ok(caps.tools, 'tools capability');
-    assert.equal(caps.resources?.subscribe, true, 'resources.subscribe');
-    assert.ok(caps.logging, 'logging capability');
-    assert.equal(caps.prompts, undefined, 'no prompts capability');
-
-    const instructions = s.client.getInstructions();
-    assert.equal(typeof instructions, 'string');
-    assert.ok(instructions.length > 100, 'instructions present');
-    for (const word of ['create_model', 'mutate', 'get_state', 'explain', 'evolve_spec']) {
-      assert.ok(instructions.includes(word), `instructions mention ${word}`);
-    }
+    checkServerFacts(s);
     // ping works after the handshake
     assert.deepEqual(await s.client.ping(), {});
+  }, { listTools: false });
+});
+
+test('server/discover: 2026-07-28 negotiated (auto), server valem, tools + resources.subscribe + logging, no prompts, instructions; stateless requests with _meta', { timeout: TEST_TIMEOUT, skip: MODERN_ONLY }, async () => {
+  await withServer(async (s) => {
+    // connect() already asserted getNegotiatedProtocolVersion() === 2026-07-28 (era modern).
+    const discovered = s.client.getDiscoverResult();
+    assert.ok(discovered, 'the client adopted a server/discover result');
+    assert.ok(discovered.supportedVersions.includes(MODERN_VERSION), `supportedVersions ${JSON.stringify(discovered.supportedVersions)}`);
+    checkServerFacts(s);
+
+    // No handshake on the session: no initialize, no notifications/initialized, no session id.
+    assert.ok(!s.transport.sent.some((m) => m.method === 'initialize'), 'no initialize on a modern session');
+    assert.ok(!s.transport.sent.some((m) => m.method === 'notifications/initialized'), 'no notifications/initialized');
+    if (TRANSPORT === 'http') {
+      // The probe goes in place over HTTP: it is the session's first message.
+      assert.equal(s.transport.sent[0]?.method, 'server/discover', 'the HTTP probe is the first request');
+      assert.equal(s.inner.sessionId, undefined, 'no Mcp-Session-Id in the modern era');
+    } else {
+      // stdio: the SDK probes on a disposable sibling process, so this process's very first
+      // request is an ordinary one, with no discover before it.
+      assert.ok(!s.transport.sent.some((m) => m.method === 'server/discover'), 'the session process saw no probe');
+    }
+
+    // server/discover on the live connection, read raw from the wire.
+    const before = s.transport.sent.length;
+    await s.client.discover();
+    const req = s.transport.sent.slice(before).find((m) => m.method === 'server/discover');
+    const reply = s.transport.received.find((m) => m.id === req.id);
+    assert.ok(reply?.result, `server/discover succeeded: ${JSON.stringify(reply)}`);
+    const r = reply.result;
+    assert.equal(r.resultType, 'complete');
+    assert.ok(r.supportedVersions.includes(MODERN_VERSION));
+    assert.equal(typeof r.capabilities, 'object');
+    assert.ok(Number.isInteger(r.ttlMs) && r.ttlMs >= 0, `ttlMs ${r.ttlMs}`);
+    assert.ok(['public', 'private'].includes(r.cacheScope), `cacheScope ${r.cacheScope}`);
+    assert.equal(r._meta?.[META.serverInfo]?.name, 'valem', 'serverInfo in _meta');
+
+    // A few ordinary requests: every one carries the envelope, every result a resultType, and the
+    // list/read results their cache hints.
+    await ok(s, 'create_model', { spec: WORKED_DEMO });
+    await s.client.listTools(undefined, { cacheMode: 'bypass' });
+    await s.client.listResources(undefined, { cacheMode: 'bypass' });
+    await s.client.listResourceTemplates(undefined, { cacheMode: 'bypass' });
+    await s.client.readResource({ uri: 'valem://state/demo' }, { cacheMode: 'bypass' });
+    const requests = s.transport.sent.filter((m) => m.method && m.id !== undefined);
+    assert.ok(requests.length >= 6);
+    for (const m of requests) {
+      const meta = m.params?._meta;
+      assert.equal(meta?.[META.protocolVersion], MODERN_VERSION, `${m.method} carries protocolVersion`);
+      assert.equal(meta?.[META.clientInfo]?.name, CLIENT_INFO.name, `${m.method} carries clientInfo`);
+      assert.equal(typeof meta?.[META.clientCapabilities], 'object', `${m.method} carries clientCapabilities`);
+    }
+    const cacheable = ['tools/list', 'resources/list', 'resources/templates/list', 'resources/read'];
+    for (const m of requests) {
+      const res = s.transport.received.find((x) => x.id === m.id);
+      assert.ok(res?.result, `${m.method} answered with a result: ${JSON.stringify(res)}`);
+      assert.equal(typeof res.result.resultType, 'string', `${m.method} result has resultType`);
+      if (cacheable.includes(m.method)) {
+        assert.ok(Number.isInteger(res.result.ttlMs) && res.result.ttlMs >= 0, `${m.method} ttlMs`);
+        assert.ok(['public', 'private'].includes(res.result.cacheScope), `${m.method} cacheScope`);
+      }
+    }
+  }, { listTools: false });
+});
+
+test('2026-07-28 removed ping, logging/setLevel, resources/subscribe|unsubscribe: method not found on a modern request', { timeout: TEST_TIMEOUT, skip: MODERN_ONLY }, async () => {
+  await withServer(async (s) => {
+    // The v2 SDK refuses to send them itself, so they go onto the transport raw, with the envelope.
+    const removed = [
+      ['ping', {}],
+      ['logging/setLevel', { level: 'debug' }],
+      ['resources/subscribe', { uri: 'valem://state/demo' }],
+      ['resources/unsubscribe', { uri: 'valem://state/demo' }],
+    ];
+    for (const [method, params] of removed) {
+      const reply = await rawExchange(s, method, params);
+      assert.ok(reply.error, `${method}: an error, got ${JSON.stringify(reply)}`);
+      assert.equal(reply.error.code, METHOD_NOT_FOUND, `${method}: ${reply.error.message}`);
+      if (TRANSPORT === 'http') assert.equal(reply.httpStatus, 404, `${method}: HTTP 404 for an unknown method`);
+    }
+    await stillUsable(s);
   }, { listTools: false });
 });
 
@@ -131,21 +233,18 @@ test('prompts/list is a JSON-RPC method-not-found (no prompts offered)', { timeo
   await withServer(async (s) => {
     // The SDK refuses prompts/list client-side without the capability; go through request() raw
     // with capability enforcement off (the default) to see the server's own answer.
-    await assert.rejects(
-      s.client.request({ method: 'prompts/list', params: {} }, (await import('@modelcontextprotocol/sdk/types.js')).ListPromptsResultSchema),
-      (e) => e instanceof McpError && e.code === ErrorCode.MethodNotFound,
-    );
+    await assert.rejects(rawRequest(s, 'prompts/list', {}, ListPromptsResultSchema), rpcError(METHOD_NOT_FOUND));
   }, { listTools: false });
 });
 
-test('logging: a notifications/message arrives after connect; setLoggingLevel succeeds', { timeout: TEST_TIMEOUT }, async () => {
+test('logging: a notifications/message arrives after connect; setLoggingLevel succeeds', { timeout: TEST_TIMEOUT, skip: LEGACY_ONLY }, async () => {
   const logs = [];
   let resolveFirst;
   const first = new Promise((r) => (resolveFirst = r));
   const s = await connect({
     listTools: false,
     before: (client) => {
-      client.setNotificationHandler(LoggingMessageNotificationSchema, (n) => {
+      onNotification(client, 'notifications/message', (n) => {
         logs.push(n.params);
         resolveFirst(n.params);
       });
@@ -164,38 +263,44 @@ test('logging: a notifications/message arrives after connect; setLoggingLevel su
       assert.deepEqual(await s.client.setLoggingLevel(level), {});
     }
     // an unknown level is a JSON-RPC invalid-params error
-    await assert.rejects(
-      s.client.setLoggingLevel('loud'),
-      (e) => e instanceof McpError && e.code === ErrorCode.InvalidParams,
-    );
+    await assert.rejects(s.client.setLoggingLevel('loud'), rpcError(INVALID_PARAMS));
   } finally {
     await s.close();
   }
 });
 
-test('unknown tool: the SDK rejects callTool with McpError -32602 (JSON-RPC invalid params)', { timeout: TEST_TIMEOUT }, async () => {
+test('logging (2026-07-28): no notifications/message unasked; per-request _meta logLevel; an unknown level is -32602', { timeout: TEST_TIMEOUT, skip: MODERN_ONLY }, async () => {
   await withServer(async (s) => {
+    // Requests without a logLevel: the server must not log to us (the legacy era's readiness
+    // message after connect is gone too).
+    await ok(s, 'create_model', { spec: WORKED_DEMO });
+    await ok(s, 'mutate', { id: 'demo', mutations: { '$.price': 10, '$.qty': 3 } });
+    await ok(s, 'list_models');
+    assert.deepEqual(s.transport.received.filter((m) => m.method === 'notifications/message'), [], 'no log without a logLevel');
+
+    for (const level of ['debug', 'info', 'notice', 'warning', 'error', 'critical', 'alert', 'emergency']) {
+      const r = await s.client.callTool({ name: 'list_models', arguments: {}, _meta: { [META.logLevel]: level } });
+      assert.equal(r.isError, false, `logLevel ${level} accepted`);
+    }
     await assert.rejects(
-      s.client.callTool({ name: 'no_such_tool', arguments: {} }),
-      (e) => {
-        assert.ok(e instanceof McpError, `McpError, got ${e}`);
-        assert.equal(e.code, -32602);
-        assert.match(e.message, /no_such_tool/);
-        return true;
-      },
+      s.client.callTool({ name: 'list_models', arguments: {}, _meta: { [META.logLevel]: 'loud' } }),
+      rpcError(INVALID_PARAMS, /loud/),
     );
+    await stillUsable(s);
+  });
+});
+
+test('unknown tool: the SDK rejects callTool with a JSON-RPC error -32602 (invalid params)', { timeout: TEST_TIMEOUT }, async () => {
+  await withServer(async (s) => {
+    await assert.rejects(s.client.callTool({ name: 'no_such_tool', arguments: {} }), rpcError(INVALID_PARAMS, /no_such_tool/));
     // the session is still usable afterwards
-    assert.deepEqual(await s.client.ping(), {});
+    await stillUsable(s);
   });
 });
 
 test('unknown JSON-RPC method → -32601 method not found', { timeout: TEST_TIMEOUT }, async () => {
   await withServer(async (s) => {
-    const { EmptyResultSchema } = await import('@modelcontextprotocol/sdk/types.js');
-    await assert.rejects(
-      s.client.request({ method: 'valem/does-not-exist', params: {} }, EmptyResultSchema),
-      (e) => e instanceof McpError && e.code === ErrorCode.MethodNotFound,
-    );
+    await assert.rejects(rawRequest(s, 'valem/does-not-exist', {}, EmptyResultSchema), rpcError(METHOD_NOT_FOUND));
   }, { listTools: false });
 });
 
