@@ -978,3 +978,19 @@ fn a_sessions_modern_requests_see_its_own_models_and_tasks_only() {
         "the operator does not see the session's task: {theirs}"
     );
 }
+
+#[test]
+fn a_requests_traceparent_is_in_the_daemons_log() {
+    let d = Daemon::start_env(&[], &[("RUST_LOG", "valem_mcp=debug")]);
+    let http = Http::new(&d);
+    let trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut params = with_meta(json!({}), json!({}));
+    params["_meta"]["traceparent"] = json!(trace);
+    ok(&post(&http, &rpc(1, "tools/list", params), &[]));
+    let log = d.stderr_with(trace);
+    let line = log.lines().find(|l| l.contains(trace)).unwrap_or_default();
+    assert!(
+        line.contains("tools/list") && line.contains("mcp request served"),
+        "the request's event carries its trace context: {log}"
+    );
+}

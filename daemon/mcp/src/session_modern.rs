@@ -67,7 +67,13 @@ impl Session {
             ),
             _ => self.common(method, params.clone(), id, io, Some(&cx)),
         };
-        Some(modern_response(reply, method, &params))
+        let reply = modern_response(reply, method, &params);
+        // One event per request, inside its span (with the caller's trace context).
+        match reply.pointer("/error/code").and_then(Json::as_i64) {
+            Some(code) => tracing::debug!(code, "mcp request refused"),
+            None => tracing::debug!("mcp request served"),
+        }
+        Some(reply)
     }
 
     /// `subscriptions/listen` on a channel of its own (stdio): acknowledged at once, then the
