@@ -204,7 +204,9 @@ fn server_time(rt: &tokio::runtime::Runtime) {
     rt.block_on(check(&app, &sid));
     // Rounds of `per_round` requests per surface, the surfaces alternating.
     let (rounds, per_round) = (4, 5_000);
-    let mut lat: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds * per_round); 3];
+    let mut lat: Vec<Vec<f64>> = (0..3)
+        .map(|_| Vec::with_capacity(rounds * per_round))
+        .collect();
     let mut round_p50: Vec<Vec<f64>> = vec![Vec::new(); 3];
     let mut wall = [Duration::ZERO; 3];
     let mut i = 0usize;

@@ -27,7 +27,7 @@ impl Session {
         };
         let cx = Modern { meta, principal };
         let meta = &cx.meta;
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "mcp_request",
             method,
             traceparent = meta.traceparent.as_deref().unwrap_or("")
