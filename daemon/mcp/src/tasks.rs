@@ -316,6 +316,16 @@ impl Tasks {
                 .and_then(Json::as_str)
                 .and_then(Status::parse)
                 .unwrap_or(Status::Failed);
+            // A task past its time to live is forgotten rather than loaded.
+            let age_ms = r
+                .get("createdAt")
+                .and_then(Json::as_str)
+                .and_then(|c| valem_service::time::parse_iso(c).ok())
+                .map(|c| now().ms().saturating_sub(c.ms()));
+            if age_ms.is_some_and(|a| u128::from(a.unsigned_abs()) > TTL.as_millis()) {
+                log.remove(&id);
+                continue;
+            }
             let (status, error) = if status.terminal() {
                 (status, r.get("error").cloned())
             } else {
@@ -452,7 +462,17 @@ impl Tasks {
             return;
         };
         let now = Instant::now();
-        m.retain(|_, t| t.expires > now || !t.status().terminal());
+        let log = self.log();
+        m.retain(|id, t| {
+            let keep = t.expires > now || !t.status().terminal();
+            if !keep {
+                // Expired: forgotten by the store too.
+                if let Some(l) = &log {
+                    l.remove(id);
+                }
+            }
+            keep
+        });
         if m.len() >= MAX_TASKS {
             // Drop the finished task that expires first.
             if let Some(k) = m
@@ -732,5 +752,15 @@ mod tests {
             .contains("stopped"));
         assert_eq!(log.0.lock().unwrap()[&id]["status"], "failed");
         drop(tx);
+        // A record past its time to live is dropped, not loaded.
+        log.0.lock().unwrap().insert(
+            "old".into(),
+            json!({"taskId": "old", "status": "completed", "owner": "",
+                "createdAt": "2020-01-01T00:00:00.000Z", "lastUpdatedAt": "2020-01-01T00:00:01.000Z"}),
+        );
+        let later = Tasks::new();
+        assert_eq!(later.persist(log.clone()).unwrap(), 1);
+        assert!(later.get("", "old").is_none());
+        assert!(!log.0.lock().unwrap().contains_key("old"));
     }
 }
