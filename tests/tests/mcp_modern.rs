@@ -496,6 +496,19 @@ fn a_listen_stream_gets_another_agents_and_a_rest_clients_writes() {
 fn unread_listen_streams_do_not_stop_the_daemon() {
     let d = Daemon::start(&[]);
     let http = Http::new(&d);
+    let gauge = |name: &str| -> f64 {
+        let m = http.get("/metrics").text();
+        let line = m
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_default();
+        line.rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(-1.0)
+    };
+    let baseline = gauge("valem_event_subscribers");
+    assert!(baseline >= 0.0);
     ok(&post(
         &http,
         &call(1, "create_model", json!({"spec": demo("busy")}), json!({})),
@@ -523,11 +536,34 @@ fn unread_listen_streams_do_not_stop_the_daemon() {
     http.post_json("/models/busy/mutations", &json!({"$.qty": 3}));
     assert_eq!(live.next()["method"], "notifications/resources/updated");
     drop(idle);
+    drop(live);
     ok(&post(
         &http,
         &call(2, "get_state", json!({"id": "busy"}), json!({})),
         &[],
     ));
+    // Closed streams leave nothing behind: no listen is counted open, and after the next
+    // commit (of any model) none of their subscribers is left.
+    ok(&post(
+        &http,
+        &call(3, "create_model", json!({"spec": demo("other")}), json!({})),
+        &[],
+    ));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge("valem_mcp_listens") != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the closed streams were counted open"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = http.post_json("/models/other/mutations", &json!({"$.qty": 1}));
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        gauge("valem_event_subscribers"),
+        baseline,
+        "the 21 closed streams' subscribers are gone"
+    );
 }
 
 /// A spec of `n` derivations and `tests` embedded tests (slow enough to watch as a task).

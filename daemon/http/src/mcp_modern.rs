@@ -386,6 +386,7 @@ fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
         );
     }
     let stop = Arc::new(AtomicBool::new(false));
+    let closed = stop.clone();
     let slot = ListenSlot {
         st: st.clone(),
         stop: stop.clone(),
@@ -407,7 +408,14 @@ fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
             Err(_) => false,
         }
     });
-    listen::attach(&st.service, &st.mcp.tasks, &owner, filter.clone(), sink);
+    listen::attach(
+        &st.service,
+        &st.mcp.tasks,
+        &owner,
+        filter.clone(),
+        sink,
+        closed,
+    );
     st.metrics
         .mcp_listens_opened
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -100,6 +100,11 @@ pub async fn serve(State(st): State<AppState>) -> Response {
     );
     let _ = writeln!(
         out,
+        "# HELP valem_event_subscribers Change subscribers registered with the service (closed ones leave at the next commit).\n# TYPE valem_event_subscribers gauge\nvalem_event_subscribers {}",
+        st.service.subscriber_count()
+    );
+    let _ = writeln!(
+        out,
         "# HELP valem_mcp_listens Open subscriptions/listen streams (MCP 2026-07-28).\n# TYPE valem_mcp_listens gauge\nvalem_mcp_listens {}",
         st.sessions.listens.load(Ordering::Relaxed)
     );

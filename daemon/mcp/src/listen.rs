@@ -236,12 +236,16 @@ pub type Sink = Arc<dyn Fn(Notice) -> bool + Send + Sync>;
 /// Deliver the service's committed changes that `filter` wants to `sink`, on the shard thread
 /// that committed them, and the status changes of the tasks it names (of `owner`), until
 /// `sink` returns false.
+///
+/// Once `closed` is set the subscription is dropped at the next commit of any model (its sink
+/// is asked, and says it is gone), so a stream closed on a quiet model leaves nothing behind.
 pub fn attach(
     service: &ModelService,
     tasks: &super::tasks::Tasks,
     owner: &str,
     filter: Arc<Filter>,
     sink: Sink,
+    closed: Arc<std::sync::atomic::AtomicBool>,
 ) {
     if !filter.task_ids.is_empty() {
         let to = sink.clone();
@@ -255,12 +259,20 @@ pub fn attach(
         return;
     }
     let wants = filter.clone();
-    let events: EventFilter = Arc::new(move |ev: &Event| wants.wants(ev));
+    let is_closed = closed.clone();
+    let events: EventFilter = Arc::new(move |ev: &Event| {
+        closed.load(std::sync::atomic::Ordering::SeqCst) || wants.wants(ev)
+    });
     service.subscribe_with(
         events,
-        Box::new(move |ev: &Event| match filter.notice(ev) {
-            Some(n) => sink(n),
-            None => true,
+        Box::new(move |ev: &Event| {
+            if is_closed.load(std::sync::atomic::Ordering::SeqCst) {
+                return false;
+            }
+            match filter.notice(ev) {
+                Some(n) => sink(n),
+                None => true,
+            }
         }),
     );
 }

@@ -132,7 +132,14 @@ impl Session {
                 Err(_) => false,
             }
         });
-        listen::attach(&self.server.service, &self.server.tasks, "", filter, sink);
+        listen::attach(
+            &self.server.service,
+            &self.server.tasks,
+            "",
+            filter,
+            sink,
+            stop.clone(),
+        );
         let out = self.out.clone();
         let listens = self.me.clone();
         let spawned = std::thread::Builder::new()

@@ -246,6 +246,12 @@ impl ModelService {
         }
     }
 
+    /// Change subscribers registered (WebSocket and MCP listen streams, event forwarders): a
+    /// closed one is dropped at the next commit it would be told of.
+    pub fn subscriber_count(&self) -> usize {
+        self.subscribers.list.lock().map_or(0, |l| l.len())
+    }
+
     /// Let async callers poll briefly for answers (the default), or not: a surface turns it off
     /// while it has more concurrent clients than reactor threads.
     pub fn set_async_polling(&self, on: bool) {
