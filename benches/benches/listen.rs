@@ -1,7 +1,8 @@
 //! The cost of `subscriptions/listen` fan-out (MCP 2026-07-28) on the release `valem serve`
 //! over loopback: one model (the demo, `$.total = price * qty`, in memory), `LISTENERS` open
-//! listen streams, and one writer committing modern-era `tools/call mutate` at `/mcp`, one
-//! commit at a time. Per commit:
+//! listen streams, and one writer committing `POST /models/demo/mutations`, one commit at a
+//! time (REST, the cheapest surface: which surface commits does not change what the listeners
+//! get, and `--bench http` compares the surfaces). Per commit:
 //! - commit: the writer's round trip (the shard publishes to the listeners before it replies);
 //! - first / all: from sending the commit until the first / the last listener has read its
 //!   `notifications/resources/updated` off its SSE stream.
@@ -10,7 +11,9 @@
 //! `LISTENERS` streams on another model's URI (their connections are open and each commit runs
 //! their filters, but nothing is sent: this separates what open connections cost the writer —
 //! the daemon stops polling for a shard's answer once it has more connections than reactor
-//! threads — from the fan-out itself); `LISTENERS` streams on the written model.
+//! threads — from the fan-out itself); `LISTENERS` streams on the written model. After each
+//! case the streams are closed and the bench checks that the daemon let go of them
+//! (`valem_mcp_listens`, `valem_event_subscribers`).
 //!
 //! The listeners are read by one thread (a current-thread tokio runtime, one task per stream)
 //! that stamps each notification as it reads it; the writer is a keep-alive client
@@ -159,7 +162,7 @@ async fn read_notices(mut r: BufReader<TcpStream>, tx: mpsc::Sender<Instant>) {
     }
 }
 
-/// The writer: modern `tools/call mutate` on the demo model over one keep-alive connection.
+/// The writer: REST mutations of the demo model over one keep-alive connection.
 struct Writer {
     conn: Conn,
     i: usize,
@@ -189,21 +192,25 @@ impl Writer {
             assert_eq!(stray, 0, "a notification arrived that no commit explains");
         }
         self.i += 1;
-        let call = modern::tools_call(
-            self.i as u64,
-            "mutate",
-            json!({"id": "demo", "mutations": {"$.price": self.i, "$.qty": 3}}),
-        );
-        let headers = modern::headers("tools/call", Some("mutate"));
+        let body = json!({"$.price": self.i, "$.qty": 3}).to_string();
         let t0 = Instant::now();
         let r = self
             .conn
-            .request("POST", "/mcp", &headers, call.to_string().as_bytes())
+            .request(
+                "POST",
+                "/models/demo/mutations",
+                &[("Content-Type", "application/json")],
+                body.as_bytes(),
+            )
             .expect("the commit's round trip");
         let commit = t0.elapsed();
-        if let Err(e) = modern::check_call(&r) {
-            panic!("commit {}: {e}", self.i);
-        }
+        assert_eq!(
+            r.status,
+            200,
+            "commit {}: {}",
+            self.i,
+            String::from_utf8_lossy(&r.body)
+        );
         let (mut first, mut last) = (None::<Instant>, None::<Instant>);
         for _ in 0..listeners.map_or(0, |l| l.per_commit) {
             let l = listeners.expect("listeners");
@@ -242,29 +249,47 @@ fn daemon() -> Option<valem_benches::Serve> {
     Some(d)
 }
 
-/// The daemon's open listen streams (`valem_mcp_listens`).
-fn open_listens(addr: &str) -> usize {
+/// A gauge of the daemon's `/metrics`.
+fn gauge(addr: &str, name: &str) -> usize {
     let mut c = Conn::open(addr).expect("connect");
     let r = c.request("GET", "/metrics", &[], b"").expect("/metrics");
+    let prefix = format!("{name} ");
     String::from_utf8_lossy(&r.body)
         .lines()
-        .find_map(|l| l.strip_prefix("valem_mcp_listens "))
+        .find_map(|l| l.strip_prefix(prefix.as_str()).map(str::to_string))
         .and_then(|v| v.trim().parse().ok())
-        .expect("the valem_mcp_listens gauge")
+        .unwrap_or_else(|| panic!("no {name} gauge"))
 }
 
-/// Close `l` and wait until the daemon has let go of its streams, so the next case starts
+/// Close `l`, wait until the daemon has let go of its streams, and write the demo model once:
+/// a closed stream's service subscriber leaves at the next commit of any model. Then the
+/// service has `subscribers` (its count before `l` opened) again, so the next case starts
 /// without them.
-fn close(addr: &str, l: Listeners) {
+fn close(addr: &str, l: Listeners, subscribers: usize) {
     drop(l);
     let start = Instant::now();
-    while open_listens(addr) != 0 {
+    while gauge(addr, "valem_mcp_listens") != 0 {
         assert!(
             start.elapsed() < PATIENCE,
             "the daemon still holds closed listen streams"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+    let mut c = Conn::open(addr).expect("connect");
+    let r = c
+        .request(
+            "POST",
+            "/models/demo/mutations",
+            &[("Content-Type", "application/json")],
+            br#"{"$.qty": 1}"#,
+        )
+        .expect("a write");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        gauge(addr, "valem_event_subscribers"),
+        subscribers,
+        "closed listen streams left service subscribers behind"
+    );
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -285,16 +310,20 @@ impl Case {
         }
     }
 
+    /// The model the case's listeners listen to.
+    fn model(self) -> &'static str {
+        match self {
+            Case::Elsewhere => "other",
+            Case::None | Case::Written => "demo",
+        }
+    }
+
     fn open(self, addr: &str) -> Option<Listeners> {
+        let uri = format!("valem://state/{}", self.model());
         match self {
             Case::None => None,
-            Case::Elsewhere => Some(Listeners::open(
-                addr,
-                "valem://state/other",
-                LISTENERS,
-                false,
-            )),
-            Case::Written => Some(Listeners::open(addr, "valem://state/demo", LISTENERS, true)),
+            Case::Elsewhere => Some(Listeners::open(addr, &uri, LISTENERS, false)),
+            Case::Written => Some(Listeners::open(addr, &uri, LISTENERS, true)),
         }
     }
 }
@@ -319,6 +348,7 @@ fn line(what: &str, mut us: Vec<f64>, round_p50: &[f64]) -> String {
 /// Fixed rounds: every case in turn, `per_round` commits each (after 100 unmeasured ones).
 fn rounds(addr: &str) {
     let (rounds, per_round) = (4, 1_000);
+    let subscribers = gauge(addr, "valem_event_subscribers");
     let mut w = Writer::open(addr);
     let mut all: Vec<Vec<Sample>> = vec![Vec::new(); 3];
     let mut p50s: Vec<[Vec<f64>; 3]> = vec![Default::default(); 3];
@@ -330,7 +360,7 @@ fn rounds(addr: &str) {
             }
             let s: Vec<Sample> = (0..per_round).map(|_| w.commit(l.as_ref())).collect();
             if let Some(l) = l {
-                close(addr, l);
+                close(addr, l, subscribers);
             }
             let fields: [fn(&Sample) -> f64; 3] = [|s| s.commit, |s| s.first, |s| s.all];
             for (j, f) in fields.into_iter().enumerate() {
@@ -368,6 +398,7 @@ fn listen(c: &mut Criterion) {
     g.sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
+    let subscribers = gauge(&d.addr, "valem_event_subscribers");
     let mut w = Writer::open(&d.addr);
     g.bench_function("commit_0_listeners", |b| {
         b.iter_custom(|n| {
@@ -393,7 +424,7 @@ fn listen(c: &mut Criterion) {
     });
     g.finish();
     if let Some(l) = l {
-        close(&d.addr, l);
+        close(&d.addr, l, subscribers);
     }
 }
 
