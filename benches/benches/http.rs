@@ -9,7 +9,7 @@
 //!   all of them alike. Targets: p50 ≤ 50 µs; modern `/mcp` p50 ≤ 20 µs.
 //! - end to end: the real release `valem serve` on loopback, 1 and 16 keep-alive clients (the
 //!   load generator of `valem_tests::load` for REST and legacy `/mcp`, its modern-era twin
-//!   `valem_benches::modern::run` for modern `/mcp`). Target ≥ 20,000 mutations/s with 16, the
+//!   `Surface::McpModern` for modern `/mcp`). Target ≥ 20,000 mutations/s with 16, the
 //!   modern era no slower than the legacy one.
 //!
 //! Fixed runs print p50/p99/max and mutations/s first; the criterion group then tracks the
@@ -281,7 +281,14 @@ fn end_to_end() {
                     mutation,
                 ),
                 "mcp" => load::run(&d.addr, Surface::Mcp, "demo", clients, per_client, mutation),
-                _ => valem_benches::modern::run(&d.addr, "demo", clients, per_client, mutation),
+                _ => load::run(
+                    &d.addr,
+                    Surface::McpModern,
+                    "demo",
+                    clients,
+                    per_client,
+                    mutation,
+                ),
             };
             assert!(
                 r.errors.is_empty(),

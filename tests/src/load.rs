@@ -178,6 +178,9 @@ pub enum Surface {
     Rest,
     /// `tools/call mutate` over Streamable HTTP at `/mcp`, one session per client.
     Mcp,
+    /// `tools/call mutate` at `/mcp` in MCP's modern era (2026-07-28): no session, the version
+    /// and capabilities in each request's `_meta`, the standard headers.
+    McpModern,
 }
 
 /// What one client thread saw.
@@ -314,7 +317,7 @@ fn client(
     let setup = Conn::open(addr).and_then(|mut conn| {
         let sid = match surface {
             Surface::Mcp => Some(mcp_session(&mut conn, &[])?),
-            Surface::Rest => None,
+            Surface::Rest | Surface::McpModern => None,
         };
         Ok((conn, sid))
     });
@@ -334,6 +337,13 @@ fn client(
         ("Mcp-Session-Id", sid.as_str()),
         ("MCP-Protocol-Version", "2025-11-25"),
     ];
+    let modern_headers = [
+        ("Content-Type", "application/json"),
+        ("Accept", "application/json, text/event-stream"),
+        ("MCP-Protocol-Version", "2026-07-28"),
+        ("Mcp-Method", "tools/call"),
+        ("Mcp-Name", "mutate"),
+    ];
     for i in 0..n {
         let m = mutation(c, i);
         let t0 = Instant::now();
@@ -349,6 +359,13 @@ fn client(
                     "params": {"name": "mutate", "arguments": {"id": model, "mutations": m}}});
                 conn.request("POST", "/mcp", &mcp_headers, call.to_string().as_bytes())
             }
+            Surface::McpModern => {
+                let call = json!({"jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
+                    "params": {"name": "mutate", "arguments": {"id": model, "mutations": m},
+                        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                            "io.modelcontextprotocol/clientCapabilities": {}}}});
+                conn.request("POST", "/mcp", &modern_headers, call.to_string().as_bytes())
+            }
         };
         let dt = t0.elapsed().as_secs_f64() * 1e6;
         let verdict = match (&r, surface) {
@@ -361,6 +378,16 @@ fn client(
             (Ok(r), Surface::Mcp) => match r.json() {
                 Ok(v) if v["result"]["isError"] == json!(false) => Ok(()),
                 Ok(v) => Err(format!("tool error: {v}")),
+                Err(e) => Err(e.to_string()),
+            },
+            (Ok(r), Surface::McpModern) => match r.json() {
+                Ok(v)
+                    if v["result"]["isError"] == json!(false)
+                        && v["result"]["resultType"] == json!("complete") =>
+                {
+                    Ok(())
+                }
+                Ok(v) => Err(format!("not a complete tool result: {v}")),
                 Err(e) => Err(e.to_string()),
             },
             (Ok(_), Surface::Rest) => Ok(()),

@@ -109,6 +109,7 @@ fn sixteen_clients_times_five_thousand_mutations_over_rest_and_mcp() {
     let h = Http::new(&d);
     check(&d, &h, "load-rest", Surface::Rest);
     check(&d, &h, "load-mcp", Surface::Mcp);
+    check(&d, &h, "load-mcp-modern", Surface::McpModern);
     // The daemon is still healthy and serving.
     assert_eq!(h.get("/healthz").status, 200);
 }
