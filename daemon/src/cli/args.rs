@@ -40,8 +40,9 @@ pub enum Command {
     /// "instructions", "title"?}].
     ///
     /// Protocol revisions: both eras of MCP, chosen by the client per message. The modern era
-    /// (2026-07-28): a request names its revision in _meta ("io.modelcontextprotocol/
-    /// protocolVersion") and needs no handshake; server/discover lists what is spoken;
+    /// (2026-07-28): a request names its revision in its _meta
+    /// ("io.modelcontextprotocol/protocolVersion") and needs no handshake; server/discover lists
+    /// what is spoken;
     /// subscriptions/listen streams state changes; long tools (test_spec, dry_run,
     /// evolve_spec) run as tasks for a client that declares the tasks extension; pair_browser
     /// is a multi round-trip request. The legacy era: an `initialize` handshake at 2024-11-05,
