@@ -678,6 +678,11 @@ fn test_spec_runs_as_a_task_polled_and_cancelled() {
     let t = task_status(&http, 8, &id);
     assert_eq!(t["status"], "cancelled");
     assert!(t.get("result").is_none(), "{t}");
+    let metrics = http.get("/metrics").text();
+    assert!(
+        metrics.contains("valem_mcp_tasks{state=\"kept\"} 2"),
+        "{metrics}"
+    );
     // Another caller scope cannot see it: a sandbox session's token is refused without pairing,
     // and an unknown id is -32602 (see the errors test).
 }

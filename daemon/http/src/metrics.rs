@@ -105,6 +105,12 @@ pub async fn serve(State(st): State<AppState>) -> Response {
     );
     let _ = writeln!(
         out,
+        "# HELP valem_mcp_tasks Tasks of the MCP tasks extension kept, and running now.\n# TYPE valem_mcp_tasks gauge\nvalem_mcp_tasks{{state=\"kept\"}} {}\nvalem_mcp_tasks{{state=\"running\"}} {}",
+        st.mcp.tasks.len(),
+        st.mcp.tasks.running()
+    );
+    let _ = writeln!(
+        out,
         "# HELP valem_mcp_listens Open subscriptions/listen streams (MCP 2026-07-28).\n# TYPE valem_mcp_listens gauge\nvalem_mcp_listens {}",
         st.sessions.listens.load(Ordering::Relaxed)
     );

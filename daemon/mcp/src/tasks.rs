@@ -602,6 +602,11 @@ impl Tasks {
         w.push((owner.to_string(), ids, sink));
     }
 
+    /// Tasks running now (for metrics).
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
     /// Tasks kept (for metrics).
     pub fn len(&self) -> usize {
         self.map.lock().map_or(0, |m| m.len())
