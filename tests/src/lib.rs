@@ -506,6 +506,30 @@ impl Http {
     }
 }
 
+/// A paired sandbox session's token, over the device flow as an agent and the page run it:
+/// mint (with the daemon's API key `key`), approve (as the page, without it), redeem.
+pub fn paired_token(d: &Daemon, key: &str) -> String {
+    use serde_json::json;
+    let keyed = Http::new(d).with_key(key);
+    let m = keyed.post_json("/sandbox/pair", &json!({}));
+    assert_eq!(m.status, 200, "{m:?}");
+    let m = m.json();
+    let ok = Http::new(d).post_json(
+        "/sandbox/pair/approve",
+        &json!({"pairCode": m["pairCode"], "userCode": m["userCode"]}),
+    );
+    assert_eq!(ok.status, 200, "{ok:?}");
+    let t = keyed.post_json(
+        "/sandbox/pair/token",
+        &json!({"pairCode": m["pairCode"], "deviceSecret": m["deviceSecret"]}),
+    );
+    assert_eq!(t.status, 200, "{t:?}");
+    t.json()["sessionToken"]
+        .as_str()
+        .expect("a session token")
+        .to_string()
+}
+
 /// Percent-encode one path segment (`$.items[0]` → `$.items%5B0%5D`, `a/b` → `a%2Fb`).
 pub fn seg(s: &str) -> String {
     let mut out = String::with_capacity(s.len());

@@ -586,6 +586,19 @@ fn task_status(http: &Http, id: u64, task: &str) -> Value {
     ))
 }
 
+/// Poll task `task` until it completed (at most 30 s); its detail then.
+fn completed(http: &Http, id: u64, task: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let t = task_status(http, id, task);
+        if t["status"] == "completed" {
+            return t;
+        }
+        assert!(Instant::now() < deadline, "{t}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn test_spec_runs_as_a_task_polled_and_cancelled() {
     let d = Daemon::start(&[]);
@@ -611,15 +624,7 @@ fn test_spec_runs_as_a_task_polled_and_cancelled() {
         assert!(h.get(absent).is_none(), "{h}");
     }
     let id = h["taskId"].as_str().unwrap().to_string();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let done = loop {
-        let t = task_status(&http, 3, &id);
-        if t["status"] == "completed" {
-            break t;
-        }
-        assert!(Instant::now() < deadline, "{t}");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let done = completed(&http, 3, &id);
     assert_eq!(done["result"]["structuredContent"]["passed"], 1, "{done}");
     // A big one: created, seen working, cancelled (terminal at once, and it stays so).
     let h = ok(&post(
@@ -724,11 +729,7 @@ fn a_task_running_when_the_daemon_is_killed_reads_failed_after_restart() {
         &[],
     ));
     let done_id = h["taskId"].as_str().unwrap().to_string();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while task_status(&http, 5, &done_id)["status"] != "completed" {
-        assert!(Instant::now() < deadline);
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    completed(&http, 5, &done_id);
     d.terminate();
     let d = Daemon::start_on(&addr, &["--data-dir", &data]);
     let http = Http::new(&d);
@@ -923,22 +924,6 @@ fn pair_browser_is_a_multi_round_trip_request_through_the_proxy() {
     );
 }
 
-/// A paired sandbox session's token (the device flow, as the page and an agent run it).
-fn session_token(d: &Daemon, key: &str) -> String {
-    let keyed = Http::new(d).with_key(key);
-    let m = keyed.post_json("/sandbox/pair", &json!({})).json();
-    let ok = Http::new(d).post_json(
-        "/sandbox/pair/approve",
-        &json!({"pairCode": m["pairCode"], "userCode": m["userCode"]}),
-    );
-    assert_eq!(ok.status, 200, "{ok:?}");
-    let t = keyed.post_json(
-        "/sandbox/pair/token",
-        &json!({"pairCode": m["pairCode"], "deviceSecret": m["deviceSecret"]}),
-    );
-    t.json()["sessionToken"].as_str().unwrap().to_string()
-}
-
 #[test]
 fn a_sessions_modern_requests_see_its_own_models_and_tasks_only() {
     const KEY: &str = "k3y-for-modern-scope";
@@ -947,7 +932,7 @@ fn a_sessions_modern_requests_see_its_own_models_and_tasks_only() {
     let auth = format!("Bearer {KEY}");
     let op = [("Authorization", auth.as_str())];
     assert_eq!(keyed.post_json("/models", &demo("shared")).status, 201);
-    let token = session_token(&d, KEY);
+    let token = valem_tests::paired_token(&d, KEY);
     let me = [("X-Session-Token", token.as_str())];
     let http = Http::new(&d);
     // The session's own `shared` (namespaced by the daemon, `shared` to the session).

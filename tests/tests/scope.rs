@@ -15,23 +15,9 @@ fn daemon() -> Daemon {
     Daemon::start(&["--api-key", KEY, "--pairing-interval", "1"])
 }
 
-/// A paired session over the device flow, as an agent and the page do it: its token.
+/// A paired session's token (the device flow, as an agent and the page run it).
 fn pair(d: &Daemon) -> String {
-    let keyed = Http::new(d).with_key(KEY);
-    let m = keyed.post_json("/sandbox/pair", &json!({}));
-    assert_eq!(m.status, 200, "{m:?}");
-    let m = m.json();
-    let ok = Http::new(d).post_json(
-        "/sandbox/pair/approve",
-        &json!({"pairCode": m["pairCode"], "userCode": m["userCode"]}),
-    );
-    assert_eq!(ok.status, 200, "{ok:?}");
-    let t = keyed.post_json(
-        "/sandbox/pair/token",
-        &json!({"pairCode": m["pairCode"], "deviceSecret": m["deviceSecret"]}),
-    );
-    assert_eq!(t.status, 200, "{t:?}");
-    t.json()["sessionToken"].as_str().unwrap().to_string()
+    valem_tests::paired_token(d, KEY)
 }
 
 /// REST as a paired session: every request carries the token, never the API key.

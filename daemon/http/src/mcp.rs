@@ -566,7 +566,7 @@ pub(crate) fn runs_inline(st: &AppState, msg: &Json) -> bool {
 }
 
 /// [`plain_reply`], with the status of a modern-era reply when `modern`.
-fn plain_reply_as(
+pub(crate) fn plain_reply_as(
     st: &AppState,
     created: bool,
     sid: &str,

@@ -22,7 +22,8 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value as Json};
 use tokio::sync::mpsc;
 
-use super::mcp::{message_event, refuse_scoped, reply_inline, reply_streamed, runs_inline};
+use super::mcp::runs_inline;
+use super::mcp::{message_event, plain_reply_as, refuse_scoped, reply_inline, reply_streamed};
 use super::mcp::{Recipient, VERSION_HEADER};
 use super::sandbox::Scoped;
 use super::AppState;
@@ -294,7 +295,7 @@ pub(crate) async fn post(
     }
     if let Some(call) = session.call_deferred(&msg) {
         let reply = call.await.map(&out);
-        return plain(reply, json_ok);
+        return plain_reply_as(st, false, "", reply, json_ok, true);
     }
     let principal = scoped.as_ref().map(|s| s.ns.clone()).unwrap_or_default();
     let to = Recipient {
@@ -322,20 +323,6 @@ fn tool_schema<'a>(st: &'a AppState, msg: &Json) -> Option<&'a Json> {
     }
     let name = msg.pointer("/params/name").and_then(Json::as_str)?;
     st.mcp.mirrored.get(name)
-}
-
-/// A reply as JSON (or one SSE event), with the modern status.
-fn plain(reply: Option<Json>, json_ok: bool) -> Response {
-    match reply {
-        None => StatusCode::ACCEPTED.into_response(),
-        Some(r) if json_ok => (
-            status_of(&r),
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            valem_mcp::wire::to_string(&r),
-        )
-            .into_response(),
-        Some(r) => Sse::new(stream::iter([Ok::<_, Infallible>(message_event(&r))])).into_response(),
-    }
 }
 
 /// Counts the open listen streams; its drop (the stream ended) gives the place back.

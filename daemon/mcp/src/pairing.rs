@@ -130,6 +130,14 @@ impl Env<'_> {
     }
 }
 
+/// What the developer is asked to do with the link (URL-mode elicitation, both eras).
+fn link_message(user_code: &str) -> String {
+    format!(
+        "Open this link to pair your browser with the agent; check that it shows the code \
+         {user_code} and approve."
+    )
+}
+
 /// The answer while the developer has not approved yet.
 fn pending(m: &Minted, elicited: bool) -> Json {
     let left = m.expires.saturating_duration_since(Instant::now());
@@ -374,7 +382,7 @@ impl Pairing {
             let request = json!({"method": "elicitation/create", "params": {
                 "mode": "url",
                 "url": m.complete,
-                "message": format!("Open this link to pair your browser with the agent; check that it shows the code {} and approve.", m.user_code),
+                "message": link_message(&m.user_code),
             }});
             return Ok(Some(mrtr::input_required(
                 json!({"pair": request}),
@@ -432,7 +440,7 @@ impl Pairing {
                 "mode": "url",
                 "elicitationId": eid,
                 "url": m.complete,
-                "message": format!("Open this link to pair your browser with the agent; check that it shows the code {} and approve.", m.user_code),
+                "message": link_message(&m.user_code),
             });
             // The client answers when the developer consented (or not); the wait goes on meanwhile.
             let local = env.local.clone();

@@ -588,8 +588,12 @@ impl Upstream {
     }
 
     fn post_builder(&self) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
-        let r = self
-            .agent
+        self.post_with(&self.agent)
+    }
+
+    /// A POST to the endpoint on `agent`, with the content types and the credentials.
+    fn post_with(&self, agent: &ureq::Agent) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        let r = agent
             .post(&self.endpoint)
             .header("Content-Type", "application/json")
             .header("Accept", "application/json, text/event-stream");
@@ -635,8 +639,13 @@ impl Upstream {
         Ok(Posted::Reply(reply))
     }
 
-    /// A modern request's POST: the standard headers mirrored from the body, the credentials.
-    fn modern_post(&self, msg: &Json) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+    /// A modern request's POST on `agent`: the standard headers mirrored from the body, the
+    /// credentials.
+    fn modern_post(
+        &self,
+        agent: &ureq::Agent,
+        msg: &Json,
+    ) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
         let method = msg.get("method").and_then(Json::as_str).unwrap_or("");
         let version = msg
             .pointer("/params/_meta")
@@ -644,7 +653,7 @@ impl Upstream {
             .and_then(Json::as_str)
             .unwrap_or(modern::MODERN_VERSIONS[0]);
         let mut r = self
-            .post_builder()
+            .post_with(agent)
             .header("MCP-Protocol-Version", version)
             .header("Mcp-Method", method);
         let name = match method {
@@ -666,7 +675,7 @@ impl Upstream {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         msg["id"] = json!(format!("proxy-{n}"));
         let res = self
-            .modern_post(&msg)
+            .modern_post(&self.agent, &msg)
             .send(msg.to_string().as_bytes())
             .map_err(describe)?;
         let status = res.status().as_u16();
@@ -689,20 +698,8 @@ impl Upstream {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let up_id = json!(format!("proxy-listen-{n}"));
         up["id"] = up_id.clone();
-        let method = "subscriptions/listen";
-        let version = msg
-            .pointer("/params/_meta")
-            .and_then(|m| m.get(modern::key::PROTOCOL_VERSION))
-            .and_then(Json::as_str)
-            .unwrap_or(modern::MODERN_VERSIONS[0]);
-        let r = self
-            .stream_agent
-            .post(&self.endpoint)
-            .header("Content-Type", "application/json")
-            .header("Accept", "application/json, text/event-stream")
-            .header("MCP-Protocol-Version", version)
-            .header("Mcp-Method", method);
-        let r = authorize(r, self.api_key.as_deref(), self.token().as_deref());
+        // No global timeout: the stream lives as long as the subscription.
+        let r = self.modern_post(&self.stream_agent, &up);
         let res = match r.send(up.to_string().as_bytes()) {
             Ok(res) => res,
             Err(e) => {
