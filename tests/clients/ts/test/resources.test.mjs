@@ -95,10 +95,9 @@ test(`readResource of an unknown uri rejects with JSON-RPC ${RESOURCE_NOT_FOUND}
   }, { listTools: false });
 });
 
-test('subscribeResource(valem://state/<id>): a mutate emits resources/updated; unsubscribe stops it', { ...T, skip: MODERN && 'legacy era only: 2026-07-28 replaced resources/subscribe with subscriptions/listen (next test)' }, async () => {
-  const updates = [];
-  let s;
-  s = await connect({
+/** A connection whose `notifications/resources/updated` URIs are appended to `updates`. */
+function connectRecordingUpdates(updates) {
+  return connect({
     before: (client, push) => {
       onNotification(client, 'notifications/resources/updated', (n) => {
         updates.push(n.params.uri);
@@ -106,6 +105,11 @@ test('subscribeResource(valem://state/<id>): a mutate emits resources/updated; u
       });
     },
   });
+}
+
+test('subscribeResource(valem://state/<id>): a mutate emits resources/updated; unsubscribe stops it', { ...T, skip: MODERN && 'legacy era only: 2026-07-28 replaced resources/subscribe with subscriptions/listen (next test)' }, async () => {
+  const updates = [];
+  const s = await connectRecordingUpdates(updates);
   try {
     const isUpdate = (uri) => (n) => n.method === 'notifications/resources/updated' && n.params.uri === uri;
     await ok(s, 'create_model', { spec: WORKED_DEMO });
@@ -143,14 +147,7 @@ test('subscribeResource(valem://state/<id>): a mutate emits resources/updated; u
 
 test('subscriptions/listen(resourceSubscriptions valem://state/<id>): a mutate emits resources/updated on the stream; closing it stops them', { ...T, skip: !MODERN && 'modern era only (2026-07-28): run with VALEM_ERA=modern' }, async () => {
   const updates = [];
-  const s = await connect({
-    before: (client, push) => {
-      onNotification(client, 'notifications/resources/updated', (n) => {
-        updates.push(n.params.uri);
-        push(n);
-      });
-    },
-  });
+  const s = await connectRecordingUpdates(updates);
   try {
     const isUpdate = (uri) => (n) => n.method === 'notifications/resources/updated' && n.params.uri === uri;
     await ok(s, 'create_model', { spec: WORKED_DEMO });
