@@ -362,32 +362,76 @@ pub enum CreateError {
 }
 
 thread_local! {
-    /// Compiled models by the blake3 hash of the spec's bytes (dry runs, tests and re-creation
-    /// do not recompile). Bounded; compiled models are not `Send`, so the cache is per thread.
-    static COMPILED: RefCell<HashMap<[u8; 32], Rc<CompiledModel>>> = RefCell::new(HashMap::new());
+    /// Compiled models by their spec's content (see [`content_hash`]): every model of one
+    /// content on this thread shares one compiled model, held only by the models using it;
+    /// the newest few are also kept alive for dry runs, tests and re-creation. Compiled models
+    /// are not `Send`, so the cache is per thread.
+    static COMPILED: RefCell<CompiledCache> = RefCell::new(CompiledCache::default());
 }
+/// Compiled models kept alive by the cache itself, newest last.
 const COMPILED_CACHE_SIZE: usize = 64;
 
-/// Compile a spec, reusing an identical spec's compiled model from this thread's cache.
+#[derive(Default)]
+struct CompiledCache {
+    /// Every compiled model still alive, by content.
+    live: HashMap<[u8; 32], std::rc::Weak<CompiledModel>>,
+    /// The newest ones, kept alive by the cache.
+    recent: std::collections::VecDeque<Rc<CompiledModel>>,
+    /// `live`'s size after its last sweep of dead entries.
+    swept: usize,
+}
+
+impl CompiledCache {
+    fn get(&self, hash: &[u8; 32]) -> Option<Rc<CompiledModel>> {
+        self.live.get(hash).and_then(std::rc::Weak::upgrade)
+    }
+
+    fn insert(&mut self, hash: [u8; 32], cm: &Rc<CompiledModel>) {
+        self.live.insert(hash, Rc::downgrade(cm));
+        self.recent.push_back(cm.clone());
+        if self.recent.len() > COMPILED_CACHE_SIZE {
+            self.recent.pop_front();
+        }
+        // Sweep the dead entries once the map has doubled since the last sweep: amortised
+        // O(1) per insert, and the map stays within twice the live compiled models.
+        if self.live.len() > 2 * self.swept.max(COMPILED_CACHE_SIZE) {
+            self.live.retain(|_, w| w.strong_count() > 0);
+            self.swept = self.live.len();
+        }
+    }
+}
+
+/// The blake3 hash of a spec's content, its `id` left out (specs that differ only by it compile
+/// to the same model), and of whether the arithmetic tier is on.
+pub fn content_hash(spec: &ModelSpec, jit: bool) -> [u8; 32] {
+    let mut bytes = serde_json::to_vec(spec).unwrap_or_default();
+    // Compiled with the tier off, arithmetic derivations keep their parsed form.
+    bytes.push(u8::from(jit));
+    // The id is the first member the spec serialises: hash what follows it. Should the text
+    // ever start otherwise, the whole of it is hashed (no sharing, still exact).
+    let mut prefix = br#"{"id":"#.to_vec();
+    if serde_json::to_writer(&mut prefix, &spec.id).is_ok() && bytes.starts_with(&prefix) {
+        let mut h = blake3::Hasher::new();
+        h.update(b"{");
+        h.update(&bytes[prefix.len()..]);
+        return *h.finalize().as_bytes();
+    }
+    *blake3::hash(&bytes).as_bytes()
+}
+
+/// Compile a spec, reusing the compiled model of a spec of the same content (its id aside)
+/// that this thread compiled and that is still alive. The compiled model's `spec` is the first
+/// such spec, so its `id` may be another model's.
 pub fn compile_cached(
     spec: &ModelSpec,
     limits: &EngineLimits,
 ) -> Result<Rc<CompiledModel>, Vec<CompileError>> {
-    let mut bytes = serde_json::to_vec(spec).unwrap_or_default();
-    // Compiled with the tier off, arithmetic derivations keep their parsed form.
-    bytes.push(u8::from(limits.jit.enabled));
-    let hash = *blake3::hash(&bytes).as_bytes();
-    if let Some(cm) = COMPILED.with(|c| c.borrow().get(&hash).cloned()) {
+    let hash = content_hash(spec, limits.jit.enabled);
+    if let Some(cm) = COMPILED.with(|c| c.borrow().get(&hash)) {
         return Ok(cm);
     }
     let cm = Rc::new(compile::compile(Arc::new(spec.clone()), limits)?);
-    COMPILED.with(|c| {
-        let mut c = c.borrow_mut();
-        if c.len() >= COMPILED_CACHE_SIZE {
-            c.clear();
-        }
-        c.insert(hash, cm.clone());
-    });
+    COMPILED.with(|c| c.borrow_mut().insert(hash, &cm));
     Ok(cm)
 }
 

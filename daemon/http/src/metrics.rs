@@ -74,24 +74,39 @@ pub async fn serve(State(st): State<AppState>) -> Response {
             v.load(Ordering::Relaxed)
         );
     }
-    let (counts, sum) = cm.histogram();
-    let _ = writeln!(out, "# HELP valem_cycle_duration_seconds Time of committed cycles on their shard.\n# TYPE valem_cycle_duration_seconds histogram");
-    for (i, c) in counts.iter().enumerate() {
-        let le = BUCKETS
-            .get(i)
-            .map_or_else(|| "+Inf".to_string(), |b| format!("{b}"));
-        let _ = writeln!(
-            out,
-            "valem_cycle_duration_seconds_bucket{{le=\"{le}\"}} {c}"
-        );
-    }
-    let total = counts.last().copied().unwrap_or(0);
-    let _ = writeln!(out, "valem_cycle_duration_seconds_sum {sum}");
-    let _ = writeln!(out, "valem_cycle_duration_seconds_count {total}");
+    histogram(
+        &mut out,
+        "valem_cycle_duration_seconds",
+        "Time of committed cycles on their shard.",
+        cm.histogram(),
+    );
     let _ = writeln!(
         out,
-        "# HELP valem_models Live models.\n# TYPE valem_models gauge\nvalem_models {}",
+        "# HELP valem_models Live models (in memory and hibernated).\n# TYPE valem_models gauge\nvalem_models {}",
         st.service.model_count()
+    );
+    let res = st.service.residency();
+    let _ = writeln!(
+        out,
+        "# HELP valem_models_resident Models in memory.\n# TYPE valem_models_resident gauge\nvalem_models_resident {}\n# HELP valem_models_hibernated Models in the store only, woken by their next request (--max-resident-models).\n# TYPE valem_models_hibernated gauge\nvalem_models_hibernated {}",
+        res.resident.load(Ordering::Relaxed),
+        res.hibernated.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_models_evicted_total Models evicted from memory past --max-resident-models.\n# TYPE valem_models_evicted_total counter\nvalem_models_evicted_total {}",
+        res.evicted.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP valem_model_wake_failures_total Hibernated models that could not be woken (not served; the log says why).\n# TYPE valem_model_wake_failures_total counter\nvalem_model_wake_failures_total {}",
+        res.wake_failures.load(Ordering::Relaxed)
+    );
+    histogram(
+        &mut out,
+        "valem_model_wake_seconds",
+        "Time to wake a hibernated model: its stored spec, checkpoint and the records after it.",
+        res.wakes.cumulative(),
     );
     let _ = writeln!(
         out,
@@ -221,4 +236,18 @@ pub async fn serve(State(st): State<AppState>) -> Response {
         out,
     )
         .into_response()
+}
+
+/// A Prometheus histogram from cumulative bucket counts over [`BUCKETS`] and their sum.
+fn histogram(out: &mut String, name: &str, help: &str, (counts, sum): (Vec<u64>, f64)) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    for (i, c) in counts.iter().enumerate() {
+        let le = BUCKETS
+            .get(i)
+            .map_or_else(|| "+Inf".to_string(), |b| format!("{b}"));
+        let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {c}");
+    }
+    let total = counts.last().copied().unwrap_or(0);
+    let _ = writeln!(out, "{name}_sum {sum}");
+    let _ = writeln!(out, "{name}_count {total}");
 }

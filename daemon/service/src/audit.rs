@@ -54,7 +54,8 @@ pub(crate) struct Entry<'a> {
 }
 
 impl AuditTrail {
-    /// A trail keeping the newest `max` records, hashing with `key` (a keyed store's key).
+    /// A trail keeping the newest `max` records (at least the newest, which an audit-store
+    /// plugin is fed), hashing with `key` (a keyed store's key).
     pub(crate) fn new(max: usize, key: Option<AuditKey>) -> AuditTrail {
         AuditTrail {
             records: VecDeque::new(),

@@ -62,6 +62,7 @@ pub struct ModelService {
     count: Arc<std::sync::atomic::AtomicUsize>,
     metrics: Arc<metrics::CycleMetrics>,
     checkpoint_metrics: Arc<metrics::CheckpointMetrics>,
+    residency: Arc<metrics::ResidencyMetrics>,
     /// Whether async callers may poll for an answer at all (see [`Pending`]).
     async_polling: std::sync::atomic::AtomicBool,
     store: Option<Arc<dyn valem_store::Store>>,
@@ -88,9 +89,29 @@ impl ModelService {
         store: Arc<dyn valem_store::Store>,
     ) -> Result<Arc<ModelService>, ServiceError> {
         use std::sync::atomic::Ordering;
-        let stored = store
-            .load_models()
-            .map_err(|e| ServiceError::Storage(e.to_string()))?;
+        let storage = |e: valem_store::StoreError| ServiceError::Storage(e.to_string());
+        if limits.max_resident_models.is_some() {
+            // Under a residency bound nothing is loaded now: each model wakes at its first
+            // request (a model that cannot be recovered is found then, and answers so).
+            let ids = store.model_ids(None).map_err(storage)?;
+            let svc = Self::start(shards, limits, Some(store));
+            svc.count.store(ids.len(), Ordering::SeqCst);
+            let mut per_shard: Vec<Vec<String>> = vec![Vec::new(); svc.shards.len()];
+            for id in ids {
+                if let Some(v) = per_shard.get_mut(svc.shard_of(&id)) {
+                    v.push(id);
+                }
+            }
+            for (i, ids) in per_shard.into_iter().enumerate() {
+                svc.on_shard(i, move |s| {
+                    for id in ids {
+                        s.hibernate_stored(id);
+                    }
+                })?;
+            }
+            return Ok(svc);
+        }
+        let stored = store.load_models().map_err(storage)?;
         let svc = Self::start(shards, limits, Some(store));
         let waits: Vec<_> = stored
             .into_iter()
@@ -176,6 +197,12 @@ impl ModelService {
         };
         let subscribers = Arc::new(Subscribers::default());
         let metrics = Arc::new(metrics::CycleMetrics::default());
+        let residency = Arc::new(metrics::ResidencyMetrics::default());
+        // Each shard keeps its share of the bound (ids spread evenly over the shards).
+        let resident_max = limits
+            .max_resident_models
+            .filter(|_| store.is_some())
+            .map(|m| m.div_ceil(n).max(1));
         let checkpoint_metrics = Arc::new(metrics::CheckpointMetrics::default());
         let audit_sink: Arc<std::sync::OnceLock<audit_sink::AuditSink>> = Arc::default();
         let mut senders = Vec::with_capacity(n);
@@ -189,11 +216,12 @@ impl ModelService {
             let cp_metrics = checkpoint_metrics.clone();
             let shard_store = store.clone();
             let sink = audit_sink.clone();
+            let res = (resident_max, residency.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("valem-shard-{i}"))
                 .spawn(move || {
                     let mut shard =
-                        Shard::new(lim, subs, cycle_metrics, cp_metrics, shard_store, sink);
+                        Shard::new(lim, subs, cycle_metrics, cp_metrics, shard_store, sink, res);
                     while let Some(job) = next_job(&rx) {
                         job(&mut shard);
                     }
@@ -219,6 +247,7 @@ impl ModelService {
             count: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             metrics,
             checkpoint_metrics,
+            residency,
             async_polling: std::sync::atomic::AtomicBool::new(true),
             store,
             blob_plugin: std::sync::OnceLock::new(),
@@ -267,6 +296,26 @@ impl ModelService {
     /// Cycle counters and latency histogram.
     pub fn metrics(&self) -> &metrics::CycleMetrics {
         &self.metrics
+    }
+
+    /// Models in memory and hibernated, evictions and wakes (`--max-resident-models`).
+    pub fn residency(&self) -> &metrics::ResidencyMetrics {
+        &self.residency
+    }
+
+    /// The ids of the models whose spec text contains `needle` (all with `None`), without
+    /// waking any: hibernated models are looked up in the store. A cheap prefilter for callers
+    /// that then read the spec of the few it returns.
+    pub fn models_mentioning(&self, needle: &str) -> Result<Vec<String>, ServiceError> {
+        if self.limits.max_resident_models.is_none() || self.store.is_none() {
+            return self.list();
+        }
+        match &self.store {
+            Some(store) => store
+                .model_ids(Some(needle))
+                .map_err(|e| ServiceError::Storage(e.to_string())),
+            None => self.list(),
+        }
     }
 
     /// Checkpoints refused by recovery and `?at=` reads.
@@ -477,12 +526,12 @@ impl ModelService {
 
     pub fn info(&self, id: &ModelId) -> Call<'_, ModelInfo> {
         let owned = id.clone();
-        self.read(id, move |s| Ok(ModelInfo::of(&s.entry(&owned)?.spec)))
+        self.read(id, move |s| Ok(s.entry(&owned)?.info()))
     }
 
     pub fn spec(&self, id: &ModelId) -> Call<'_, Arc<ModelSpec>> {
         let owned = id.clone();
-        self.read(id, move |s| Ok(s.entry(&owned)?.spec.clone()))
+        self.read(id, move |s| Ok(s.entry(&owned)?.named_spec()))
     }
 
     /// The library a model binds: layers and exports (`None` when it has none).

@@ -17,14 +17,31 @@ pub struct CycleMetrics {
     pub rejected_schema: AtomicU64,
     pub rejected_constraint: AtomicU64,
     pub rejected_other: AtomicU64,
-    /// Non-cumulative counts per bucket; the last slot is `+Inf`.
-    buckets: [AtomicU64; 20],
-    sum_nanos: AtomicU64,
+    latency: Histogram,
 }
 
 impl CycleMetrics {
     pub fn committed(&self, took: Duration) {
         self.committed.fetch_add(1, Ordering::Relaxed);
+        self.latency.record(took);
+    }
+
+    /// Cumulative bucket counts (one per `BUCKETS` entry, then `+Inf`) and the sum in seconds.
+    pub fn histogram(&self) -> (Vec<u64>, f64) {
+        self.latency.cumulative()
+    }
+}
+
+/// A latency histogram over [`BUCKETS`].
+#[derive(Default)]
+pub struct Histogram {
+    /// Non-cumulative counts per bucket; the last slot is `+Inf`.
+    buckets: [AtomicU64; 20],
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    pub fn record(&self, took: Duration) {
         let secs = took.as_secs_f64();
         let i = BUCKETS
             .iter()
@@ -38,7 +55,7 @@ impl CycleMetrics {
     }
 
     /// Cumulative bucket counts (one per `BUCKETS` entry, then `+Inf`) and the sum in seconds.
-    pub fn histogram(&self) -> (Vec<u64>, f64) {
+    pub fn cumulative(&self) -> (Vec<u64>, f64) {
         let mut acc = 0;
         let counts = self
             .buckets
@@ -91,5 +108,41 @@ impl CheckpointMetrics {
             .zip(&self.refused)
             .map(|(l, c)| (*l, c.load(Ordering::Relaxed)))
             .collect()
+    }
+}
+
+/// Models in memory and hibernated in the store (`--max-resident-models`), and what moving them
+/// between the two costs.
+#[derive(Default)]
+pub struct ResidencyMetrics {
+    /// Models in memory.
+    pub resident: AtomicU64,
+    /// Models kept in the store only, woken by their next request.
+    pub hibernated: AtomicU64,
+    /// Models evicted from memory.
+    pub evicted: AtomicU64,
+    /// Wakes that failed (the model is then unrecovered: the log says why).
+    pub wake_failures: AtomicU64,
+    /// How long each wake took: the stored spec, the checkpoint and the records after it.
+    pub wakes: Histogram,
+}
+
+impl ResidencyMetrics {
+    /// `n` models entered (`true`) or left memory.
+    pub(crate) fn resident(&self, entered: bool, n: u64) {
+        gauge(&self.resident, entered, n);
+    }
+
+    /// `n` models went to (`true`) or left the store-only set.
+    pub(crate) fn hibernated(&self, entered: bool, n: u64) {
+        gauge(&self.hibernated, entered, n);
+    }
+}
+
+fn gauge(g: &AtomicU64, up: bool, n: u64) {
+    if up {
+        g.fetch_add(n, Ordering::Relaxed);
+    } else {
+        g.fetch_sub(n, Ordering::Relaxed);
     }
 }

@@ -22,6 +22,10 @@ pub struct ServiceLimits {
     pub blob_max_bytes: usize,
     /// All blobs together, in bytes.
     pub blob_max_total_bytes: usize,
+    /// With a store: most models kept in memory (`None`: every model). Beyond it the least
+    /// recently used are evicted (their state is durable already) and woken from the store by
+    /// their next request. Split evenly over the shards.
+    pub max_resident_models: Option<usize>,
 }
 
 /// A cycle's time budget unless configured otherwise (`--cycle-budget-ms`).
@@ -41,6 +45,7 @@ impl Default for ServiceLimits {
             checkpoint_every: 1000,
             blob_max_bytes: 50 << 20,
             blob_max_total_bytes: 512 << 20,
+            max_resident_models: None,
         }
     }
 }
@@ -63,6 +68,11 @@ pub struct ModelInfo {
 
 impl ModelInfo {
     pub(super) fn of(spec: &ModelSpec) -> ModelInfo {
+        Self::named(&spec.id, spec)
+    }
+
+    /// What `spec` defines, for the model `id` (a shared spec may name another).
+    pub(super) fn named(id: &str, spec: &ModelSpec) -> ModelInfo {
         let views = spec
             .view_definition
             .as_ref()
@@ -75,7 +85,7 @@ impl ModelInfo {
             })
             .unwrap_or_default();
         ModelInfo {
-            id: spec.id.clone(),
+            id: id.to_string(),
             version: spec.version_or_default().to_string(),
             derivation_count: spec.derivations.len(),
             meta_derivation_count: spec.meta_derivations.len(),

@@ -200,6 +200,14 @@ pub struct StoreArgs {
     /// each model's chain from its next record on.
     #[arg(long, env = "VALEM_AUDIT_KEY_FILE", value_name = "PATH")]
     pub audit_key_file: Option<PathBuf>,
+    /// With --data-dir: keep at most N models in memory. Past it the least recently used are
+    /// evicted (their state is already durable; a checkpoint at their head is written) and
+    /// woken from the store by their next request, on every surface; timers and subscribers
+    /// keep working meanwhile. At start no model is loaded: each wakes when first asked for.
+    /// Explain traces and the in-memory history ring start again at a wake, as at a restart.
+    /// --max-models still bounds all models, hibernated ones included.
+    #[arg(long, env = "VALEM_MAX_RESIDENT_MODELS", value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_resident_models: Option<u64>,
 }
 
 /// Where models run and how many may live, with the engine's limits (`valem mcp`, `console`

@@ -8,10 +8,19 @@ use super::*;
 pub(super) fn open_service(
     cmd: &str,
     shards: usize,
-    limits: valem_service::ServiceLimits,
+    mut limits: valem_service::ServiceLimits,
     args: &StoreArgs,
 ) -> Result<std::sync::Arc<valem_service::ModelService>, i32> {
+    limits.max_resident_models = args
+        .max_resident_models
+        .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     let Some(dir) = args.data_dir.as_deref() else {
+        if let Some(n) = args.max_resident_models {
+            eprintln!(
+                "valem {cmd}: --max-resident-models {n} needs --data-dir: an evicted model is woken from the store, and without one it would be lost"
+            );
+            return Err(2);
+        }
         if let Some(f) = &args.audit_key_file {
             eprintln!(
                 "valem {cmd}: --audit-key-file {} needs --data-dir: the key protects the durable audit log",
@@ -78,12 +87,21 @@ pub(super) fn open_service(
             );
             1
         })?;
-    tracing::info!(
-        models = service.model_count(),
-        took_ms = started.elapsed().as_millis() as u64,
-        dir = %dir.display(),
-        "recovered the stored models"
-    );
+    match args.max_resident_models {
+        None => tracing::info!(
+            models = service.model_count(),
+            took_ms = started.elapsed().as_millis() as u64,
+            dir = %dir.display(),
+            "recovered the stored models"
+        ),
+        Some(n) => tracing::info!(
+            models = service.model_count(),
+            max_resident = n,
+            took_ms = started.elapsed().as_millis() as u64,
+            dir = %dir.display(),
+            "registered the stored models; each is loaded at its first request"
+        ),
+    }
     Ok(service)
 }
 

@@ -36,6 +36,11 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn stats(&self) -> WriterStats;
     /// Every stored model.
     fn load_models(&self) -> Result<Vec<StoredModel>, StoreError>;
+    /// One stored model (`None`: not stored).
+    fn load_model(&self, id: &str) -> Result<Option<StoredModel>, StoreError>;
+    /// The stored models' ids, in order; with `needle`, only those whose stored spec text
+    /// contains it (a prefilter that parses no spec).
+    fn model_ids(&self, needle: Option<&str>) -> Result<Vec<String>, StoreError>;
     /// Stream a model's records with sequence > `after` (all when `None`) oldest first,
     /// stopping before the first committed after `up_to`, or when `f` breaks; returns
     /// how many `f` saw.
@@ -99,6 +104,12 @@ impl Store for SqliteStore {
     }
     fn load_models(&self) -> Result<Vec<StoredModel>, StoreError> {
         SqliteStore::load_models(self)
+    }
+    fn load_model(&self, id: &str) -> Result<Option<StoredModel>, StoreError> {
+        SqliteStore::load_model(self, id)
+    }
+    fn model_ids(&self, needle: Option<&str>) -> Result<Vec<String>, StoreError> {
+        SqliteStore::model_ids(self, needle)
     }
     fn audit_after(
         &self,

@@ -15,20 +15,39 @@ impl SqliteStore {
                 )
                 .map_err(|e| sql_err(&self.db, e))?;
             let rows = st
-                .query_map([], |r| {
-                    Ok(StoredModel {
-                        id: r.get(0)?,
-                        spec_text: r.get(1)?,
-                        version: r.get(2)?,
-                        created: Timestamp::from_us(r.get(3)?),
-                        updated: Timestamp::from_us(r.get(4)?),
-                        head_seq: r
-                            .get::<_, Option<i64>>(5)?
-                            .map(|s| s.max(0) as u64)
-                            .map(Seq::new),
-                        head_hash: r.get(6)?,
-                    })
-                })
+                .query_map([], stored_model)
+                .map_err(|e| sql_err(&self.db, e))?;
+            rows.collect::<Result<Vec<_>, _>>()
+                .map_err(|e| sql_err(&self.db, e))
+        })
+    }
+
+    /// One stored model, `None` when the store does not hold it.
+    pub fn load_model(&self, id: &str) -> Result<Option<StoredModel>, StoreError> {
+        self.with_reader(|c| {
+            let mut st = c
+                .prepare_cached(
+                    "SELECT id, spec, version, created_us, updated_us, head_seq, head_hash
+                     FROM models WHERE id = ?1",
+                )
+                .map_err(|e| sql_err(&self.db, e))?;
+            st.query_row([id], stored_model)
+                .optional()
+                .map_err(|e| sql_err(&self.db, e))
+        })
+    }
+
+    /// The ids of the stored models, in order; only those whose stored spec text contains
+    /// `needle` when one is given (a cheap prefilter, read without parsing any spec).
+    pub fn model_ids(&self, needle: Option<&str>) -> Result<Vec<String>, StoreError> {
+        self.with_reader(|c| {
+            let mut st = c
+                .prepare_cached(
+                    "SELECT id FROM models WHERE ?1 IS NULL OR instr(spec, ?1) > 0 ORDER BY id",
+                )
+                .map_err(|e| sql_err(&self.db, e))?;
+            let rows = st
+                .query_map([needle], |r| r.get::<_, String>(0))
                 .map_err(|e| sql_err(&self.db, e))?;
             rows.collect::<Result<Vec<_>, _>>()
                 .map_err(|e| sql_err(&self.db, e))
@@ -419,4 +438,20 @@ impl SqliteStore {
             Ok(report)
         })
     }
+}
+
+/// A `models` row (`id, spec, version, created_us, updated_us, head_seq, head_hash`).
+fn stored_model(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredModel> {
+    Ok(StoredModel {
+        id: r.get(0)?,
+        spec_text: r.get(1)?,
+        version: r.get(2)?,
+        created: Timestamp::from_us(r.get(3)?),
+        updated: Timestamp::from_us(r.get(4)?),
+        head_seq: r
+            .get::<_, Option<i64>>(5)?
+            .map(|s| s.max(0) as u64)
+            .map(Seq::new),
+        head_hash: r.get(6)?,
+    })
 }

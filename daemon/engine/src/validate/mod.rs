@@ -7,7 +7,7 @@ mod sections;
 
 use sections::*;
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use schemars::JsonSchema;
@@ -199,8 +199,48 @@ pub fn validate(spec: &ModelSpec, limits: &EngineLimits) -> Report {
         errors: Vec::new(),
         warnings: Vec::new(),
     };
+    // Only the identity checks (and lineage, which names ids: not cached) read the id, so a
+    // spec whose content was found valid before needs only those (creating many models of one
+    // spec then compiles it once, not once per model).
+    let key = spec.lineage.is_empty().then(|| valid_key(spec, limits));
+    if let Some(known) = key.as_ref().and_then(known_valid) {
+        check_identity(spec, &mut v);
+        v.warnings.extend(known.warnings);
+        return finish(v);
+    }
     check(spec, &mut v, limits);
-    finish(v)
+    let report = finish(v);
+    if let (Some(k), true) = (key, report.valid) {
+        remember_valid(k, &report);
+    }
+    report
+}
+
+/// Reports of valid spec contents, by [`valid_key`]: bounded, emptied when full.
+static VALID: std::sync::Mutex<Option<HashMap<[u8; 32], Report>>> = std::sync::Mutex::new(None);
+const VALID_CACHE_SIZE: usize = 1024;
+
+/// A spec's content (its id aside) and the limits it is validated under.
+fn valid_key(spec: &ModelSpec, limits: &EngineLimits) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(&crate::content_hash(spec, limits.jit.enabled));
+    h.update(format!("{limits:?}").as_bytes());
+    *h.finalize().as_bytes()
+}
+
+fn known_valid(key: &[u8; 32]) -> Option<Report> {
+    let cache = VALID.lock().ok()?;
+    cache.as_ref()?.get(key).cloned()
+}
+
+fn remember_valid(key: [u8; 32], report: &Report) {
+    if let Ok(mut cache) = VALID.lock() {
+        let map = cache.get_or_insert_with(HashMap::new);
+        if map.len() >= VALID_CACHE_SIZE {
+            map.clear();
+        }
+        map.insert(key, report.clone());
+    }
 }
 
 fn finish(mut v: V) -> Report {

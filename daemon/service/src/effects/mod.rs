@@ -277,7 +277,11 @@ impl Runner {
     /// Resume what a previous run of the daemon left in flight (see the module doc).
     pub fn recover(self: &Arc<Self>) {
         let Some(svc) = self.service() else { return };
-        let Ok(ids) = svc.list() else { return };
+        // Only a model whose spec names a status path can have an effect to resume: under a
+        // residency bound the others are not woken to find out.
+        let Ok(ids) = svc.models_mentioning("\"statusPath\"") else {
+            return;
+        };
         let mut resumed = 0usize;
         for id in ids {
             let Ok(spec) = svc.spec(&crate::ModelId::from(&id)).wait() else {

@@ -187,8 +187,17 @@ impl Shard {
         let subscribers = self.subscribers.clone();
         match (&self.store, op) {
             (Some(store), Some(op)) => {
-                let stale = self.models.get(id).map(|e| e.stale.clone());
+                let (stale, inflight) = match self.models.get(id) {
+                    Some(e) => (Some(e.stale.clone()), Some(e.inflight.clone())),
+                    None => (None, None),
+                };
+                if let Some(n) = &inflight {
+                    n.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                }
                 reply.after(&store.writer(), op, ok, move |committed| {
+                    if let Some(n) = inflight {
+                        n.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                    }
                     if !committed {
                         if let Some(s) = stale {
                             s.store(true, std::sync::atomic::Ordering::Release);
@@ -257,7 +266,7 @@ impl Shard {
         let was = match &result {
             Ok(()) => self.unrecovered.remove(&id).is_some(),
             Err(e) => {
-                self.models.remove(&id);
+                self.unload(&id);
                 self.unrecovered.insert(id, e.to_string()).is_some()
             }
         };
@@ -272,7 +281,7 @@ impl Shard {
             return Ok(());
         };
         let id = stored.id.clone();
-        self.models.remove(&id);
+        self.unload(&id);
         let spec = valem_core::spec::parse_spec_text(&stored.spec_text).map_err(|e| {
             ServiceError::Storage(format!(
                 "the stored spec of model `{id}` does not parse: {e}"
@@ -332,14 +341,12 @@ impl Shard {
             .flush()
             .map_err(|e| ServiceError::Storage(e.to_string()))?;
         let stored = store
-            .load_models()
-            .map_err(|e| ServiceError::Storage(e.to_string()))?
-            .into_iter()
-            .find(|m| m.id == id);
+            .load_model(id)
+            .map_err(|e| ServiceError::Storage(e.to_string()))?;
         match stored {
             Some(m) => self.recover(m),
             None => {
-                self.models.remove(id);
+                self.unload(id);
                 Err(ServiceError::NotFound(id.to_string()))
             }
         }

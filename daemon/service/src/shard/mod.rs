@@ -3,18 +3,19 @@
 
 mod durability;
 mod reads;
+mod residency;
 mod writes;
 
 use durability::*;
 use writes::*;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use serde_json::{json, Map, Value as Json};
 
 use super::audit::{AuditTrail, Entry as AuditEntry};
-use super::metrics::{CheckpointMetrics, CycleMetrics};
+use super::metrics::{CheckpointMetrics, CycleMetrics, ResidencyMetrics};
 use super::time::{iso, now, Timestamp};
 use super::Seq;
 use super::{
@@ -34,7 +35,12 @@ use valem_store::{CheckpointChoice, CheckpointKind, Op, Store, StoredModel};
 
 /// A live model and its rings.
 pub(super) struct Entry {
-    pub spec: Arc<ModelSpec>,
+    /// The model's id (its spec's `id`).
+    id: String,
+    /// The spec's content, shared with every model of this shard whose spec differs only by
+    /// its id (it is the compiled model's): its `id` may be another model's, so what leaves the
+    /// shard goes through [`Entry::named_spec`] or [`Entry::info`].
+    spec: Arc<ModelSpec>,
     pub model: Model,
     /// The newest commits, oldest first: the state after each is rebuilt from the current one
     /// by undoing what came after it (see [`Commit`]).
@@ -49,6 +55,11 @@ pub(super) struct Entry {
     /// Set (by the store's writer) when a write of this model failed: memory is ahead of the
     /// store, so the model is reloaded from the store before its next operation.
     stale: Arc<std::sync::atomic::AtomicBool>,
+    /// Writes of this model submitted to the store and not yet answered: such a model is not
+    /// evicted (waking it before they commit would miss them).
+    inflight: Arc<std::sync::atomic::AtomicUsize>,
+    /// When it was last used, on the shard's clock (eviction takes the least recent).
+    used: u64,
     /// The sequence of the newest checkpoint written (with a store).
     checkpointed: Option<Seq>,
     /// When the model was created: nothing exists before it.
@@ -68,6 +79,21 @@ struct Commit {
 }
 
 impl Entry {
+    /// The model's spec, with its own id.
+    pub(super) fn named_spec(&self) -> Arc<ModelSpec> {
+        if self.spec.id == self.id {
+            return self.spec.clone();
+        }
+        let mut spec = ModelSpec::clone(&self.spec);
+        spec.id.clone_from(&self.id);
+        Arc::new(spec)
+    }
+
+    /// What the model is, under its own id.
+    pub(super) fn info(&self) -> ModelInfo {
+        ModelInfo::named(&self.id, &self.spec)
+    }
+
     /// Record a commit at `t` in the ring, keeping the newest `max`.
     fn remember(&mut self, t: Timestamp, max: usize) {
         self.settle_history();
@@ -116,7 +142,16 @@ impl Entry {
 }
 
 pub(super) struct Shard {
+    /// The models in memory.
     models: HashMap<String, Entry>,
+    /// Models kept in the store only (evicted, or not loaded at start under a residency
+    /// bound): the next request for one wakes it.
+    hibernated: HashSet<String>,
+    /// Most models this shard keeps in memory (its share of `--max-resident-models`).
+    resident_max: Option<usize>,
+    /// Counts uses, for the eviction order.
+    clock: u64,
+    residency: Arc<ResidencyMetrics>,
     /// Stored models whose recovery failed, with why: they stay in the store, untouched, and
     /// every request for one answers that (see [`ServiceError::Unrecovered`]); deleting one
     /// drops what is stored.
@@ -138,9 +173,14 @@ impl Shard {
         checkpoint_metrics: Arc<CheckpointMetrics>,
         store: Option<Arc<dyn Store>>,
         audit_sink: Arc<std::sync::OnceLock<super::audit_sink::AuditSink>>,
+        residency: (Option<usize>, Arc<ResidencyMetrics>),
     ) -> Shard {
         Shard {
             models: HashMap::new(),
+            hibernated: HashSet::new(),
+            resident_max: residency.0,
+            clock: 0,
+            residency: residency.1,
             unrecovered: HashMap::new(),
             store,
             limits,
@@ -151,7 +191,13 @@ impl Shard {
         }
     }
 
+    /// Model `id`, woken from the store when it is hibernated.
     pub(crate) fn entry(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
+        if !self.models.contains_key(id) {
+            self.wake(id)?;
+        } else {
+            self.touch(id);
+        }
         let stale = self
             .models
             .get(id)
@@ -162,12 +208,17 @@ impl Shard {
         self.entry_raw(id)
     }
 
+    /// Every model's id, hibernated ones included.
     pub(crate) fn ids(&self) -> Vec<String> {
-        self.models.keys().cloned().collect()
+        self.models
+            .keys()
+            .chain(self.hibernated.iter())
+            .cloned()
+            .collect()
     }
 
     pub(crate) fn create(&mut self, spec: ModelSpec, reply: Reply<ModelInfo>) {
-        if self.models.contains_key(&spec.id) {
+        if self.models.contains_key(&spec.id) || self.hibernated.contains(&spec.id) {
             return reply.send(Err(ServiceError::Duplicate(spec.id)));
         }
         if let Some(why) = self.unrecovered.get(&spec.id) {
@@ -185,7 +236,7 @@ impl Shard {
             },
         };
         let (info, seeded) = match self.insert_seeded(spec, t) {
-            Ok((e, seeded)) => (ModelInfo::of(&e.spec), seeded),
+            Ok((e, seeded)) => (e.info(), seeded),
             Err(e) => return reply.send(Err(e)),
         };
         let id = info.id.clone();
@@ -220,28 +271,50 @@ impl Shard {
         t: Timestamp,
     ) -> Result<&mut Entry, ServiceError> {
         let id = spec.id.clone();
-        self.models.insert(
+        self.clock += 1;
+        let replaced = self.models.insert(
             id.clone(),
             Entry {
-                spec: Arc::new(spec),
+                id: id.clone(),
+                spec: model.compiled.spec.clone(),
                 model,
                 history: VecDeque::new(),
                 traces: VecDeque::new(),
+                // With a store, the store answers audit queries: memory keeps the newest only.
                 audit: AuditTrail::new(
-                    self.limits.audit_entries,
+                    if self.store.is_some() {
+                        1
+                    } else {
+                        self.limits.audit_entries
+                    },
                     self.store.as_ref().and_then(|s| s.audit_key().copied()),
                 ),
                 last: t,
                 verification: None,
                 stale: Arc::default(),
+                inflight: Arc::default(),
+                used: self.clock,
                 checkpointed: None,
                 created: t,
                 evolved: t,
             },
         );
+        if replaced.is_none() {
+            self.residency.resident(true, 1);
+            self.evict_over_bound(&id);
+        }
         let e = self.entry_raw(&id)?;
         e.restart_history(t);
         Ok(e)
+    }
+
+    /// Drop model `id` from memory (it stays in the store, if any).
+    fn unload(&mut self, id: &str) -> Option<Entry> {
+        let e = self.models.remove(id);
+        if e.is_some() {
+            self.residency.resident(false, 1);
+        }
+        e
     }
 
     fn entry_raw(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
@@ -261,7 +334,12 @@ impl Shard {
         if unrecovered {
             self.checkpoint_metrics.unrecovered(false);
         }
-        if self.models.remove(id).is_none() && !unrecovered {
+        let hibernated = self.hibernated.remove(id);
+        if hibernated {
+            self.residency.hibernated(false, 1);
+        }
+        let resident = self.unload(id).is_some();
+        if !resident && !hibernated && !unrecovered {
             return reply.send(Err(ServiceError::NotFound(id.to_string())));
         }
         let op = Op::DeleteModel { id: id.to_string() };

@@ -219,20 +219,29 @@ impl Shard {
         let now = now();
         let merged = e.model.merged_json(now);
         let meta = e.model.state().meta_json();
-        valem_engine::view::evaluate_view(&e.spec, &merged, &meta, view_id, now, &limits).map_err(
-            |v| match v {
-                ViewError::NoView(_) | ViewError::UnknownView(_) => {
-                    ServiceError::ViewNotFound(v.to_string())
+        // The shared spec may carry another model's id: the view is this one's.
+        match valem_engine::view::evaluate_view(&e.spec, &merged, &meta, view_id, now, &limits) {
+            Ok(mut view) => {
+                if let Some(o) = view.as_object_mut() {
+                    o.insert("modelId".into(), Json::String(id.to_string()));
                 }
-                ViewError::Invalid(_) => ServiceError::BadRequest(v.to_string()),
-            },
-        )
+                Ok(view)
+            }
+            Err(ViewError::NoView(_)) => Err(ServiceError::ViewNotFound(
+                ViewError::NoView(id.to_string()).to_string(),
+            )),
+            Err(v @ ViewError::UnknownView(_)) => Err(ServiceError::ViewNotFound(v.to_string())),
+            Err(v @ ViewError::Invalid(_)) => Err(ServiceError::BadRequest(v.to_string())),
+        }
     }
 
     pub(crate) fn graph(&mut self, id: &str) -> Result<Json, ServiceError> {
-        Ok(valem_engine::graph::project(
-            &self.entry(id)?.model.compiled,
-        ))
+        let mut graph = valem_engine::graph::project(&self.entry(id)?.model.compiled);
+        // The compiled model is shared by content: its spec may carry another model's id.
+        if let Some(o) = graph.as_object_mut() {
+            o.insert("modelId".into(), Json::String(id.to_string()));
+        }
+        Ok(graph)
     }
 
     pub(crate) fn verification(&mut self, id: &str) -> Result<Arc<Json>, ServiceError> {

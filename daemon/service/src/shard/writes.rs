@@ -184,7 +184,7 @@ impl Shard {
     ) {
         if let Some(v) = &view {
             match self.entry(id) {
-                Ok(e) if ModelInfo::of(&e.spec).views.iter().any(|x| x == v) => {}
+                Ok(e) if e.info().views.iter().any(|x| x == v) => {}
                 Ok(_) => {
                     return reply.send(Err(ServiceError::ViewNotFound(format!(
                         "model `{id}` has no view `{v}`"
@@ -446,7 +446,7 @@ impl Shard {
         match self.evolve(id, evo) {
             // Nothing changed: nothing to store or announce.
             Ok(None) => match self.entry(id) {
-                Ok(e) => reply.send(Ok(ModelInfo::of(&e.spec))),
+                Ok(e) => reply.send(Ok(e.info())),
                 Err(x) => reply.send(Err(x)),
             },
             Ok(Some(info)) => {
@@ -454,7 +454,7 @@ impl Shard {
                     (Some(_), Some(e)) => {
                         e.checkpointed = e.audit.head();
                         e.evolved = e.last;
-                        match put_model_op(&e.spec, e.last) {
+                        match put_model_op(&e.named_spec(), e.last) {
                             Ok(put) => Some(Op::Atomic(vec![
                                 put,
                                 checkpoint_op(id, e, CheckpointKind::Base),
@@ -495,7 +495,9 @@ impl Shard {
                 });
             }
         }
-        let spec = evolve::apply(&e.spec, &evo).map_err(|x| ServiceError::BadRequest(x.0))?;
+        // Applied to the shared content (whose id may be another model's), compared with it,
+        // then named for this model.
+        let mut spec = evolve::apply(&e.spec, &evo).map_err(|x| ServiceError::BadRequest(x.0))?;
         let backfills = evo.backfill.as_ref().is_some_and(|b| {
             b.keys().any(|k| {
                 concrete(k)
@@ -506,6 +508,7 @@ impl Shard {
         if spec == *e.spec && !backfills {
             return Ok(None);
         }
+        spec.id = id.to_string();
         let report = valem_engine::validate::validate(&spec, &limits);
         if !report.valid {
             return Err(ServiceError::EvolutionInvalid(report.errors));
@@ -542,7 +545,7 @@ impl Shard {
             }
         }
         let info = ModelInfo::of(&spec);
-        e.spec = Arc::new(spec);
+        e.spec = model.compiled.spec.clone();
         e.verification = None;
         e.model = model;
         e.traces.clear();
