@@ -5,6 +5,7 @@
 
 pub mod allocator;
 pub mod bench;
+pub mod bench_models;
 pub mod cli;
 pub mod console;
 

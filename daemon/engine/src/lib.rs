@@ -419,6 +419,66 @@ pub fn content_hash(spec: &ModelSpec, jit: bool) -> [u8; 32] {
     *blake3::hash(&bytes).as_bytes()
 }
 
+thread_local! {
+    /// The state and result a compiled model's creation seeds, by the compiled model's address
+    /// (checked against a weak reference: an address reused by another is not mistaken for it),
+    /// for the compiled models whose creation does not depend on the instant (see
+    /// [`clock_free`]): creating many models of one spec runs its seeding cycle once. `None`:
+    /// this compiled model's seeding reads the clock.
+    static SEEDED: RefCell<HashMap<usize, SeededEntry>> = RefCell::new(HashMap::new());
+}
+/// A compiled model (weakly) and its seeded state and result, when they can be reused.
+type SeededEntry = (
+    std::rc::Weak<CompiledModel>,
+    Option<(State, MutationResult)>,
+);
+/// Seeded states kept (per thread); the oldest half goes when it is full.
+const SEEDED_CACHE_SIZE: usize = 256;
+
+/// Whether nothing a creation evaluates can depend on the instant or on chance: no expression
+/// text of the spec (the serialised spec as a whole, conservatively) names `$now`, `$millis`,
+/// `$random` or `$eval` (whose code could name them).
+fn clock_free(spec: &ModelSpec) -> bool {
+    let text = serde_json::to_string(spec).unwrap_or_default();
+    !["$now", "$millis", "$random", "$eval"]
+        .iter()
+        .any(|f| text.contains(f))
+}
+
+fn seeded(cm: &Rc<CompiledModel>) -> Option<(State, MutationResult)> {
+    SEEDED.with(|c| {
+        let c = c.borrow();
+        let (weak, seeded) = c.get(&(Rc::as_ptr(cm) as usize))?;
+        if !std::ptr::eq(weak.as_ptr(), Rc::as_ptr(cm)) || weak.strong_count() == 0 {
+            return None;
+        }
+        seeded.clone()
+    })
+}
+
+fn remember_seeded(cm: &Rc<CompiledModel>, state: &State, result: &MutationResult) {
+    let key = Rc::as_ptr(cm) as usize;
+    let known = SEEDED.with(|c| {
+        c.borrow()
+            .get(&key)
+            .is_some_and(|(w, _)| w.strong_count() > 0 && std::ptr::eq(w.as_ptr(), Rc::as_ptr(cm)))
+    });
+    if known {
+        return; // its seeding reads the clock
+    }
+    let entry = clock_free(&cm.spec).then(|| (state.clone(), result.clone()));
+    SEEDED.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= SEEDED_CACHE_SIZE {
+            c.retain(|_, (w, _)| w.strong_count() > 0);
+            if c.len() >= SEEDED_CACHE_SIZE {
+                c.clear();
+            }
+        }
+        c.insert(key, (Rc::downgrade(cm), entry));
+    });
+}
+
 /// Compile a spec, reusing the compiled model of a spec of the same content (its id aside)
 /// that this thread compiled and that is still alive. The compiled model's `spec` is the first
 /// such spec, so its `id` may be another model's.
@@ -489,6 +549,15 @@ impl Model {
         limits: EngineLimits,
     ) -> Result<(Model, MutationResult), CreateError> {
         let now_ms = now.ms();
+        if let Some((state, result)) = seeded(&compiled) {
+            let model = Model {
+                state,
+                compiled,
+                limits,
+                undo: None,
+            };
+            return Ok((model, result));
+        }
         let mut model = Model {
             state: State::empty(&compiled),
             compiled,
@@ -497,6 +566,7 @@ impl Model {
         };
         let result = cycle::initialize(&model.compiled, &model.limits, &mut model.state, now_ms)
             .map_err(CreateError::Initial)?;
+        remember_seeded(&model.compiled, &model.state, &result);
         Ok((model, result))
     }
 

@@ -85,6 +85,12 @@ pub async fn serve(State(st): State<AppState>) -> Response {
         "# HELP valem_models Live models (in memory and hibernated).\n# TYPE valem_models gauge\nvalem_models {}",
         st.service.model_count()
     );
+    if let Some(bytes) = resident_bytes() {
+        let _ = writeln!(
+            out,
+            "# HELP process_resident_memory_bytes Resident memory of the daemon.\n# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes {bytes}"
+        );
+    }
     let res = st.service.residency();
     let _ = writeln!(
         out,
@@ -250,4 +256,17 @@ fn histogram(out: &mut String, name: &str, help: &str, (counts, sum): (Vec<u64>,
     let total = counts.last().copied().unwrap_or(0);
     let _ = writeln!(out, "{name}_sum {sum}");
     let _ = writeln!(out, "{name}_count {total}");
+}
+
+/// The process's resident memory (Linux: `VmRSS` of /proc/self/status).
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }

@@ -568,4 +568,26 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Instead of one model: create N small models (copies of --spec, by default the bundled
+    /// car-loan-calculator) through the service over a strict durable store in a temporary
+    /// directory, from one caller, then time --count reads of one model in memory and of
+    /// models picked at random (woken from the store under --max-resident-models). Reports
+    /// creates/s, resident KB per model and read latencies.
+    #[arg(long, value_name = "N")]
+    pub models: Option<usize>,
+    /// With --models: keep at most this many models in memory (as `valem serve
+    /// --max-resident-models`).
+    #[arg(long, value_name = "N", requires = "models")]
+    pub max_resident_models: Option<usize>,
+    /// With --models: shard threads (0: one per core, as `valem serve`).
+    #[arg(long, default_value_t = 0, requires = "models")]
+    pub shards: usize,
+    /// With --models: drive the daemon at this URL over REST (one keep-alive client) instead
+    /// of a service in this process; memory is the daemon's, read from its /metrics. Start it
+    /// with the flags to measure (`--data-dir`, `--max-resident-models`, `--max-models`).
+    #[arg(long, value_name = "URL", requires = "models", conflicts_with_all = ["max_resident_models", "shards"])]
+    pub url: Option<String>,
+    /// With --url: the daemon's API key.
+    #[arg(long, env = "VALEM_API_KEY", requires = "url")]
+    pub api_key: Option<String>,
 }

@@ -308,7 +308,48 @@ fn bench(args: BenchArgs) -> Result<i32, String> {
         service,
         durable,
         json,
+        models,
+        max_resident_models,
+        shards,
+        url,
+        api_key,
     } = args;
+    if let Some(n) = models {
+        let (name, spec) = match spec {
+            Some(file) => (file.clone(), load_spec(&file)?.1),
+            None => {
+                let name = "example:car-loan-calculator".to_string();
+                (name.clone(), load_spec(&name)?.1)
+            }
+        };
+        let opts = crate::bench_models::Options {
+            models: n,
+            spec,
+            spec_name: name,
+            max_resident: max_resident_models,
+            shards,
+            reads: count,
+            seed,
+            url,
+            api_key,
+        };
+        let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let mut progress = |phase: &str, done: usize, of: usize| {
+            if tty {
+                eprint!("\r{phase} {done}/{of}        ");
+            }
+        };
+        let report = crate::bench_models::run(&opts, &mut progress)?;
+        if tty {
+            eprintln!();
+        }
+        if json {
+            println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        } else {
+            print!("{}", crate::bench_models::table(&report));
+        }
+        return Ok(0);
+    }
     if !(max_seconds > 0.0 && max_seconds.is_finite()) {
         return Err(format!(
             "--max-seconds must be a positive number; got {max_seconds}"

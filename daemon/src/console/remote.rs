@@ -62,7 +62,7 @@ pub struct Remote {
 }
 
 /// A request body.
-enum Body {
+pub(crate) enum Body {
     None,
     Json(Json),
     Raw {
@@ -72,9 +72,9 @@ enum Body {
 }
 
 /// A 2xx answer.
-struct Reply {
+pub(crate) struct Reply {
     content_type: Option<String>,
-    bytes: Vec<u8>,
+    pub(crate) bytes: Vec<u8>,
 }
 
 impl Remote {
@@ -108,7 +108,7 @@ impl Remote {
     }
 
     /// One call; the 2xx answer, else the server's message.
-    fn call(
+    pub(crate) fn call(
         &self,
         method: &'static str,
         path: &str,
