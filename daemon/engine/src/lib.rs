@@ -404,19 +404,33 @@ impl CompiledCache {
 /// The blake3 hash of a spec's content, its `id` left out (specs that differ only by it compile
 /// to the same model), and of whether the arithmetic tier is on.
 pub fn content_hash(spec: &ModelSpec, jit: bool) -> [u8; 32] {
-    let mut bytes = serde_json::to_vec(spec).unwrap_or_default();
-    // Compiled with the tier off, arithmetic derivations keep their parsed form.
-    bytes.push(u8::from(jit));
+    let text = serde_json::to_string(spec).unwrap_or_default();
+    content_hash_of(&text, &spec.id, jit)
+}
+
+/// [`content_hash`] of a spec already serialised (`text`, its id `id`).
+pub fn content_hash_of(text: &str, id: &str, jit: bool) -> [u8; 32] {
     // The id is the first member the spec serialises: hash what follows it. Should the text
     // ever start otherwise, the whole of it is hashed (no sharing, still exact).
     let mut prefix = br#"{"id":"#.to_vec();
-    if serde_json::to_writer(&mut prefix, &spec.id).is_ok() && bytes.starts_with(&prefix) {
-        let mut h = blake3::Hasher::new();
-        h.update(b"{");
-        h.update(&bytes[prefix.len()..]);
-        return *h.finalize().as_bytes();
+    let bytes = text.as_bytes();
+    let body = match serde_json::to_writer(&mut prefix, id) {
+        Ok(()) => bytes.strip_prefix(prefix.as_slice()),
+        Err(_) => None,
+    };
+    let mut h = blake3::Hasher::new();
+    match body {
+        Some(rest) => {
+            h.update(b"{");
+            h.update(rest);
+        }
+        None => {
+            h.update(bytes);
+        }
     }
-    *blake3::hash(&bytes).as_bytes()
+    // Compiled with the tier off, arithmetic derivations keep their parsed form.
+    h.update(&[u8::from(jit)]);
+    *h.finalize().as_bytes()
 }
 
 thread_local! {
@@ -486,7 +500,15 @@ pub fn compile_cached(
     spec: &ModelSpec,
     limits: &EngineLimits,
 ) -> Result<Rc<CompiledModel>, Vec<CompileError>> {
-    let hash = content_hash(spec, limits.jit.enabled);
+    compile_hashed(spec, content_hash(spec, limits.jit.enabled), limits)
+}
+
+/// [`compile_cached`] with the spec's [`content_hash`] already known (under `limits`' tier).
+pub fn compile_hashed(
+    spec: &ModelSpec,
+    hash: [u8; 32],
+    limits: &EngineLimits,
+) -> Result<Rc<CompiledModel>, Vec<CompileError>> {
     if let Some(cm) = COMPILED.with(|c| c.borrow().get(&hash)) {
         return Ok(cm);
     }
@@ -540,6 +562,17 @@ impl Model {
         limits: EngineLimits,
     ) -> Result<(Model, MutationResult), CreateError> {
         let compiled = compile_cached(spec, &limits).map_err(CreateError::Compile)?;
+        Model::from_compiled(compiled, now, limits)
+    }
+
+    /// [`create`](Self::create) with the spec's [`content_hash`] already known.
+    pub fn create_hashed(
+        spec: &ModelSpec,
+        hash: [u8; 32],
+        now: Timestamp,
+        limits: EngineLimits,
+    ) -> Result<(Model, MutationResult), CreateError> {
+        let compiled = compile_hashed(spec, hash, &limits).map_err(CreateError::Compile)?;
         Model::from_compiled(compiled, now, limits)
     }
 

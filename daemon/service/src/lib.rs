@@ -434,7 +434,12 @@ impl ModelService {
     pub fn create(&self, spec: ModelSpec) -> Result<ModelInfo, ServiceError> {
         use std::sync::atomic::Ordering;
         let spec = self.materialize(spec)?;
-        let report = valem_engine::validate::validate(&spec, &self.limits.engine);
+        // Serialised once: hashed for the validation and compile caches, and stored as is.
+        let text =
+            serde_json::to_string(&spec).map_err(|e| ServiceError::Storage(e.to_string()))?;
+        let hash = valem_engine::content_hash_of(&text, &spec.id, self.limits.engine.jit.enabled);
+        let report =
+            valem_engine::validate::validate_hashed(&spec, Some(hash), &self.limits.engine);
         if !report.valid {
             return Err(ServiceError::InvalidSpec(report.errors));
         }
@@ -450,7 +455,7 @@ impl ModelService {
         }
         let id = spec.id.clone();
         let r = self
-            .on_model_reply(&id, true, move |s, r| s.create(spec, r))
+            .on_model_reply(&id, true, move |s, r| s.create(spec, (text, hash), r))
             .wait()
             .and_then(|r| r);
         match &r {

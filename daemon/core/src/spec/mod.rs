@@ -643,6 +643,14 @@ pub fn parse_spec_text(text: &str) -> Result<ModelSpec, SpecParseError> {
     parse_spec(&json)
 }
 
+/// Parse a spec straight from its JSON text, when it is well formed (no intermediate JSON
+/// value: the fast path for a request body); `None` when it is not, and the caller takes
+/// [`parse_spec`]'s path for the located error (also for what only that path accepts, such
+/// as a key given twice).
+pub fn parse_spec_slice(bytes: &[u8]) -> Option<ModelSpec> {
+    serde_json::from_slice(bytes).ok()
+}
+
 /// Parse a spec JSON value, reporting shape errors by their location (`derivations[0].expr`).
 pub fn parse_spec(json: &Json) -> Result<ModelSpec, SpecParseError> {
     parse_located(json)

@@ -195,6 +195,11 @@ pub fn validate_json(json: &Json, limits: &EngineLimits) -> Report {
 
 /// Validate a parsed spec.
 pub fn validate(spec: &ModelSpec, limits: &EngineLimits) -> Report {
+    validate_hashed(spec, None, limits)
+}
+
+/// [`validate`], with the spec's [`content_hash`](crate::content_hash) when already known.
+pub fn validate_hashed(spec: &ModelSpec, hash: Option<[u8; 32]>, limits: &EngineLimits) -> Report {
     let mut v = V {
         errors: Vec::new(),
         warnings: Vec::new(),
@@ -202,7 +207,10 @@ pub fn validate(spec: &ModelSpec, limits: &EngineLimits) -> Report {
     // Only the identity checks (and lineage, which names ids: not cached) read the id, so a
     // spec whose content was found valid before needs only those (creating many models of one
     // spec then compiles it once, not once per model).
-    let key = spec.lineage.is_empty().then(|| valid_key(spec, limits));
+    let key = spec
+        .lineage
+        .is_empty()
+        .then(|| valid_key(spec, hash, limits));
     if let Some(known) = key.as_ref().and_then(known_valid) {
         check_identity(spec, &mut v);
         v.warnings.extend(known.warnings);
@@ -221,9 +229,9 @@ static VALID: std::sync::Mutex<Option<HashMap<[u8; 32], Report>>> = std::sync::M
 const VALID_CACHE_SIZE: usize = 1024;
 
 /// A spec's content (its id aside) and the limits it is validated under.
-fn valid_key(spec: &ModelSpec, limits: &EngineLimits) -> [u8; 32] {
+fn valid_key(spec: &ModelSpec, hash: Option<[u8; 32]>, limits: &EngineLimits) -> [u8; 32] {
     let mut h = blake3::Hasher::new();
-    h.update(&crate::content_hash(spec, limits.jit.enabled));
+    h.update(&hash.unwrap_or_else(|| crate::content_hash(spec, limits.jit.enabled)));
     h.update(format!("{limits:?}").as_bytes());
     *h.finalize().as_bytes()
 }

@@ -71,6 +71,28 @@ impl Params {
 /// A JSON request body (`Content-Type: application/json`).
 pub(crate) struct JsonBody(pub Json);
 
+/// A ModelSpec body (`Content-Type: application/json`): the spec when it parses straight from
+/// the bytes, else the JSON value (for the located error of `parse_spec`).
+pub(crate) enum SpecBody {
+    Spec(Box<valem_core::spec::ModelSpec>),
+    Json(Json),
+}
+
+impl FromRequest<AppState> for SpecBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        check_media(req.headers(), "application/json")?;
+        let bytes = body_bytes(req, state).await?;
+        if let Some(spec) = valem_core::spec::parse_spec_slice(&bytes) {
+            return Ok(SpecBody::Spec(Box::new(spec)));
+        }
+        serde_json::from_slice(&bytes)
+            .map(SpecBody::Json)
+            .map_err(|e| malformed(&e))
+    }
+}
+
 /// An RFC 6902 JSON Patch body (`Content-Type: application/json-patch+json`).
 pub(crate) struct PatchBody(pub Json);
 
@@ -100,21 +122,24 @@ pub(crate) fn media_type(headers: &HeaderMap) -> Option<String> {
     Some(v.split(';').next()?.trim().to_ascii_lowercase())
 }
 
-async fn json_body(req: Request, state: &AppState, media: &'static str) -> Result<Json, ApiError> {
-    match media_type(req.headers()) {
-        Some(m) if m == media => {}
-        got => {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "Unsupported media type",
-                format!(
-                    "the body must be sent as `Content-Type: {media}` (got {})",
-                    got.map_or("no Content-Type".to_string(), |g| format!("`{g}`"))
-                ),
-            ))
-        }
+/// 415 unless the request's media type is `media`.
+fn check_media(headers: &HeaderMap, media: &'static str) -> Result<(), ApiError> {
+    match media_type(headers) {
+        Some(m) if m == media => Ok(()),
+        got => Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Unsupported media type",
+            format!(
+                "the body must be sent as `Content-Type: {media}` (got {})",
+                got.map_or("no Content-Type".to_string(), |g| format!("`{g}`"))
+            ),
+        )),
     }
+}
+
+async fn json_body(req: Request, state: &AppState, media: &'static str) -> Result<Json, ApiError> {
+    check_media(req.headers(), media)?;
     let bytes = body_bytes(req, state).await?;
     serde_json::from_slice(&bytes).map_err(|e| malformed(&e))
 }

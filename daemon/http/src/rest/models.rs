@@ -6,7 +6,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value as Json};
 
-use super::extract::{wrong_shape, JsonBody, Params, PatchBody, P};
+use super::extract::{wrong_shape, JsonBody, Params, PatchBody, SpecBody, P};
 use super::{call, ok, ApiError};
 use crate::AppState;
 use valem_core::spec::{parse_evolution_checked, parse_spec, SpecParseError};
@@ -28,8 +28,12 @@ pub(super) async fn list(State(st): State<AppState>) -> Result<Response, ApiErro
     Ok(ok(call(&st, |svc| svc.list()).await?))
 }
 
-pub(super) async fn create(State(st): State<AppState>, JsonBody(body): JsonBody) -> Response {
-    let spec = match parse_spec(&body) {
+pub(super) async fn create(State(st): State<AppState>, body: SpecBody) -> Response {
+    let parsed = match body {
+        SpecBody::Spec(spec) => Ok(*spec),
+        SpecBody::Json(json) => parse_spec(&json),
+    };
+    let spec = match parsed {
         Ok(s) => s,
         Err(e) => {
             let f = parse_finding(&e);

@@ -197,6 +197,11 @@ impl Shard {
             self.wake(id)?;
         } else {
             self.touch(id);
+            // Over the bound still (the last eviction had to spare models with writes in
+            // flight): try again now.
+            if self.resident_max.is_some_and(|m| self.models.len() > m) {
+                self.evict_over_bound(id);
+            }
         }
         let stale = self
             .models
@@ -217,7 +222,13 @@ impl Shard {
             .collect()
     }
 
-    pub(crate) fn create(&mut self, spec: ModelSpec, reply: Reply<ModelInfo>) {
+    /// Create model `spec` (`text`: its serialisation, `hash`: its content hash).
+    pub(crate) fn create(
+        &mut self,
+        spec: ModelSpec,
+        (text, hash): (String, [u8; 32]),
+        reply: Reply<ModelInfo>,
+    ) {
         if self.models.contains_key(&spec.id) || self.hibernated.contains(&spec.id) {
             return reply.send(Err(ServiceError::Duplicate(spec.id)));
         }
@@ -230,12 +241,14 @@ impl Shard {
         let t = now();
         let persist = match &self.store {
             None => None,
-            Some(_) => match put_model_op(&spec, t) {
-                Ok(op) => Some(op),
-                Err(e) => return reply.send(Err(e)),
-            },
+            Some(_) => Some(Op::PutModel {
+                id: spec.id.clone(),
+                spec_text: text,
+                version: spec.version_or_default().to_string(),
+                at: t,
+            }),
         };
-        let (info, seeded) = match self.insert_seeded(spec, t) {
+        let (info, seeded) = match self.insert_seeded(spec, Some(hash), t) {
             Ok((e, seeded)) => (e.info(), seeded),
             Err(e) => return reply.send(Err(e)),
         };
@@ -250,17 +263,23 @@ impl Shard {
 
     /// Compile `spec` into a fresh model created at `t` and register it.
     fn insert(&mut self, spec: ModelSpec, t: Timestamp) -> Result<&mut Entry, ServiceError> {
-        Ok(self.insert_seeded(spec, t)?.0)
+        Ok(self.insert_seeded(spec, None, t)?.0)
     }
 
-    /// [`insert`](Self::insert), with the result of the seeding cycle.
+    /// [`insert`](Self::insert), with the result of the seeding cycle (`hash`: the spec's
+    /// content hash, when known).
     fn insert_seeded(
         &mut self,
         spec: ModelSpec,
+        hash: Option<[u8; 32]>,
         t: Timestamp,
     ) -> Result<(&mut Entry, MutationResult), ServiceError> {
-        let (model, seeded) =
-            Model::create(&spec, t, self.limits.engine.clone()).map_err(create_error)?;
+        let limits = self.limits.engine.clone();
+        let (model, seeded) = match hash {
+            Some(h) => Model::create_hashed(&spec, h, t, limits),
+            None => Model::create(&spec, t, limits),
+        }
+        .map_err(create_error)?;
         Ok((self.register(spec, model, t)?, seeded))
     }
 
