@@ -196,7 +196,10 @@ fn a_timer_on_a_hibernated_model_fires() {
         if metric(&http, "valem_models_hibernated") == 1.0 {
             break;
         }
-        assert!(Instant::now() < deadline, "the timer's model was never evicted");
+        assert!(
+            Instant::now() < deadline,
+            "the timer's model was never evicted"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     // Nothing reads `t` until the timer has had time to fire: its fold-back wakes it.
@@ -347,4 +350,96 @@ fn kill_9_during_evictions_loses_no_acknowledged_write() {
         acked.iter().sum::<i64>() > 0,
         "the writers got writes through"
     );
+}
+
+/// A modern-era (2026-07-28) `tools/call` on `/mcp`: no session, its `_meta` and headers.
+fn modern_call(http: &Http, id: u64, tool: &str, args: Value) -> Value {
+    let msg = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+        "name": tool, "arguments": args,
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "valem-tests", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}}});
+    let r = http.post(
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json, text/event-stream"),
+            ("MCP-Protocol-Version", "2026-07-28"),
+            ("Mcp-Method", "tools/call"),
+            ("Mcp-Name", tool),
+        ],
+        msg.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    let v = r.json();
+    assert_eq!(v["result"]["isError"], json!(false), "{tool}: {v}");
+    v["result"]["structuredContent"].clone()
+}
+
+#[test]
+fn mcp_tools_wake_hibernated_models_over_http_and_stdio() {
+    let dir = tempfile::tempdir().expect("a data directory");
+    let d = start(dir.path(), &["--shards", "1", "--max-resident-models", "1"]);
+    let http = Http::new(&d);
+    for id in ["a", "b"] {
+        assert_eq!(http.post_json("/models", &small(id)).status, 201);
+    }
+    for k in 1..=3 {
+        evict_by_touching(&http, "b");
+        let m = modern_call(
+            &http,
+            10 + k,
+            "mutate",
+            json!({"id": "a",
+            "mutations": {"$.price": k, "$.qty": 5}}),
+        );
+        assert_eq!(m["success"], json!(true), "{m}");
+        evict_by_touching(&http, "b");
+        let s = modern_call(&http, 20 + k, "get_state", json!({"id": "a"}));
+        assert_eq!(s["total"], json!(5 * k), "{s}");
+    }
+    assert!(metric(&http, "valem_models_evicted_total") >= 6.0);
+    assert!(d.terminate().success());
+
+    // The embedded engine over stdio, on the same store, with the same bound.
+    let path = dir.path().to_str().expect("a UTF-8 path");
+    let mut mcp = valem_tests::Mcp::start(
+        &[
+            "--data-dir",
+            path,
+            "--shards",
+            "1",
+            "--max-resident-models",
+            "1",
+        ],
+        &[],
+    );
+    mcp.handshake("2025-11-25");
+    for (i, id) in ["a", "b", "a", "b"].iter().enumerate() {
+        let r = mcp.tool(100 + i as u64, "get_state", json!({"id": id}));
+        assert_eq!(r["isError"], json!(false), "{r}");
+    }
+    let r = mcp.tool(200, "mutate", json!({"id": "a", "mutations": {"$.qty": 7}}));
+    assert_eq!(r["isError"], json!(false), "{r}");
+    let r = mcp.tool(201, "get_state", json!({"id": "b"}));
+    assert_eq!(r["isError"], json!(false), "{r}");
+    let r = mcp.tool(202, "get_state", json!({"id": "a"}));
+    assert_eq!(r["structuredContent"]["total"], json!(21), "{r}");
+    let (status, _) = mcp.close(10);
+    assert!(status.success());
+}
+
+#[test]
+fn the_residency_bound_needs_a_data_directory() {
+    for cmd in ["serve", "mcp"] {
+        let o = valem_tests::run(&[cmd, "--max-resident-models", "10"], None);
+        assert_eq!(o.status.code(), Some(2), "valem {cmd}");
+        let err = valem_tests::stderr(&o);
+        assert!(
+            err.contains("--max-resident-models 10 needs --data-dir"),
+            "valem {cmd}: {err}"
+        );
+    }
+    let o = valem_tests::run(&["serve", "--max-resident-models", "0"], None);
+    assert_eq!(o.status.code(), Some(2));
 }
