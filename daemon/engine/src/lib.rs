@@ -449,10 +449,22 @@ type SeededEntry = (
 /// Seeded states kept (per thread); the oldest half goes when it is full.
 const SEEDED_CACHE_SIZE: usize = 256;
 
+/// Most nodes of a spec whose seeded state is kept: a large spec is seldom created twice, and a
+/// kept copy would hold its initial state alive beside the model's.
+const SEEDED_MAX_NODES: usize = 1024;
+
 /// Whether nothing a creation evaluates can depend on the instant or on chance: no expression
 /// text of the spec (the serialised spec as a whole, conservatively) names `$now`, `$millis`,
-/// `$random` or `$eval` (whose code could name them).
+/// `$random` or `$eval` (whose code could name them). Only asked of small specs.
 fn clock_free(spec: &ModelSpec) -> bool {
+    let nodes = spec.derivations.len()
+        + spec.meta_derivations.len()
+        + spec.constraints.len()
+        + spec.effects.len()
+        + spec.default_values.len();
+    if nodes > SEEDED_MAX_NODES {
+        return false;
+    }
     let text = serde_json::to_string(spec).unwrap_or_default();
     !["$now", "$millis", "$random", "$eval"]
         .iter()
