@@ -193,22 +193,24 @@ impl Shard {
 
     /// Model `id`, woken from the store when it is hibernated.
     pub(crate) fn entry(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
-        if !self.models.contains_key(id) {
-            self.wake(id)?;
-        } else {
-            self.touch(id);
-            // Over the bound still (the last eviction had to spare models with writes in
-            // flight): try again now.
-            if self.resident_max.is_some_and(|m| self.models.len() > m) {
-                self.evict_over_bound(id);
+        self.clock += 1;
+        let clock = self.clock;
+        let stale = match self.models.get_mut(id) {
+            Some(e) => {
+                e.used = clock;
+                e.stale.load(std::sync::atomic::Ordering::Acquire)
             }
-        }
-        let stale = self
-            .models
-            .get(id)
-            .is_some_and(|e| e.stale.load(std::sync::atomic::Ordering::Acquire));
+            None => {
+                self.wake(id)?;
+                false
+            }
+        };
         if stale {
             self.reload(id)?;
+        } else if self.resident_max.is_some_and(|m| self.models.len() > m) {
+            // Over the bound still (the last eviction had to spare models with writes in
+            // flight): try again now.
+            self.evict_over_bound(id);
         }
         self.entry_raw(id)
     }

@@ -9,14 +9,6 @@ use super::*;
 use std::sync::atomic::Ordering;
 
 impl Shard {
-    /// Mark model `id` used now (the eviction order).
-    pub(super) fn touch(&mut self, id: &str) {
-        self.clock += 1;
-        if let Some(e) = self.models.get_mut(id) {
-            e.used = self.clock;
-        }
-    }
-
     /// Register a stored model without loading it (start-up with a residency bound).
     pub(crate) fn hibernate_stored(&mut self, id: String) {
         if !self.models.contains_key(&id) && self.hibernated.insert(id) {
@@ -45,7 +37,6 @@ impl Shard {
         match self.recover(stored) {
             Ok(()) => {
                 self.residency.wakes.record(started.elapsed());
-                self.touch(id);
                 Ok(true)
             }
             Err(e) => {
