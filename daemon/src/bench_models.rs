@@ -1,5 +1,5 @@
 //! `valem bench --models N`: many small models through the model service over a durable store
-//! (strict, in a temporary directory), as a daemon with `--data-dir` keeps them: how fast they
+//! (strict, or `--durability relaxed`, in a temporary directory), as a daemon with `--data-dir` keeps them: how fast they
 //! are created from one caller, what each costs in resident memory, and how long a read takes
 //! when the model is in memory and when it must be woken from the store
 //! (`--max-resident-models`).
@@ -32,6 +32,8 @@ pub struct Options {
     /// service in this process; memory is then the daemon's, read from its `/metrics`.
     pub url: Option<String>,
     pub api_key: Option<String>,
+    /// In-process: acknowledge after COMMIT without fsync (`--durability relaxed`).
+    pub relaxed: bool,
 }
 
 /// The measurements (`--json` prints exactly this object).
@@ -45,6 +47,8 @@ pub struct Report {
     /// The residency bound, when one was set.
     pub max_resident: Option<usize>,
     pub shards: usize,
+    /// In-process: whether the store acknowledged after COMMIT without fsync.
+    pub relaxed: bool,
     /// Creations per second from one caller, and their latency (µs), each call timed alone.
     pub creates_per_s: f64,
     pub create_p50_us: f64,
@@ -196,7 +200,15 @@ fn target(opts: &Options) -> Result<Box<dyn Target>, String> {
         .prefix("valem-bench-models-")
         .tempdir()
         .map_err(|e| format!("cannot create a temporary data directory: {e}"))?;
-    let store = valem_store::SqliteStore::open(dir.path(), valem_store::StoreOptions::default())
+    let store_opts = valem_store::StoreOptions {
+        durability: if opts.relaxed {
+            valem_store::Durability::Relaxed
+        } else {
+            valem_store::Durability::Strict
+        },
+        ..Default::default()
+    };
+    let store = valem_store::SqliteStore::open(dir.path(), store_opts)
         .map_err(|e| format!("cannot open a store in {}: {e}", dir.path().display()))?;
     let limits = ServiceLimits {
         max_models: opts.models,
@@ -263,6 +275,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str, usize, usize)) -> Resu
         models: opts.models,
         max_resident: opts.max_resident,
         shards: opts.shards,
+        relaxed: opts.relaxed,
         creates_per_s: opts.models as f64 / total_s.max(1e-9),
         create_p50_us: quantile(&mut creates, 0.5),
         create_p99_us: quantile(&mut creates, 0.99),
@@ -305,7 +318,11 @@ pub fn table(r: &Report) -> String {
         spec = r.spec,
         place = match &r.url {
             Some(u) => format!("over REST at {u}"),
-            None => format!("{} shard(s), durable (strict)", r.shards),
+            None => format!(
+                "{} shard(s), durable ({})",
+                r.shards,
+                if r.relaxed { "relaxed" } else { "strict" }
+            ),
         },
         cps = r.creates_per_s,
         cp50 = r.create_p50_us,

@@ -590,4 +590,8 @@ pub struct BenchArgs {
     /// With --url: the daemon's API key.
     #[arg(long, env = "VALEM_API_KEY", requires = "url")]
     pub api_key: Option<String>,
+    /// With --models in-process: `strict` acknowledges a creation after its fsync, `relaxed`
+    /// after COMMIT (as `valem serve --durability`).
+    #[arg(long, default_value = "strict", value_parser = ["strict", "relaxed"], requires = "models", conflicts_with = "url")]
+    pub durability: String,
 }

@@ -313,6 +313,7 @@ fn bench(args: BenchArgs) -> Result<i32, String> {
         shards,
         url,
         api_key,
+        durability,
     } = args;
     if let Some(n) = models {
         let (name, spec) = match spec {
@@ -332,6 +333,7 @@ fn bench(args: BenchArgs) -> Result<i32, String> {
             seed,
             url,
             api_key,
+            relaxed: durability == "relaxed",
         };
         let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
         let mut progress = |phase: &str, done: usize, of: usize| {
