@@ -62,6 +62,7 @@ pub mod chain;
 pub mod checkpoints;
 pub mod keys;
 mod schema;
+mod spec_text;
 mod writer;
 
 #[cfg(test)]

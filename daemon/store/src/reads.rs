@@ -10,8 +10,10 @@ impl SqliteStore {
         self.with_reader(|c| {
             let mut st = c
                 .prepare_cached(
-                    "SELECT id, spec, version, created_us, updated_us, head_seq, head_hash
-                     FROM models ORDER BY id",
+                    "SELECT m.id, m.spec, m.version, m.created_us, m.updated_us, m.head_seq,
+                         m.head_hash, s.body
+                     FROM models m LEFT JOIN spec_texts s ON s.hash = m.spec_hash
+                     ORDER BY m.id",
                 )
                 .map_err(|e| sql_err(&self.db, e))?;
             let rows = st
@@ -27,8 +29,10 @@ impl SqliteStore {
         self.with_reader(|c| {
             let mut st = c
                 .prepare_cached(
-                    "SELECT id, spec, version, created_us, updated_us, head_seq, head_hash
-                     FROM models WHERE id = ?1",
+                    "SELECT m.id, m.spec, m.version, m.created_us, m.updated_us, m.head_seq,
+                         m.head_hash, s.body
+                     FROM models m LEFT JOIN spec_texts s ON s.hash = m.spec_hash
+                     WHERE m.id = ?1",
                 )
                 .map_err(|e| sql_err(&self.db, e))?;
             st.query_row([id], stored_model)
@@ -43,7 +47,8 @@ impl SqliteStore {
         self.with_reader(|c| {
             let mut st = c
                 .prepare_cached(
-                    "SELECT id FROM models WHERE ?1 IS NULL OR instr(spec, ?1) > 0 ORDER BY id",
+                    "SELECT m.id FROM models m LEFT JOIN spec_texts s ON s.hash = m.spec_hash
+                     WHERE ?1 IS NULL OR instr(coalesce(s.body, m.spec), ?1) > 0 ORDER BY m.id",
                 )
                 .map_err(|e| sql_err(&self.db, e))?;
             let rows = st
@@ -440,11 +445,17 @@ impl SqliteStore {
     }
 }
 
-/// A `models` row (`id, spec, version, created_us, updated_us, head_seq, head_hash`).
+/// A `models` row (`id, spec, version, created_us, updated_us, head_seq, head_hash`) and the
+/// body of the spec text it names (`spec_texts.body`, when it names one).
 fn stored_model(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredModel> {
+    let id: String = r.get(0)?;
+    let spec_text = match r.get::<_, Option<String>>(7)? {
+        Some(body) => crate::spec_text::join(&id, &body),
+        None => r.get(1)?,
+    };
     Ok(StoredModel {
-        id: r.get(0)?,
-        spec_text: r.get(1)?,
+        id,
+        spec_text,
         version: r.get(2)?,
         created: Timestamp::from_us(r.get(3)?),
         updated: Timestamp::from_us(r.get(4)?),

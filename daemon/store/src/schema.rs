@@ -35,6 +35,10 @@ pub(super) const MIGRATIONS: &[Step] = &[
         sql: V4,
         then: None,
     },
+    Step {
+        sql: V5,
+        then: None,
+    },
 ];
 
 // v1: the registry and the hash-chained audit log.
@@ -132,6 +136,19 @@ const V4: &str = r#"
         record TEXT NOT NULL,
         at_us INTEGER NOT NULL
     ) WITHOUT ROWID;
+    "#;
+
+// v5: spec texts kept once per content. A model written from v5 on has `spec` empty and
+// `spec_hash` naming its spec's text without the id (`spec_texts.body`: what follows
+// `{"id":<id>` in the text); its text is that id and body again. Rows written before keep their
+// whole text in `spec` (`spec_hash` NULL).
+const V5: &str = r#"
+    CREATE TABLE spec_texts (
+        hash TEXT PRIMARY KEY,
+        body TEXT NOT NULL
+    ) WITHOUT ROWID;
+    ALTER TABLE models ADD COLUMN spec_hash TEXT;
+    CREATE INDEX models_spec_hash ON models (spec_hash) WHERE spec_hash IS NOT NULL;
     "#;
 
 /// Hash every checkpoint as it stands (plain blake3: a store before v3 has no key). A checkpoint

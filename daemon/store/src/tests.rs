@@ -2034,3 +2034,70 @@ fn a_sealed_record_is_the_validated_record_and_chains_in_the_store() {
         assert_eq!(report.records_checked, 3);
     }
 }
+
+#[test]
+fn models_of_one_content_share_one_spec_text_until_the_last_goes() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let store = open(dir.path());
+    let spec = |id: &str, v: &str| Op::PutModel {
+        id: id.into(),
+        spec_text: format!(r#"{{"id":"{id}","version":"{v}","schema":{{"type":"object"}}}}"#),
+        version: v.into(),
+        at: Timestamp::from_us(1),
+    };
+    let w = store.writer();
+    for op in [spec("a", "1.0.0"), spec("b", "1.0.0"), spec("c", "1.0.0")] {
+        w.apply(op).expect("stored");
+    }
+    let texts = |s: &SqliteStore| -> i64 {
+        s.with_reader(|c| {
+            c.query_row("SELECT count(*) FROM spec_texts", [], |r| r.get(0))
+                .map_err(|e| sql_err(&s.db, e))
+        })
+        .expect("count")
+    };
+    assert_eq!(texts(&store), 1, "three models, one content");
+    for id in ["a", "b", "c"] {
+        let m = store.load_model(id).expect("read").expect("stored");
+        assert_eq!(
+            m.spec_text,
+            format!(r#"{{"id":"{id}","version":"1.0.0","schema":{{"type":"object"}}}}"#)
+        );
+    }
+    assert_eq!(
+        store.model_ids(Some("\"object\"")).expect("ids"),
+        ["a", "b", "c"]
+    );
+    assert!(store.model_ids(Some("statusPath")).expect("ids").is_empty());
+    // An evolved spec is a second content; deleting the last model of one drops its text.
+    w.apply(spec("b", "2.0.0")).expect("evolved");
+    assert_eq!(texts(&store), 2);
+    w.apply(Op::DeleteModel { id: "b".into() })
+        .expect("deleted");
+    assert_eq!(texts(&store), 1);
+    for id in ["a", "c"] {
+        w.apply(Op::DeleteModel { id: id.into() }).expect("deleted");
+    }
+    assert_eq!(texts(&store), 0);
+    // A text that does not start with its id is kept whole, and read back as it was.
+    let odd = r#"{"version":"1","id":"odd"}"#;
+    w.apply(Op::PutModel {
+        id: "odd".into(),
+        spec_text: odd.into(),
+        version: "1".into(),
+        at: Timestamp::from_us(1),
+    })
+    .expect("stored");
+    assert_eq!(texts(&store), 0);
+    assert_eq!(
+        store
+            .load_model("odd")
+            .expect("read")
+            .expect("stored")
+            .spec_text,
+        odd
+    );
+    let all = store.load_models().expect("all");
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].spec_text, odd);
+}

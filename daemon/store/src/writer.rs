@@ -508,24 +508,42 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                 Some(k) => (Some(0i64), Some(chain::key_anchor(k, id, 0, GENESIS))),
                 None => (None, None),
             };
+            // The text's content is kept once (`spec_texts`), the model row names it.
+            let (spec, spec_hash) = match crate::spec_text::split(id, spec_text) {
+                Some(body) => {
+                    let hash = blake3::hash(body.as_bytes()).to_hex().to_string();
+                    conn.prepare_cached(
+                        "INSERT OR IGNORE INTO spec_texts (hash, body) VALUES (?1, ?2)",
+                    )?
+                    .execute(params![hash, body])?;
+                    ("", Some(hash))
+                }
+                None => (spec_text.as_str(), None),
+            };
+            let before = spec_hash_of(conn, id)?;
             conn.prepare_cached(
                 "INSERT INTO models (id, spec, version, created_us, updated_us, head_seq, head_hash,
-                     key_from, key_anchor)
-                 VALUES (?1, ?2, ?3, ?4, ?4, NULL, ?5, ?6, ?7)
+                     key_from, key_anchor, spec_hash)
+                 VALUES (?1, ?2, ?3, ?4, ?4, NULL, ?5, ?6, ?7, ?8)
                  ON CONFLICT (id) DO UPDATE SET spec = excluded.spec, version = excluded.version,
-                     updated_us = excluded.updated_us",
+                     updated_us = excluded.updated_us, spec_hash = excluded.spec_hash",
             )?
             .execute(params![
                 id,
-                spec_text,
+                spec,
                 version,
                 at.us(),
                 GENESIS,
                 key_from,
-                anchor
+                anchor,
+                spec_hash
             ])?;
+            if let Some(old) = before.filter(|b| Some(b) != spec_hash.as_ref()) {
+                forget_spec_text(conn, &old)?;
+            }
         }
         Op::DeleteModel { id } => {
+            let before = spec_hash_of(conn, id)?;
             for sql in [
                 "DELETE FROM audit_paths WHERE model_id = ?1",
                 "DELETE FROM audit WHERE model_id = ?1",
@@ -534,6 +552,9 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                 "DELETE FROM models WHERE id = ?1",
             ] {
                 conn.prepare_cached(sql)?.execute([id])?;
+            }
+            if let Some(old) = before {
+                forget_spec_text(conn, &old)?;
             }
         }
         Op::AppendAudit(a) => append_audit(conn, a)?,
@@ -726,5 +747,23 @@ fn put_checkpoint(
         conn.prepare_cached("UPDATE models SET base_seq = ?2 WHERE id = ?1")?
             .execute(params![model_id, seq])?;
     }
+    Ok(())
+}
+
+/// The spec text model `id`'s row names (`None`: no row, or a text kept whole).
+fn spec_hash_of(conn: &Connection, id: &str) -> rusqlite::Result<Option<String>> {
+    conn.prepare_cached("SELECT spec_hash FROM models WHERE id = ?1")?
+        .query_row([id], |r| r.get::<_, Option<String>>(0))
+        .optional()
+        .map(Option::flatten)
+}
+
+/// Drop spec text `hash` when no model names it any more.
+fn forget_spec_text(conn: &Connection, hash: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "DELETE FROM spec_texts WHERE hash = ?1
+         AND NOT EXISTS (SELECT 1 FROM models WHERE spec_hash = ?1)",
+    )?
+    .execute([hash])?;
     Ok(())
 }
