@@ -305,9 +305,11 @@ fn quantile(ns: &mut [u64], q: f64) -> f64 {
 
 /// The report as a table.
 pub fn table(r: &Report) -> String {
-    let bound = r
-        .max_resident
-        .map_or_else(|| "none".to_string(), |m| m.to_string());
+    let bound = match (&r.url, r.max_resident) {
+        (Some(_), _) => "as the daemon has it".to_string(),
+        (None, Some(m)) => m.to_string(),
+        (None, None) => "none".to_string(),
+    };
     format!(
         "valem bench --models {models}: {spec}, {place}, max resident {bound}\n\
          creates        {cps:>10.0} /s    p50 {cp50:>9.1} µs   p99 {cp99:>9.1} µs\n\
