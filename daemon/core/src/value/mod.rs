@@ -688,10 +688,9 @@ mod tests {
             INTERNED.with(|t| {
                 let t = t.borrow();
                 assert_eq!(t.set.capacity(), before);
-                assert!(held.iter().all(|k| t
-                    .set
-                    .find(name_hash(k), |(_, e)| Arc::ptr_eq(e, k))
-                    .is_some()));
+                assert!(held
+                    .iter()
+                    .all(|k| t.set.find(name_hash(k), |e| Arc::ptr_eq(e, k)).is_some()));
             });
             // A table holding as many already is left as it is.
             reserve_names(10);

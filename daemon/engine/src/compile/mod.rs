@@ -238,8 +238,22 @@ fn draft_derivations(
         }
         let first = done;
         done += part.len();
-        for (k, p) in part.into_iter().enumerate() {
+        // The names a shaped text's settling interns are cache misses in a large table: those
+        // of the derivation `NAMES_AHEAD` places on start loading as each is drafted.
+        let mut part = std::collections::VecDeque::from(part);
+        let mut k = 0;
+        while let Some(p) = part.pop_front() {
+            if let Some(Ok(Prepared {
+                shaped: Some((_, names)),
+                ..
+            })) = part.get(NAMES_AHEAD - 1)
+            {
+                names
+                    .iter()
+                    .for_each(|n| valem_core::value::prefetch_name(n));
+            }
             let i = first + k;
+            k += 1;
             let Some(d) = spec.derivations.get(i) else {
                 break;
             };
@@ -286,6 +300,9 @@ fn draft_derivations(
         }
     });
 }
+
+/// How far ahead of the derivation drafted the names of one to draft are prefetched.
+const NAMES_AHEAD: usize = 8;
 
 /// The producer index (each derivation's target) and the instance index (the targets of every
 /// other node), as path tries; and per node, the producer index's node of its target (`u32::MAX`
