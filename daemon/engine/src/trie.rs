@@ -233,6 +233,10 @@ impl Trie {
     /// its text).
     pub fn reserve_members(&mut self, n: usize) {
         self.roots.reserve(n, |e| root_hash(&e.key));
+        if n > 0 {
+            self.nodes.reserve(n);
+            self.more_mut(0).children.reserve(n);
+        }
     }
 
     pub fn insert(&mut self, path: &[TSeg], entry: u32) {

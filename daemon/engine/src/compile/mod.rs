@@ -238,6 +238,7 @@ fn draft_derivations(
         }
         let first = done;
         done += part.len();
+        let before = first == 0 && part.len() < spec.derivations.len();
         // The names a shaped text's settling interns are cache misses in a large table: those
         // of the derivation `NAMES_AHEAD` places on start loading as each is drafted.
         let mut part = std::collections::VecDeque::from(part);
@@ -297,6 +298,10 @@ fn draft_derivations(
             end_reads(&mut dr);
             dr.extra.program = p.program;
             drafts.push(dr);
+        }
+        if before {
+            // Room for the reads of all the derivations, reckoned from the first part.
+            drafts.reserve_like(done, spec.derivations.len());
         }
     });
 }
