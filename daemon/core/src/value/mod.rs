@@ -146,6 +146,15 @@ impl ObjMap {
         }
     }
 
+    /// The first stage of [`ObjMap::prefetch_hashed`], some lookups before it: the level
+    /// above the one it prefetches is loaded (see `WideMap::prefetch_far`).
+    #[inline]
+    pub fn prefetch_hashed_far(&self, hash: u32) {
+        if let ObjMap::Large(m) = self {
+            m.prefetch_far(u64::from(hash));
+        }
+    }
+
     /// Mutable access to an existing entry (copy-on-write on the path to it).
     pub fn get_mut(&mut self, key: &str) -> Option<&mut Val> {
         match self {
