@@ -161,22 +161,29 @@ pub fn key_eq(a: &str, b: &str) -> bool {
     same_key(a, b) || a == b
 }
 
-/// The interning table: open addressing with linear probing over two arrays, each slot's
-/// hash (`0`: empty) and its key, at most three quarters full. Unlike a SIMD-grouped table
-/// its slot for a hash is known before the probe, so a run of names can start loading theirs
-/// ahead ([`prefetch_name`]): a large compile or load interns millions of names, each a cache
-/// miss or two in a table of that size.
+/// The interning table: open addressing with linear probing over two arrays, each slot's tag
+/// (the high half of its name's hash, never `0`: `0` marks an empty slot, and the slot a name
+/// probes first is its tag's low bits) and its key, at most seven eighths full — 20 bytes a
+/// slot, where a SIMD-grouped table of (hash, key) takes 25. Unlike such a table its slot for
+/// a hash is known before the probe, so a run of names can start loading theirs ahead
+/// ([`prefetch_name`]): a large compile or load interns millions of names, each a cache miss
+/// or two in a table of that size.
 #[derive(Default)]
 pub(super) struct NameTable {
-    hashes: Vec<u64>,
+    tags: Vec<u32>,
     keys: Vec<Option<Key>>,
     len: usize,
 }
 
-/// A stored hash: never `0`, which marks an empty slot.
+/// A name's tag: the high half of its hash, never `0` (which marks an empty slot).
 #[inline]
-fn stored(h: u64) -> u64 {
-    h.max(1)
+fn tag(h: u64) -> u32 {
+    ((h >> 32) as u32).max(1)
+}
+
+/// Slots for `n` names at most seven eighths full.
+fn slots_for(n: usize) -> usize {
+    (n.saturating_mul(8) / 7 + 1).next_power_of_two()
 }
 
 impl NameTable {
@@ -186,34 +193,35 @@ impl NameTable {
 
     /// Names it holds before it must grow.
     pub(super) fn capacity(&self) -> usize {
-        self.hashes.len() / 4 * 3
+        self.tags.len() / 8 * 7
     }
 
     #[inline]
     fn mask(&self) -> usize {
-        self.hashes.len().wrapping_sub(1)
+        self.tags.len().wrapping_sub(1)
     }
 
     /// Start loading the slot `h` probes first.
     #[inline]
     pub(super) fn prefetch(&self, h: u64) {
-        if self.hashes.is_empty() {
+        if self.tags.is_empty() {
             return;
         }
-        let i = (stored(h) as usize) & self.mask();
-        crate::prefetch(&self.hashes[i]);
+        let i = (tag(h) as usize) & self.mask();
+        crate::prefetch(&self.tags[i]);
         crate::prefetch(&self.keys[i]);
     }
 
     /// Start loading the text of the key in the slot `h` probes first, when that slot holds
-    /// `h` (loaded already by [`NameTable::prefetch`], some names before).
+    /// its tag (loaded already by [`NameTable::prefetch`], some names before).
     #[inline]
     pub(super) fn prefetch_text(&self, h: u64) {
-        if self.hashes.is_empty() {
+        if self.tags.is_empty() {
             return;
         }
-        let (h, i) = (stored(h), (stored(h) as usize) & self.mask());
-        if self.hashes[i] == h {
+        let t = tag(h);
+        let i = (t as usize) & self.mask();
+        if self.tags[i] == t {
             if let Some(k) = &self.keys[i] {
                 crate::prefetch(k.as_ptr());
             }
@@ -223,15 +231,15 @@ impl NameTable {
     /// The key of hash `h` for which `eq` holds.
     #[inline]
     pub(super) fn find(&self, h: u64, mut eq: impl FnMut(&Key) -> bool) -> Option<&Key> {
-        if self.hashes.is_empty() {
+        if self.tags.is_empty() {
             return None;
         }
-        let (h, mask) = (stored(h), self.mask());
-        let mut i = (h as usize) & mask;
+        let (t, mask) = (tag(h), self.mask());
+        let mut i = (t as usize) & mask;
         loop {
-            match self.hashes[i] {
+            match self.tags[i] {
                 0 => return None,
-                eh if eh == h => {
+                et if et == t => {
                     if let Some(k) = self.keys[i].as_ref().filter(|k| eq(k)) {
                         return Some(k);
                     }
@@ -247,28 +255,28 @@ impl NameTable {
         if self.len + 1 > self.capacity() {
             self.rebuild((self.len + 1).max(16));
         }
-        self.put(stored(h), k);
+        self.put(tag(h), k);
         self.len += 1;
     }
 
-    fn put(&mut self, h: u64, k: Key) {
+    fn put(&mut self, t: u32, k: Key) {
         let mask = self.mask();
-        let mut i = (h as usize) & mask;
-        while self.hashes[i] != 0 {
+        let mut i = (t as usize) & mask;
+        while self.tags[i] != 0 {
             i = (i + 1) & mask;
         }
-        self.hashes[i] = h;
+        self.tags[i] = t;
         self.keys[i] = Some(k);
     }
 
     /// Move every entry to a table of room for `n` names.
     fn rebuild(&mut self, n: usize) {
-        let slots = (n.max(self.len).saturating_mul(4) / 3 + 1).next_power_of_two();
-        let hashes = std::mem::replace(&mut self.hashes, vec![0; slots]);
+        let slots = slots_for(n.max(self.len));
+        let tags = std::mem::replace(&mut self.tags, vec![0; slots]);
         let keys = std::mem::replace(&mut self.keys, vec![None; slots]);
-        for (h, k) in hashes.into_iter().zip(keys) {
+        for (t, k) in tags.into_iter().zip(keys) {
             if let Some(k) = k {
-                self.put(h, k);
+                self.put(t, k);
             }
         }
     }
@@ -283,19 +291,18 @@ impl NameTable {
 
     /// Fewer slots, down to room for `n` names (or as many as it holds).
     pub(super) fn shrink_to(&mut self, n: usize) {
-        let slots = (n.max(self.len).saturating_mul(4) / 3 + 1).next_power_of_two();
-        if slots < self.hashes.len() {
+        if slots_for(n.max(self.len)) < self.tags.len() {
             self.rebuild(n);
         }
     }
 
     /// Keep only the entries for which `f` holds.
-    pub(super) fn retain(&mut self, mut f: impl FnMut(&(u64, Key)) -> bool) {
-        let slots = self.hashes.len();
-        let hashes = std::mem::replace(&mut self.hashes, vec![0; slots]);
+    pub(super) fn retain(&mut self, mut f: impl FnMut(&(u32, Key)) -> bool) {
+        let slots = self.tags.len();
+        let tags = std::mem::replace(&mut self.tags, vec![0; slots]);
         let keys = std::mem::replace(&mut self.keys, vec![None; slots]);
         self.len = 0;
-        for (h, k) in hashes.into_iter().zip(keys) {
+        for (h, k) in tags.into_iter().zip(keys) {
             if let Some(k) = k {
                 let pair = (h, k);
                 if f(&pair) {
@@ -308,8 +315,8 @@ impl NameTable {
 
     /// The entries, in no particular order.
     #[cfg(test)]
-    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, &Key)> + '_ {
-        self.hashes
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u32, &Key)> + '_ {
+        self.tags
             .iter()
             .zip(&self.keys)
             .filter_map(|(&h, k)| Some((h, k.as_ref()?)))
