@@ -232,6 +232,19 @@ impl JitCell {
         }
     }
 
+    /// The first stage of [`JitCell::prefetch_inputs`], some nodes before it: the level above
+    /// the one that prefetches of the members it reads (`ObjMap::prefetch_hashed_far`).
+    pub fn prefetch_inputs_far(&self, m: Merged<'_>) {
+        let Some(nj) = &self.lowered else { return };
+        if let Val::Obj(o) = m.doc {
+            for input in &nj.inputs {
+                if let SlotInput::Member(h, _) = input {
+                    o.prefetch_hashed_far(*h);
+                }
+            }
+        }
+    }
+
     /// Whether the expression is in the arithmetic subset.
     pub fn lowered(&self) -> bool {
         self.lowered.is_some()

@@ -251,6 +251,21 @@ impl TraceTable {
     }
 
     /// Release spare capacity once every node is in.
+    /// How many addresses it holds, and their bytes in all.
+    pub fn path_counts(&self) -> (usize, usize) {
+        (self.paths.len(), self.paths.text.len())
+    }
+
+    /// Room for `nodes` nodes and `paths` addresses of `bytes` bytes in all, before they are
+    /// pushed (a large compile's are otherwise copied as the lists double).
+    pub fn reserve(&mut self, nodes: usize, paths: usize, bytes: usize) {
+        self.keys.reserve(nodes);
+        self.expressions.reserve(nodes);
+        self.node_ends.reserve(nodes);
+        self.paths.ends.reserve(paths);
+        self.paths.text.reserve(bytes);
+    }
+
     pub fn shrink(&mut self) {
         self.keys.shrink_to_fit();
         self.expressions.shrink_to_fit();

@@ -233,13 +233,18 @@ impl Trie {
     /// its text).
     pub fn reserve_members(&mut self, n: usize) {
         self.roots.reserve(n, |e| root_hash(&e.key));
+        if n > 0 {
+            self.nodes.reserve(n);
+            self.more_mut(0).children.reserve(n);
+        }
     }
 
     pub fn insert(&mut self, path: &[TSeg], entry: u32) {
         self.insert_refs(path.iter().map(TSeg::as_ref), entry);
     }
 
-    pub fn insert_refs<'a>(&mut self, path: impl Iterator<Item = TSegRef<'a>>, entry: u32) {
+    /// Index `entry` at `path`; returns the trie node it is at (see [`Trie::sole_entry`]).
+    pub fn insert_refs<'a>(&mut self, path: impl Iterator<Item = TSegRef<'a>>, entry: u32) -> u32 {
         let mut t = 0usize;
         for seg in path {
             let next = match seg {
@@ -288,6 +293,19 @@ impl Trie {
             };
         }
         self.add(t, entry);
+        t as u32
+    }
+
+    /// The only entry at or below trie node `t` (as [`Trie::insert_refs`] returned it), if it
+    /// has exactly one: what `at` and `below` of its path would find, without walking to it.
+    pub fn sole_entry(&self, t: u32) -> Option<u32> {
+        let n = self.nodes.get(t as usize)?;
+        let alone = n.first != NONE
+            && n.wild == NONE
+            && self
+                .more(t as usize)
+                .is_none_or(|m| m.rest.is_empty() && m.children.is_empty());
+        alone.then_some(n.first)
     }
 
     /// Release spare capacity once the trie is complete (nothing is inserted after), and note

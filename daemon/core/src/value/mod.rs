@@ -146,6 +146,15 @@ impl ObjMap {
         }
     }
 
+    /// The first stage of [`ObjMap::prefetch_hashed`], some lookups before it: the level
+    /// above the one it prefetches is loaded (see `WideMap::prefetch_far`).
+    #[inline]
+    pub fn prefetch_hashed_far(&self, hash: u32) {
+        if let ObjMap::Large(m) = self {
+            m.prefetch_far(u64::from(hash));
+        }
+    }
+
     /// Mutable access to an existing entry (copy-on-write on the path to it).
     pub fn get_mut(&mut self, key: &str) -> Option<&mut Val> {
         match self {
@@ -688,10 +697,9 @@ mod tests {
             INTERNED.with(|t| {
                 let t = t.borrow();
                 assert_eq!(t.set.capacity(), before);
-                assert!(held.iter().all(|k| t
-                    .set
-                    .find(name_hash(k), |(_, e)| Arc::ptr_eq(e, k))
-                    .is_some()));
+                assert!(held
+                    .iter()
+                    .all(|k| t.set.find(name_hash(k), |e| Arc::ptr_eq(e, k)).is_some()));
             });
             // A table holding as many already is left as it is.
             reserve_names(10);

@@ -340,6 +340,26 @@ impl WideMap {
         }
     }
 
+    /// The first stage of a prefetch two stages long: load the slot one level above where
+    /// [`WideMap::prefetch`] will (the levels above it are full and few enough to stay in
+    /// cache), so that its walk, started some lookups later, does not wait on that level.
+    pub(super) fn prefetch_far(&self, hash: u64) {
+        // Levels of full branches: a map of 32^k members or more has k of them.
+        let full = (self.len.max(1).ilog2() / FANOUT_BITS).min(LOW_LEVELS);
+        let (mut bitmap, mut slots): (Bitmap, &[Slot]) = (self.bitmap, &self.slots);
+        for level in 0..full {
+            let (p, true) = pos(bitmap, slot_index(hash, level * FANOUT_BITS)) else {
+                return;
+            };
+            let Some(slot) = slots.get(p) else { return };
+            if level + 1 == full {
+                return crate::prefetch(slot);
+            }
+            let Some(below) = slot.branch() else { return };
+            (bitmap, slots) = below;
+        }
+    }
+
     /// [`WideMap::get`] given the low half of `key`'s hash: past the levels it indexes (a
     /// chain of collisions 30 bits long) the whole hash is computed.
     pub(super) fn get_hashed(&self, hash: u32, key: &str) -> Option<&Entry> {

@@ -13,7 +13,7 @@ use reads::*;
 pub use reads::{bind_library, eval_library_layer};
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -27,7 +27,7 @@ use valem_core::expr::deps::{self, ReadPath, Reads, Root};
 use valem_core::expr::path::{Address, PathSeg};
 use valem_core::expr::{json_to_jvalue, Compiled, Env, ExprError, Limits, Parsed, Value as JValue};
 use valem_core::spec::{MetaProp, ModelSpec, Policy};
-use valem_core::value::{Key, MAX_DEPTH};
+use valem_core::value::{Key, Seg, MAX_DEPTH};
 use valem_jit::ir::{self, Program};
 
 /// Compile a spec. All findings are collected, not just the first.
@@ -91,8 +91,19 @@ pub fn compile(
         &drafts.node_reads[..],
     );
     let reads = move |id| packed_reads(segs, read_ends, node_reads, id);
-    // The reader index is needed only at the end: a large spec's is built on a thread of its
-    // own while the graph is (at most one top-level member per read).
+    // The derivations' concrete targets, taken out of the nodes while the graph is built (and
+    // put back after): the readers of each are looked up beside the reader index.
+    let taken: Vec<Option<Box<[Seg]>>> = nodes
+        .iter_mut()
+        .map(|n| match n.kind {
+            NodeKind::Derivation { .. } => n.concrete.take(),
+            _ => None,
+        })
+        .collect();
+    let concretes = &taken[..];
+    // The reader index and the readers of each derivation's target are needed only at the
+    // end: a large spec's are made on a thread of its own while the graph is (at most one
+    // top-level member per read).
     let index_readers = move || {
         let mut readers = Trie::default();
         readers.reserve_members(read_ends.len());
@@ -102,26 +113,34 @@ pub fn compile(
             }
         }
         readers.shrink();
-        readers
+        let targets = target_readers(concretes, &readers);
+        (readers, targets)
     };
-    std::thread::scope(|s| {
+    let mut model = std::thread::scope(|s| {
         let helper = (nodes_len >= PARALLEL_FROM).then(|| s.spawn(index_readers));
         let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
             .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
             .collect();
-        let (producers, instances) = index_targets(&nodes, derivation_ids.len());
+        let (producers, produced_at, instances) = index_targets(&nodes, derivation_ids.len());
         let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
             .filter(|&i| nodes[i as usize].whole_doc)
             .collect();
-        let deps_of = edges(&nodes, &derivation_ids, &producers, reads);
-        let dependents = Dependents::new(&deps_of);
+        let whole: Vec<bool> = nodes.iter().map(|n| n.whole_doc).collect();
+        let firsts: Vec<Option<&Address>> = nodes.iter().map(|n| n.targets.first()).collect();
+        let deps_of = edges(&whole, &firsts, &derivation_ids, &producers, reads);
+        drop(firsts);
+        let dependents = deps_of.reverse();
 
         let level = levels_of(&nodes, &deps_of, &dependents).map_err(|e| vec![e])?;
 
         debug_assert!(
-            (0..nodes_len).all(|i| deps_of[i].iter().all(|&d| level[d as usize] < level[i])),
+            (0..nodes_len).all(|i| deps_of
+                .of(i as NodeId)
+                .iter()
+                .all(|&d| level[d as usize] < level[i])),
             "every node is on a level below each of its dependents"
         );
+        drop(deps_of);
         let (aggregates, mut trace_table) = (drafts.aggregates, drafts.trace_table);
         for (n, &l) in nodes.iter_mut().zip(&level) {
             n.level = l;
@@ -136,24 +155,20 @@ pub fn compile(
         let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
         let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
 
-        let cells = assign_cells(&mut nodes, &levels, &producers);
+        let cells = assign_cells(&mut nodes, &levels, concretes, &produced_at, &producers);
         for n in &mut nodes {
             n.jit.resolve_cells(&cells);
         }
-        let merged_is_base = derivation_ids
-            .iter()
-            .all(|&i| nodes[i as usize].cell.is_some());
         trace_table.shrink();
-        let has_delta_aggregates = aggregates
-            .iter()
-            .any(|(&id, a)| nodes[id as usize].keeps_by_delta(a));
-        let mut readers = match helper {
+        let (mut readers, (target_readers, target_reader_ids)) = match helper {
             Some(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
             None => index_readers(),
         };
+        let merged_is_base = derivation_ids
+            .iter()
+            .all(|&i| nodes[i as usize].cell.is_some());
         mark_written(&mut readers, &producers);
-        let (target_readers, target_reader_ids) = target_readers(&nodes, &readers);
-        Ok(CompiledModel {
+        Ok::<_, Vec<CompileError>>(CompiledModel {
             target_readers,
             target_reader_ids,
             trace_table: Arc::new(trace_table),
@@ -161,7 +176,7 @@ pub fn compile(
             merged_is_base,
             schema: spec.schema.clone(),
             spec,
-            has_delta_aggregates,
+            has_delta_aggregates: false,
             aggregates,
             nodes,
             levels,
@@ -183,7 +198,18 @@ pub fn compile(
             fallback_forms: RefCell::default(),
             fallback_projections: RefCell::default(),
         })
-    })
+    })?;
+    // The concrete targets go back where they are kept.
+    for (n, c) in model.nodes.iter_mut().zip(taken) {
+        if c.is_some() {
+            n.concrete = c;
+        }
+    }
+    model.has_delta_aggregates = model
+        .aggregates
+        .iter()
+        .any(|(&id, a)| model.nodes[id as usize].keeps_by_delta(a));
+    Ok(model)
 }
 
 /// Draft the derivations (prepared in parallel parts by [`prepare_all`]): one node each, with
@@ -212,8 +238,23 @@ fn draft_derivations(
         }
         let first = done;
         done += part.len();
-        for (k, p) in part.into_iter().enumerate() {
+        let before = first == 0 && part.len() < spec.derivations.len();
+        // The names a shaped text's settling interns are cache misses in a large table: those
+        // of the derivation `NAMES_AHEAD` places on start loading as each is drafted.
+        let mut part = std::collections::VecDeque::from(part);
+        let mut k = 0;
+        while let Some(p) = part.pop_front() {
+            if let Some(Ok(Prepared {
+                shaped: Some((_, names)),
+                ..
+            })) = part.get(NAMES_AHEAD - 1)
+            {
+                names
+                    .iter()
+                    .for_each(|n| valem_core::value::prefetch_name(n));
+            }
             let i = first + k;
+            k += 1;
             let Some(d) = spec.derivations.get(i) else {
                 break;
             };
@@ -258,19 +299,28 @@ fn draft_derivations(
             dr.extra.program = p.program;
             drafts.push(dr);
         }
+        if before {
+            // Room for the reads of all the derivations, reckoned from the first part.
+            drafts.reserve_like(done, spec.derivations.len());
+        }
     });
 }
 
+/// How far ahead of the derivation drafted the names of one to draft are prefetched.
+const NAMES_AHEAD: usize = 8;
+
 /// The producer index (each derivation's target) and the instance index (the targets of every
-/// other node), as path tries.
-fn index_targets(nodes: &[Node], derivations: usize) -> (Trie, Trie) {
+/// other node), as path tries; and per node, the producer index's node of its target (`u32::MAX`
+/// for nodes other than derivations).
+fn index_targets(nodes: &[Node], derivations: usize) -> (Trie, Vec<u32>, Trie) {
     let mut producers = Trie::default();
     let mut instances = Trie::default();
+    let mut at = vec![u32::MAX; nodes.len()];
     // At most one top-level member per derivation.
     producers.reserve_members(derivations);
     for (id, n) in nodes.iter().enumerate() {
         if matches!(n.kind, NodeKind::Derivation { .. }) {
-            producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+            at[id] = producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
         } else {
             for t in &n.targets {
                 instances.insert_refs(tseg_refs(t), id as u32);
@@ -280,44 +330,68 @@ fn index_targets(nodes: &[Node], derivations: usize) -> (Trie, Trie) {
 
     producers.shrink();
     instances.shrink();
-    (producers, instances)
+    (producers, at, instances)
 }
 
 /// Edges producer → reader: each node's dependencies, the derivations whose targets overlap
-/// what it reads (a whole-document reader depends on every derivation but the other such).
+/// what it reads (a whole-document reader depends on every derivation but the other such), in
+/// increasing order. `whole` and `firsts` are each node's `whole_doc` and first target. A
+/// large graph's are found in two halves, one on a thread of its own.
 fn edges<'r, I: Iterator<Item = &'r [TSeg]>>(
-    nodes: &[Node],
+    whole: &[bool],
+    firsts: &[Option<&Address>],
     derivation_ids: &[NodeId],
     producers: &Trie,
-    reads: impl Fn(usize) -> I,
-) -> Vec<BTreeSet<NodeId>> {
-    let nodes_len = nodes.len();
-    let mut deps_of: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); nodes_len];
-    let mut buf = Vec::new();
-    for (id, n) in nodes.iter().enumerate() {
-        if n.whole_doc {
-            for &p in derivation_ids {
-                if !nodes[p as usize].whole_doc && p as usize != id {
-                    deps_of[id].insert(p);
+    reads: impl Fn(usize) -> I + Sync,
+) -> Dependents {
+    let nodes_len = whole.len();
+    let some = |lo: usize, hi: usize| {
+        let mut deps_of = Dependents::with_capacity(hi - lo);
+        let (mut buf, mut list) = (Vec::new(), Vec::new());
+        for id in lo..hi {
+            list.clear();
+            if whole[id] {
+                list.extend(
+                    derivation_ids
+                        .iter()
+                        .copied()
+                        .filter(|&p| !whole[p as usize] && p as usize != id),
+                );
+                deps_of.push_list(&list);
+                continue;
+            }
+            for r in reads(id) {
+                buf.clear();
+                producers.overlapping(r, &mut buf);
+                for &p in &buf {
+                    // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads
+                    // its own previous output; that is not a dependency (the reference has no
+                    // such edge). A read at or below its own target still is: a real cycle.
+                    if p as usize == id && firsts[id].is_some_and(|t| reads_strict_ancestor(r, t)) {
+                        continue;
+                    }
+                    list.push(p);
                 }
             }
-            continue;
+            list.sort_unstable();
+            list.dedup();
+            deps_of.push_list(&list);
         }
-        for r in reads(id) {
-            buf.clear();
-            producers.overlapping(r, &mut buf);
-            for &p in &buf {
-                // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads its
-                // own previous output; that is not a dependency (the reference has no such
-                // edge). A read at or below its own target still is: a real cycle.
-                if p as usize == id && reads_strict_ancestor(r, &n.targets[0]) {
-                    continue;
-                }
-                deps_of[id].insert(p);
-            }
-        }
+        deps_of
+    };
+    if nodes_len < PARALLEL_FROM {
+        return some(0, nodes_len);
     }
-    deps_of
+    let mid = nodes_len / 2;
+    std::thread::scope(|s| {
+        let upper = s.spawn(|| some(mid, nodes_len));
+        let mut deps_of = some(0, mid);
+        let upper = upper
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        deps_of.append(&upper);
+        deps_of
+    })
 }
 
 /// The derivations of each level, in id order.
@@ -357,12 +431,12 @@ fn mark_written(readers: &mut Trie, producers: &Trie) {
 /// algorithm); a cycle is an error naming it.
 fn levels_of(
     nodes: &[Node],
-    deps_of: &[BTreeSet<NodeId>],
+    deps_of: &Dependents,
     dependents: &Dependents,
 ) -> Result<Vec<u32>, CompileError> {
     let nodes_len = nodes.len();
     // Kahn's algorithm; levels = longest path from a source.
-    let mut indeg: Vec<usize> = deps_of.iter().map(BTreeSet::len).collect();
+    let mut indeg: Vec<usize> = deps_of.iter().map(<[NodeId]>::len).collect();
     let mut level = vec![0u32; nodes_len];
     let mut queue: VecDeque<usize> = (0..nodes_len).filter(|&i| indeg[i] == 0).collect();
     let mut done = 0;
@@ -639,16 +713,16 @@ fn default_rules(
 /// The readers of each concrete derivation target without array indices (a write there binds
 /// no `[*]`, so each reader is dirtied whole), looked up in the index once.
 #[allow(clippy::type_complexity)]
-fn target_readers(nodes: &[Node], readers: &Trie) -> (Vec<Option<(u32, u32)>>, Vec<NodeId>) {
-    let mut ranges = Vec::with_capacity(nodes.len());
+fn target_readers(
+    concretes: &[Option<Box<[Seg]>>],
+    readers: &Trie,
+) -> (Vec<Option<(u32, u32)>>, Vec<NodeId>) {
+    let mut ranges = Vec::with_capacity(concretes.len());
     let mut ids = Vec::new();
     let mut hits = Vec::new();
-    for n in nodes {
-        let range = match (&n.kind, &n.concrete) {
-            (NodeKind::Derivation { .. }, Some(t))
-                if t.iter()
-                    .all(|s| matches!(s, valem_core::value::Seg::Field(_))) =>
-            {
+    for c in concretes {
+        let range = match c {
+            Some(t) if t.iter().all(|s| matches!(s, Seg::Field(_))) => {
                 hits.clear();
                 readers.hits(t, &mut hits);
                 let start = ids.len() as u32;
@@ -665,30 +739,24 @@ fn target_readers(nodes: &[Node], readers: &Trie) -> (Vec<Option<(u32, u32)>>, V
 
 /// Give a cell to every derivation whose target is one top-level member that no other
 /// derivation writes at or below; cells are numbered in evaluation order (level, then id).
+/// `concretes` are the derivations' concrete targets, `produced_at` their nodes in `producers`.
 fn assign_cells(
     nodes: &mut [Node],
     levels: &[Vec<NodeId>],
+    concretes: &[Option<Box<[Seg]>>],
+    produced_at: &[u32],
     producers: &Trie,
 ) -> super::merged::CellLayout {
     let mut keys = Vec::new();
-    let mut below = Vec::new();
     for level in levels {
         for &id in level {
-            let n = &nodes[id as usize];
-            let Some([valem_core::value::Seg::Field(k)]) = n.concrete.as_deref() else {
+            let Some([Seg::Field(k)]) = concretes[id as usize].as_deref() else {
                 continue;
             };
-            below.clear();
-            let at = [valem_core::value::Seg::Field(k.clone())];
-            producers.below(&at, &mut below);
-            let alone = below.is_empty()
-                && producers
-                    .at(&at)
-                    .is_some_and(|mut e| e.next() == Some(id) && e.next().is_none());
-            if alone {
-                let k = k.clone();
+            // Alone: the only entry at its member, and nothing below it.
+            if producers.sole_entry(produced_at[id as usize]) == Some(id) {
                 nodes[id as usize].cell = Some(keys.len() as u32);
-                keys.push(k);
+                keys.push(k.clone());
             }
         }
     }
@@ -706,13 +774,14 @@ fn reads_strict_ancestor(r: &[TSeg], target: &Address) -> bool {
 }
 
 /// Name one cycle among the stuck nodes (each has an unprocessed dependency).
-fn find_cycle(stuck: &[usize], deps_of: &[BTreeSet<NodeId>], indeg: &[usize]) -> Vec<usize> {
+fn find_cycle(stuck: &[usize], deps_of: &Dependents, indeg: &[usize]) -> Vec<usize> {
     let start = stuck[0];
     let mut path = vec![start];
     let mut seen: HashMap<usize, usize> = HashMap::from([(start, 0)]);
     let mut cur = start;
     loop {
-        let next = deps_of[cur]
+        let next = deps_of
+            .of(cur as NodeId)
             .iter()
             .map(|&d| d as usize)
             .find(|&d| indeg[d] > 0)

@@ -143,20 +143,48 @@ pub struct Dependents {
 }
 
 impl Dependents {
-    /// The reverse of `deps_of` (per node, what it depends on).
-    pub(super) fn new(deps_of: &[BTreeSet<NodeId>]) -> Dependents {
-        let mut starts = vec![0u32; deps_of.len() + 1];
-        for ds in deps_of {
-            for &p in ds {
-                starts[p as usize + 1] += 1;
-            }
+    /// Empty lists, to be given one node's at a time ([`Dependents::push_list`]).
+    pub(super) fn with_capacity(nodes: usize) -> Dependents {
+        let mut starts = Vec::with_capacity(nodes + 1);
+        starts.push(0);
+        Dependents {
+            starts,
+            ids: Vec::new(),
+        }
+    }
+
+    /// The next node's list.
+    pub(super) fn push_list(&mut self, list: &[NodeId]) {
+        self.ids.extend_from_slice(list);
+        self.starts.push(self.ids.len() as u32);
+    }
+
+    /// The lists of the nodes after these (made apart, from [`Dependents::with_capacity`]).
+    pub(super) fn append(&mut self, more: &Dependents) {
+        let base = self.ids.len() as u32;
+        self.ids.extend_from_slice(&more.ids);
+        self.starts
+            .extend(more.starts.iter().skip(1).map(|&e| e + base));
+    }
+
+    /// How many nodes have a list.
+    pub(super) fn len(&self) -> usize {
+        self.starts.len().saturating_sub(1)
+    }
+
+    /// The reverse: per node, the nodes whose lists name it, in increasing order.
+    pub(super) fn reverse(&self) -> Dependents {
+        let n = self.len();
+        let mut starts = vec![0u32; n + 1];
+        for &p in &self.ids {
+            starts[p as usize + 1] += 1;
         }
         for i in 1..starts.len() {
             starts[i] += starts[i - 1];
         }
-        let mut fill: Vec<u32> = starts[..deps_of.len()].to_vec();
-        let mut ids = vec![0; starts[deps_of.len()] as usize];
-        for (id, ds) in deps_of.iter().enumerate() {
+        let mut fill: Vec<u32> = starts[..n].to_vec();
+        let mut ids = vec![0; starts[n] as usize];
+        for (id, ds) in self.iter().enumerate() {
             for &p in ds {
                 let at = &mut fill[p as usize];
                 ids[*at as usize] = id as NodeId;

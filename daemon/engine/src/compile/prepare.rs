@@ -201,6 +201,18 @@ impl Drafts {
         }
     }
 
+    /// Room for the reads of `total` derivations, reckoned from those of the `drafted` so far
+    /// (the packed reads and the trace table's addresses, copied as they double otherwise).
+    pub(super) fn reserve_like(&mut self, drafted: usize, total: usize) {
+        let scale = |n: usize| n.saturating_mul(total) / drafted.max(1);
+        let more = |n: usize| scale(n).saturating_sub(n);
+        self.segs.reserve(more(self.segs.len()));
+        self.read_ends.reserve(more(self.read_ends.len()));
+        let (paths, bytes) = self.trace_table.path_counts();
+        self.trace_table
+            .reserve(total.saturating_sub(drafted), more(paths), more(bytes));
+    }
+
     /// Start the next node's draft: reads added for a draft that was not pushed are dropped.
     pub(super) fn begin(&mut self) {
         let reads = self.node_reads.last().map_or(0, |&e| e as usize);

@@ -505,6 +505,14 @@ impl<'a> Cycle<'a> {
                         node.jit.prefetch_inputs(self.st.merged());
                     }
                 }
+                // Two stages: the level above for the one twice as far (a large document's
+                // branches are a cache miss a level of their own, which the walk above
+                // would otherwise wait on).
+                if let Some(&Reverse((_, far))) = run.get(next + 2 * RUN_AHEAD) {
+                    if let Some(node) = cm.nodes.get(far as usize) {
+                        node.jit.prefetch_inputs_far(self.st.merged());
+                    }
+                }
                 id
             } else {
                 match self.pending.pop() {
@@ -834,7 +842,8 @@ fn cycle_env<'e>(env: &'e std::cell::OnceCell<Env>, cm: &CompiledModel, now_ms: 
 }
 
 /// From this many derivations queued, [`Cycle::derive`] sorts them into a run, and starts
-/// loading the inputs of the one this many places ahead as it takes each.
+/// loading the inputs of the one this many places ahead as it takes each (and the level above
+/// them for the one twice as far).
 const RUN_FROM: usize = 256;
 const RUN_AHEAD: usize = 16;
 
