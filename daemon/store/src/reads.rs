@@ -7,21 +7,14 @@ use super::*;
 impl SqliteStore {
     /// Every stored model.
     pub fn load_models(&self) -> Result<Vec<StoredModel>, StoreError> {
-        self.with_reader(|c| {
-            let mut st = c
-                .prepare_cached(
-                    "SELECT m.id, m.spec, m.version, m.created_us, m.updated_us, m.head_seq,
-                         m.head_hash, s.body
-                     FROM models m LEFT JOIN spec_texts s ON s.hash = m.spec_hash
-                     ORDER BY m.id",
-                )
-                .map_err(|e| sql_err(&self.db, e))?;
-            let rows = st
-                .query_map([], stored_model)
-                .map_err(|e| sql_err(&self.db, e))?;
-            rows.collect::<Result<Vec<_>, _>>()
-                .map_err(|e| sql_err(&self.db, e))
-        })
+        self.all_rows(
+            "SELECT m.id, m.spec, m.version, m.created_us, m.updated_us, m.head_seq,
+                 m.head_hash, s.body
+             FROM models m LEFT JOIN spec_texts s ON s.hash = m.spec_hash
+             ORDER BY m.id",
+            [],
+            stored_model,
+        )
     }
 
     /// One stored model, `None` when the store does not hold it.
@@ -44,15 +37,25 @@ impl SqliteStore {
     /// The ids of the stored models, in order; only those whose stored spec text contains
     /// `needle` when one is given (a cheap prefilter, read without parsing any spec).
     pub fn model_ids(&self, needle: Option<&str>) -> Result<Vec<String>, StoreError> {
+        self.all_rows(
+            "SELECT m.id FROM models m LEFT JOIN spec_texts s ON s.hash = m.spec_hash
+             WHERE ?1 IS NULL OR instr(coalesce(s.body, m.spec), ?1) > 0 ORDER BY m.id",
+            [needle],
+            |r| r.get::<_, String>(0),
+        )
+    }
+
+    /// Every row `sql` (with `params`) yields, as `row` reads it, in one read snapshot.
+    fn all_rows<T, P: rusqlite::Params>(
+        &self,
+        sql: &str,
+        params: P,
+        row: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<Vec<T>, StoreError> {
         self.with_reader(|c| {
-            let mut st = c
-                .prepare_cached(
-                    "SELECT m.id FROM models m LEFT JOIN spec_texts s ON s.hash = m.spec_hash
-                     WHERE ?1 IS NULL OR instr(coalesce(s.body, m.spec), ?1) > 0 ORDER BY m.id",
-                )
-                .map_err(|e| sql_err(&self.db, e))?;
+            let mut st = c.prepare_cached(sql).map_err(|e| sql_err(&self.db, e))?;
             let rows = st
-                .query_map([needle], |r| r.get::<_, String>(0))
+                .query_map(params, row)
                 .map_err(|e| sql_err(&self.db, e))?;
             rows.collect::<Result<Vec<_>, _>>()
                 .map_err(|e| sql_err(&self.db, e))
@@ -168,15 +171,8 @@ impl SqliteStore {
     /// A model's snapshots, oldest first.
     /// The records of the tasks kept (MCP's tasks extension), oldest first.
     pub fn tasks(&self) -> Result<Vec<String>, StoreError> {
-        self.with_reader(|c| {
-            let mut st = c
-                .prepare_cached("SELECT record FROM tasks ORDER BY at_us, id")
-                .map_err(|e| sql_err(&self.db, e))?;
-            let rows = st
-                .query_map([], |r| r.get::<_, String>(0))
-                .map_err(|e| sql_err(&self.db, e))?;
-            rows.collect::<Result<Vec<_>, _>>()
-                .map_err(|e| sql_err(&self.db, e))
+        self.all_rows("SELECT record FROM tasks ORDER BY at_us, id", [], |r| {
+            r.get::<_, String>(0)
         })
     }
 
