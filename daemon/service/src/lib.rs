@@ -307,14 +307,11 @@ impl ModelService {
     /// waking any: hibernated models are looked up in the store. A cheap prefilter for callers
     /// that then read the spec of the few it returns.
     pub fn models_mentioning(&self, needle: &str) -> Result<Vec<String>, ServiceError> {
-        if self.limits.max_resident_models.is_none() || self.store.is_none() {
-            return self.list();
-        }
-        match &self.store {
-            Some(store) => store
+        match (&self.store, self.limits.max_resident_models) {
+            (Some(store), Some(_)) => store
                 .model_ids(Some(needle))
                 .map_err(|e| ServiceError::Storage(e.to_string())),
-            None => self.list(),
+            _ => self.list(),
         }
     }
 

@@ -128,21 +128,21 @@ pub struct ResidencyMetrics {
 }
 
 impl ResidencyMetrics {
-    /// `n` models entered (`true`) or left memory.
-    pub(crate) fn resident(&self, entered: bool, n: u64) {
-        gauge(&self.resident, entered, n);
+    /// A model entered (`true`) or left memory.
+    pub(crate) fn resident(&self, entered: bool) {
+        gauge(&self.resident, entered);
     }
 
-    /// `n` models went to (`true`) or left the store-only set.
-    pub(crate) fn hibernated(&self, entered: bool, n: u64) {
-        gauge(&self.hibernated, entered, n);
+    /// A model went to (`true`) or left the store-only set.
+    pub(crate) fn hibernated(&self, entered: bool) {
+        gauge(&self.hibernated, entered);
     }
 }
 
-fn gauge(g: &AtomicU64, up: bool, n: u64) {
+fn gauge(g: &AtomicU64, up: bool) {
     if up {
-        g.fetch_add(n, Ordering::Relaxed);
+        g.fetch_add(1, Ordering::Relaxed);
     } else {
-        g.fetch_sub(n, Ordering::Relaxed);
+        g.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -37,12 +37,17 @@ pub(super) fn model_at(
 /// The store write of `spec` as the model's current spec, at `at`.
 pub(super) fn put_model_op(spec: &ModelSpec, at: Timestamp) -> Result<Op, ServiceError> {
     let text = serde_json::to_string(spec).map_err(|e| ServiceError::Storage(e.to_string()))?;
-    Ok(Op::PutModel {
+    Ok(put_model_text(spec, text, at))
+}
+
+/// [`put_model_op`] for a spec already serialised (`text`).
+pub(super) fn put_model_text(spec: &ModelSpec, text: String, at: Timestamp) -> Op {
+    Op::PutModel {
         id: spec.id.clone(),
         spec_text: text,
         version: spec.version_or_default().to_string(),
         at,
-    })
+    }
 }
 
 /// A checkpoint of `e` as it is now: after its newest record (before any, when it has none).

@@ -241,15 +241,7 @@ impl Shard {
             }));
         }
         let t = now();
-        let persist = match &self.store {
-            None => None,
-            Some(_) => Some(Op::PutModel {
-                id: spec.id.clone(),
-                spec_text: text,
-                version: spec.version_or_default().to_string(),
-                at: t,
-            }),
-        };
+        let persist = self.store.as_ref().map(|_| put_model_text(&spec, text, t));
         let (info, seeded) = match self.insert_seeded(spec, Some(hash), t) {
             Ok((e, seeded)) => (e.info(), seeded),
             Err(e) => return reply.send(Err(e)),
@@ -321,7 +313,7 @@ impl Shard {
             },
         );
         if replaced.is_none() {
-            self.residency.resident(true, 1);
+            self.residency.resident(true);
             self.evict_over_bound(&id);
         }
         let e = self.entry_raw(&id)?;
@@ -333,7 +325,7 @@ impl Shard {
     fn unload(&mut self, id: &str) -> Option<Entry> {
         let e = self.models.remove(id);
         if e.is_some() {
-            self.residency.resident(false, 1);
+            self.residency.resident(false);
         }
         e
     }
@@ -357,7 +349,7 @@ impl Shard {
         }
         let hibernated = self.hibernated.remove(id);
         if hibernated {
-            self.residency.hibernated(false, 1);
+            self.residency.hibernated(false);
         }
         let resident = self.unload(id).is_some();
         if !resident && !hibernated && !unrecovered {

@@ -12,24 +12,23 @@ impl Shard {
     /// Register a stored model without loading it (start-up with a residency bound).
     pub(crate) fn hibernate_stored(&mut self, id: String) {
         if !self.models.contains_key(&id) && self.hibernated.insert(id) {
-            self.residency.hibernated(true, 1);
+            self.residency.hibernated(true);
         }
     }
 
-    /// Load hibernated model `id` from the store. `Ok(false)`: it is not a hibernated model.
-    pub(super) fn wake(&mut self, id: &str) -> Result<bool, ServiceError> {
-        if !self.hibernated.contains(id) {
-            return Ok(false);
-        }
-        let Some(store) = self.store.clone() else {
-            return Ok(false);
+    /// Load model `id` from the store when it is hibernated (a model that is not is left to
+    /// the caller's lookup, which answers for it).
+    pub(super) fn wake(&mut self, id: &str) -> Result<(), ServiceError> {
+        // Only a shard with a store hibernates models.
+        let (true, Some(store)) = (self.hibernated.contains(id), self.store.clone()) else {
+            return Ok(());
         };
         let started = std::time::Instant::now();
         let stored = store
             .load_model(id)
             .map_err(|e| ServiceError::Storage(e.to_string()))?;
         self.hibernated.remove(id);
-        self.residency.hibernated(false, 1);
+        self.residency.hibernated(false);
         let Some(stored) = stored else {
             // Deleted behind our back (another process cannot write the store): forget it.
             return Err(ServiceError::NotFound(id.to_string()));
@@ -37,7 +36,7 @@ impl Shard {
         match self.recover(stored) {
             Ok(()) => {
                 self.residency.wakes.record(started.elapsed());
-                Ok(true)
+                Ok(())
             }
             Err(e) => {
                 self.residency.wake_failures.fetch_add(1, Ordering::Relaxed);
@@ -80,7 +79,7 @@ impl Shard {
         self.checkpoint(id);
         if self.unload(id).is_some() {
             self.hibernated.insert(id.to_string());
-            self.residency.hibernated(true, 1);
+            self.residency.hibernated(true);
             self.residency.evicted.fetch_add(1, Ordering::Relaxed);
         }
     }
