@@ -435,7 +435,7 @@ pub fn content_hash_of(text: &str, id: &str, jit: bool) -> [u8; 32] {
 
 thread_local! {
     /// The state and result a compiled model's creation seeds, by the compiled model's address
-    /// (checked against a weak reference: an address reused by another is not mistaken for it),
+    /// (with a weak reference, which keeps that address from being reused while the entry is),
     /// for the compiled models whose creation does not depend on the instant (see
     /// [`clock_free`]): creating many models of one spec runs its seeding cycle once. `None`:
     /// this compiled model's seeding reads the clock.
@@ -471,26 +471,23 @@ fn clock_free(spec: &ModelSpec) -> bool {
         .any(|f| text.contains(f))
 }
 
+/// `cm`'s entry in [`SEEDED`], when it has one. The weak reference an entry holds keeps its
+/// allocation, so no other compiled model can take its address: a live one is `cm`'s.
+fn seeded_entry<'a>(
+    c: &'a HashMap<usize, SeededEntry>,
+    cm: &Rc<CompiledModel>,
+) -> Option<&'a Option<(State, MutationResult)>> {
+    let (weak, seeded) = c.get(&(Rc::as_ptr(cm) as usize))?;
+    (weak.strong_count() > 0).then_some(seeded)
+}
+
 fn seeded(cm: &Rc<CompiledModel>) -> Option<(State, MutationResult)> {
-    SEEDED.with(|c| {
-        let c = c.borrow();
-        let (weak, seeded) = c.get(&(Rc::as_ptr(cm) as usize))?;
-        if !std::ptr::eq(weak.as_ptr(), Rc::as_ptr(cm)) || weak.strong_count() == 0 {
-            return None;
-        }
-        seeded.clone()
-    })
+    SEEDED.with(|c| seeded_entry(&c.borrow(), cm)?.clone())
 }
 
 fn remember_seeded(cm: &Rc<CompiledModel>, state: &State, result: &MutationResult) {
-    let key = Rc::as_ptr(cm) as usize;
-    let known = SEEDED.with(|c| {
-        c.borrow()
-            .get(&key)
-            .is_some_and(|(w, _)| w.strong_count() > 0 && std::ptr::eq(w.as_ptr(), Rc::as_ptr(cm)))
-    });
-    if known {
-        return; // its seeding reads the clock
+    if SEEDED.with(|c| seeded_entry(&c.borrow(), cm).is_some()) {
+        return; // known already: its seeding reads the clock
     }
     let entry = clock_free(&cm.spec).then(|| (state.clone(), result.clone()));
     SEEDED.with(|c| {
@@ -501,7 +498,7 @@ fn remember_seeded(cm: &Rc<CompiledModel>, state: &State, result: &MutationResul
                 c.clear();
             }
         }
-        c.insert(key, (Rc::downgrade(cm), entry));
+        c.insert(Rc::as_ptr(cm) as usize, (Rc::downgrade(cm), entry));
     });
 }
 
