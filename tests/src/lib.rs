@@ -561,3 +561,42 @@ pub fn raw_http(addr: &str, request: &str) -> (u16, String) {
         .unwrap_or(0);
     (status, text)
 }
+
+/// One sample of the daemon's `/metrics`, by its full name (labels included).
+pub fn metric(http: &Http, name: &str) -> Option<f64> {
+    let text = http.get("/metrics").text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// A WebSocket on the daemon's `path` (with its query), reads bounded by 10 s; panics when the
+/// upgrade is refused.
+pub fn ws_open(d: &Daemon, path: &str) -> tungstenite::WebSocket<std::net::TcpStream> {
+    use tungstenite::client::IntoClientRequest;
+    let req = format!("ws://{}{path}", d.addr)
+        .into_client_request()
+        .expect("a WebSocket request");
+    let stream = std::net::TcpStream::connect(&d.addr).expect("connect");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("a read timeout");
+    tungstenite::client(req, stream)
+        .expect("the WebSocket upgrade")
+        .0
+}
+
+/// The next text frame of `ws` as JSON, pings and pongs skipped (panics on anything else or
+/// after the read timeout).
+pub fn ws_frame<S: std::io::Read + std::io::Write>(
+    ws: &mut tungstenite::WebSocket<S>,
+) -> serde_json::Value {
+    loop {
+        match ws.read().expect("a frame within the timeout") {
+            tungstenite::Message::Text(t) => {
+                return serde_json::from_str(t.as_str()).expect("a JSON frame")
+            }
+            tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) => {}
+            other => panic!("expected a text frame, got {other:?}"),
+        }
+    }
+}

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
-use valem_tests::{run, stderr, Daemon, Http};
+use valem_tests::{metric, run, stderr, Daemon, Http};
 
 fn data_dir() -> tempfile::TempDir {
     tempfile::tempdir().expect("a temporary data directory")
@@ -91,14 +91,6 @@ fn seven_records(extra: &[&str]) -> (tempfile::TempDir, Value) {
     };
     assert_eq!(sequences, [2, 5, 6]);
     (dir, state)
-}
-
-/// The value of `name` (with its labels) in the daemon's `/metrics`.
-fn metric(http: &Http, name: &str) -> Option<f64> {
-    http.get("/metrics")
-        .text()
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
 }
 
 #[test]

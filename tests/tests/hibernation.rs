@@ -3,14 +3,11 @@
 //! changed — state, audit chain, timers, WebSocket subscribers — and `kill -9` in the middle of
 //! evictions loses no acknowledged write.
 
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tungstenite::client::IntoClientRequest;
-use tungstenite::Message;
 use valem_tests::load::Conn;
 use valem_tests::{Daemon, Http};
 
@@ -47,10 +44,7 @@ fn send(c: &mut Conn, method: &str, path: &str, body: Option<&Value>) -> (u16, V
 
 /// The value of an unlabelled metric.
 fn metric(http: &Http, name: &str) -> f64 {
-    let text = http.get("/metrics").text();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
+    valem_tests::metric(http, name).unwrap_or_else(|| panic!("no metric {name}"))
 }
 
 #[test]
@@ -222,25 +216,12 @@ fn a_websocket_subscriber_of_an_evicted_model_keeps_getting_its_events() {
     for id in ["a", "b"] {
         assert_eq!(http.post_json("/models", &small(id)).status, 201);
     }
-    let req = format!("ws://{}/models/a/subscribe", d.addr)
-        .into_client_request()
-        .expect("a WebSocket request");
-    let stream = TcpStream::connect(&d.addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("a read timeout");
-    let (mut ws, _) = tungstenite::client(req, stream).expect("the upgrade");
+    let mut ws = valem_tests::ws_open(&d, "/models/a/subscribe");
     for k in 1..=3 {
         evict_by_touching(&http, "b");
         let r = http.post_json("/models/a/mutations", &json!({"$.price": k, "$.qty": 10}));
         assert_eq!(r.status, 200, "{}", r.text());
-        let frame = loop {
-            match ws.read().expect("a frame within the timeout") {
-                Message::Text(t) => break serde_json::from_str::<Value>(t.as_str()).expect("JSON"),
-                Message::Ping(_) | Message::Pong(_) => {}
-                other => panic!("expected a text frame, got {other:?}"),
-            }
-        };
+        let frame = valem_tests::ws_frame(&mut ws);
         assert_eq!(
             (&frame["kind"], &frame["modelId"], &frame["mutatedPaths"]),
             (

@@ -7,8 +7,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tungstenite::client::IntoClientRequest;
-use valem_tests::{Daemon, Http, Mcp};
+use valem_tests::{metric, Daemon, Http, Mcp};
 
 const KEY: &str = "k3y-for-pairing-tests";
 
@@ -188,17 +187,10 @@ fn pair_browser_without_elicitation_shares_a_scoped_session() {
         "{listed}"
     );
     // The page's WebSocket: the session token on the handshake's query (no API key).
-    let req = format!(
-        "ws://{}/models/demo/subscribe?session={browser_token}",
-        d.addr
-    )
-    .into_client_request()
-    .expect("a WebSocket request");
-    let stream = std::net::TcpStream::connect(&d.addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("read timeout");
-    let (mut ws, _) = tungstenite::client(req, stream).expect("WebSocket upgrade");
+    let mut ws = valem_tests::ws_open(
+        &d,
+        &format!("/models/demo/subscribe?session={browser_token}"),
+    );
     let edit = browser.post(
         "/models/demo/mutations",
         &[("Content-Type", "application/json"), scoped[0]],
@@ -415,13 +407,6 @@ fn pairing_negative_cases() {
     assert_eq!(anon.get_with("/models", &bogus).status, 401);
     assert_eq!(keyed.get_with("/models", &bogus).status, 401);
     assert_eq!(anon.get("/models").status, 401);
-}
-
-/// One sample of `/metrics` (by its full name with labels).
-fn metric(http: &Http, name: &str) -> Option<f64> {
-    let text = http.get("/metrics").text();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 #[test]

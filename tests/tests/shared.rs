@@ -3,12 +3,9 @@
 //! them is seen by all the others: `notifications/resources/updated` on the proxies, a change
 //! frame on the WebSocket, the new value over REST.
 
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tungstenite::client::IntoClientRequest;
-use tungstenite::{Message, WebSocket};
 use valem_tests::{Daemon, Http, Mcp};
 
 const URI: &str = "valem://state/demo";
@@ -43,16 +40,6 @@ fn wait_updated(m: &Mcp, who: &str) {
 }
 
 /// The next change frame on the WebSocket (bounded by the socket's read timeout).
-fn next_frame(ws: &mut WebSocket<TcpStream>) -> Value {
-    loop {
-        match ws.read().expect("a WebSocket frame within the timeout") {
-            Message::Text(t) => return serde_json::from_str(t.as_str()).expect("a JSON frame"),
-            Message::Ping(_) | Message::Pong(_) => {}
-            other => panic!("expected a text frame, got {other:?}"),
-        }
-    }
-}
-
 fn total_via(m: &mut Mcp, id: u64) -> Value {
     let f = m.tool(id, "get_field", json!({"id": "demo", "path": "$.total"}));
     assert_eq!(f["isError"], false, "{f}");
@@ -75,14 +62,7 @@ fn a_mutation_through_any_surface_is_seen_by_all_the_others() {
         let s = m.call(2, "resources/subscribe", json!({"uri": URI}));
         assert!(s.get("error").is_none(), "{who}: {s}");
     }
-    let req = format!("ws://{}/models/demo/subscribe", d.addr)
-        .into_client_request()
-        .expect("a WebSocket request");
-    let stream = TcpStream::connect(&d.addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("read timeout");
-    let (mut ws, _) = tungstenite::client(req, stream).expect("WebSocket upgrade");
+    let mut ws = valem_tests::ws_open(&d, "/models/demo/subscribe");
 
     // 1. Agent a mutates through its proxy.
     drain(&b);
@@ -93,7 +73,7 @@ fn a_mutation_through_any_surface_is_seen_by_all_the_others() {
     );
     assert_eq!(m["isError"], false, "{m}");
     wait_updated(&b, "b");
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["kind"], "mutation", "{f}");
     assert_eq!(f["mutatedPaths"], json!(["$.price", "$.qty"]), "{f}");
     assert_eq!(f["derivedUpdated"], json!(["$.total"]), "{f}");
@@ -107,7 +87,7 @@ fn a_mutation_through_any_surface_is_seen_by_all_the_others() {
     assert_eq!(r.status, 200, "{r:?}");
     wait_updated(&a, "a");
     wait_updated(&b, "b");
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["mutatedPaths"], json!(["$.qty"]), "{f}");
     assert_eq!(total_via(&mut a, 5), json!(50));
 
@@ -120,7 +100,7 @@ fn a_mutation_through_any_surface_is_seen_by_all_the_others() {
     );
     assert_eq!(m["isError"], false, "{m}");
     wait_updated(&a, "a");
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["mutatedPaths"], json!(["$.price"]), "{f}");
     assert_eq!(h.get("/models/demo/state/$.total").json(), json!(10));
     assert_eq!(total_via(&mut a, 7), json!(10));

@@ -66,17 +66,6 @@ fn connect(d: &Daemon, path: &str, headers: &[(&str, &str)]) -> Result<Ws, (u16,
     }
 }
 
-/// The next text frame as JSON (panics on a close or after the read timeout).
-fn next_frame(ws: &mut Ws) -> Value {
-    loop {
-        match ws.read().expect("a frame within the timeout") {
-            Message::Text(t) => return serde_json::from_str(t.as_str()).expect("JSON frame"),
-            Message::Ping(_) | Message::Pong(_) => {}
-            other => panic!("expected a text frame, got {other:?}"),
-        }
-    }
-}
-
 /// The close frame's code and reason.
 fn next_close(ws: &mut Ws) -> (u16, String) {
     loop {
@@ -100,7 +89,7 @@ fn frames_follow_rest_mutations_evolve_and_delete() {
     let mut ws = connect(&d, "/models/demo/subscribe", &[]).expect("upgrade");
 
     assert_eq!(mutate(&h, json!({"$.price": 10, "$.qty": 3})), 200);
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(
         f,
         json!({
@@ -118,7 +107,7 @@ fn frames_follow_rest_mutations_evolve_and_delete() {
     assert_eq!(mutate(&h, json!({"$.qty": 100_000})), 409);
     assert_eq!(mutate(&h, json!({"$.price": "x"})), 422);
     assert_eq!(mutate(&h, json!({"$.qty": 4})), 200);
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["mutatedPaths"], json!(["$.qty"]), "{f}");
 
     // Patches are commits too.
@@ -128,7 +117,10 @@ fn frames_follow_rest_mutations_evolve_and_delete() {
         br#"[{"op":"add","path":"/note","value":"hi"}]"#,
     );
     assert_eq!(r.status, 200, "{r:?}");
-    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.note"]));
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.note"])
+    );
 
     // Pings are answered.
     ws.send(Message::Ping(b"are you there".to_vec().into()))
@@ -144,7 +136,7 @@ fn frames_follow_rest_mutations_evolve_and_delete() {
     );
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(
-        next_frame(&mut ws),
+        valem_tests::ws_frame(&mut ws),
         json!({"kind": "spec-evolved", "modelId": "demo", "version": "1.1.0"})
     );
 
@@ -170,36 +162,42 @@ fn paths_filter_keeps_matching_frames_and_always_flags_and_effects() {
     let mut ws = connect(&d, "/models/demo/subscribe?paths=$.qty,$.note", &[]).expect("upgrade");
 
     assert_eq!(mutate(&h, json!({"$.qty": 1})), 200);
-    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.qty"])
+    );
     // Neither the write nor the derived update is under $.qty or $.note: filtered out.
     assert_eq!(mutate(&h, json!({"$.price": 5})), 200);
     assert_eq!(mutate(&h, json!({"$.note": "x"})), 200);
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["mutatedPaths"], json!(["$.note"]), "{f}");
 
     // A flagged constraint passes the filter.
     assert_eq!(mutate(&h, json!({"$.price": 500})), 200);
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["mutatedPaths"], json!(["$.price"]), "{f}");
     assert_eq!(f["flaggedConstraints"][0]["constraintId"], "big");
     assert_eq!(f["dispatchedEffects"], json!([]));
     // So does a dispatched effect (and its flag).
     assert_eq!(mutate(&h, json!({"$.price": 5000})), 200);
-    let f = next_frame(&mut ws);
+    let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["dispatchedEffects"][0]["effectId"], "notify", "{f}");
     assert_eq!(f["dispatchedEffects"][0]["emit"], "order.huge");
     // And spec-evolved frames.
     let r = h.post_json("/models/demo/spec/evolve", &json!({"newVersion": "2.0.0"}));
     assert_eq!(r.status, 200, "{r:?}");
-    assert_eq!(next_frame(&mut ws)["kind"], "spec-evolved");
+    assert_eq!(valem_tests::ws_frame(&mut ws)["kind"], "spec-evolved");
 
     // A second subscriber with another filter sees its own selection.
     let mut price = connect(&d, "/models/demo/subscribe?paths=$.total", &[]).expect("upgrade");
     assert_eq!(mutate(&h, json!({"$.note": "y"})), 200);
     assert_eq!(mutate(&h, json!({"$.price": 6})), 200);
-    let f = next_frame(&mut price);
+    let f = valem_tests::ws_frame(&mut price);
     assert_eq!(f["derivedUpdated"], json!(["$.total"]), "{f}");
-    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.note"]));
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.note"])
+    );
 }
 
 #[test]
@@ -233,7 +231,10 @@ fn bad_or_too_many_filter_paths_are_400_before_the_upgrade() {
     let mut ws = connect(&d, "/models/demo/subscribe?paths=$%5B'qty'%5D", &[]).expect("upgrade");
     assert_eq!(mutate(&h, json!({"$.note": "skip"})), 200);
     assert_eq!(mutate(&h, json!({"$.qty": 3})), 200);
-    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.qty"])
+    );
 }
 
 #[test]
@@ -264,7 +265,10 @@ fn token_is_required_with_an_api_key() {
             .status,
         200
     );
-    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.qty"])
+    );
 }
 
 #[test]
@@ -305,7 +309,10 @@ fn the_query_key_opens_only_the_websocket_and_is_never_logged() {
     let mut ws = connect(&d, &format!("/models/demo/subscribe?paths=$.qty&{q}"), &[])
         .expect("upgrade with the query key");
     assert_eq!(mutate(&h, json!({"$.qty": 2})), 200);
-    assert_eq!(next_frame(&mut ws)["mutatedPaths"], json!(["$.qty"]));
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.qty"])
+    );
     drop(ws);
     let (status, body) = connect(
         &d,
@@ -347,7 +354,7 @@ fn disallowed_origin_is_403() {
     )
     .expect("a loopback origin is allowed");
     assert_eq!(mutate(&h, json!({"$.price": 1})), 200);
-    assert_eq!(next_frame(&mut ws)["modelId"], "demo");
+    assert_eq!(valem_tests::ws_frame(&mut ws)["modelId"], "demo");
 }
 
 #[test]
@@ -355,7 +362,7 @@ fn shutdown_closes_the_socket() {
     let (d, h) = start(&[]);
     let mut ws = connect(&d, "/models/demo/subscribe", &[]).expect("upgrade");
     assert_eq!(mutate(&h, json!({"$.price": 1})), 200);
-    assert_eq!(next_frame(&mut ws)["kind"], "mutation");
+    assert_eq!(valem_tests::ws_frame(&mut ws)["kind"], "mutation");
     let status = d.terminate();
     assert!(status.success(), "{status:?}");
     let (code, reason) = next_close(&mut ws);
