@@ -215,10 +215,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(Progress)) -> Result<Report,
         of: times.len(),
     });
     times.sort_unstable();
-    let pct = |p: f64| {
-        let i = ((times.len() as f64 * p).ceil() as usize).clamp(1, times.len()) - 1;
-        ns_us(times[i])
-    };
+    let pct = |p: f64| ns_us(times[rank(times.len(), p)]);
     let sum: u64 = times.iter().map(|&t| u64::from(t)).sum();
     let per = |x: usize| {
         if committed == 0 {
@@ -435,6 +432,11 @@ fn spec_nodes(spec: &ModelSpec) -> usize {
         + spec.meta_derivations.len()
         + spec.constraints.len()
         + spec.effects.len()
+}
+
+/// The index of quantile `p` among `len` sorted samples (nearest rank; `len` ≥ 1).
+pub(crate) fn rank(len: usize, p: f64) -> usize {
+    ((len as f64 * p).ceil() as usize).clamp(1, len.max(1)) - 1
 }
 
 fn ms(d: Duration) -> f64 {

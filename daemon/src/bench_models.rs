@@ -299,8 +299,7 @@ fn quantile(ns: &mut [u64], q: f64) -> f64 {
         return f64::NAN;
     }
     ns.sort_unstable();
-    let i = ((ns.len() - 1) as f64 * q).round() as usize;
-    ns[i.min(ns.len() - 1)] as f64 / 1e3
+    ns[crate::bench::rank(ns.len(), q)] as f64 / 1e3
 }
 
 /// The report as a table.
