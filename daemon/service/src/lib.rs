@@ -421,7 +421,7 @@ impl ModelService {
         wait: bool,
         f: impl FnOnce(&mut Shard, Reply<R>) + Send + 'static,
     ) -> Pending<Result<R, ServiceError>> {
-        self.submit_with(self.shard_of(id), wait, move |s, tx| f(s, Reply(tx)))
+        self.submit_with(self.shard_of(id), wait, move |s, tx| f(s, Reply::new(tx)))
     }
 
     // --- registry ---------------------------------------------------------------------------
@@ -429,44 +429,65 @@ impl ModelService {
     /// Validate, compile and register a new model. A spec with a `template` (and no lineage
     /// yet) is first materialized over the template model's spec (`spec::template`).
     pub fn create(&self, spec: ModelSpec) -> Result<ModelInfo, ServiceError> {
-        use std::sync::atomic::Ordering;
         let spec = self.materialize(spec)?;
-        // Serialised once: hashed for the validation and compile caches, and stored as is.
-        let text =
-            serde_json::to_string(&spec).map_err(|e| ServiceError::Storage(e.to_string()))?;
-        let hash = valem_engine::content_hash_of(&text, &spec.id, self.limits.engine.jit.enabled);
-        let report =
-            valem_engine::validate::validate_hashed(&spec, Some(hash), &self.limits.engine);
-        if !report.valid {
-            return Err(ServiceError::InvalidSpec(report.errors));
+        let answer = self.queue_create(spec, true);
+        // Over a store the answer waits for its write to be durable: no use polling for it.
+        if self.store.is_some() {
+            answer.wait_long()?
+        } else {
+            answer.wait()?
         }
-        let max = self.limits.max_models;
-        if self
-            .count
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| {
-                (c < max).then_some(c + 1)
-            })
-            .is_err()
-        {
-            return Err(ServiceError::TooManyModels(max));
-        }
-        let id = spec.id.clone();
-        let r = self
-            .on_model_reply(&id, true, move |s, r| s.create(spec, (text, hash), r))
-            .wait()
-            .and_then(|r| r);
-        match &r {
-            Ok(_) => self.subscribers.publish(Event::Created {
-                model_id: id.to_string(),
-            }),
-            Err(_) => {
-                self.count.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
-        r
     }
 
-    /// Model ids, alphabetical.
+    /// [`create`](Self::create) for async callers, of a spec without a `template` to
+    /// materialize (one with is refused: [`create`](Self::create) it from a thread): queued on
+    /// its shard at once, or refused with [`ServiceError::Busy`] on a full queue.
+    pub fn create_queued(&self, spec: ModelSpec) -> Answer<ModelInfo> {
+        if spec.template.is_some() && spec.lineage.is_empty() {
+            return Answer(Pending::failed(ServiceError::BadRequest(
+                "a spec with a template is materialized before it is queued".into(),
+            )));
+        }
+        Answer(self.queue_create(spec, false))
+    }
+
+    /// Queue the creation of `spec` (materialized) on its shard, which serialises, hashes and
+    /// validates it, reserves its place under `max_models` and creates it: the caller's thread
+    /// waits for the store, never for that work. The reply's hook gives the place back when
+    /// the creation fails and announces the model when it succeeds, whether or not the caller
+    /// still waits.
+    fn queue_create(
+        &self,
+        spec: ModelSpec,
+        wait: bool,
+    ) -> Pending<Result<ModelInfo, ServiceError>> {
+        let engine = self.limits.engine.clone();
+        let max = self.limits.max_models;
+        let count = self.count.clone();
+        let subscribers = self.subscribers.clone();
+        let id = spec.id.clone();
+        self.on_model_reply(&id, wait, move |s, reply: Reply<ModelInfo>| {
+            let (text, hash) = match prepare_create(&spec, &engine) {
+                Ok(prepared) => prepared,
+                Err(e) => return reply.send(Err(e)),
+            };
+            use std::sync::atomic::Ordering::SeqCst;
+            let reserved = count.fetch_update(SeqCst, SeqCst, |c| (c < max).then_some(c + 1));
+            if reserved.is_err() {
+                return reply.send(Err(ServiceError::TooManyModels(max)));
+            }
+            let reply = reply.hooked(Box::new(move |r| match r {
+                Ok(info) => subscribers.publish(Event::Created {
+                    model_id: info.id.to_string(),
+                }),
+                Err(_) => {
+                    count.fetch_sub(1, SeqCst);
+                }
+            }));
+            s.create(spec, (text, hash), reply)
+        })
+    }
+
     /// A branch flattened over its template (a model of this daemon; for a model of a sandbox
     /// session, one of that session's: [`scope::resolve`]); other specs unchanged.
     pub fn materialize(&self, spec: ModelSpec) -> Result<ModelSpec, ServiceError> {
@@ -503,6 +524,7 @@ impl ModelService {
             .map_err(|e| finding(e.to_string()))
     }
 
+    /// Model ids, alphabetical.
     pub fn list(&self) -> Result<Vec<String>, ServiceError> {
         let mut all = Vec::new();
         for i in 0..self.shards.len() {
@@ -803,6 +825,21 @@ impl Drop for ModelService {
 /// A JSON object's entries as the ordered mutation list the engine takes.
 pub fn mutation_list(m: &Map<String, Json>) -> Vec<(String, Json)> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+/// A materialized spec's serialisation (hashed for the validation and compile caches, and
+/// stored as it is) and content hash, once it is found valid.
+fn prepare_create(
+    spec: &ModelSpec,
+    engine: &EngineLimits,
+) -> Result<(String, [u8; 32]), ServiceError> {
+    let text = serde_json::to_string(spec).map_err(|e| ServiceError::Storage(e.to_string()))?;
+    let hash = valem_engine::content_hash_of(&text, &spec.id, engine.jit.enabled);
+    let report = valem_engine::validate::validate_hashed(spec, Some(hash), engine);
+    if !report.valid {
+        return Err(ServiceError::InvalidSpec(report.errors));
+    }
+    Ok((text, hash))
 }
 
 #[cfg(test)]

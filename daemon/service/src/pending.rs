@@ -10,13 +10,54 @@ pub(super) type Job = Box<dyn FnOnce(&mut Shard) + Send>;
 pub(super) type ReplyJob<R> = Box<dyn FnOnce(&mut Shard, Reply<R>) + Send>;
 
 /// Where a shard job's answer goes: now, or once the store has made the job's write durable.
-pub(crate) struct Reply<R>(pub(crate) oneshot::Sender<Result<R, ServiceError>>);
+/// Its hook, if any, sees the answer first (on the thread that sends it), whether or not
+/// anyone still waits for it; a reply dropped unsent (its job failed) answers
+/// [`ServiceError::Unavailable`].
+pub(crate) struct Reply<R> {
+    tx: Option<oneshot::Sender<Result<R, ServiceError>>>,
+    hook: Option<Hook<R>>,
+}
 
-impl<R: Send + 'static> Reply<R> {
-    pub(crate) fn send(self, r: Result<R, ServiceError>) {
-        let _ = self.0.send(r);
+/// What runs with a job's answer before it is sent: it must not block.
+pub(crate) type Hook<R> = Box<dyn FnOnce(&Result<R, ServiceError>) + Send>;
+
+impl<R> Reply<R> {
+    pub(crate) fn new(tx: oneshot::Sender<Result<R, ServiceError>>) -> Reply<R> {
+        Reply {
+            tx: Some(tx),
+            hook: None,
+        }
     }
 
+    /// This reply, with `hook` run on its answer.
+    pub(crate) fn hooked(mut self, hook: Hook<R>) -> Reply<R> {
+        self.hook = Some(hook);
+        self
+    }
+
+    pub(crate) fn send(mut self, r: Result<R, ServiceError>) {
+        self.answer(r);
+    }
+
+    fn answer(&mut self, r: Result<R, ServiceError>) {
+        if let Some(hook) = self.hook.take() {
+            hook(&r);
+        }
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(r);
+        }
+    }
+}
+
+impl<R> Drop for Reply<R> {
+    fn drop(&mut self) {
+        if self.tx.is_some() {
+            self.answer(Err(ServiceError::Unavailable));
+        }
+    }
+}
+
+impl<R: Send + 'static> Reply<R> {
     /// Answer `ok` once `op` is committed (fsynced in strict mode), or the store's error; `then`
     /// runs first with whether it committed (on the writer thread: it must not block).
     pub(crate) fn after(
@@ -146,6 +187,15 @@ impl<R> Pending<R> {
         }
     }
 
+    /// [`wait`](Self::wait) without the poll first: for an answer that is far off (one
+    /// that waits for the store's fsync), where polling would only take a core from the
+    /// threads producing it.
+    pub fn wait_long(self) -> Result<R, ServiceError> {
+        self.rx?
+            .blocking_recv()
+            .map_err(|_| ServiceError::Unavailable)
+    }
+
     /// Block the calling thread (never a reactor thread) until the shard answers.
     pub fn wait(self) -> Result<R, ServiceError> {
         let mut rx = self.rx?;
@@ -201,7 +251,7 @@ impl<R: Send + 'static> Call<'_, R> {
     pub fn wait(self) -> Result<R, ServiceError> {
         let job = self.job;
         self.service
-            .submit_with(self.shard, true, move |s, tx| job(s, Reply(tx)))
+            .submit_with(self.shard, true, move |s, tx| job(s, Reply::new(tx)))
             .wait()?
     }
 }
@@ -214,7 +264,7 @@ impl<R: Send + 'static> Call<'_, R> {
         let job = self.job;
         Answer(
             self.service
-                .submit_with(self.shard, false, move |s, tx| job(s, Reply(tx))),
+                .submit_with(self.shard, false, move |s, tx| job(s, Reply::new(tx))),
         )
     }
 }
@@ -229,7 +279,7 @@ impl<R: Send + 'static> std::future::IntoFuture for Call<'_, R> {
 }
 
 /// A queued [`Call`]'s answer, as a future (`'static`: it holds no borrow of the service).
-pub struct Answer<R>(Pending<Result<R, ServiceError>>);
+pub struct Answer<R>(pub(super) Pending<Result<R, ServiceError>>);
 
 impl<R> std::future::Future for Answer<R> {
     type Output = Result<R, ServiceError>;

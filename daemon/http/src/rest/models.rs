@@ -41,7 +41,14 @@ pub(super) async fn create(State(st): State<AppState>, body: SpecBody) -> Respon
             return ApiError::findings("Invalid spec", message, &[f]).into_response();
         }
     };
-    match call(&st, move |svc| svc.create(spec)).await {
+    // A spec to materialize over its template reads the template's spec first (on a thread);
+    // any other is queued on its shard straight away, and its answer awaited.
+    let created = if spec.template.is_some() && spec.lineage.is_empty() {
+        call(&st, move |svc| svc.create(spec)).await
+    } else {
+        st.service.create_queued(spec).await.map_err(ApiError::from)
+    };
+    match created {
         Ok(info) => {
             let mut r = (
                 StatusCode::CREATED,
