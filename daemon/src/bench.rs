@@ -58,6 +58,8 @@ pub struct Options {
     /// Through the model service over a durable store in a temporary directory (strict: every
     /// mutation acknowledged after its fsync), instead of the engine alone.
     pub durable: bool,
+    /// The most instances one `[*]` derivation may span (the daemon's `--max-instances`).
+    pub max_instances: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -139,6 +141,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(Progress)) -> Result<Report,
             enabled: opts.jit,
             ..JitConfig::default()
         },
+        max_instances: opts.max_instances,
         ..valem_service::ServiceLimits::default().engine
     };
     let (shape, name, n, spec, seed_data) = match &opts.workload {

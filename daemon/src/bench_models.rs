@@ -34,6 +34,8 @@ pub struct Options {
     pub api_key: Option<String>,
     /// In-process: acknowledge after COMMIT without fsync (`--durability relaxed`).
     pub relaxed: bool,
+    /// Creations in flight at once (each caller thread with its own connection over REST).
+    pub concurrency: usize,
 }
 
 /// The measurements (`--json` prints exactly this object).
@@ -49,7 +51,10 @@ pub struct Report {
     pub shards: usize,
     /// In-process: whether the store acknowledged after COMMIT without fsync.
     pub relaxed: bool,
-    /// Creations per second from one caller, and their latency (µs), each call timed alone.
+    /// Creations in flight at once: 1 is one call after the other.
+    pub concurrency: usize,
+    /// Creations per second (all of them over the wall time of the phase), and their latency
+    /// (µs), each call timed alone.
     pub creates_per_s: f64,
     pub create_p50_us: f64,
     pub create_p99_us: f64,
@@ -73,7 +78,10 @@ pub struct Report {
 }
 
 /// Where the models live: a service in this process, or a daemon over REST.
-trait Target {
+trait Target: Send {
+    /// Another handle on the same models, for one more caller thread (over REST: its own
+    /// connection).
+    fn fork(&self) -> Result<Box<dyn Target>, String>;
     fn create(&mut self, i: usize) -> Result<(), String>;
     fn read(&mut self, i: usize) -> Result<(), String>;
     /// Resident MB, models resident and hibernated, and wakes so far.
@@ -87,10 +95,18 @@ fn id(i: usize) -> String {
 struct InProcess {
     svc: Arc<ModelService>,
     spec: ModelSpec,
-    _dir: tempfile::TempDir,
+    _dir: Arc<tempfile::TempDir>,
 }
 
 impl Target for InProcess {
+    fn fork(&self) -> Result<Box<dyn Target>, String> {
+        Ok(Box::new(InProcess {
+            svc: self.svc.clone(),
+            spec: self.spec.clone(),
+            _dir: self._dir.clone(),
+        }))
+    }
+
     fn create(&mut self, i: usize) -> Result<(), String> {
         let mut spec = self.spec.clone();
         spec.id = id(i);
@@ -129,11 +145,23 @@ impl Target for InProcess {
 
 struct Rest {
     remote: crate::console::remote::Remote,
+    url: String,
+    api_key: Option<String>,
     /// The spec's text after its `id` member: a body is `{"id":"m<i>",` and this.
     tail: String,
 }
 
 impl Target for Rest {
+    fn fork(&self) -> Result<Box<dyn Target>, String> {
+        Ok(Box::new(Rest {
+            remote: crate::console::remote::Remote::new(&self.url, self.api_key.clone())
+                .map_err(|e| e.to_string())?,
+            url: self.url.clone(),
+            api_key: self.api_key.clone(),
+            tail: self.tail.clone(),
+        }))
+    }
+
     fn create(&mut self, i: usize) -> Result<(), String> {
         use crate::console::remote::Body;
         let body = format!("{{\"id\":\"{}\",{}", id(i), self.tail);
@@ -194,7 +222,12 @@ fn target(opts: &Options) -> Result<Box<dyn Target>, String> {
             .strip_prefix(&prefix)
             .ok_or("the spec does not serialise with its id first")?
             .to_string();
-        return Ok(Box::new(Rest { remote, tail }));
+        return Ok(Box::new(Rest {
+            remote,
+            url: url.clone(),
+            api_key: opts.api_key.clone(),
+            tail,
+        }));
     }
     let dir = tempfile::Builder::new()
         .prefix("valem-bench-models-")
@@ -220,7 +253,7 @@ fn target(opts: &Options) -> Result<Box<dyn Target>, String> {
     Ok(Box::new(InProcess {
         svc,
         spec: opts.spec.clone(),
-        _dir: dir,
+        _dir: Arc::new(dir),
     }))
 }
 
@@ -231,15 +264,9 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str, usize, usize)) -> Resu
     }
     let mut t = target(opts)?;
     let (rss_before, ..) = t.memory()?;
-    let mut creates = Vec::with_capacity(opts.models);
-    for i in 0..opts.models {
-        let started = Instant::now();
-        t.create(i)?;
-        creates.push(started.elapsed().as_nanos() as u64);
-        if i % 256 == 0 {
-            progress("creating", i, opts.models);
-        }
-    }
+    let started = Instant::now();
+    let mut creates = create_all(&mut t, opts, progress)?;
+    let wall_s = started.elapsed().as_secs_f64();
     let (rss_after, resident, hibernated, _) = t.memory()?;
 
     let reads = opts.reads.max(1);
@@ -268,7 +295,6 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str, usize, usize)) -> Resu
         }
     }
     let (.., woken_after) = t.memory()?;
-    let total_s = creates.iter().sum::<u64>() as f64 / 1e9;
     Ok(Report {
         spec: opts.spec_name.clone(),
         url: opts.url.clone(),
@@ -276,7 +302,8 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str, usize, usize)) -> Resu
         max_resident: opts.max_resident,
         shards: opts.shards,
         relaxed: opts.relaxed,
-        creates_per_s: opts.models as f64 / total_s.max(1e-9),
+        concurrency: opts.concurrency.max(1),
+        creates_per_s: opts.models as f64 / wall_s.max(1e-9),
         create_p50_us: quantile(&mut creates, 0.5),
         create_p99_us: quantile(&mut creates, 0.99),
         rss_before_mb: rss_before,
@@ -291,6 +318,63 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str, usize, usize)) -> Resu
         cold_reads: reads,
         cold_reads_woken: woken_after.saturating_sub(woken_before),
     })
+}
+
+/// Create every model, `opts.concurrency` calls in flight at once (caller `c` creates the
+/// models `i` with `i % concurrency == c`); the latency of each call (ns), in no set order.
+fn create_all(
+    t: &mut Box<dyn Target>,
+    opts: &Options,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<Vec<u64>, String> {
+    let k = opts.concurrency.clamp(1, opts.models);
+    let timed = |t: &mut Box<dyn Target>, i: usize| -> Result<u64, String> {
+        let started = Instant::now();
+        t.create(i)?;
+        Ok(started.elapsed().as_nanos() as u64)
+    };
+    if k == 1 {
+        let mut creates = Vec::with_capacity(opts.models);
+        for i in 0..opts.models {
+            creates.push(timed(t, i)?);
+            if i % 256 == 0 {
+                progress("creating", i, opts.models);
+            }
+        }
+        return Ok(creates);
+    }
+    let mut callers = Vec::with_capacity(k);
+    for _ in 0..k {
+        callers.push(t.fork()?);
+    }
+    progress("creating", 0, opts.models);
+    let models = opts.models;
+    let results: Vec<Result<Vec<u64>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = callers
+            .into_iter()
+            .enumerate()
+            .map(|(c, mut caller)| {
+                s.spawn(move || {
+                    (c..models)
+                        .step_by(k)
+                        .map(|i| timed(&mut caller, i))
+                        .collect::<Result<Vec<u64>, String>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a creating thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut creates = Vec::with_capacity(models);
+    for r in results {
+        creates.extend(r?);
+    }
+    Ok(creates)
 }
 
 /// The `q` quantile of nanosecond samples, in µs.
@@ -311,7 +395,7 @@ pub fn table(r: &Report) -> String {
     };
     format!(
         "valem bench --models {models}: {spec}, {place}, max resident {bound}\n\
-         creates        {cps:>10.0} /s    p50 {cp50:>9.1} µs   p99 {cp99:>9.1} µs\n\
+         creates        {cps:>10.0} /s    p50 {cp50:>9.1} µs   p99 {cp99:>9.1} µs   ({k} in flight)\n\
          memory         {kb:>10.1} KB per model (RSS {before:.1} → {after:.1} MB); {resident} resident, {hib} hibernated\n\
          warm read      p50 {wp50:>9.1} µs   p99 {wp99:>9.1} µs\n\
          cold read      p50 {kp50:>9.1} µs   p99 {kp99:>9.1} µs   ({woken} of {reads} woken from the store)\n",
@@ -326,6 +410,7 @@ pub fn table(r: &Report) -> String {
             ),
         },
         cps = r.creates_per_s,
+        k = r.concurrency,
         cp50 = r.create_p50_us,
         cp99 = r.create_p99_us,
         kb = r.kb_per_model,

@@ -594,4 +594,13 @@ pub struct BenchArgs {
     /// after COMMIT (as `valem serve --durability`).
     #[arg(long, default_value = "strict", value_parser = ["strict", "relaxed"], requires = "models", conflicts_with = "url")]
     pub durability: String,
+    /// With --models: creations in flight at once from the one caller, each thread on its own
+    /// keep-alive connection over REST (1: one call after the other). A strict store commits
+    /// what arrives together in one fsynced batch.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256), requires = "models")]
+    pub concurrency: u16,
+    /// The most instances one `[*]` derivation may span, as `valem serve --max-instances`
+    /// (`items` at 1M needs `--max-instances 1000000`).
+    #[arg(long, value_name = "N", default_value_t = valem_service::ServiceLimits::default().engine.max_instances)]
+    pub max_instances: usize,
 }

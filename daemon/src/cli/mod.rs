@@ -314,6 +314,8 @@ fn bench(args: BenchArgs) -> Result<i32, String> {
         url,
         api_key,
         durability,
+        concurrency,
+        max_instances,
     } = args;
     if let Some(n) = models {
         let (name, spec) = match spec {
@@ -334,6 +336,7 @@ fn bench(args: BenchArgs) -> Result<i32, String> {
             url,
             api_key,
             relaxed: durability == "relaxed",
+            concurrency: usize::from(concurrency),
         };
         let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
         let mut progress = |phase: &str, done: usize, of: usize| {
@@ -386,6 +389,7 @@ fn bench(args: BenchArgs) -> Result<i32, String> {
         seed,
         service,
         durable,
+        max_instances,
     };
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut progress = |p: crate::bench::Progress| {
