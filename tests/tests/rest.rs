@@ -168,6 +168,94 @@ fn registry_limit_is_429() {
     assert_eq!(b["limit"], 1);
 }
 
+/// A body that differs from an earlier one only in its leading `id` is created from the
+/// spec remembered for it (no second parse): the copy is exactly what a fresh parse would
+/// create, its id is checked as any, and a body that only looks like a copy is parsed.
+#[test]
+fn copies_of_a_spec_are_the_spec_under_their_own_id() {
+    let (_d, h) = start(&["--max-models", "4"]);
+    let body = demo_spec().to_string();
+    let rest = body
+        .strip_prefix(r#"{"id":"demo","#)
+        .expect("the id serialises first");
+    let post = |text: String| h.post("/models", &[JSON], text.as_bytes());
+    assert_eq!(post(body.clone()).status, 201);
+    // Spaces around the id member, and an escape inside it.
+    let copy = post(format!(r#"{{ "id" : "cop\u0079" ,{rest}"#));
+    assert_eq!(copy.status, 201, "{copy:?}");
+    assert_eq!(copy.json()["id"], "copy");
+    assert_eq!(copy.header("location"), Some("/models/copy"));
+    let mut want = demo_spec();
+    want["id"] = json!("copy");
+    let got = h.get("/models/copy/spec").json();
+    assert_eq!(got["id"], "copy");
+    for key in [
+        "schema",
+        "derivations",
+        "constraints",
+        "tests",
+        "viewDefinition",
+    ] {
+        assert_eq!(got[key], want[key], "{key}");
+    }
+    let r = mutate(&h, "copy", json!({"$.price": 4, "$.qty": 5}));
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(h.get("/models/copy/state").json()["total"], 20);
+    assert_eq!(h.get("/models/demo/state").json()["total"], Value::Null);
+
+    // The id is checked as in any creation: the same error as a fresh parse of that body.
+    let bad = post(format!(r#"{{"id":"9lives",{rest}"#));
+    let fresh = post(format!(r#"{{"id":"9lives",{rest}"#).replacen(
+        r#""schema""#,
+        r#""version":"1.0.0","schema""#,
+        1,
+    ));
+    let b = assert_error(&bad, 422, "Invalid spec");
+    assert_eq!(b, assert_error(&fresh, 422, "Invalid spec"));
+    assert!(b.to_string().contains("9lives"), "{b}");
+    // A copy under a taken id is a duplicate.
+    let dup = assert_error(
+        &post(format!(r#"{{"id":"copy",{rest}"#)),
+        409,
+        "Duplicate model",
+    );
+    assert_eq!(dup["id"], "copy");
+    // A body naming `id` twice is not a copy of anything: parsed whole, as before.
+    let twice = format!(
+        r#"{{"id":"first",{}"#,
+        rest.strip_suffix('}')
+            .map(|r| format!(r#"{r},"id":"again"}}"#))
+            .expect("an object")
+    );
+    let r1 = post(twice.clone());
+    assert_eq!(
+        (r1.status, r1.json()["id"].clone()),
+        (201, json!("again")),
+        "{r1:?}"
+    );
+    let r2 = post(twice.replacen("first", "other", 1));
+    assert_eq!(assert_error(&r2, 409, "Duplicate model")["id"], "again");
+    assert_eq!(h.delete("/models/again").status, 200);
+    // The registry's bound holds for copies, and a refused copy takes no place.
+    assert_eq!(post(format!(r#"{{"id":"third",{rest}"#)).status, 201);
+    assert_eq!(post(format!(r#"{{"id":"fourth",{rest}"#)).status, 201);
+    assert_error(
+        &post(format!(r#"{{"id":"fifth",{rest}"#)),
+        429,
+        "Too many models",
+    );
+    assert_eq!(h.delete("/models/third").status, 200);
+    assert_eq!(post(format!(r#"{{"id":"fifth",{rest}"#)).status, 201);
+    let listed = h.get("/models").json();
+    assert_eq!(listed.as_array().map(Vec::len), Some(4), "{listed}");
+    // Every body after the first was a copy but the one with a version and the two naming
+    // `id` twice.
+    assert_eq!(
+        valem_tests::metric(&h, "valem_model_copies_total"),
+        Some(7.0)
+    );
+}
+
 #[test]
 fn mutations_state_and_reads() {
     let (_d, h) = start(&[]);

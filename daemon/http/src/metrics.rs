@@ -105,6 +105,11 @@ pub async fn serve(State(st): State<AppState>) -> Response {
     );
     let _ = writeln!(
         out,
+        "# HELP valem_model_copies_total Creations of a copy of a spec remembered from an earlier request body that differed only in its leading id (not parsed again).\n# TYPE valem_model_copies_total counter\nvalem_model_copies_total {}",
+        res.copies.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
         "# HELP valem_model_wake_failures_total Hibernated models that could not be woken (not served; the log says why).\n# TYPE valem_model_wake_failures_total counter\nvalem_model_wake_failures_total {}",
         res.wake_failures.load(Ordering::Relaxed)
     );

@@ -65,6 +65,8 @@ pub struct ModelService {
     residency: Arc<metrics::ResidencyMetrics>,
     /// Whether async callers may poll for an answer at all (see [`Pending`]).
     async_polling: std::sync::atomic::AtomicBool,
+    /// Specs created before, by the key of the body they came in (see [`PreparedSpec`]).
+    prepared: Arc<Mutex<std::collections::HashMap<[u8; 32], Arc<PreparedSpec>>>>,
     store: Option<Arc<dyn valem_store::Store>>,
     /// A blob-store plugin keeping the blob bytes (metadata stays in the store, or in
     /// `plugin_blobs` without one).
@@ -249,6 +251,7 @@ impl ModelService {
             checkpoint_metrics,
             residency,
             async_polling: std::sync::atomic::AtomicBool::new(true),
+            prepared: Arc::default(),
             store,
             blob_plugin: std::sync::OnceLock::new(),
             audit_sink,
@@ -430,7 +433,7 @@ impl ModelService {
     /// yet) is first materialized over the template model's spec (`spec::template`).
     pub fn create(&self, spec: ModelSpec) -> Result<ModelInfo, ServiceError> {
         let spec = self.materialize(spec)?;
-        let answer = self.queue_create(spec, true);
+        let answer = self.queue_create(spec, true, None);
         // Over a store the answer waits for its write to be durable: no use polling for it.
         if self.store.is_some() {
             answer.wait_long()?
@@ -441,14 +444,48 @@ impl ModelService {
 
     /// [`create`](Self::create) for async callers, of a spec without a `template` to
     /// materialize (one with is refused: [`create`](Self::create) it from a thread): queued on
-    /// its shard at once, or refused with [`ServiceError::Busy`] on a full queue.
-    pub fn create_queued(&self, spec: ModelSpec) -> Answer<ModelInfo> {
+    /// its shard at once, or refused with [`ServiceError::Busy`] on a full queue. `body_key`:
+    /// the key of the members after the leading `id` of the request body the spec was parsed
+    /// from, under which the spec, once found valid, is remembered for
+    /// [`create_copy`](Self::create_copy).
+    pub fn create_queued(&self, spec: ModelSpec, body_key: Option<[u8; 32]>) -> Answer<ModelInfo> {
         if spec.template.is_some() && spec.lineage.is_empty() {
             return Answer(Pending::failed(ServiceError::BadRequest(
                 "a spec with a template is materialized before it is queued".into(),
             )));
         }
-        Answer(self.queue_create(spec, false))
+        Answer(self.queue_create(spec, false, body_key))
+    }
+
+    /// The spec created before from a body whose members after its leading `id` had the key
+    /// `body_key`, if it is still remembered.
+    pub fn prepared(&self, body_key: &[u8; 32]) -> Option<Arc<PreparedSpec>> {
+        self.prepared.lock().ok()?.get(body_key).cloned()
+    }
+
+    /// Create model `id` as a copy of a spec created before: the same as creating the spec
+    /// with its id replaced by `id`, without parsing, serialising or validating it again
+    /// (only `id` is checked). Queued at once, as [`create_queued`](Self::create_queued).
+    pub fn create_copy(&self, id: String, of: Arc<PreparedSpec>) -> Answer<ModelInfo> {
+        let max = self.limits.max_models;
+        let count = self.count.clone();
+        let subscribers = self.subscribers.clone();
+        let shard = self.shard_of(&id);
+        let residency = self.residency.clone();
+        Answer(self.submit_with(shard, false, move |s, tx| {
+            residency
+                .copies
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let reply = Reply::new(tx);
+            if let Some(f) = valem_engine::validate::check_id(&id) {
+                return reply.send(Err(ServiceError::InvalidSpec(vec![f])));
+            }
+            let Some(reply) = reserve(&count, max, subscribers, reply) else {
+                return;
+            };
+            let text = of.text_for(&id);
+            s.create(id, of.spec.clone(), (text, of.hash), reply)
+        }))
     }
 
     /// Queue the creation of `spec` (materialized) on its shard, which serialises, hashes and
@@ -460,32 +497,44 @@ impl ModelService {
         &self,
         spec: ModelSpec,
         wait: bool,
+        body_key: Option<[u8; 32]>,
     ) -> Pending<Result<ModelInfo, ServiceError>> {
         let engine = self.limits.engine.clone();
         let max = self.limits.max_models;
         let count = self.count.clone();
         let subscribers = self.subscribers.clone();
         let id = spec.id.clone();
+        let memo = body_key.map(|k| (k, self.prepared_sink()));
         self.on_model_reply(&id, wait, move |s, reply: Reply<ModelInfo>| {
             let (text, hash) = match prepare_create(&spec, &engine) {
                 Ok(prepared) => prepared,
                 Err(e) => return reply.send(Err(e)),
             };
-            use std::sync::atomic::Ordering::SeqCst;
-            let reserved = count.fetch_update(SeqCst, SeqCst, |c| (c < max).then_some(c + 1));
-            if reserved.is_err() {
-                return reply.send(Err(ServiceError::TooManyModels(max)));
-            }
-            let reply = reply.hooked(Box::new(move |r| match r {
-                Ok(info) => subscribers.publish(Event::Created {
-                    model_id: info.id.to_string(),
-                }),
-                Err(_) => {
-                    count.fetch_sub(1, SeqCst);
+            let Some(reply) = reserve(&count, max, subscribers, reply) else {
+                return;
+            };
+            let id = spec.id.clone();
+            let spec = Arc::new(spec);
+            if let Some((key, sink)) = memo {
+                if let Some(p) = PreparedSpec::new(spec.clone(), &text, hash) {
+                    sink(key, p);
                 }
-            }));
-            s.create(spec, (text, hash), reply)
+            }
+            s.create(id, spec, (text, hash), reply)
         })
+    }
+
+    /// Where a shard remembers a prepared spec (bounded: emptied when full).
+    fn prepared_sink(&self) -> impl FnOnce([u8; 32], PreparedSpec) + Send + 'static {
+        let prepared = self.prepared.clone();
+        move |key, p| {
+            if let Ok(mut m) = prepared.lock() {
+                if m.len() >= PREPARED_SPECS {
+                    m.clear();
+                }
+                m.insert(key, Arc::new(p));
+            }
+        }
     }
 
     /// A branch flattened over its template (a model of this daemon; for a model of a sandbox
@@ -825,6 +874,66 @@ impl Drop for ModelService {
 /// A JSON object's entries as the ordered mutation list the engine takes.
 pub fn mutation_list(m: &Map<String, Json>) -> Vec<(String, Json)> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+/// Specs remembered for [`ModelService::create_copy`]; past it the memory is emptied.
+const PREPARED_SPECS: usize = 64;
+
+/// A spec created before, kept to create copies of it under other ids: agents create a model
+/// per conversation, quote or ticket from one spec, and a `POST /models` body that differs
+/// from an earlier one only in its leading `id` then needs no parsing, serialising or
+/// validating. Holds the parsed spec (under the id it was first created with), its
+/// serialisation after the `id` member, and its content hash.
+pub struct PreparedSpec {
+    spec: Arc<ModelSpec>,
+    /// The serialisation after `{"id":"…"`.
+    rest: String,
+    hash: [u8; 32],
+}
+
+impl PreparedSpec {
+    fn new(spec: Arc<ModelSpec>, text: &str, hash: [u8; 32]) -> Option<PreparedSpec> {
+        let mut prefix = String::from("{\"id\":");
+        prefix.push_str(&serde_json::to_string(&spec.id).ok()?);
+        let rest = text.strip_prefix(&prefix)?.to_string();
+        Some(PreparedSpec { spec, rest, hash })
+    }
+
+    /// The serialisation of this spec under id `id`.
+    fn text_for(&self, id: &str) -> String {
+        let mut text = String::with_capacity(self.rest.len() + id.len() + 8);
+        text.push_str("{\"id\":");
+        text.push_str(&serde_json::Value::from(id).to_string());
+        text.push_str(&self.rest);
+        text
+    }
+}
+
+/// Reserve a creation's place under `max` models (or answer `TooManyModels`): its reply then
+/// gives the place back when the creation fails and announces the model when it succeeds.
+fn reserve(
+    count: &Arc<std::sync::atomic::AtomicUsize>,
+    max: usize,
+    subscribers: Arc<Subscribers>,
+    reply: Reply<ModelInfo>,
+) -> Option<Reply<ModelInfo>> {
+    use std::sync::atomic::Ordering::SeqCst;
+    if count
+        .fetch_update(SeqCst, SeqCst, |c| (c < max).then_some(c + 1))
+        .is_err()
+    {
+        reply.send(Err(ServiceError::TooManyModels(max)));
+        return None;
+    }
+    let count = count.clone();
+    Some(reply.hooked(Box::new(move |r| match r {
+        Ok(info) => subscribers.publish(Event::Created {
+            model_id: info.id.to_string(),
+        }),
+        Err(_) => {
+            count.fetch_sub(1, SeqCst);
+        }
+    })))
 }
 
 /// A materialized spec's serialisation (hashed for the validation and compile caches, and

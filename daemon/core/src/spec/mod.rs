@@ -651,6 +651,45 @@ pub fn parse_spec_slice(bytes: &[u8]) -> Option<ModelSpec> {
     serde_json::from_slice(bytes).ok()
 }
 
+/// A JSON object's text that opens with an `id` member holding a string, split into that
+/// string and the text after the comma that follows it (`{"id":"quote-17","schema":…}` gives
+/// `quote-17` and `"schema":…}`); `None` for any other text. Two such texts with the same rest
+/// are the same spec but for the id.
+pub fn split_leading_id(bytes: &[u8]) -> Option<(String, &[u8])> {
+    let ws = |mut i: usize| {
+        while bytes
+            .get(i)
+            .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        {
+            i += 1;
+        }
+        i
+    };
+    let expect = |i: usize, token: &[u8]| {
+        bytes
+            .get(i..i + token.len())
+            .filter(|t| *t == token)
+            .map(|_| i + token.len())
+    };
+    let i = expect(ws(0), b"{")?;
+    let i = expect(ws(i), b"\"id\"")?;
+    let start = ws(expect(ws(i), b":")?);
+    if bytes.get(start) != Some(&b'"') {
+        return None;
+    }
+    let mut end = start + 1;
+    loop {
+        match *bytes.get(end)? {
+            b'"' => break,
+            b'\\' => end += 2,
+            _ => end += 1,
+        }
+    }
+    let id: String = serde_json::from_slice(bytes.get(start..=end)?).ok()?;
+    let rest = expect(ws(end + 1), b",")?;
+    Some((id, bytes.get(rest..)?))
+}
+
 /// Parse a spec JSON value, reporting shape errors by their location (`derivations[0].expr`).
 pub fn parse_spec(json: &Json) -> Result<ModelSpec, SpecParseError> {
     parse_located(json)
@@ -908,6 +947,35 @@ fn double_option<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<Librar
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn split_leading_id_takes_only_an_opening_id_string() {
+        let split = |t: &str| {
+            split_leading_id(t.as_bytes())
+                .map(|(id, rest)| (id, String::from_utf8_lossy(rest).into_owned()))
+        };
+        assert_eq!(
+            split(r#"{"id":"a","schema":{}}"#),
+            Some(("a".into(), r#""schema":{}}"#.into()))
+        );
+        assert_eq!(
+            split(" {\n\t\"id\" : \"a\\\"b\\u0063\" ,\"x\":1}"),
+            Some(("a\"bc".into(), r#""x":1}"#.into()))
+        );
+        for t in [
+            r#"{"schema":{},"id":"a"}"#,
+            r#"{"id":"a"}"#,
+            r#"{"id":7,"x":1}"#,
+            r#"{"id":"a"#,
+            r#"{"id":"a\"#,
+            r#"{"id":"\q","x":1}"#,
+            r#"["id","a",1]"#,
+            r#"{"idx":"a","x":1}"#,
+            "",
+        ] {
+            assert_eq!(split(t), None, "{t}");
+        }
+    }
 
     #[test]
     fn evolution_keys_are_checked() {

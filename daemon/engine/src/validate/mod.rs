@@ -319,14 +319,25 @@ fn check(spec: &ModelSpec, v: &mut V, limits: &EngineLimits) {
 }
 
 /// The spec's identity and its removed fields (`initialState`, `actions`).
+/// What is wrong with `id` as a model's id, if anything: the one check of a spec that reads
+/// its id (so a copy of a valid spec under another id needs only this one).
+pub fn check_id(id: &str) -> Option<Finding> {
+    let message = if id.trim().is_empty() {
+        "id is required".to_string()
+    } else if id.contains('@') || !valid_coordinate(id) {
+        format!("id `{id}` is not a model coordinate: `[namespace/]name`, each part starting with a letter, then letters, digits, `-` or `_`")
+    } else {
+        return None;
+    };
+    Some(Finding {
+        location: "id".into(),
+        message,
+    })
+}
+
 fn check_identity(spec: &ModelSpec, v: &mut V) {
-    if spec.id.trim().is_empty() {
-        v.err("id", "id is required");
-    } else if spec.id.contains('@') || !valid_coordinate(&spec.id) {
-        v.err(
-            "id",
-            format!("id `{}` is not a model coordinate: `[namespace/]name`, each part starting with a letter, then letters, digits, `-` or `_`", spec.id),
-        );
+    if let Some(f) = check_id(&spec.id) {
+        v.errors.push(f);
     }
     if let Some(ver) = &spec.version {
         // A warning, not an error: the MCP contract's worked example creates a model with

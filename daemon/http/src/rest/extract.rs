@@ -71,12 +71,21 @@ impl Params {
 /// A JSON request body (`Content-Type: application/json`).
 pub(crate) struct JsonBody(pub Json);
 
-/// A ModelSpec body (`Content-Type: application/json`): the spec when it parses straight from
-/// the bytes, else the JSON value (for the located error of `parse_spec`).
+/// A ModelSpec body (`Content-Type: application/json`): a copy under another id of a spec
+/// created before (see [`valem_service::PreparedSpec`]), the spec when it parses straight from
+/// the bytes (with the key of its members after a leading `id`, to be remembered by), else the
+/// JSON value (for the located error of `parse_spec`).
 pub(crate) enum SpecBody {
-    Spec(Box<valem_core::spec::ModelSpec>),
+    Copy {
+        id: String,
+        of: std::sync::Arc<valem_service::PreparedSpec>,
+    },
+    Spec(Box<valem_core::spec::ModelSpec>, Option<[u8; 32]>),
     Json(Json),
 }
+
+/// The largest body whose spec is remembered for copies.
+const REMEMBERED_BODY_BYTES: usize = 1 << 20;
 
 impl FromRequest<AppState> for SpecBody {
     type Rejection = ApiError;
@@ -84,8 +93,19 @@ impl FromRequest<AppState> for SpecBody {
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         check_media(req.headers(), "application/json")?;
         let bytes = body_bytes(req, state).await?;
+        let leading = (bytes.len() <= REMEMBERED_BODY_BYTES)
+            .then(|| valem_core::spec::split_leading_id(&bytes))
+            .flatten()
+            .map(|(id, rest)| (id, *blake3::hash(rest).as_bytes()));
+        if let Some((id, key)) = &leading {
+            if let Some(of) = state.service.prepared(key) {
+                return Ok(SpecBody::Copy { id: id.clone(), of });
+            }
+        }
         if let Some(spec) = valem_core::spec::parse_spec_slice(&bytes) {
-            return Ok(SpecBody::Spec(Box::new(spec)));
+            // Remembered only when the id it was keyed by is the spec's.
+            let key = leading.filter(|(id, _)| *id == spec.id).map(|(_, k)| k);
+            return Ok(SpecBody::Spec(Box::new(spec), key));
         }
         serde_json::from_slice(&bytes)
             .map(SpecBody::Json)

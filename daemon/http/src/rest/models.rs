@@ -29,9 +29,12 @@ pub(super) async fn list(State(st): State<AppState>) -> Result<Response, ApiErro
 }
 
 pub(super) async fn create(State(st): State<AppState>, body: SpecBody) -> Response {
-    let parsed = match body {
-        SpecBody::Spec(spec) => Ok(*spec),
-        SpecBody::Json(json) => parse_spec(&json),
+    let (parsed, key) = match body {
+        SpecBody::Copy { id, of } => {
+            return created(st.service.create_copy(id, of).await.map_err(ApiError::from))
+        }
+        SpecBody::Spec(spec, key) => (Ok(*spec), key),
+        SpecBody::Json(json) => (parse_spec(&json), None),
     };
     let spec = match parsed {
         Ok(s) => s,
@@ -43,11 +46,18 @@ pub(super) async fn create(State(st): State<AppState>, body: SpecBody) -> Respon
     };
     // A spec to materialize over its template reads the template's spec first (on a thread);
     // any other is queued on its shard straight away, and its answer awaited.
-    let created = if spec.template.is_some() && spec.lineage.is_empty() {
+    created(if spec.template.is_some() && spec.lineage.is_empty() {
         call(&st, move |svc| svc.create(spec)).await
     } else {
-        st.service.create_queued(spec).await.map_err(ApiError::from)
-    };
+        st.service
+            .create_queued(spec, key)
+            .await
+            .map_err(ApiError::from)
+    })
+}
+
+/// The response to a creation.
+fn created(created: Result<valem_service::ModelInfo, ApiError>) -> Response {
     match created {
         Ok(info) => {
             let mut r = (

@@ -37,17 +37,12 @@ pub(super) fn model_at(
 /// The store write of `spec` as the model's current spec, at `at`.
 pub(super) fn put_model_op(spec: &ModelSpec, at: Timestamp) -> Result<Op, ServiceError> {
     let text = serde_json::to_string(spec).map_err(|e| ServiceError::Storage(e.to_string()))?;
-    Ok(put_model_text(spec, text, at))
-}
-
-/// [`put_model_op`] for a spec already serialised (`text`).
-pub(super) fn put_model_text(spec: &ModelSpec, text: String, at: Timestamp) -> Op {
-    Op::PutModel {
+    Ok(Op::PutModel {
         id: spec.id.clone(),
         spec_text: text,
         version: spec.version_or_default().to_string(),
         at,
-    }
+    })
 }
 
 /// A checkpoint of `e` as it is now: after its newest record (before any, when it has none).
@@ -302,7 +297,7 @@ impl Shard {
             None => self.insert(spec, stored.created)?,
             Some(cp) => {
                 let model = model_at(&spec, &cp.state, cp.at, &self.limits.engine)?;
-                let e = self.register(spec, model, cp.at)?;
+                let e = self.register(spec.id, model, cp.at)?;
                 e.checkpointed = cp.sequence;
                 e
             }

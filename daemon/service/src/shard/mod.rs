@@ -224,26 +224,38 @@ impl Shard {
             .collect()
     }
 
-    /// Create model `spec` (`text`: its serialisation, `hash`: its content hash).
+    /// Create model `id` of `spec` (whose own id may be another's: a copy of a spec created
+    /// before), `text` being its serialisation under `id` and `hash` its content hash.
     pub(crate) fn create(
         &mut self,
-        spec: ModelSpec,
+        id: String,
+        spec: Arc<ModelSpec>,
         (text, hash): (String, [u8; 32]),
         reply: Reply<ModelInfo>,
     ) {
-        if self.models.contains_key(&spec.id) || self.hibernated.contains(&spec.id) {
-            return reply.send(Err(ServiceError::Duplicate(spec.id)));
+        if self.models.contains_key(&id) || self.hibernated.contains(&id) {
+            return reply.send(Err(ServiceError::Duplicate(id)));
         }
-        if let Some(why) = self.unrecovered.get(&spec.id) {
+        if let Some(why) = self.unrecovered.get(&id) {
             return reply.send(Err(ServiceError::Unrecovered {
-                id: spec.id,
+                id,
                 why: why.clone(),
             }));
         }
         let t = now();
-        let persist = self.store.as_ref().map(|_| put_model_text(&spec, text, t));
-        let (info, seeded) = match self.insert_seeded(spec, Some(hash), t) {
-            Ok((e, seeded)) => (e.info(), seeded),
+        let persist = self.store.as_ref().map(|_| Op::PutModel {
+            id: id.clone(),
+            spec_text: text,
+            version: spec.version_or_default().to_string(),
+            at: t,
+        });
+        let limits = self.limits.engine.clone();
+        let (model, seeded) = match Model::create_hashed(&spec, hash, t, limits) {
+            Ok(created) => created,
+            Err(e) => return reply.send(Err(create_error(e))),
+        };
+        let info = match self.register(id, model, t) {
+            Ok(e) => e.info(),
             Err(e) => return reply.send(Err(e)),
         };
         let id = info.id.clone();
@@ -257,33 +269,17 @@ impl Shard {
 
     /// Compile `spec` into a fresh model created at `t` and register it.
     fn insert(&mut self, spec: ModelSpec, t: Timestamp) -> Result<&mut Entry, ServiceError> {
-        Ok(self.insert_seeded(spec, None, t)?.0)
-    }
-
-    /// [`insert`](Self::insert), with the result of the seeding cycle (`hash`: the spec's
-    /// content hash, when known).
-    fn insert_seeded(
-        &mut self,
-        spec: ModelSpec,
-        hash: Option<[u8; 32]>,
-        t: Timestamp,
-    ) -> Result<(&mut Entry, MutationResult), ServiceError> {
         let limits = self.limits.engine.clone();
-        let (model, seeded) = match hash {
-            Some(h) => Model::create_hashed(&spec, h, t, limits),
-            None => Model::create(&spec, t, limits),
-        }
-        .map_err(create_error)?;
-        Ok((self.register(spec, model, t)?, seeded))
+        let (model, _) = Model::create(&spec, t, limits).map_err(create_error)?;
+        self.register(spec.id, model, t)
     }
 
     fn register(
         &mut self,
-        spec: ModelSpec,
+        id: String,
         model: Model,
         t: Timestamp,
     ) -> Result<&mut Entry, ServiceError> {
-        let id = spec.id.clone();
         self.clock += 1;
         let replaced = self.models.insert(
             id.clone(),
