@@ -1,8 +1,9 @@
 //! Many small models (issue 34's figures in `docs/performance.md`): N copies of the bundled
 //! `car-loan-calculator` (`VALEM_BENCH_MODELS`, default 20,000) created from one caller, with
-//! `valem bench --models`, in the six runs of the table: in-process over a strict store, with
+//! `valem bench --models`, in the eight runs of the table: in-process over a strict store, with
 //! 2,000 resident, over a relaxed store; then over REST against `valem serve --data-dir`
-//! (strict, with `--max-resident-models 2000`, relaxed). Each prints creates/s, resident KB per
+//! (strict, with `--max-resident-models 2000`, relaxed; then strict and with 2,000 resident
+//! again, 8 creations in flight: `--concurrency 8`). Each prints creates/s, resident KB per
 //! model and warm and cold read latency. Needs the release binary (`cargo build --release -p
 //! valem`, or `VALEM_BIN`).
 
@@ -35,15 +36,24 @@ fn main() {
         &["--max-resident-models", "2000"],
     );
     bench("in-process, relaxed store", &["--durability", "relaxed"]);
-    for (label, flags) in [
-        ("REST, serve --data-dir (strict)", &[][..]),
+    let eight: &[&str] = &["--concurrency", "8"];
+    for (label, flags, caller) in [
+        ("REST, serve --data-dir (strict)", &[][..], &[][..]),
         (
             "REST, strict, --max-resident-models 2000",
             &["--max-resident-models", "2000"][..],
+            &[][..],
         ),
         (
             "REST, --durability relaxed",
             &["--durability", "relaxed"][..],
+            &[][..],
+        ),
+        ("REST, strict, 8 creations in flight", &[][..], eight),
+        (
+            "REST, strict, 2,000 resident, 8 in flight",
+            &["--max-resident-models", "2000"][..],
+            eight,
         ),
     ] {
         let dir = tempfile::tempdir().expect("a temporary data directory");
@@ -58,6 +68,9 @@ fn main() {
             eprintln!("{label}: valem serve did not start");
             continue;
         };
-        bench(label, &["--url", &format!("http://{}", d.addr)]);
+        let url = format!("http://{}", d.addr);
+        let mut args = vec!["--url", &url];
+        args.extend_from_slice(caller);
+        bench(label, &args);
     }
 }
