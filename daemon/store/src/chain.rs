@@ -571,6 +571,109 @@ impl ChainVerifier {
     }
 }
 
+/// A model's chain head as its registry row keeps it, for [`walk_chain`].
+pub(crate) struct ChainHead<'a> {
+    /// The last record's sequence (`None`: no record).
+    pub(crate) head_seq: Option<i64>,
+    /// Its hash.
+    pub(crate) head_hash: &'a str,
+    /// In a keyed store, the first keyed record.
+    pub(crate) key_from: Option<i64>,
+    /// In a keyed store, the anchor binding the chain where keying starts.
+    pub(crate) key_anchor: Option<&'a str>,
+}
+
+/// One stored audit row, as text (a column of another type reads as an empty string).
+pub(crate) struct AuditRow {
+    pub(crate) sequence: i64,
+    pub(crate) prev_hash: String,
+    pub(crate) hash: String,
+    pub(crate) record: String,
+}
+
+/// Walk a model's stored records oldest first and check every link, hash and sequence against
+/// `head` (in a keyed store, keyed hashes from `key_from` on, and the anchor that pins it).
+pub(crate) fn walk_chain<E>(
+    key: Option<&AuditKey>,
+    model_id: &str,
+    head: &ChainHead<'_>,
+    rows: &mut dyn Iterator<Item = Result<AuditRow, E>>,
+) -> Result<ChainReport, E> {
+    // In a keyed store a model without an anchor is held to the key from record 0.
+    let keyed_from = head.key_from.map_or(0, |f| f.max(0) as u64);
+    let mut v = match key {
+        Some(k) => ChainVerifier::new().with_hasher(ChainHasher::keyed(*k, keyed_from)),
+        None => ChainVerifier::new(),
+    };
+    // The hash of record `keyed_from - 1` as the walk verified it: what the anchor binds.
+    let mut anchored_prev: Option<String> = None;
+    for row in rows {
+        let row = row?;
+        let Ok(seq) = u64::try_from(row.sequence) else {
+            v.fail(
+                0,
+                format!("a record is stored at invalid sequence {}", row.sequence),
+            );
+            break;
+        };
+        let record: Json = match serde_json::from_str(&row.record) {
+            Ok(j) => j,
+            // A gap before it is the earlier break; otherwise the record itself is.
+            Err(_) if seq != v.next_sequence() => Json::Null,
+            Err(e) => {
+                v.fail(
+                    seq,
+                    format!("record {seq} is not valid JSON (altered): {e}"),
+                );
+                break;
+            }
+        };
+        let matches = |col: &str, key: &str| record.get(key).and_then(Json::as_str) == Some(col);
+        if seq == v.next_sequence()
+            && (!matches(&row.prev_hash, "prevHash") || !matches(&row.hash, "hash"))
+        {
+            v.fail(
+                seq,
+                format!("record {seq}: the stored hash columns differ from the record (edited)"),
+            );
+            break;
+        }
+        if seq == keyed_from && seq == v.next_sequence() {
+            anchored_prev = Some(v.prev_hash().to_string());
+        }
+        if !v.check(seq, &record) {
+            break;
+        }
+    }
+    if let Some(k) = key.filter(|_| !v.is_broken()) {
+        if anchored_prev.is_none() && v.next_sequence() == keyed_from {
+            anchored_prev = Some(v.prev_hash().to_string());
+        }
+        match (head.key_anchor, anchored_prev) {
+            (None, _) => v.fail(
+                0,
+                "the store is keyed but this model has no audit key anchor (removed)",
+            ),
+            (Some(_), None) => v.fail(
+                keyed_from,
+                format!("keying starts at record {keyed_from}, beyond the stored chain (edited)"),
+            ),
+            (Some(a), Some(prev)) => {
+                if key_anchor(k, model_id, keyed_from, &prev) != a {
+                    v.fail(
+                        keyed_from,
+                        format!(
+                            "the audit key anchor does not match the chain at record {keyed_from}: records before it were rewritten, or where keying starts was edited"
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    let head_seq = head.head_seq.map(|s| s.max(0) as u64);
+    Ok(v.finish(head_seq.map(|s| (s, head.head_hash))))
+}
+
 /// `skip_key`: a top-level key left out (only at the outermost object).
 fn write_value(v: &Json, out: &mut String, skip_key: Option<&str>) {
     match v {

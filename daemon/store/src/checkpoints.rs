@@ -152,14 +152,14 @@ pub fn describe(sequence: Option<Seq>) -> String {
     }
 }
 
-struct Row {
-    sequence: i64,
-    at_us: i64,
-    state: Vec<u8>,
-    kind: String,
-    head_hash: Option<String>,
-    state_hash: Option<String>,
-    hash: Option<String>,
+pub(crate) struct Row {
+    pub(crate) sequence: i64,
+    pub(crate) at_us: i64,
+    pub(crate) state: Vec<u8>,
+    pub(crate) kind: String,
+    pub(crate) head_hash: Option<String>,
+    pub(crate) state_hash: Option<String>,
+    pub(crate) hash: Option<String>,
 }
 
 impl Row {
@@ -168,7 +168,7 @@ impl Row {
     }
 }
 
-const COLUMNS: &str = "sequence, at_us, state, kind, head_hash, state_hash, hash";
+pub(crate) const COLUMNS: &str = "sequence, at_us, state, kind, head_hash, state_hash, hash";
 
 fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
     // Read as bytes: a flipped bit may leave the text invalid UTF-8, which is a refusal, not a
@@ -191,14 +191,15 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
 }
 
 /// Check `row` against its own hashes and the chain; its state parsed (when `parse`) if it
-/// verifies.
-fn verify_row(
-    c: &Connection,
+/// verifies. `record_hash(seq)` is the stored hash of the model's record `seq` (`None`: not
+/// stored).
+pub(crate) fn verify_row<E>(
+    record_hash: &mut dyn FnMut(i64) -> Result<Option<String>, E>,
     key: Option<&AuditKey>,
     model_id: &str,
     row: &Row,
     parse: bool,
-) -> rusqlite::Result<Result<Json, CheckpointFault>> {
+) -> Result<Result<Json, CheckpointFault>, E> {
     if row.sequence < -1 {
         return Ok(Err(CheckpointFault::Unreadable(format!(
             "it is stored at invalid sequence {}",
@@ -215,10 +216,7 @@ fn verify_row(
     let sequence = row.sequence();
     let actual: Option<String> = match sequence {
         None => Some(GENESIS.to_string()),
-        Some(_) => c
-            .prepare_cached("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?
-            .query_row(params![model_id, row.sequence], |r| r.get(0))
-            .optional()?,
+        Some(_) => record_hash(row.sequence)?,
     };
     match (actual, sequence) {
         (None, Some(s)) => return Ok(Err(CheckpointFault::RecordMissing { sequence: s })),
@@ -250,9 +248,47 @@ fn verify_row(
         .map_err(|e| CheckpointFault::Unreadable(format!("its state is not valid JSON: {e}"))))
 }
 
-/// Recompute the hash of every checkpoint whose plain hash verifies with `key` (a store adopting
-/// its key); the others stay as they are and are refused like tampered ones. Returns how many
-/// were rehashed.
+/// The stored hash of `model_id`'s record `seq` (SQLite).
+fn sqlite_record_hash<'c>(
+    c: &'c Connection,
+    model_id: &str,
+) -> impl FnMut(i64) -> rusqlite::Result<Option<String>> + 'c {
+    let model_id = model_id.to_string();
+    move |seq| {
+        c.prepare_cached("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?
+            .query_row(params![model_id, seq], |r| r.get(0))
+            .optional()
+    }
+}
+
+/// The keyed hash of `row` when its plain hashes verify (`lookup`: as for [`verify_row`]), for
+/// adopting a key: `None` leaves the row refused as it was.
+pub(crate) fn rekeyed_hash<E>(
+    lookup: &mut dyn FnMut(i64) -> Result<Option<String>, E>,
+    key: &AuditKey,
+    model: &str,
+    row: &Row,
+) -> Result<Option<String>, E> {
+    if verify_row(lookup, None, model, row, false)?.is_err() {
+        return Ok(None);
+    }
+    let (Some(head), Some(state_hash)) = (&row.head_hash, &row.state_hash) else {
+        return Ok(None);
+    };
+    Ok(Some(chain::checkpoint_hash(
+        Some(key),
+        &CheckpointHeader {
+            model_id: model,
+            sequence: row.sequence(),
+            at_us: row.at_us,
+            kind: &row.kind,
+            head_hash: head,
+            state_hash,
+        },
+    )))
+}
+
+/// Rehash with `key` every checkpoint whose plain hashes verify (adopting a key); how many.
 pub(super) fn rehash_keyed(c: &Connection, key: &AuditKey) -> rusqlite::Result<u64> {
     let rows: Vec<(String, Row)> = {
         let mut st = c.prepare(&format!("SELECT {COLUMNS}, model_id FROM checkpoints"))?;
@@ -261,23 +297,10 @@ pub(super) fn rehash_keyed(c: &Connection, key: &AuditKey) -> rusqlite::Result<u
     };
     let mut n = 0;
     for (model, row) in rows {
-        if verify_row(c, None, &model, &row, false)?.is_err() {
-            continue;
-        }
-        let (Some(head), Some(state_hash)) = (&row.head_hash, &row.state_hash) else {
+        let Some(hash) = rekeyed_hash(&mut sqlite_record_hash(c, &model), key, &model, &row)?
+        else {
             continue;
         };
-        let hash = chain::checkpoint_hash(
-            Some(key),
-            &CheckpointHeader {
-                model_id: &model,
-                sequence: row.sequence(),
-                at_us: row.at_us,
-                kind: &row.kind,
-                head_hash: head,
-                state_hash,
-            },
-        );
         c.prepare_cached("UPDATE checkpoints SET hash = ?3 WHERE model_id = ?1 AND sequence = ?2")?
             .execute(params![model, row.sequence, hash])?;
         n += 1;
@@ -285,8 +308,141 @@ pub(super) fn rehash_keyed(c: &Connection, key: &AuditKey) -> rusqlite::Result<u
     Ok(n)
 }
 
+/// The checkpoint recovery starts from among `rows` (newest first, as
+/// [`SqliteStore::usable_checkpoint`] orders them), under the base floor `floor`.
+pub(crate) fn choose<E>(
+    rows: &mut dyn Iterator<Item = Result<Row, E>>,
+    lookup: &mut dyn FnMut(i64) -> Result<Option<String>, E>,
+    key: Option<&AuditKey>,
+    model_id: &str,
+    floor: Option<i64>,
+) -> Result<Result<CheckpointChoice, StoreError>, E> {
+    let missing_base = |f: i64| StoreError::CheckpointUnusable {
+        model_id: model_id.to_string(),
+        sequence: u64::try_from(f).ok().map(Seq::new),
+        detail:
+            "it is missing (deleted), although the model names it as its newest restore or evolve"
+                .into(),
+    };
+    let mut refused = Vec::new();
+    for row in rows {
+        let row = row?;
+        if let Some(f) = floor.filter(|f| row.sequence < *f) {
+            return Ok(Err(missing_base(f)));
+        }
+        match verify_row(lookup, key, model_id, &row, true)? {
+            Ok(state) => {
+                return Ok(Ok(CheckpointChoice {
+                    checkpoint: Some(StoredCheckpoint {
+                        sequence: row.sequence(),
+                        at: Timestamp::from_us(row.at_us),
+                        state,
+                        kind: CheckpointKind::parse(&row.kind).unwrap_or(CheckpointKind::Legacy),
+                    }),
+                    refused,
+                }))
+            }
+            Err(fault) => {
+                let base_kind =
+                    CheckpointKind::parse(&row.kind).is_none_or(CheckpointKind::is_base);
+                if floor == Some(row.sequence) || base_kind {
+                    return Ok(Err(StoreError::CheckpointUnusable {
+                        model_id: model_id.to_string(),
+                        sequence: row.sequence(),
+                        detail: fault.to_string(),
+                    }));
+                }
+                refused.push(RefusedCheckpoint {
+                    sequence: row.sequence(),
+                    fault,
+                });
+            }
+        }
+    }
+    if let Some(f) = floor {
+        return Ok(Err(missing_base(f)));
+    }
+    Ok(Ok(CheckpointChoice {
+        checkpoint: None,
+        refused,
+    }))
+}
+
+/// The base floor of a choice: the model's newest base (`base`), unless an `?at=` read
+/// (`at_or_before_us`) is older than when that base was taken (`base_at_us`).
+pub(crate) fn floor(
+    base: Option<i64>,
+    at_or_before_us: Option<i64>,
+    base_at_us: Option<i64>,
+) -> Option<i64> {
+    match (base, at_or_before_us) {
+        (None, _) => None,
+        (Some(b), None) => Some(b),
+        (Some(b), Some(t)) => match base_at_us {
+            Some(a) if a > t => None,
+            _ => Some(b),
+        },
+    }
+}
+
+/// Verify every checkpoint among `rows` (oldest first) and that the newest base `base_seq` is
+/// among them: how many were checked and the first that does not verify.
+pub(crate) fn verify_all<E>(
+    rows: &mut dyn Iterator<Item = Result<Row, E>>,
+    lookup: &mut dyn FnMut(i64) -> Result<Option<String>, E>,
+    key: Option<&AuditKey>,
+    model_id: &str,
+    base_seq: Option<i64>,
+) -> Result<(u64, Option<BrokenCheckpoint>), E> {
+    let (mut checked, mut broken, mut base_seen) = (0u64, None, false);
+    for row in rows {
+        let row = row?;
+        checked += 1;
+        base_seen |= base_seq == Some(row.sequence);
+        if broken.is_some() {
+            continue;
+        }
+        if let Err(fault) = verify_row(lookup, key, model_id, &row, false)? {
+            broken = Some(BrokenCheckpoint {
+                sequence: row.sequence(),
+                detail: fault.to_string(),
+            });
+        }
+    }
+    if let Some(b) = base_seq.filter(|_| !base_seen) {
+        let sequence = u64::try_from(b).ok();
+        let earlier = broken
+            .as_ref()
+            .is_none_or(|x: &BrokenCheckpoint| x.sequence.map_or(-1, |s| s.get() as i64) > b);
+        if earlier {
+            broken = Some(BrokenCheckpoint {
+                sequence: sequence.map(Seq::new),
+                detail: "it is missing (deleted), although the model names it as its newest restore or evolve".into(),
+            });
+        }
+    }
+    Ok((checked, broken))
+}
+
+/// Add the checkpoints' verdict to a chain's report: the first broken one breaks the chain
+/// when nothing before it did.
+pub(crate) fn fold_into(
+    report: &mut chain::ChainReport,
+    checked: u64,
+    broken: Option<BrokenCheckpoint>,
+) {
+    report.checkpoints_checked = Some(checked);
+    if let Some(b) = broken {
+        if report.valid {
+            report.valid = false;
+            report.detail = format!("{}: {}", describe(b.sequence), b.detail);
+        }
+        report.broken_checkpoint = Some(b);
+    }
+}
+
 impl SqliteStore {
-    /// The checkpoint model `model_id` is recovered from: the newest that verifies against its
+    /// The newest checkpoint of `model_id` that verifies against its hashes, the stored
     /// state and the chain (`at_or_before`: the newest taken at or before that instant, for
     /// an `?at=` read), with the newer ones refused on the way (`checkpoint: None`: replay from
     /// the spec's initial state). Never falls back past a base checkpoint (see the module doc):
@@ -310,29 +466,16 @@ impl SqliteStore {
                 });
             };
             // The floor applies to an `?at=` read only at or after the base was taken.
-            let floor = match (base, at_or_before_us) {
-                (None, _) => None,
-                (Some(b), None) => Some(b),
-                (Some(b), Some(t)) => {
-                    let at: Option<i64> = c
-                        .prepare_cached(
-                            "SELECT at_us FROM checkpoints WHERE model_id = ?1 AND sequence = ?2",
-                        )
-                        .and_then(|mut s| {
-                            s.query_row(params![model_id, b], |r| r.get(0)).optional()
-                        })
-                        .map_err(q)?;
-                    match at {
-                        Some(a) if a > t => None,
-                        _ => Some(b),
-                    }
-                }
+            let base_at_us: Option<i64> = match (base, at_or_before_us) {
+                (Some(b), Some(_)) => c
+                    .prepare_cached(
+                        "SELECT at_us FROM checkpoints WHERE model_id = ?1 AND sequence = ?2",
+                    )
+                    .and_then(|mut s| s.query_row(params![model_id, b], |r| r.get(0)).optional())
+                    .map_err(q)?,
+                _ => None,
             };
-            let missing_base = |f: i64| StoreError::CheckpointUnusable {
-                model_id: model_id.to_string(),
-                sequence: u64::try_from(f).ok().map(Seq::new),
-                detail: "it is missing (deleted), although the model names it as its newest restore or evolve".into(),
-            };
+            let floor = floor(base, at_or_before_us, base_at_us);
             let mut st = match at_or_before_us {
                 None => c.prepare_cached(&format!(
                     "SELECT {COLUMNS} FROM checkpoints WHERE model_id = ?1
@@ -344,61 +487,26 @@ impl SqliteStore {
                 )),
             }
             .map_err(q)?;
-            let mut rows = match at_or_before_us {
-                None => st.query(params![model_id]),
-                Some(t) => st.query(params![model_id, t]),
+            let rows = match at_or_before_us {
+                None => st.query_map(params![model_id], read_row),
+                Some(t) => st.query_map(params![model_id, t], read_row),
             }
             .map_err(q)?;
-            let mut refused = Vec::new();
-            while let Some(r) = rows.next().map_err(q)? {
-                let row = read_row(r).map_err(q)?;
-                if let Some(f) = floor.filter(|f| row.sequence < *f) {
-                    return Err(missing_base(f));
-                }
-                match verify_row(c, self.opts.audit_key.as_ref(), model_id, &row, true)
-                    .map_err(q)?
-                {
-                    Ok(state) => {
-                        return Ok(CheckpointChoice {
-                            checkpoint: Some(StoredCheckpoint {
-                                sequence: row.sequence(),
-                                at: Timestamp::from_us(row.at_us),
-                                state,
-                                kind: CheckpointKind::parse(&row.kind)
-                                    .unwrap_or(CheckpointKind::Legacy),
-                            }),
-                            refused,
-                        })
-                    }
-                    Err(fault) => {
-                        let base_kind =
-                            CheckpointKind::parse(&row.kind).is_none_or(CheckpointKind::is_base);
-                        if floor == Some(row.sequence) || base_kind {
-                            return Err(StoreError::CheckpointUnusable {
-                                model_id: model_id.to_string(),
-                                sequence: row.sequence(),
-                                detail: fault.to_string(),
-                            });
-                        }
-                        refused.push(RefusedCheckpoint {
-                            sequence: row.sequence(),
-                            fault,
-                        });
-                    }
-                }
-            }
-            if let Some(f) = floor {
-                return Err(missing_base(f));
-            }
-            Ok(CheckpointChoice {
-                checkpoint: None,
-                refused,
-            })
+            let key = self.opts.audit_key.as_ref();
+            let choice = choose(
+                &mut rows.into_iter(),
+                &mut sqlite_record_hash(c, model_id),
+                key,
+                model_id,
+                floor,
+            )
+            .map_err(q)?;
+            choice
         })
     }
 
     /// [`verify_checkpoints`](Self::verify_checkpoints) in a read snapshot of its own (the
-    /// checkpoints of a model whose records an audit-store plugin holds).
+    /// checkpoint part of `verify_chain`).
     pub fn verify_model_checkpoints(
         &self,
         model_id: &str,
@@ -432,36 +540,15 @@ impl SqliteStore {
                 "SELECT {COLUMNS} FROM checkpoints WHERE model_id = ?1 ORDER BY sequence"
             ))
             .map_err(q)?;
-        let mut rows = st.query([model_id]).map_err(q)?;
-        let (mut checked, mut broken, mut base_seen) = (0u64, None, false);
-        while let Some(r) = rows.next().map_err(q)? {
-            let row = read_row(r).map_err(q)?;
-            checked += 1;
-            base_seen |= base_seq == Some(row.sequence);
-            if broken.is_some() {
-                continue;
-            }
-            let verdict =
-                verify_row(c, self.opts.audit_key.as_ref(), model_id, &row, false).map_err(q)?;
-            if let Err(fault) = verdict {
-                broken = Some(BrokenCheckpoint {
-                    sequence: row.sequence(),
-                    detail: fault.to_string(),
-                });
-            }
-        }
-        if let Some(b) = base_seq.filter(|_| !base_seen) {
-            let sequence = u64::try_from(b).ok();
-            let earlier = broken
-                .as_ref()
-                .is_none_or(|x: &BrokenCheckpoint| x.sequence.map_or(-1, |s| s.get() as i64) > b);
-            if earlier {
-                broken = Some(BrokenCheckpoint {
-                    sequence: sequence.map(Seq::new),
-                    detail: "it is missing (deleted), although the model names it as its newest restore or evolve".into(),
-                });
-            }
-        }
-        Ok((checked, broken))
+        let rows = st.query_map([model_id], read_row).map_err(q)?;
+        let verdict = verify_all(
+            &mut rows.into_iter(),
+            &mut sqlite_record_hash(c, model_id),
+            self.opts.audit_key.as_ref(),
+            model_id,
+            base_seq,
+        )
+        .map_err(q);
+        verdict
     }
 }

@@ -61,6 +61,7 @@ mod api;
 pub mod chain;
 pub mod checkpoints;
 pub mod keys;
+pub mod pg;
 mod schema;
 mod spec_text;
 mod writer;
@@ -89,6 +90,7 @@ pub use chain::{
 };
 pub use checkpoints::{CheckpointChoice, CheckpointFault, CheckpointKind, RefusedCheckpoint};
 pub use keys::KeyAdoption;
+pub use pg::PgStore;
 pub use valem_core::time::Timestamp;
 pub use writer::{AuditAppend, Done, Op, Writer, WriterStats};
 
@@ -187,6 +189,13 @@ pub enum StoreError {
         #[source]
         source: Arc<rusqlite::Error>,
     },
+    /// Any other PostgreSQL failure (`path`: the database's URL without its password).
+    #[error("database error on {}: {detail}", path.display())]
+    Postgres { path: PathBuf, detail: String },
+    /// The database server cannot be reached (down, restarting, network): the operation was
+    /// not committed; it can be retried once the server is back.
+    #[error("the database {} cannot be reached ({detail}); nothing was committed, retry once it is back", path.display())]
+    Unavailable { path: PathBuf, detail: String },
     /// The database was written by a newer build.
     #[error("{} has schema version {found}; this build supports up to {supported}: upgrade valem", path.display())]
     SchemaTooNew {

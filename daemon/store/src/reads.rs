@@ -324,7 +324,13 @@ impl SqliteStore {
     pub fn verify_chain(&self, model_id: &str) -> Result<ChainReport, StoreError> {
         self.with_reader(|c| {
             c.execute_batch("BEGIN").map_err(|e| sql_err(&self.db, e))?;
-            type Head = (Option<i64>, String, Option<i64>, Option<i64>, Option<String>);
+            type Head = (
+                Option<i64>,
+                String,
+                Option<i64>,
+                Option<i64>,
+                Option<String>,
+            );
             let head: Option<Head> = c
                 .prepare_cached(
                     "SELECT head_seq, head_hash, base_seq, key_from, key_anchor FROM models
@@ -342,100 +348,44 @@ impl SqliteStore {
                     model_id: model_id.to_string(),
                 });
             };
-            let key = self.opts.audit_key;
-            // In a keyed store a model without an anchor is held to the key from record 0.
-            let keyed_from = key_from.map_or(0, |f| f.max(0) as u64);
-            let mut v = match key {
-                Some(k) => ChainVerifier::new().with_hasher(ChainHasher::keyed(k, keyed_from)),
-                None => ChainVerifier::new(),
-            };
-            // The hash of record `keyed_from - 1` as the walk verified it: what the anchor binds.
-            let mut anchored_prev: Option<String> = None;
             let mut st = c
                 .prepare_cached(
                     "SELECT sequence, prev_hash, hash, record FROM audit WHERE model_id = ?1
                      ORDER BY sequence",
                 )
                 .map_err(|e| sql_err(&self.db, e))?;
-            let mut rows = st.query([model_id]).map_err(|e| sql_err(&self.db, e))?;
-            while let Some(r) = rows.next().map_err(|e| sql_err(&self.db, e))? {
-                let get = |i| r.get_ref(i).map_err(|e| sql_err(&self.db, e));
-                let seq = get(0)?.as_i64().unwrap_or(-1);
-                let Ok(seq) = u64::try_from(seq) else {
-                    v.fail(0, format!("a record is stored at invalid sequence {seq}"));
-                    break;
-                };
-                let text = |i| get(i).map(|x| x.as_str().unwrap_or_default().to_string());
-                let (prev_col, hash_col, record_text) = (text(1)?, text(2)?, text(3)?);
-                let record: Json = match serde_json::from_str(&record_text) {
-                    Ok(j) => j,
-                    // A gap before it is the earlier break; otherwise the record itself is.
-                    Err(_) if seq != v.next_sequence() => Json::Null,
-                    Err(e) => {
-                        v.fail(
-                            seq,
-                            format!("record {seq} is not valid JSON (altered): {e}"),
-                        );
-                        break;
-                    }
-                };
-                let matches =
-                    |col: &str, key: &str| record.get(key).and_then(Json::as_str) == Some(col);
-                if seq == v.next_sequence()
-                    && (!matches(&prev_col, "prevHash") || !matches(&hash_col, "hash"))
-                {
-                    v.fail(
-                        seq,
-                        format!(
-                            "record {seq}: the stored hash columns differ from the record (edited)"
-                        ),
-                    );
-                    break;
-                }
-                if seq == keyed_from && seq == v.next_sequence() {
-                    anchored_prev = Some(v.prev_hash().to_string());
-                }
-                if !v.check(seq, &record) {
-                    break;
-                }
-            }
+            // A column of another type (tampering) reads as an empty string or sequence -1.
+            let rows = st
+                .query_map([model_id], |r| {
+                    let text = |i| {
+                        r.get_ref(i)
+                            .map(|x| x.as_str().unwrap_or_default().to_string())
+                    };
+                    Ok(crate::chain::AuditRow {
+                        sequence: r.get_ref(0)?.as_i64().unwrap_or(-1),
+                        prev_hash: text(1)?,
+                        hash: text(2)?,
+                        record: text(3)?,
+                    })
+                })
+                .map_err(|e| sql_err(&self.db, e))?;
+            let mut rows = rows.map(|r| r.map_err(|e| sql_err(&self.db, e)));
+            let key = self.opts.audit_key;
+            let mut report = crate::chain::walk_chain(
+                key.as_ref(),
+                model_id,
+                &crate::chain::ChainHead {
+                    head_seq,
+                    head_hash: &head_hash,
+                    key_from,
+                    key_anchor: anchor.as_deref(),
+                },
+                &mut rows,
+            )?;
             drop(rows);
-            if let Some(k) = key.filter(|_| !v.is_broken()) {
-                if anchored_prev.is_none() && v.next_sequence() == keyed_from {
-                    anchored_prev = Some(v.prev_hash().to_string());
-                }
-                match (anchor, anchored_prev) {
-                    (None, _) => v.fail(
-                        0,
-                        "the store is keyed but this model has no audit key anchor (removed)",
-                    ),
-                    (Some(_), None) => v.fail(
-                        keyed_from,
-                        format!("keying starts at record {keyed_from}, beyond the stored chain (edited)"),
-                    ),
-                    (Some(a), Some(prev)) => {
-                        if chain::key_anchor(&k, model_id, keyed_from, &prev) != a {
-                            v.fail(
-                                keyed_from,
-                                format!(
-                                    "the audit key anchor does not match the chain at record {keyed_from}: records before it were rewritten, or where keying starts was edited"
-                                ),
-                            );
-                        }
-                    }
-                }
-            }
-            let head_seq = head_seq.map(|s| s.max(0) as u64);
-            let mut report = v.finish(head_seq.map(|s| (s, head_hash.as_str())));
+            drop(st);
             let (checked, broken) = self.verify_checkpoints(c, model_id, base_seq)?;
-            report.checkpoints_checked = Some(checked);
-            if let Some(b) = broken {
-                if report.valid {
-                    report.valid = false;
-                    report.detail = format!("{}: {}", checkpoints::describe(b.sequence), b.detail);
-                }
-                report.broken_checkpoint = Some(b);
-            }
+            checkpoints::fold_into(&mut report, checked, broken);
             Ok(report)
         })
     }

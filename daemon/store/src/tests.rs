@@ -12,6 +12,8 @@ use serde_json::{json, Value as Json};
 
 use super::*;
 
+mod pg;
+
 /// Builds a model's chain the way the service does (same record fields).
 struct Chain {
     model: String,
@@ -118,10 +120,28 @@ fn submit_all(w: &Writer, ops: Vec<Op>) -> mpsc::Receiver<(usize, Result<(), Sto
     rx
 }
 
-fn records(store: &SqliteStore, model: &str) -> Vec<Json> {
+/// Opens the store under test (again: the same data) with these options.
+type Opener<'a> = &'a dyn Fn(StoreOptions) -> Box<dyn Store>;
+/// Runs a `SELECT count(*) …` on the store's database from a connection of its own.
+type Count<'a> = &'a dyn Fn(&str) -> i64;
+
+fn boxed(dir: &Path) -> impl Fn(StoreOptions) -> Box<dyn Store> + '_ {
+    move |opts| Box::new(SqliteStore::open(dir, opts).expect("store opens"))
+}
+
+fn sqlite_count(db: &Path) -> impl Fn(&str) -> i64 + '_ {
+    move |sql| {
+        Connection::open(db)
+            .expect("direct")
+            .query_row(sql, [], |r| r.get(0))
+            .expect("count")
+    }
+}
+
+fn records(store: &dyn Store, model: &str) -> Vec<Json> {
     let mut out = Vec::new();
     store
-        .audit_after(model, None, None, |e| {
+        .audit_after(model, None, None, &mut |e| {
             out.push(e.record);
             ControlFlow::Continue(())
         })
@@ -182,9 +202,21 @@ fn a_read_only_directory_is_refused_naming_it() {
 #[test]
 fn everything_written_is_back_after_reopen() {
     let tmp = tempfile::tempdir().expect("tempdir");
+    written_is_back(&boxed(tmp.path()));
+    let hash = blake3::hash(b"hello blob").to_hex().to_string();
+    assert!(tmp
+        .path()
+        .join("blobs")
+        .join(&hash[..2])
+        .join(&hash[2..])
+        .is_file());
+}
+
+/// Everything written is back after the store is closed and opened again.
+pub(super) fn written_is_back(open: Opener) {
     let mut chain = Chain::new("orders");
     {
-        let store = open(tmp.path());
+        let store = open(StoreOptions::default());
         let w = store.writer();
         w.apply(put_model("orders")).expect("put");
         w.apply(put_model("empty")).expect("put");
@@ -230,9 +262,8 @@ fn everything_written_is_back_after_reopen() {
             created: Timestamp::from_us(7),
         }))
         .expect("blob meta");
-        store.close().expect("close");
     }
-    let store = open(tmp.path());
+    let store = open(StoreOptions::default());
     let models = store.load_models().expect("models");
     assert_eq!(models.len(), 2);
     let orders = models.iter().find(|m| m.id == "orders").expect("orders");
@@ -269,7 +300,7 @@ fn everything_written_is_back_after_reopen() {
             "orders",
             Some(Seq::new(9)),
             Some(Timestamp::from_us(1125)),
-            |e| {
+            &mut |e| {
                 seen.push((e.sequence, e.record["mutations"]["$.qty"].clone()));
                 ControlFlow::Continue(())
             },
@@ -286,7 +317,7 @@ fn everything_written_is_back_after_reopen() {
     );
     let mut first = None;
     store
-        .audit_after("orders", None, None, |e| {
+        .audit_after("orders", None, None, &mut |e| {
             first = Some(e.sequence);
             ControlFlow::Break(())
         })
@@ -348,12 +379,6 @@ fn everything_written_is_back_after_reopen() {
         (10, "text/plain", Some("h.txt"))
     );
     assert_eq!(store.blob_bytes(&hash).expect("bytes"), b"hello blob");
-    assert!(tmp
-        .path()
-        .join("blobs")
-        .join(&hash[..2])
-        .join(&hash[2..])
-        .is_file());
 
     let report = store.verify_chain("orders").expect("verify");
     assert_eq!((report.valid, report.records_checked), (true, 20));
@@ -370,7 +395,11 @@ fn everything_written_is_back_after_reopen() {
 #[test]
 fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let store = open(tmp.path());
+    chain_breakers_fail_alone(&open(tmp.path()));
+}
+
+/// Ops that break the chain fail alone; the rest of their batch commits.
+pub(super) fn chain_breakers_fail_alone(store: &dyn Store) {
     let w = store.writer();
     w.apply(put_model("m")).expect("put");
     let mut chain = Chain::new("m");
@@ -443,7 +472,7 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
             ..
         })
     ));
-    assert_eq!(records(&store, "m").len(), 3);
+    assert_eq!(records(store, "m").len(), 3);
     assert!(store.verify_chain("m").expect("verify").valid);
 
     let mut bad = Chain::new("m").record(1, 0);
@@ -466,11 +495,24 @@ fn ops_that_break_the_chain_fail_alone_and_the_batch_goes_on() {
 #[test]
 fn acks_follow_the_commit_in_submission_order_and_batches_are_bounded() {
     let tmp = tempfile::tempdir().expect("tempdir");
+    let db = tmp.path().join(DB_FILE);
+    let count = move |sql: &str| -> i64 {
+        Connection::open(&db)
+            .expect("direct")
+            .query_row(sql, [], |r| r.get(0))
+            .expect("count")
+    };
+    acks_follow_commits(&boxed(tmp.path()), Arc::new(count));
+}
+
+/// Acknowledged means committed (another connection sees it), in submission order; batches
+/// are bounded by `max_batch_ops`; strict mode syncs once per batch.
+pub(super) fn acks_follow_commits(open: Opener, count: Arc<dyn Fn(&str) -> i64 + Send + Sync>) {
     let opts = StoreOptions {
         max_batch_ops: 32,
         ..Default::default()
     };
-    let store = SqliteStore::open(tmp.path(), opts).expect("open");
+    let store = open(opts);
     let w = store.writer();
     w.apply(put_model("m")).expect("put");
     let mut chain = Chain::new("m");
@@ -479,9 +521,7 @@ fn acks_follow_the_commit_in_submission_order_and_batches_are_bounded() {
     // Hold the writer inside a completion while 100 ops queue up behind it.
     let release = hold_writer(&w);
     let before = store.stats();
-    let probe = Arc::new(Mutex::new(
-        Connection::open(store.db_path()).expect("probe connection"),
-    ));
+    let probe = Arc::new(Mutex::new(count));
     let acked = Arc::new(Mutex::new(Vec::new()));
     let (done_tx, done_rx) = mpsc::channel();
     for i in 1..=100u64 {
@@ -491,15 +531,9 @@ fn acks_follow_the_commit_in_submission_order_and_batches_are_bounded() {
             Box::new(move |r| {
                 assert!(r.is_ok(), "{r:?}");
                 // Acknowledged means committed: another connection already sees the record.
-                let visible: i64 = probe
-                    .lock()
-                    .expect("probe")
-                    .query_row(
-                        "SELECT count(*) FROM audit WHERE model_id = 'm' AND sequence = ?1",
-                        [i as i64],
-                        |r| r.get(0),
-                    )
-                    .expect("probe query");
+                let visible: i64 = (probe.lock().expect("probe"))(&format!(
+                    "SELECT count(*) FROM audit WHERE model_id = 'm' AND sequence = {i}"
+                ));
                 assert_eq!(visible, 1, "record {i} acked before commit");
                 acked.lock().expect("acked").push(i);
                 let _ = done_tx.send(());
@@ -581,7 +615,12 @@ fn a_full_database_fails_whole_batches_and_the_writer_recovers_when_space_return
 #[test]
 fn delete_model_removes_its_rows_from_every_table() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let store = open(tmp.path());
+    let db = tmp.path().join(DB_FILE);
+    delete_removes_every_row(&open(tmp.path()), &sqlite_count(&db));
+}
+
+/// Deleting a model removes its rows from every table; deleting again is fine.
+pub(super) fn delete_removes_every_row(store: &dyn Store, count: Count) {
     let w = store.writer();
     for id in ["a", "b"] {
         w.apply(put_model(id)).expect("put");
@@ -614,15 +653,10 @@ fn delete_model_removes_its_rows_from_every_table() {
     w.apply(Op::DeleteModel { id: "a".into() }).expect("delete");
     w.apply(Op::DeleteModel { id: "a".into() })
         .expect("idempotent");
-    let c = Connection::open(store.db_path()).expect("direct");
     for table in ["audit", "audit_paths", "checkpoints", "snapshots"] {
-        let n: i64 = c
-            .query_row(
-                &format!("SELECT count(*) FROM {table} WHERE model_id = 'a'"),
-                [],
-                |r| r.get(0),
-            )
-            .expect("count");
+        let n = count(&format!(
+            "SELECT count(*) FROM {table} WHERE model_id = 'a'"
+        ));
         assert_eq!(n, 0, "{table} still has rows of the deleted model");
     }
     assert_eq!(
@@ -634,19 +668,24 @@ fn delete_model_removes_its_rows_from_every_table() {
             .collect::<Vec<_>>(),
         vec!["b"]
     );
-    assert_eq!(records(&store, "b").len(), 3);
+    assert_eq!(records(store, "b").len(), 3);
 }
 
 #[test]
 fn relaxed_mode_acks_after_commit_and_flush_fsyncs_the_wal() {
     let tmp = tempfile::tempdir().expect("tempdir");
+    relaxed_flush_syncs(&boxed(tmp.path()));
+}
+
+/// Relaxed commits do not sync; a flush does, once; everything is there after a reopen.
+pub(super) fn relaxed_flush_syncs(open: Opener) {
     let opts = StoreOptions {
         durability: Durability::Relaxed,
         ..Default::default()
     };
     let mut chain = Chain::new("m");
     {
-        let store = SqliteStore::open(tmp.path(), opts.clone()).expect("open");
+        let store = open(opts.clone());
         let w = store.writer();
         w.apply(put_model("m")).expect("put");
         for i in 0..10 {
@@ -656,19 +695,23 @@ fn relaxed_mode_acks_after_commit_and_flush_fsyncs_the_wal() {
         store.flush().expect("flush");
         assert_eq!(store.stats().fsyncs, 1, "flush fsyncs the WAL");
     }
-    let store = SqliteStore::open(tmp.path(), opts).expect("reopen");
-    assert_eq!(records(&store, "m").len(), 10);
+    let store = open(opts);
+    assert_eq!(records(&*store, "m").len(), 10);
 }
 
 #[test]
 fn a_closed_store_answers_every_submit_and_a_panicking_completion_does_not_stop_the_writer() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let store = open(tmp.path());
+    closed_store_answers(Box::new(open(tmp.path())));
+}
+
+/// A panicking completion does not stop the writer; a dropped store answers every submit.
+pub(super) fn closed_store_answers(store: Box<dyn Store>) {
     let w = store.writer();
     w.submit(put_model("p"), Box::new(|_| panic!("completion panics")));
     w.apply(put_model("q")).expect("writer still runs");
     assert_eq!(store.load_models().expect("models").len(), 2);
-    store.close().expect("close");
+    drop(store);
     assert!(matches!(
         w.apply(put_model("r")),
         Err(StoreError::WriterStopped)

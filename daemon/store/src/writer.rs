@@ -79,13 +79,13 @@ pub enum Op {
 /// serialized on the caller's thread, so the writer thread only does SQL.
 #[derive(Clone, Debug)]
 pub struct AuditAppend {
-    model_id: String,
-    sequence: u64,
-    at_us: i64,
-    prev_hash: String,
-    hash: String,
-    text: String,
-    paths: Vec<String>,
+    pub(crate) model_id: String,
+    pub(crate) sequence: u64,
+    pub(crate) at_us: i64,
+    pub(crate) prev_hash: String,
+    pub(crate) hash: String,
+    pub(crate) text: String,
+    pub(crate) paths: Vec<String>,
 }
 
 impl AuditAppend {
@@ -286,12 +286,44 @@ impl Writer {
     }
 
     /// Ask the thread to commit what is queued before this and stop.
-    pub(super) fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         let _ = self.tx.send(Msg::Shutdown);
     }
 }
 
-/// Start the writer thread on `conn`.
+/// What the writer thread commits batches through: one database connection of a store.
+pub(crate) trait Backend: Send + 'static {
+    /// Run `ops` in ONE transaction and commit it: each op's own result in order (an op that
+    /// fails alone is rolled back to its savepoint, the rest commit), and whether the commit
+    /// was synced to stable storage; or the error that failed (and rolled back) the whole batch.
+    fn execute(&mut self, ops: &[&Op]) -> Result<(Vec<Result<(), StoreError>>, bool), StoreError>;
+    /// Make everything committed so far durable; `Ok(true)` when that took a sync of its own.
+    fn sync_for_flush(&mut self) -> Result<bool, StoreError>;
+    /// The writer stops: a last chance to tidy up (best effort).
+    fn close(&mut self) {}
+}
+
+/// Start the writer thread on `backend`.
+pub(crate) fn spawn_backend(
+    backend: Box<dyn Backend>,
+    name: &str,
+    queue_capacity: usize,
+    max_batch_ops: usize,
+) -> std::io::Result<(Writer, JoinHandle<()>)> {
+    let (tx, rx) = mpsc::sync_channel(queue_capacity.max(1));
+    let counters = Arc::new(Counters::default());
+    let state = WriterThread {
+        backend,
+        max_batch: max_batch_ops.max(1),
+        counters: counters.clone(),
+    };
+    let handle = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || state.run(rx))?;
+    Ok((Writer { tx, counters }, handle))
+}
+
+/// Start the writer thread on SQLite connection `conn`.
 pub(super) fn spawn(
     conn: Connection,
     db: PathBuf,
@@ -300,33 +332,35 @@ pub(super) fn spawn(
     max_batch_ops: usize,
     key: Option<AuditKey>,
 ) -> Result<(Writer, JoinHandle<()>), StoreError> {
-    let (tx, rx) = mpsc::sync_channel(queue_capacity.max(1));
-    let counters = Arc::new(Counters::default());
     let mut wal = db.clone().into_os_string();
     wal.push("-wal");
-    let state = WriterThread {
+    let backend = SqliteBackend {
         conn,
         db: db.clone(),
         wal: PathBuf::from(wal),
         durability,
-        max_batch: max_batch_ops.max(1),
-        counters: counters.clone(),
         key,
     };
-    let handle = std::thread::Builder::new()
-        .name("valem-store-writer".into())
-        .spawn(move || state.run(rx))
-        .map_err(|e| StoreError::io(&db, e))?;
-    Ok((Writer { tx, counters }, handle))
+    spawn_backend(
+        Box::new(backend),
+        "valem-store-writer",
+        queue_capacity,
+        max_batch_ops,
+    )
+    .map_err(|e| StoreError::io(&db, e))
 }
 
 struct WriterThread {
+    backend: Box<dyn Backend>,
+    max_batch: usize,
+    counters: Arc<Counters>,
+}
+
+struct SqliteBackend {
     conn: Connection,
     db: PathBuf,
     wal: PathBuf,
     durability: Durability,
-    max_batch: usize,
-    counters: Arc<Counters>,
     key: Option<AuditKey>,
 }
 
@@ -369,7 +403,15 @@ impl WriterThread {
                 }
             }
             if !flushes.is_empty() {
-                let r = self.sync_for_flush();
+                let r = match self.backend.sync_for_flush() {
+                    Ok(synced) => {
+                        if synced {
+                            self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                };
                 for ack in flushes.drain(..) {
                     ack.complete(r.clone());
                 }
@@ -378,10 +420,7 @@ impl WriterThread {
                 break;
             }
         }
-        // Clean shutdown: fold the WAL into the database (best effort: a reader may hold it).
-        let _ = self
-            .conn
-            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+        self.backend.close();
         // Messages still queued are dropped with `rx`; their Acks answer WriterStopped.
     }
 
@@ -395,29 +434,36 @@ impl WriterThread {
         false
     }
 
-    fn sync_for_flush(&self) -> Result<(), StoreError> {
-        if self.durability == Durability::Strict {
-            return Ok(()); // every commit was already fsynced
-        }
-        match fs::File::open(&self.wal) {
-            Ok(f) => {
-                f.sync_all().map_err(|e| StoreError::io(&self.wal, e))?;
-                self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            // No WAL: everything was checkpointed into the database (and fsynced by it).
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(StoreError::io(&self.wal, e)),
-        }
-    }
-
     /// One transaction for the whole batch; the result of each op in order.
     fn execute(&mut self, ops: &[(Op, Ack)]) -> Vec<Result<(), StoreError>> {
+        let batch: Vec<&Op> = ops.iter().map(|(op, _)| op).collect();
+        match self.backend.execute(&batch) {
+            Ok((results, synced)) => {
+                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+                if ok > 0 {
+                    self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                    self.counters.ops.fetch_add(ok, Ordering::Relaxed);
+                    if synced {
+                        self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                results
+            }
+            Err(err) => {
+                self.counters.failed.fetch_add(1, Ordering::Relaxed);
+                ops.iter().map(|_| Err(err.clone())).collect()
+            }
+        }
+    }
+}
+
+impl Backend for SqliteBackend {
+    fn execute(&mut self, ops: &[&Op]) -> Result<(Vec<Result<(), StoreError>>, bool), StoreError> {
         let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
         let changes_before = self.conn.total_changes();
         let outcome = (|| -> Result<(), rusqlite::Error> {
             self.conn.execute_batch("BEGIN IMMEDIATE")?;
-            for (op, _) in ops {
+            for op in ops {
                 self.conn.prepare_cached("SAVEPOINT op")?.execute([])?;
                 match apply(&self.conn, op, self.key.as_ref()) {
                     Ok(()) => {
@@ -436,27 +482,39 @@ impl WriterThread {
         })();
         match outcome {
             Ok(()) => {
-                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
-                if ok > 0 {
-                    self.counters.batches.fetch_add(1, Ordering::Relaxed);
-                    self.counters.ops.fetch_add(ok, Ordering::Relaxed);
-                    // A commit that changed no row writes no WAL frame, so SQLite syncs nothing.
-                    let wrote = self.conn.total_changes() > changes_before;
-                    if self.durability == Durability::Strict && wrote {
-                        self.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                results
+                // A commit that changed no row writes no WAL frame, so SQLite syncs nothing.
+                let wrote = self.conn.total_changes() > changes_before;
+                Ok((results, self.durability == Durability::Strict && wrote))
             }
             Err(e) => {
                 if !self.conn.is_autocommit() {
                     let _ = self.conn.execute_batch("ROLLBACK");
                 }
-                self.counters.failed.fetch_add(1, Ordering::Relaxed);
-                let err = sql_err(&self.db, e);
-                ops.iter().map(|_| Err(err.clone())).collect()
+                Err(sql_err(&self.db, e))
             }
         }
+    }
+
+    fn sync_for_flush(&mut self) -> Result<bool, StoreError> {
+        if self.durability == Durability::Strict {
+            return Ok(false); // every commit was already fsynced
+        }
+        match fs::File::open(&self.wal) {
+            Ok(f) => {
+                f.sync_all().map_err(|e| StoreError::io(&self.wal, e))?;
+                Ok(true)
+            }
+            // No WAL: everything was checkpointed into the database (and fsynced by it).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(StoreError::io(&self.wal, e)),
+        }
+    }
+
+    fn close(&mut self) {
+        // Clean shutdown: fold the WAL into the database (best effort: a reader may hold it).
+        let _ = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
     }
 }
 

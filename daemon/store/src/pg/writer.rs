@@ -1,0 +1,564 @@
+//! The PostgreSQL store's side of the single writer: one connection, one transaction per
+//! batch, one savepoint per op; the same ops and checks as the SQLite writer, in PostgreSQL's
+//! SQL. A lost connection fails the batch and is replaced at the next one.
+
+use std::collections::HashMap;
+use std::thread::JoinHandle;
+
+use postgres::error::SqlState;
+use postgres::{Statement, Transaction};
+use serde_json::Value as Json;
+
+use super::{pg_err, stmt, Conn, PgTarget};
+use crate::chain::{self, AuditKey, CheckpointHeader, Seq, GENESIS};
+use crate::writer::{spawn_backend, AuditAppend, Backend, Op};
+use crate::{CheckpointKind, Durability, StoreError, Writer};
+
+/// Start the writer thread on `conn`.
+pub(super) fn spawn(
+    conn: Conn,
+    target: PgTarget,
+    durability: Durability,
+    queue_capacity: usize,
+    max_batch_ops: usize,
+    key: Option<AuditKey>,
+) -> Result<(Writer, JoinHandle<()>), StoreError> {
+    let mut backend = PgBackend {
+        conn: Some(conn),
+        target: target.clone(),
+        durability,
+        key,
+    };
+    backend.configure().map_err(|e| pg_err(&target, e))?;
+    spawn_backend(
+        Box::new(backend),
+        "valem-store-writer",
+        queue_capacity,
+        max_batch_ops,
+    )
+    .map_err(|e| StoreError::Postgres {
+        path: target.label(),
+        detail: format!("cannot start the writer thread: {e}"),
+    })
+}
+
+struct PgBackend {
+    /// `None` after the connection was lost, until the next batch reconnects.
+    conn: Option<Conn>,
+    target: PgTarget,
+    durability: Durability,
+    key: Option<AuditKey>,
+}
+
+/// How an op failed: alone (its savepoint is rolled back, the batch goes on) or the whole batch.
+enum Failure {
+    Op(StoreError),
+    Batch(postgres::Error),
+}
+
+impl From<postgres::Error> for Failure {
+    fn from(e: postgres::Error) -> Failure {
+        let constraint = [
+            SqlState::UNIQUE_VIOLATION,
+            SqlState::FOREIGN_KEY_VIOLATION,
+            SqlState::CHECK_VIOLATION,
+            SqlState::NOT_NULL_VIOLATION,
+        ];
+        match e.code() {
+            Some(c) if constraint.contains(c) => Failure::Op(StoreError::Constraint {
+                detail: e
+                    .as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_string()),
+            }),
+            // A value PostgreSQL's text cannot hold (a NUL character): this op's input.
+            Some(c) if *c == SqlState::CHARACTER_NOT_IN_REPERTOIRE => {
+                Failure::Op(StoreError::InvalidRecord {
+                    detail: e.to_string(),
+                })
+            }
+            _ => Failure::Batch(e),
+        }
+    }
+}
+
+impl PgBackend {
+    /// Session settings of the writer's connection.
+    fn configure(&mut self) -> Result<(), postgres::Error> {
+        let sync = match self.durability {
+            Durability::Strict => "on",
+            Durability::Relaxed => "off",
+        };
+        if let Some(c) = self.conn.as_mut() {
+            c.client
+                .batch_execute(&format!("SET synchronous_commit TO {sync}"))?;
+        }
+        Ok(())
+    }
+
+    /// The connection, reconnecting after a loss.
+    fn conn(&mut self) -> Result<&mut Conn, StoreError> {
+        if self.conn.as_ref().is_none_or(|c| c.client.is_closed()) {
+            self.conn = Some(Conn::new(self.target.connect()?));
+            self.configure().map_err(|e| pg_err(&self.target, e))?;
+        }
+        self.conn.as_mut().ok_or(StoreError::WriterStopped)
+    }
+}
+
+impl Backend for PgBackend {
+    fn execute(&mut self, ops: &[&Op]) -> Result<(Vec<Result<(), StoreError>>, bool), StoreError> {
+        let key = self.key;
+        let target = self.target.clone();
+        let conn = self.conn()?;
+        let Conn { client, stmts } = conn;
+        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
+        let outcome = (|| -> Result<(), postgres::Error> {
+            let mut tx = client.transaction()?;
+            for op in ops {
+                tx.batch_execute("SAVEPOINT op")?;
+                match apply(&mut tx, stmts, op, key.as_ref()) {
+                    Ok(()) => {
+                        tx.batch_execute("RELEASE SAVEPOINT op")?;
+                        results.push(Ok(()));
+                    }
+                    Err(Failure::Op(e)) => {
+                        tx.batch_execute("ROLLBACK TO SAVEPOINT op; RELEASE SAVEPOINT op")?;
+                        results.push(Err(e));
+                    }
+                    Err(Failure::Batch(e)) => return Err(e),
+                }
+            }
+            tx.commit()
+        })();
+        match outcome {
+            Ok(()) => {
+                let wrote = results.iter().any(Result::is_ok);
+                Ok((results, self.durability == Durability::Strict && wrote))
+            }
+            Err(e) => {
+                // The transaction rolled back when it was dropped (or the connection is gone,
+                // and the server rolls it back).
+                let err = pg_err(&target, e);
+                if let Some(c) = &self.conn {
+                    if c.client.is_closed() {
+                        self.conn = None;
+                    }
+                }
+                Err(err)
+            }
+        }
+    }
+
+    fn sync_for_flush(&mut self) -> Result<bool, StoreError> {
+        if self.durability == Durability::Strict {
+            return Ok(false); // every commit was already flushed
+        }
+        let target = self.target.clone();
+        let conn = self.conn()?;
+        // A commit that has an xid and is synchronous flushes the WAL up to itself, so every
+        // earlier asynchronous commit too.
+        conn.client
+            .batch_execute(
+                "BEGIN; SET LOCAL synchronous_commit TO on; SELECT txid_current(); COMMIT",
+            )
+            .map_err(|e| pg_err(&target, e))?;
+        Ok(true)
+    }
+}
+
+fn seq_param(s: u64) -> Result<i64, Failure> {
+    i64::try_from(s).map_err(|_| {
+        Failure::Op(StoreError::InvalidRecord {
+            detail: format!("sequence {s} exceeds 2^63-1"),
+        })
+    })
+}
+
+fn to_text(v: &Json) -> Result<String, Failure> {
+    serde_json::to_string(v).map_err(|e| {
+        Failure::Op(StoreError::InvalidRecord {
+            detail: e.to_string(),
+        })
+    })
+}
+
+type Stmts = HashMap<&'static str, Statement>;
+
+/// The chain head of a model: `Ok(None)` when it has no record yet. Locks the model's row
+/// until the batch commits.
+fn head(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    model_id: &str,
+) -> Result<Option<(u64, String)>, Failure> {
+    let st = stmt(
+        tx,
+        stmts,
+        "SELECT head_seq, head_hash FROM valem.models WHERE id = $1 FOR UPDATE",
+    )?;
+    let Some(row) = tx.query_opt(&st, &[&model_id])? else {
+        return Err(Failure::Op(StoreError::ModelNotFound {
+            model_id: model_id.to_string(),
+        }));
+    };
+    let seq: Option<i64> = row.try_get(0)?;
+    let hash: String = row.try_get(1)?;
+    Ok(seq.map(|s| (s.max(0) as u64, hash)))
+}
+
+fn exec(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    sql: &'static str,
+    params: &[&(dyn postgres::types::ToSql + Sync)],
+) -> Result<u64, Failure> {
+    let st = stmt(tx, stmts, sql)?;
+    Ok(tx.execute(&st, params)?)
+}
+
+fn apply(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    op: &Op,
+    key: Option<&AuditKey>,
+) -> Result<(), Failure> {
+    match op {
+        Op::Atomic(ops) => {
+            for o in ops {
+                apply(tx, stmts, o, key)?;
+            }
+        }
+        Op::PutModel {
+            id,
+            spec_text,
+            version,
+            at,
+        } => {
+            let (key_from, anchor) = match key {
+                Some(k) => (Some(0i64), Some(chain::key_anchor(k, id, 0, GENESIS))),
+                None => (None, None),
+            };
+            let (spec, spec_hash) = match crate::spec_text::split(id, spec_text) {
+                Some(body) => {
+                    let hash = blake3::hash(body.as_bytes()).to_hex().to_string();
+                    exec(
+                        tx,
+                        stmts,
+                        "INSERT INTO valem.spec_texts (hash, body) VALUES ($1, $2)
+                         ON CONFLICT (hash) DO NOTHING",
+                        &[&hash, &body],
+                    )?;
+                    ("", Some(hash))
+                }
+                None => (spec_text.as_str(), None),
+            };
+            let before = spec_hash_of(tx, stmts, id)?;
+            exec(
+                tx,
+                stmts,
+                "INSERT INTO valem.models (id, spec, version, created_us, updated_us, head_seq,
+                     head_hash, key_from, key_anchor, spec_hash)
+                 VALUES ($1, $2, $3, $4, $4, NULL, $5, $6, $7, $8)
+                 ON CONFLICT (id) DO UPDATE SET spec = excluded.spec, version = excluded.version,
+                     updated_us = excluded.updated_us, spec_hash = excluded.spec_hash",
+                &[
+                    id,
+                    &spec,
+                    version,
+                    &at.us(),
+                    &GENESIS,
+                    &key_from,
+                    &anchor,
+                    &spec_hash,
+                ],
+            )?;
+            if let Some(old) = before.filter(|b| Some(b) != spec_hash.as_ref()) {
+                forget_spec_text(tx, stmts, &old)?;
+            }
+        }
+        Op::DeleteModel { id } => {
+            let before = spec_hash_of(tx, stmts, id)?;
+            for sql in [
+                "DELETE FROM valem.audit_paths WHERE model_id = $1",
+                "DELETE FROM valem.audit WHERE model_id = $1",
+                "DELETE FROM valem.checkpoints WHERE model_id = $1",
+                "DELETE FROM valem.snapshots WHERE model_id = $1",
+                "DELETE FROM valem.models WHERE id = $1",
+            ] {
+                exec(tx, stmts, sql, &[id])?;
+            }
+            if let Some(old) = before {
+                forget_spec_text(tx, stmts, &old)?;
+            }
+        }
+        Op::AppendAudit(a) => append_audit(tx, stmts, a)?,
+        Op::Checkpoint {
+            model_id,
+            sequence,
+            at,
+            state,
+            kind,
+        } => put_checkpoint(tx, stmts, model_id, *sequence, at.us(), state, *kind, key)?,
+        Op::PutSnapshot {
+            model_id,
+            snapshot_id,
+            at,
+            snapshot,
+        } => {
+            head(tx, stmts, model_id)?;
+            exec(
+                tx,
+                stmts,
+                "INSERT INTO valem.snapshots (model_id, snapshot_id, at_us, snapshot)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (model_id, snapshot_id) DO UPDATE
+                 SET at_us = excluded.at_us, snapshot = excluded.snapshot",
+                &[model_id, snapshot_id, &at.us(), &to_text(snapshot)?],
+            )?;
+        }
+        Op::DeleteSnapshot {
+            model_id,
+            snapshot_id,
+        } => {
+            exec(
+                tx,
+                stmts,
+                "DELETE FROM valem.snapshots WHERE model_id = $1 AND snapshot_id = $2",
+                &[model_id, snapshot_id],
+            )?;
+        }
+        Op::PutTask { id, record, at } => {
+            exec(
+                tx,
+                stmts,
+                "INSERT INTO valem.tasks (id, record, at_us) VALUES ($1, $2, $3)
+                 ON CONFLICT (id) DO UPDATE SET record = excluded.record, at_us = excluded.at_us",
+                &[id, record, &at.us()],
+            )?;
+        }
+        Op::DeleteTask { id } => {
+            exec(tx, stmts, "DELETE FROM valem.tasks WHERE id = $1", &[id])?;
+        }
+        Op::PutBlob(b) => {
+            let size = i64::try_from(b.size).map_err(|_| {
+                Failure::Op(StoreError::InvalidRecord {
+                    detail: format!("blob size {} exceeds 2^63-1", b.size),
+                })
+            })?;
+            exec(
+                tx,
+                stmts,
+                "INSERT INTO valem.blobs (id, hash, size, media_type, filename, created_us)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (id) DO UPDATE SET hash = excluded.hash, size = excluded.size,
+                     media_type = excluded.media_type, filename = excluded.filename,
+                     created_us = excluded.created_us",
+                &[
+                    &b.id,
+                    &b.hash,
+                    &size,
+                    &b.media_type,
+                    &b.filename,
+                    &b.created.us(),
+                ],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Append one audit record: in sequence, chained to the stored head, its paths indexed, the
+/// head moved in the same transaction.
+fn append_audit(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    a: &AuditAppend,
+) -> Result<(), Failure> {
+    let head = head(tx, stmts, &a.model_id)?;
+    let (expected, prev) = match &head {
+        Some((s, h)) => (s + 1, h.as_str()),
+        None => (0, GENESIS),
+    };
+    if a.sequence != expected {
+        return Err(Failure::Op(StoreError::OutOfSequence {
+            model_id: a.model_id.clone(),
+            expected,
+            got: a.sequence,
+        }));
+    }
+    if a.prev_hash != prev {
+        return Err(Failure::Op(StoreError::ChainMismatch {
+            model_id: a.model_id.clone(),
+            sequence: a.sequence,
+        }));
+    }
+    let seq = seq_param(a.sequence)?;
+    exec(
+        tx,
+        stmts,
+        "INSERT INTO valem.audit (model_id, sequence, at_us, record, prev_hash, hash)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+        &[&a.model_id, &seq, &a.at_us, &a.text, &a.prev_hash, &a.hash],
+    )?;
+    if !a.paths.is_empty() {
+        // One statement for all the paths (they are distinct: sorted and deduplicated).
+        exec(
+            tx,
+            stmts,
+            "INSERT INTO valem.audit_paths (model_id, path, sequence)
+             SELECT $1, p, $3 FROM unnest($2::text[]) AS p
+             ON CONFLICT DO NOTHING",
+            &[&a.model_id, &a.paths, &seq],
+        )?;
+    }
+    exec(
+        tx,
+        stmts,
+        "UPDATE valem.models SET head_seq = $2, head_hash = $3 WHERE id = $1",
+        &[&a.model_id, &seq, &a.hash],
+    )?;
+    Ok(())
+}
+
+/// Store a checkpoint of `model_id` after record `sequence` (`None`: before the first),
+/// hashed over its state and the record it follows (see `Op::Checkpoint`).
+#[allow(clippy::too_many_arguments)]
+fn put_checkpoint(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    model_id: &str,
+    sequence: Option<Seq>,
+    at_us: i64,
+    state: &Json,
+    kind: CheckpointKind,
+    key: Option<&AuditKey>,
+) -> Result<(), Failure> {
+    let head = head(tx, stmts, model_id)?;
+    let committed = head.as_ref().map(|(s, _)| *s);
+    let number = sequence.map(Seq::get);
+    if let Some(seq) = number {
+        if committed.is_none_or(|h| seq > h) {
+            return Err(Failure::Op(StoreError::CheckpointAhead {
+                model_id: model_id.to_string(),
+                sequence: seq,
+                head: committed,
+            }));
+        }
+    }
+    let seq = match number {
+        Some(s) => seq_param(s)?,
+        None => -1,
+    };
+    if kind == CheckpointKind::Periodic {
+        let st = stmt(
+            tx,
+            stmts,
+            "SELECT kind FROM valem.checkpoints WHERE model_id = $1 AND sequence = $2",
+        )?;
+        let existing: Option<String> = tx
+            .query_opt(&st, &[&model_id, &seq])?
+            .map(|r| r.try_get(0))
+            .transpose()?;
+        if existing.is_some_and(|k| CheckpointKind::parse(&k) != Some(CheckpointKind::Periodic)) {
+            return Ok(());
+        }
+    }
+    let head_hash = match (number, head) {
+        (None, _) => GENESIS.to_string(),
+        (Some(s), Some((h, hash))) if s == h => hash,
+        (Some(s), _) => {
+            let st = stmt(
+                tx,
+                stmts,
+                "SELECT hash FROM valem.audit WHERE model_id = $1 AND sequence = $2",
+            )?;
+            let found: Option<String> = tx
+                .query_opt(&st, &[&model_id, &seq])?
+                .map(|r| r.try_get(0))
+                .transpose()?;
+            found.ok_or_else(|| {
+                Failure::Op(StoreError::InvalidRecord {
+                    detail: format!(
+                        "model `{model_id}`: checkpoint after record {s}, which is not stored"
+                    ),
+                })
+            })?
+        }
+    };
+    let text = to_text(state)?;
+    let state_hash = chain::state_hash(text.as_bytes());
+    let hash = chain::checkpoint_hash(
+        key,
+        &CheckpointHeader {
+            model_id,
+            sequence,
+            at_us,
+            kind: kind.as_str(),
+            head_hash: &head_hash,
+            state_hash: &state_hash,
+        },
+    );
+    exec(
+        tx,
+        stmts,
+        "INSERT INTO valem.checkpoints
+             (model_id, sequence, at_us, state, kind, head_hash, state_hash, hash)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+         ON CONFLICT (model_id, sequence) DO UPDATE SET at_us = excluded.at_us,
+             state = excluded.state, kind = excluded.kind, head_hash = excluded.head_hash,
+             state_hash = excluded.state_hash, hash = excluded.hash",
+        &[
+            &model_id,
+            &seq,
+            &at_us,
+            &text,
+            &kind.as_str(),
+            &head_hash,
+            &state_hash,
+            &hash,
+        ],
+    )?;
+    if kind.is_base() {
+        exec(
+            tx,
+            stmts,
+            "UPDATE valem.models SET base_seq = $2 WHERE id = $1",
+            &[&model_id, &seq],
+        )?;
+    }
+    Ok(())
+}
+
+/// The spec text model `id`'s row names (`None`: no row, or a text kept whole).
+fn spec_hash_of(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    id: &str,
+) -> Result<Option<String>, Failure> {
+    let st = stmt(
+        tx,
+        stmts,
+        "SELECT spec_hash FROM valem.models WHERE id = $1",
+    )?;
+    Ok(tx
+        .query_opt(&st, &[&id])?
+        .map(|r| r.try_get::<_, Option<String>>(0))
+        .transpose()?
+        .flatten())
+}
+
+/// Drop spec text `hash` when no model names it any more.
+fn forget_spec_text(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    hash: &str,
+) -> Result<(), Failure> {
+    exec(
+        tx,
+        stmts,
+        "DELETE FROM valem.spec_texts WHERE hash = $1
+         AND NOT EXISTS (SELECT 1 FROM valem.models WHERE spec_hash = $1)",
+        &[&hash],
+    )?;
+    Ok(())
+}
