@@ -1,5 +1,6 @@
 //! Helpers for end-to-end tests: find the real `valem` binary and run it.
 
+pub mod backing;
 pub mod flood;
 pub mod load;
 

@@ -1,11 +1,15 @@
-//! Durability of `valem serve --data-dir` against the real binary: models, state and the audit
-//! chain come back after a clean stop and after `kill -9`, and no acknowledged mutation is lost.
+//! Durability of `valem serve` against the real binary, on both stores (`--data-dir` and
+//! `--store postgres://…` on a real PostgreSQL server): models, state and the audit chain come
+//! back after a clean stop and after `kill -9`, and no acknowledged mutation is lost. What only
+//! one store has (SQLite's disk limit and torn WAL, PostgreSQL's server going away) is tested
+//! on that one.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use valem_tests::backing::Backing;
 use valem_tests::load::Conn;
 use valem_tests::{repo_root, Daemon, Http};
 
@@ -17,16 +21,57 @@ fn start(dir: &std::path::Path) -> Daemon {
     Daemon::start(&["--data-dir", dir.to_str().expect("a UTF-8 path")])
 }
 
+/// `mod $name { sqlite, postgres }`: scenario `$f` on each store.
+macro_rules! on_both_stores {
+    ($name:ident, $f:ident) => {
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$f(&super::Backing::sqlite());
+            }
+            #[test]
+            fn postgres() {
+                super::$f(&super::Backing::postgres());
+            }
+        }
+    };
+}
+
+on_both_stores!(
+    a_clean_restart_brings_back_every_model_its_state_and_its_chain,
+    clean_restart
+);
+on_both_stores!(
+    kill_9_at_random_moments_loses_no_acknowledged_mutation,
+    kill_9_at_random
+);
+on_both_stores!(
+    the_embedded_mcp_server_keeps_its_models_in_the_store,
+    embedded_mcp
+);
+on_both_stores!(
+    a_restore_survives_kill_9_with_and_without_records_before_it,
+    restore_kill_9
+);
+on_both_stores!(an_evolved_spec_and_its_state_survive_kill_9, evolve_kill_9);
+on_both_stores!(blobs_are_kept_in_the_store, blobs_kept);
+on_both_stores!(
+    fifty_models_of_every_bundled_example_come_back,
+    fifty_models
+);
+on_both_stores!(
+    tampering_with_the_stored_audit_is_reported_at_the_record_it_broke,
+    tampering
+);
+
 fn example(name: &str) -> Value {
     let text = std::fs::read_to_string(repo_root().join("examples").join(format!("{name}.json")))
         .expect("a bundled example");
     serde_json::from_str(&text).expect("the example is JSON")
 }
 
-#[test]
-fn a_clean_restart_brings_back_every_model_its_state_and_its_chain() {
-    let dir = data_dir();
-    let d = start(dir.path());
+fn clean_restart(b: &Backing) {
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let names = ["demo", "car-loan-calculator", "order-invoice", "grade-book"];
     for n in names {
@@ -61,7 +106,7 @@ fn a_clean_restart_brings_back_every_model_its_state_and_its_chain() {
         .collect();
     assert!(d.terminate().success());
 
-    let d = start(dir.path());
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let mut listed: Vec<String> = http
         .get("/models")
@@ -126,7 +171,7 @@ fn a_clean_restart_brings_back_every_model_its_state_and_its_chain() {
     // A deleted model stays deleted.
     assert_eq!(http.delete("/models/grade-book").status, 200);
     assert!(d.terminate().success());
-    let d = start(dir.path());
+    let d = b.start(&[]);
     let http = Http::new(&d);
     assert_eq!(http.get("/models/grade-book/state").status, 404);
     assert_eq!(http.get("/models/demo/state").json()["price"], json!(99));
@@ -136,16 +181,13 @@ fn a_clean_restart_brings_back_every_model_its_state_and_its_chain() {
 const COUNTERS: &str = r#"{"id":"counters","version":"1","schema":{},
   "derivations":[{"path":"$.total","expr":"$sum([c0, c1, c2, c3])"}]}"#;
 
-#[test]
-fn kill_9_at_random_moments_loses_no_acknowledged_mutation() {
-    let dir = data_dir();
+fn kill_9_at_random(b: &Backing) {
     let clients = 4;
     let mut acked = vec![0i64; clients];
     let mut rng = 0x2545_f491_4f6c_dd1du64;
-    let path = dir.path().to_str().expect("a UTF-8 path").to_string();
     for round in 0..20 {
         // Checkpoints every 7 records: each recovery loads one and replays what follows it.
-        let d = Daemon::start(&["--data-dir", &path, "--checkpoint-every", "7"]);
+        let d = b.start(&["--checkpoint-every", "7"]);
         let http = Http::new(&d);
         if round == 0 {
             let r = http.post(
@@ -214,7 +256,7 @@ fn kill_9_at_random_moments_loses_no_acknowledged_mutation() {
             acked[k] = h.join().expect("a writer thread");
         }
     }
-    let d = start(dir.path());
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let state = http.get("/models/counters/state").json();
     for (k, a) in acked.iter().enumerate() {
@@ -227,21 +269,17 @@ fn kill_9_at_random_moments_loses_no_acknowledged_mutation() {
     );
     assert!(d.terminate().success());
     // The state recovered through checkpoints equals a replay of every record from scratch.
-    let c = rusqlite::Connection::open(dir.path().join("valem.db")).expect("open the database");
-    c.execute_batch("DELETE FROM checkpoints")
-        .expect("drop the checkpoints");
-    drop(c);
-    let d = start(dir.path());
+    b.sql("DELETE FROM checkpoints");
+    let d = b.start(&[]);
     assert_eq!(Http::new(&d).get("/models/counters/state").json(), state);
     assert!(d.terminate().success());
 }
 
-#[test]
-fn the_embedded_mcp_server_keeps_its_models_in_the_data_directory() {
+fn embedded_mcp(b: &Backing) {
     use valem_tests::Mcp;
-    let dir = data_dir();
-    let path = dir.path().to_str().expect("a UTF-8 path");
-    let mut m = Mcp::start(&["--data-dir", path], &[]);
+    let args = b.args();
+    let args = b.with(&args, &[]);
+    let mut m = Mcp::start(&args, &[]);
     m.handshake("2025-06-18");
     let r = m.tool(2, "create_model", json!({"spec": example("demo")}));
     assert_eq!(r["isError"], json!(false), "{r}");
@@ -254,7 +292,7 @@ fn the_embedded_mcp_server_keeps_its_models_in_the_data_directory() {
     let (status, _) = m.close(15);
     assert!(status.success());
 
-    let mut m = Mcp::start(&["--data-dir", path], &[]);
+    let mut m = Mcp::start(&args, &[]);
     m.handshake("2025-06-18");
     let r = m.tool(2, "get_state", json!({"id": "demo"}));
     assert_eq!(r["structuredContent"]["total"], json!(20), "{r}");
@@ -265,10 +303,8 @@ fn the_embedded_mcp_server_keeps_its_models_in_the_data_directory() {
     assert!(status.success());
 }
 
-#[test]
-fn a_restore_survives_kill_9_with_and_without_records_before_it() {
-    let dir = data_dir();
-    let d = start(dir.path());
+fn restore_kill_9(b: &Backing) {
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let spec = example("demo");
     let id = spec["id"].as_str().expect("an id").to_string();
@@ -303,7 +339,7 @@ fn a_restore_survives_kill_9_with_and_without_records_before_it() {
     let expected = http.get(&format!("/models/{id}/state")).json();
     d.kill9();
 
-    let d = start(dir.path());
+    let d = b.start(&[]);
     let http = Http::new(&d);
     assert_eq!(http.get(&format!("/models/{id}/state")).json(), expected);
     assert_eq!(http.get("/models/fresh/state").json(), fresh);
@@ -313,10 +349,8 @@ fn a_restore_survives_kill_9_with_and_without_records_before_it() {
     assert!(d.terminate().success());
 }
 
-#[test]
-fn an_evolved_spec_and_its_state_survive_kill_9() {
-    let dir = data_dir();
-    let d = start(dir.path());
+fn evolve_kill_9(b: &Backing) {
+    let d = b.start(&[]);
     let http = Http::new(&d);
     assert_eq!(http.post_json("/models", &example("demo")).status, 201);
     let r = http.post_json(
@@ -342,7 +376,7 @@ fn an_evolved_spec_and_its_state_survive_kill_9() {
     let history = http.get("/models/demo/history").json();
     d.kill9();
 
-    let d = start(dir.path());
+    let d = b.start(&[]);
     let http = Http::new(&d);
     assert_eq!(
         http.get("/models/demo/spec").json()["version"],
@@ -361,10 +395,8 @@ fn an_evolved_spec_and_its_state_survive_kill_9() {
     assert!(d.terminate().success());
 }
 
-#[test]
-fn blobs_are_kept_in_the_data_directory() {
-    let dir = data_dir();
-    let d = start(dir.path());
+fn blobs_kept(b: &Backing) {
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let boundary = "valemDurableBoundary";
     let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
@@ -380,7 +412,7 @@ fn blobs_are_kept_in_the_data_directory() {
     let id = r.json()["blobId"].as_str().expect("a blob id").to_string();
     d.kill9();
 
-    let d = start(dir.path());
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let got = http.get(&format!("/blobs/{id}"));
     assert_eq!(got.status, 200);
@@ -465,10 +497,8 @@ fn a_full_disk_refuses_writes_loses_nothing_acknowledged_and_recovers_when_space
     assert!(d.terminate().success());
 }
 
-#[test]
-fn fifty_models_of_every_bundled_example_come_back() {
-    let dir = data_dir();
-    let d = start(dir.path());
+fn fifty_models(b: &Backing) {
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let mut names: Vec<String> = std::fs::read_dir(repo_root().join("examples"))
         .expect("the examples")
@@ -519,16 +549,14 @@ fn fifty_models_of_every_bundled_example_come_back() {
     }
     let before = snapshot(&http);
     assert!(d.terminate().success());
-    let d = start(dir.path());
+    let d = b.start(&[]);
     let http = Http::new(&d);
     assert_eq!(snapshot(&http), before);
     assert!(d.terminate().success());
 }
 
-#[test]
-fn tampering_with_the_stored_audit_is_reported_at_the_record_it_broke() {
-    let dir = data_dir();
-    let d = start(dir.path());
+fn tampering(b: &Backing) {
+    let d = b.start(&[]);
     let http = Http::new(&d);
     assert_eq!(http.post_json("/models", &example("demo")).status, 201);
     for i in 0..6 {
@@ -539,12 +567,9 @@ fn tampering_with_the_stored_audit_is_reported_at_the_record_it_broke() {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     assert!(d.terminate().success());
-    let db = dir.path().join("valem.db");
     let verify = |edit: &str| -> Value {
-        let c = rusqlite::Connection::open(&db).expect("open the database");
-        c.execute_batch(edit).expect("tamper");
-        drop(c);
-        let d = start(dir.path());
+        b.sql(edit);
+        let d = b.start(&[]);
         let v = Http::new(&d).get("/models/demo/audit/verify").json();
         assert!(d.terminate().success());
         v
@@ -644,4 +669,106 @@ fn a_torn_wal_after_kill_9_leaves_a_store_that_opens_and_verifies_a_prefix() {
         assert!(d.terminate().success());
     }
     assert_eq!(last, acked, "the whole WAL keeps every write");
+}
+
+#[test]
+fn postgres_going_away_answers_503_commits_nothing_half_and_writes_work_when_it_returns() {
+    let mut b = Backing::postgres();
+    let d = b.start(&[]);
+    let http = Http::new(&d);
+    let r = http.post(
+        "/models",
+        &[("Content-Type", "application/json")],
+        COUNTERS.as_bytes(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    for v in 1..=5 {
+        let r = http.post_json("/models/counters/mutations", &json!({"$.c0": v}));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    b.server().expect("a server").stop();
+    let r = http.post_json("/models/counters/mutations", &json!({"$.c0": 6}));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(
+        r.text().contains("cannot be reached"),
+        "the error says the database is gone: {}",
+        r.text()
+    );
+    b.server()
+        .expect("a server")
+        .restart()
+        .expect("the server is back");
+    // The refused write was not committed: the same value goes in as the next record.
+    let r = http.post_json("/models/counters/mutations", &json!({"$.c0": 6}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let state = http.get("/models/counters/state").json();
+    assert_eq!(
+        (state["c0"].clone(), state["total"].clone()),
+        (json!(6), json!(6))
+    );
+    let v = http.get("/models/counters/audit/verify").json();
+    assert_eq!(v["valid"], json!(true), "{v}");
+    assert_eq!(
+        v["recordsChecked"],
+        json!(6),
+        "one record per acknowledged write: {v}"
+    );
+    d.kill9();
+    let d = b.start(&[]);
+    assert_eq!(Http::new(&d).get("/models/counters/state").json(), state);
+    assert!(d.terminate().success());
+}
+
+#[test]
+fn postgres_down_at_start_is_waited_for_and_a_newer_schema_is_refused() {
+    let mut b = Backing::postgres();
+    let args = b.args();
+    let server = b.server().expect("a server");
+    server.stop();
+    // Given up after the timeout, naming the database and not its password.
+    let url = args[1].replace("valem@", "valem:pw@");
+    let out = valem_tests::run(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            &url,
+            "--store-connect-timeout",
+            "0.5",
+        ],
+        None,
+    );
+    let err = valem_tests::stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot be reached") && err.contains(&args[1]),
+        "{err}"
+    );
+    assert!(!err.contains(":pw@"), "the password is not shown: {err}");
+    // Waited for while it comes back.
+    let d = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(1500));
+            server.restart().expect("the server comes back");
+        });
+        let all: Vec<&str> = args.iter().map(String::as_str).collect();
+        Daemon::start(&all)
+    });
+    let err = d.stderr_with("trying again");
+    assert!(err.contains("trying again"), "{err}");
+    assert_eq!(Http::new(&d).get("/models").status, 200);
+    assert!(d.terminate().success());
+    // A schema written by a newer valem is refused with both versions named.
+    b.sql("UPDATE schema_version SET version = 99");
+    let all: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut cmd = vec!["serve", "--listen", "127.0.0.1:0"];
+    cmd.extend(all);
+    let out = valem_tests::run(&cmd, None);
+    let err = valem_tests::stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("schema version 99") && err.contains("supports up to 1"),
+        "{err}"
+    );
 }

@@ -179,28 +179,46 @@ pub struct StoreArgs {
     /// spec, audit log, checkpoints and blobs; models are recovered from it on start, and a
     /// write is acknowledged only once it is committed. Without it, models live in memory and
     /// end with the process.
-    #[arg(long, env = "VALEM_DATA_DIR")]
+    #[arg(long, env = "VALEM_DATA_DIR", conflicts_with = "store")]
     pub data_dir: Option<PathBuf>,
-    /// With --data-dir: `strict` acknowledges a write after its batch is fsynced; `relaxed`
-    /// after COMMIT without fsync (an OS crash or power loss may lose the last moments).
+    /// Keep models in a PostgreSQL database instead of a data directory (durable mode, as with
+    /// --data-dir): `postgres://USER:PASSWORD@HOST:PORT/DATABASE` (or a `key=value` connection
+    /// string). Everything durable lives in the schema `valem` of that database, created and
+    /// migrated at start (a schema from a newer valem is refused); blob bytes too. Nodes that
+    /// share a database see the same models. TLS is not supported yet: use a trusted network
+    /// or a local proxy.
+    #[arg(long, env = "VALEM_STORE", value_name = "URL")]
+    pub store: Option<String>,
+    /// With --store: how long to keep trying at start while the database cannot be reached
+    /// (down, restarting), in seconds; then the daemon gives up with the last error.
+    #[arg(
+        long,
+        env = "VALEM_STORE_CONNECT_TIMEOUT",
+        default_value_t = 30.0,
+        value_name = "SECS"
+    )]
+    pub store_connect_timeout: f64,
+    /// With a store: `strict` acknowledges a write after its batch is fsynced (PostgreSQL:
+    /// `synchronous_commit = on`); `relaxed` after COMMIT without fsync (an OS crash or power
+    /// loss may lose the last moments).
     #[arg(long, env = "VALEM_DURABILITY", default_value = "strict", value_parser = ["strict", "relaxed"])]
     pub durability: String,
-    /// With --data-dir: checkpoint a model's state every N audit records (and at shutdown), so
+    /// With a store: checkpoint a model's state every N audit records (and at shutdown), so
     /// a restart replays at most N records per model.
     #[arg(long, env = "VALEM_CHECKPOINT_EVERY", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     pub checkpoint_every: u64,
-    /// With --data-dir: the largest the database may grow, in bytes (default: the disk's
+    /// With --data-dir: the largest the SQLite database may grow, in bytes (default: the disk's
     /// space). Past it writes fail as on a full disk, and work again once there is room.
     #[arg(long, env = "VALEM_MAX_DB_BYTES")]
     pub max_db_bytes: Option<u64>,
-    /// With --data-dir: a file holding a 32-byte audit key, as 64 hex characters (`openssl rand
+    /// With a store: a file holding a 32-byte audit key, as 64 hex characters (`openssl rand
     /// -hex 32 > FILE`) or 32 raw bytes. Audit record and checkpoint hashes become keyed blake3,
     /// so verify_audit catches a rewrite of the log by anyone without the key. The store
     /// remembers its key: later starts need the same key. An unkeyed store given a key keys
     /// each model's chain from its next record on.
     #[arg(long, env = "VALEM_AUDIT_KEY_FILE", value_name = "PATH")]
     pub audit_key_file: Option<PathBuf>,
-    /// With --data-dir: keep at most N models in memory. Past it the least recently used are
+    /// With a store: keep at most N models in memory. Past it the least recently used are
     /// evicted (their state is already durable; a checkpoint at their head is written) and
     /// woken from the store by their next request, on every surface; timers and subscribers
     /// keep working meanwhile. At start no model is loaded: each wakes when first asked for.

@@ -503,8 +503,8 @@ fn mcp(args: McpArgs) -> Result<i32, String> {
     eprintln!(
         "valem mcp {}: embedded engine ({}); reading JSON-RPC on stdin",
         env!("CARGO_PKG_VERSION"),
-        match &store.data_dir {
-            Some(d) => format!("durable in {}", d.display()),
+        match open::store_label(&store) {
+            Some(d) => format!("durable in {d}"),
             None => "in memory".to_string(),
         }
     );
@@ -626,11 +626,10 @@ fn serve(args: ServeArgs) -> Result<i32, String> {
         ..Default::default()
     };
     let keyed = config.api_key.is_some();
-    let storage = match &store.data_dir {
+    let storage = match open::store_label(&store) {
         Some(d) => format!(
-            "{} models durable in {} ({})",
+            "{} models durable in {d} ({})",
             service.model_count(),
-            d.display(),
             store.durability
         ),
         None => "in-memory models".to_string(),

@@ -3,8 +3,19 @@
 
 use super::*;
 
-/// The service, in memory or over the store in `data_dir` (recovering its models); a store
-/// that cannot be opened or recovered is reported and exits 1.
+/// Where the models are kept, for messages: `in /data/dir` or `in postgres://user@host:5432/db`.
+pub(super) fn store_label(args: &StoreArgs) -> Option<String> {
+    match (&args.data_dir, &args.store) {
+        (Some(d), _) => Some(d.display().to_string()),
+        (None, Some(url)) => Some(
+            valem_store::PgStore::label_of(url).unwrap_or_else(|| "the --store database".into()),
+        ),
+        (None, None) => None,
+    }
+}
+
+/// The service, in memory or over the store (`--data-dir` or `--store`), recovering its
+/// models; a store that cannot be opened or recovered is reported and exits 1.
 pub(super) fn open_service(
     cmd: &str,
     shards: usize,
@@ -14,16 +25,16 @@ pub(super) fn open_service(
     limits.max_resident_models = args
         .max_resident_models
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
-    let Some(dir) = args.data_dir.as_deref() else {
+    let Some(label) = store_label(args) else {
         if let Some(n) = args.max_resident_models {
             eprintln!(
-                "valem {cmd}: --max-resident-models {n} needs --data-dir: an evicted model is woken from the store, and without one it would be lost"
+                "valem {cmd}: --max-resident-models {n} needs a store (--data-dir or --store): an evicted model is woken from the store, and without one it would be lost"
             );
             return Err(2);
         }
         if let Some(f) = &args.audit_key_file {
             eprintln!(
-                "valem {cmd}: --audit-key-file {} needs --data-dir: the key protects the durable audit log",
+                "valem {cmd}: --audit-key-file {} needs a store (--data-dir or --store): the key protects the durable audit log",
                 f.display()
             );
             return Err(2);
@@ -48,18 +59,24 @@ pub(super) fn open_service(
         ..Default::default()
     };
     let started = std::time::Instant::now();
-    let store = valem_store::SqliteStore::open(dir, opts).map_err(|e| {
-        eprintln!(
-            "valem {cmd}: cannot open the data directory {}: {e}",
-            dir.display()
-        );
-        1
-    })?;
+    let store: std::sync::Arc<dyn valem_store::Store> = match (&args.data_dir, &args.store) {
+        (Some(dir), _) => {
+            let store = valem_store::SqliteStore::open(dir, opts).map_err(|e| {
+                eprintln!(
+                    "valem {cmd}: cannot open the data directory {}: {e}",
+                    dir.display()
+                );
+                1
+            })?;
+            std::sync::Arc::new(store)
+        }
+        (None, Some(url)) => std::sync::Arc::new(open_pg(cmd, url, opts, args)?),
+        (None, None) => return Err(2),
+    };
     if let Some(a) = store.key_adoption() {
         if a.models.is_empty() {
             eprintln!(
-                "valem {cmd}: the store in {} is keyed with this audit key; later starts need it",
-                dir.display()
+                "valem {cmd}: the store in {label} is keyed with this audit key; later starts need it"
             );
         } else {
             let mut firsts: Vec<String> = a
@@ -72,37 +89,88 @@ pub(super) fn open_service(
                 firsts.push(format!("and {} more", a.models.len() - 10));
             }
             eprintln!(
-                "valem {cmd}: the store in {} had no audit key and adopts this one: audit records are keyed from now on ({}); {} checkpoint(s) rehashed. Later starts need this key.",
-                dir.display(),
+                "valem {cmd}: the store in {label} had no audit key and adopts this one: audit records are keyed from now on ({}); {} checkpoint(s) rehashed. Later starts need this key.",
                 firsts.join(", "),
                 a.checkpoints_rehashed
             );
         }
     }
-    let service = valem_service::ModelService::open(shards, limits, std::sync::Arc::new(store))
-        .map_err(|e| {
-            eprintln!(
-                "valem {cmd}: cannot recover the models in {}: {e}",
-                dir.display()
-            );
-            1
-        })?;
+    let service = valem_service::ModelService::open(shards, limits, store).map_err(|e| {
+        eprintln!("valem {cmd}: cannot recover the models in {label}: {e}");
+        1
+    })?;
     match args.max_resident_models {
         None => tracing::info!(
             models = service.model_count(),
             took_ms = started.elapsed().as_millis() as u64,
-            dir = %dir.display(),
+            store = %label,
             "recovered the stored models"
         ),
         Some(n) => tracing::info!(
             models = service.model_count(),
             max_resident = n,
             took_ms = started.elapsed().as_millis() as u64,
-            dir = %dir.display(),
+            store = %label,
             "registered the stored models; each is loaded at its first request"
         ),
     }
     Ok(service)
+}
+
+/// Open the PostgreSQL store at `url`, trying again while the database cannot be reached,
+/// for up to `--store-connect-timeout`.
+fn open_pg(
+    cmd: &str,
+    url: &str,
+    opts: valem_store::StoreOptions,
+    args: &StoreArgs,
+) -> Result<valem_store::PgStore, i32> {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://") || url.contains('=')) {
+        eprintln!(
+            "valem {cmd}: --store takes a PostgreSQL URL (postgres://USER:PASSWORD@HOST:PORT/DATABASE); for the embedded store use --data-dir DIR"
+        );
+        return Err(2);
+    }
+    if args.max_db_bytes.is_some() {
+        eprintln!(
+            "valem {cmd}: --max-db-bytes bounds the SQLite database of --data-dir; PostgreSQL's size is the server's to bound"
+        );
+        return Err(2);
+    }
+    let wait = std::time::Duration::from_secs_f64(args.store_connect_timeout.clamp(0.0, 86_400.0));
+    let deadline = std::time::Instant::now() + wait;
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        match valem_store::PgStore::open(url, opts.clone()) {
+            Ok(s) => {
+                if attempt > 1 {
+                    eprintln!(
+                        "valem {cmd}: reached the database {} (attempt {attempt})",
+                        s.label()
+                    );
+                }
+                return Ok(s);
+            }
+            Err(e @ valem_store::StoreError::Unavailable { .. })
+                if std::time::Instant::now() < deadline =>
+            {
+                if attempt == 1 {
+                    eprintln!(
+                        "valem {cmd}: {e}; trying again for up to {:.0} s (--store-connect-timeout)",
+                        wait.as_secs_f64()
+                    );
+                }
+                std::thread::sleep(std::time::Duration::from_millis(
+                    (100u64 << attempt.min(4)).min(1000),
+                ));
+            }
+            Err(e) => {
+                eprintln!("valem {cmd}: cannot open the store: {e}");
+                return Err(1);
+            }
+        }
+    }
 }
 
 /// The audit key in `path` (see `--audit-key-file`); the error names the file and what is wrong.

@@ -96,12 +96,17 @@ impl PgTarget {
 
     /// A new connection.
     pub(crate) fn connect(&self) -> Result<Client, StoreError> {
-        self.config
-            .connect(NoTls)
-            .map_err(|e| StoreError::Unavailable {
+        self.config.connect(NoTls).map_err(|e| {
+            use std::error::Error as _;
+            let detail = match e.source() {
+                Some(s) => format!("{e}: {s}"),
+                None => e.to_string(),
+            };
+            StoreError::Unavailable {
                 path: self.label(),
-                detail: e.to_string(),
-            })
+                detail,
+            }
+        })
     }
 }
 
@@ -176,6 +181,20 @@ pub(crate) fn stmt<C: postgres::GenericClient>(
     Ok(s)
 }
 
+/// Run `f` where the sync driver may block: here, or, when this thread is inside a tokio
+/// runtime (an async handler, the daemon's main thread while it serves), on a scoped thread
+/// of its own (`postgres` drives its connections with a runtime of its own, which tokio does
+/// not let a runtime thread start).
+pub(crate) fn off_runtime<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return f();
+    }
+    std::thread::scope(|s| match s.spawn(f).join() {
+        Ok(v) => v,
+        Err(panic) => std::panic::resume_unwind(panic),
+    })
+}
+
 /// An open PostgreSQL store. `Sync`: share it behind an `Arc`. Dropping it drains the writer.
 pub struct PgStore {
     target: PgTarget,
@@ -191,6 +210,10 @@ impl PgStore {
     /// [`StoreError::Unavailable`]: the caller decides whether to retry), migrates the schema
     /// (refusing one from a newer build), settles the audit key, starts the writer thread.
     pub fn open(url: &str, opts: StoreOptions) -> Result<PgStore, StoreError> {
+        off_runtime(|| PgStore::open_here(url, opts))
+    }
+
+    fn open_here(url: &str, opts: StoreOptions) -> Result<PgStore, StoreError> {
         let target = PgTarget::parse(url)?;
         let mut client = target.connect()?;
         schema::migrate(&mut client, &target)?;
@@ -218,15 +241,24 @@ impl PgStore {
         &self.target.label
     }
 
+    /// How messages name the database of `url` (without its password); `None` when `url` is
+    /// not a connection string.
+    pub fn label_of(url: &str) -> Option<String> {
+        PgTarget::parse(url).ok().map(|t| t.label)
+    }
+
     /// Drain the writer (everything queued before this commits) and stop.
     pub fn close(mut self) -> Result<(), StoreError> {
         self.stop()
     }
 
     fn stop(&mut self) -> Result<(), StoreError> {
-        if let Ok(mut r) = self.readers.lock() {
-            r.clear();
-        }
+        // Closing a connection blocks on the driver's runtime.
+        let idle: Vec<Conn> = match self.readers.lock() {
+            Ok(mut r) => r.drain(..).collect(),
+            Err(_) => Vec::new(),
+        };
+        off_runtime(move || drop(idle));
         let Some(t) = self.thread.take() else {
             return Ok(());
         };
@@ -236,17 +268,34 @@ impl PgStore {
 
     /// Run `f` on a pooled connection (a new one when the pool is empty); a connection that
     /// failed is not pooled again.
-    pub(crate) fn with_reader<T>(
+    pub(crate) fn with_reader<T: Send>(
         &self,
-        f: impl FnOnce(&mut Conn) -> Result<T, postgres::Error>,
+        f: impl FnMut(&mut Conn) -> Result<T, postgres::Error> + Send,
+    ) -> Result<T, StoreError> {
+        off_runtime(|| self.with_reader_here(f))
+    }
+
+    /// [`with_reader`](Self::with_reader) on this thread (outside any tokio runtime). A pooled
+    /// connection that turns out dead (the server restarted) empties the pool, and `f` runs
+    /// again, once, on a new connection: `f` must be safe to run twice after a connection error.
+    pub(crate) fn with_reader_here<T>(
+        &self,
+        mut f: impl FnMut(&mut Conn) -> Result<T, postgres::Error>,
     ) -> Result<T, StoreError> {
         let pooled = self.readers.lock().ok().and_then(|mut p| p.pop());
-        let mut conn = match pooled {
-            Some(c) if !c.client.is_closed() => c,
-            _ => Conn::new(self.target.connect()?),
+        let (mut conn, reused) = match pooled {
+            Some(c) if !c.client.is_closed() => (c, true),
+            _ => (Conn::new(self.target.connect()?), false),
         };
-        let out = f(&mut conn).map_err(|e| pg_err(&self.target, e));
-        if !conn.client.is_closed() {
+        let mut out = f(&mut conn).map_err(|e| pg_err(&self.target, e));
+        if reused && matches!(out, Err(StoreError::Unavailable { .. })) {
+            if let Ok(mut p) = self.readers.lock() {
+                p.clear();
+            }
+            conn = Conn::new(self.target.connect()?);
+            out = f(&mut conn).map_err(|e| pg_err(&self.target, e));
+        }
+        if !conn.client.is_closed() && out.is_ok() {
             if let Ok(mut p) = self.readers.lock() {
                 if p.len() < self.opts.read_pool {
                     p.push(conn);

@@ -121,13 +121,55 @@ impl PgStore {
         up_to: Option<Timestamp>,
         f: &mut dyn FnMut(AuditEntry) -> ControlFlow<()>,
     ) -> Result<u64, StoreError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.audit_after_here(model_id, after, up_to, f);
+        }
+        // Inside a runtime: the records are read on a thread of their own and handed over
+        // here, where `f` (which need not be Send) sees them; a break stops the reader.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<AuditEntry>(FETCH_ROWS as usize);
+        std::thread::scope(|s| {
+            let reader = s.spawn(move || {
+                self.audit_after_here(model_id, after, up_to, &mut |e| match tx.send(e) {
+                    Ok(()) => ControlFlow::Continue(()),
+                    Err(_) => ControlFlow::Break(()),
+                })
+            });
+            let mut seen = 0u64;
+            while let Ok(e) = rx.recv() {
+                seen += 1;
+                if f(e).is_break() {
+                    break;
+                }
+            }
+            drop(rx);
+            match reader.join() {
+                Ok(r) => r.map(|_| seen),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        })
+    }
+
+    fn audit_after_here(
+        &self,
+        model_id: &str,
+        after: Option<Seq>,
+        up_to: Option<Timestamp>,
+        f: &mut dyn FnMut(AuditEntry) -> ControlFlow<()>,
+    ) -> Result<u64, StoreError> {
         let up_to_us = up_to.map(Timestamp::us);
         let after: i64 = match after {
             None => -1,
             Some(s) => i64::try_from(s.get()).unwrap_or(i64::MAX),
         };
         let mut seen = 0u64;
-        let inner = self.with_reader(|c| {
+        let inner = self.with_reader_here(|c| {
+            if seen > 0 {
+                // A retry after the connection died mid-stream would deliver records twice.
+                return Ok(Err(StoreError::Unavailable {
+                    path: self.target.label(),
+                    detail: format!("the connection was lost after {seen} records"),
+                }));
+            }
             let mut tx = snapshot(&mut c.client)?;
             let r = stream(
                 &mut tx,

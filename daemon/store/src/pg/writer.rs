@@ -82,6 +82,55 @@ impl From<postgres::Error> for Failure {
 }
 
 impl PgBackend {
+    /// One batch in one transaction; on failure, whether its COMMIT had been sent (after which
+    /// the outcome is unknown and the batch must not run again).
+    #[allow(clippy::type_complexity)]
+    fn try_batch(
+        &mut self,
+        ops: &[&Op],
+    ) -> Result<(Vec<Result<(), StoreError>>, bool), (StoreError, bool)> {
+        let key = self.key;
+        let target = self.target.clone();
+        let conn = self.conn().map_err(|e| (e, false))?;
+        let Conn { client, stmts } = conn;
+        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
+        let mut committing = false;
+        let outcome = (|| -> Result<(), postgres::Error> {
+            let mut tx = client.transaction()?;
+            for op in ops {
+                tx.batch_execute("SAVEPOINT op")?;
+                match apply(&mut tx, stmts, op, key.as_ref()) {
+                    Ok(()) => {
+                        tx.batch_execute("RELEASE SAVEPOINT op")?;
+                        results.push(Ok(()));
+                    }
+                    Err(Failure::Op(e)) => {
+                        tx.batch_execute("ROLLBACK TO SAVEPOINT op; RELEASE SAVEPOINT op")?;
+                        results.push(Err(e));
+                    }
+                    Err(Failure::Batch(e)) => return Err(e),
+                }
+            }
+            committing = true;
+            tx.commit()
+        })();
+        match outcome {
+            Ok(()) => {
+                let wrote = results.iter().any(Result::is_ok);
+                Ok((results, self.durability == Durability::Strict && wrote))
+            }
+            Err(e) => {
+                // The transaction rolled back when it was dropped (or the connection is gone,
+                // and the server rolls it back).
+                let err = pg_err(&target, e);
+                if self.conn.as_ref().is_some_and(|c| c.client.is_closed()) {
+                    self.conn = None;
+                }
+                Err((err, committing))
+            }
+        }
+    }
+
     /// Session settings of the writer's connection.
     fn configure(&mut self) -> Result<(), postgres::Error> {
         let sync = match self.durability {
@@ -107,45 +156,14 @@ impl PgBackend {
 
 impl Backend for PgBackend {
     fn execute(&mut self, ops: &[&Op]) -> Result<(Vec<Result<(), StoreError>>, bool), StoreError> {
-        let key = self.key;
-        let target = self.target.clone();
-        let conn = self.conn()?;
-        let Conn { client, stmts } = conn;
-        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
-        let outcome = (|| -> Result<(), postgres::Error> {
-            let mut tx = client.transaction()?;
-            for op in ops {
-                tx.batch_execute("SAVEPOINT op")?;
-                match apply(&mut tx, stmts, op, key.as_ref()) {
-                    Ok(()) => {
-                        tx.batch_execute("RELEASE SAVEPOINT op")?;
-                        results.push(Ok(()));
-                    }
-                    Err(Failure::Op(e)) => {
-                        tx.batch_execute("ROLLBACK TO SAVEPOINT op; RELEASE SAVEPOINT op")?;
-                        results.push(Err(e));
-                    }
-                    Err(Failure::Batch(e)) => return Err(e),
-                }
+        match self.try_batch(ops) {
+            // The connection had died while idle (the server restarted): nothing of this batch
+            // reached the server, so it runs again, once, on a new connection.
+            Err((StoreError::Unavailable { .. }, false)) => {
+                self.conn = None;
+                self.try_batch(ops).map_err(|(e, _)| e)
             }
-            tx.commit()
-        })();
-        match outcome {
-            Ok(()) => {
-                let wrote = results.iter().any(Result::is_ok);
-                Ok((results, self.durability == Durability::Strict && wrote))
-            }
-            Err(e) => {
-                // The transaction rolled back when it was dropped (or the connection is gone,
-                // and the server rolls it back).
-                let err = pg_err(&target, e);
-                if let Some(c) = &self.conn {
-                    if c.client.is_closed() {
-                        self.conn = None;
-                    }
-                }
-                Err(err)
-            }
+            other => other.map_err(|(e, _)| e),
         }
     }
 
