@@ -11,6 +11,7 @@ use serde_json::Value as Json;
 use crate::chain::{AuditKey, BrokenCheckpoint, ChainHasher, ChainReport, Seq};
 use crate::checkpoints::CheckpointChoice;
 use crate::keys::KeyAdoption;
+use crate::pg::{NodeInfo, Ownership};
 use crate::Timestamp;
 use crate::{
     AuditEntry, AuditFilter, BlobMeta, SqliteStore, StoreError, StoredModel, StoredSnapshot,
@@ -78,6 +79,31 @@ pub trait Store: Send + Sync + std::fmt::Debug {
         &self,
         model_id: &str,
     ) -> Result<(u64, Option<BrokenCheckpoint>), StoreError>;
+
+    // A fleet's ownership (see `pg::owners`); a store with one writer owns every model.
+
+    /// Take `model_id` for this node before loading or creating it: `None` when the store has
+    /// a single writer; owned by another node: [`StoreError::OwnedElsewhere`].
+    fn claim(&self, _model_id: &str) -> Result<Option<Ownership>, StoreError> {
+        Ok(None)
+    }
+    /// Give `model_id` up (evicted, deleted) so another node can claim it at once.
+    fn release(&self, _model_id: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// The models this node lost since the last call (another node claimed them after its
+    /// lease ran out): drop them from memory.
+    fn take_lost(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Who owns `model_id` (`None`: nobody, or a single-writer store).
+    fn owner(&self, _model_id: &str) -> Result<Option<Ownership>, StoreError> {
+        Ok(None)
+    }
+    /// The fleet's nodes (empty for a single-writer store).
+    fn nodes(&self) -> Result<Vec<NodeInfo>, StoreError> {
+        Ok(Vec::new())
+    }
 }
 
 impl Store for SqliteStore {

@@ -136,6 +136,9 @@ pub struct StoreOptions {
     pub read_pool: usize,
     /// The audit key: record and checkpoint hashes are keyed blake3 (see [`keys`]).
     pub audit_key: Option<AuditKey>,
+    /// This node's identity in a fleet sharing one PostgreSQL database (`None`: the only
+    /// writer). The SQLite store has one writer by construction and ignores it.
+    pub node: Option<pg::NodeConfig>,
 }
 
 impl Default for StoreOptions {
@@ -148,6 +151,7 @@ impl Default for StoreOptions {
             max_blob_bytes: 50 << 20,
             read_pool: 4,
             audit_key: None,
+            node: None,
         }
     }
 }
@@ -196,6 +200,18 @@ pub enum StoreError {
     /// not committed; it can be retried once the server is back.
     #[error("the database {} cannot be reached ({detail}); nothing was committed, retry once it is back", path.display())]
     Unavailable { path: PathBuf, detail: String },
+    /// The model belongs to another node of the fleet, whose lease has not run out.
+    #[error("model `{model_id}` is owned by node `{node}` ({url}) until its lease runs out")]
+    OwnedElsewhere {
+        model_id: String,
+        node: String,
+        url: String,
+        lease_until: Timestamp,
+    },
+    /// This node no longer owns the model (another node claimed it after this one's lease
+    /// ran out): the write was not committed, and this node must not write the model again.
+    #[error("model `{model_id}` is no longer owned by this node ({detail}); the write was not committed")]
+    Fenced { model_id: String, detail: String },
     /// The database was written by a newer build.
     #[error("{} has schema version {found}; this build supports up to {supported}: upgrade valem", path.display())]
     SchemaTooNew {

@@ -19,6 +19,7 @@
 //! Not kept here: PostgreSQL's own integrity (page checksums, replication, backups) is the
 //! server's; [`Store::quick_check`] only checks that the server answers and holds this schema.
 
+mod owners;
 mod reads;
 mod schema;
 #[cfg(any(test, feature = "pg-testing"))]
@@ -41,6 +42,7 @@ use crate::checkpoints::{self, Row};
 use crate::keys::KeyAdoption;
 use crate::{Store, StoreError, StoreOptions, Writer, WriterStats};
 
+pub use owners::{NodeConfig, NodeInfo, Ownership};
 pub use schema::SCHEMA_VERSION;
 
 /// How long connecting may take before it counts as a failure.
@@ -203,6 +205,12 @@ pub struct PgStore {
     writer: Writer,
     thread: Option<JoinHandle<()>>,
     readers: Mutex<Vec<Conn>>,
+    /// The epoch of each model this node claimed (a fleet's node only).
+    held: owners::Held,
+    /// Models found lost by a renewal, until [`PgStore::take_lost`].
+    lost: std::sync::Arc<Mutex<Vec<String>>>,
+    /// The lease thread and what stops it.
+    renewal: Option<(std::sync::mpsc::Sender<()>, JoinHandle<()>)>,
 }
 
 impl PgStore {
@@ -218,6 +226,8 @@ impl PgStore {
         let mut client = target.connect()?;
         schema::migrate(&mut client, &target)?;
         let adoption = settle_key(&mut client, &target, opts.audit_key.as_ref())?;
+        let held = owners::Held::default();
+        let fence = opts.node.as_ref().map(|n| (n.id.clone(), held.clone()));
         let (writer, thread) = writer::spawn(
             Conn::new(client),
             target.clone(),
@@ -225,15 +235,28 @@ impl PgStore {
             opts.queue_capacity,
             opts.max_batch_ops,
             opts.audit_key,
+            fence,
         )?;
-        Ok(PgStore {
+        let mut store = PgStore {
             target,
             opts,
             adoption,
             writer,
             thread: Some(thread),
             readers: Mutex::new(Vec::new()),
-        })
+            held,
+            lost: Default::default(),
+            renewal: None,
+        };
+        if let Some(node) = store.opts.node.clone() {
+            store.register_node()?;
+            if node.renew {
+                let (stop, stopped) = std::sync::mpsc::channel();
+                let handle = store.spawn_renewal(stopped)?;
+                store.renewal = Some((stop, handle));
+            }
+        }
+        Ok(store)
     }
 
     /// The database's URL without its password.
@@ -253,6 +276,10 @@ impl PgStore {
     }
 
     fn stop(&mut self) -> Result<(), StoreError> {
+        if let Some((stop, handle)) = self.renewal.take() {
+            drop(stop);
+            let _ = handle.join();
+        }
         // Closing a connection blocks on the driver's runtime.
         let idle: Vec<Conn> = match self.readers.lock() {
             Ok(mut r) => r.drain(..).collect(),
@@ -576,5 +603,26 @@ impl Store for PgStore {
         model_id: &str,
     ) -> Result<(u64, Option<crate::BrokenCheckpoint>), StoreError> {
         PgStore::verify_model_checkpoints(self, model_id)
+    }
+    fn claim(&self, model_id: &str) -> Result<Option<Ownership>, StoreError> {
+        match self.opts.node {
+            None => Ok(None),
+            Some(_) => PgStore::claim(self, model_id).map(Some),
+        }
+    }
+    fn release(&self, model_id: &str) -> Result<(), StoreError> {
+        match self.opts.node {
+            None => Ok(()),
+            Some(_) => PgStore::release(self, model_id),
+        }
+    }
+    fn take_lost(&self) -> Vec<String> {
+        PgStore::take_lost(self)
+    }
+    fn owner(&self, model_id: &str) -> Result<Option<Ownership>, StoreError> {
+        PgStore::owner(self, model_id)
+    }
+    fn nodes(&self) -> Result<Vec<NodeInfo>, StoreError> {
+        PgStore::nodes(self)
     }
 }

@@ -12,7 +12,7 @@ use crate::StoreError;
 const MIGRATION_LOCK: i64 = 0x7661_6c65_6d01;
 
 /// Migration steps; step `i` takes the version from `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1];
+const MIGRATIONS: &[&str] = &[V1, V2];
 
 // v1: what the SQLite store holds at its v5, in PostgreSQL's types, plus blob bytes (a fleet
 // has no shared directory). Ids, paths and hashes compare bytewise (COLLATE "C"), as SQLite's
@@ -85,6 +85,26 @@ const V1: &str = r#"
         record TEXT NOT NULL,
         at_us BIGINT NOT NULL
     );
+    "#;
+
+// v2: a fleet's nodes and the owner of each model. A node claims a model with an epoch one
+// higher than the last owner's and a lease it renews; every commit that touches a model checks,
+// in its transaction, that the committing node still holds that epoch (fencing). Times are the
+// database's clock (µs since the epoch), so nodes' clocks need not agree.
+const V2: &str = r#"
+    CREATE TABLE valem.nodes (
+        id TEXT COLLATE "C" PRIMARY KEY,
+        url TEXT NOT NULL,
+        started_us BIGINT NOT NULL,
+        seen_us BIGINT NOT NULL
+    );
+    CREATE TABLE valem.owners (
+        model_id TEXT COLLATE "C" PRIMARY KEY,
+        node_id TEXT COLLATE "C" NOT NULL,
+        epoch BIGINT NOT NULL,
+        lease_until_us BIGINT NOT NULL
+    );
+    CREATE INDEX owners_node ON valem.owners (node_id);
     "#;
 
 /// The schema version this build writes.

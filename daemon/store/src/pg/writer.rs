@@ -2,13 +2,14 @@
 //! batch, one savepoint per op; the same ops and checks as the SQLite writer, in PostgreSQL's
 //! SQL. A lost connection fails the batch and is replaced at the next one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::thread::JoinHandle;
 
 use postgres::error::SqlState;
 use postgres::{Statement, Transaction};
 use serde_json::Value as Json;
 
+use super::owners::Held;
 use super::{pg_err, stmt, Conn, PgTarget};
 use crate::chain::{self, AuditKey, CheckpointHeader, Seq, GENESIS};
 use crate::writer::{spawn_backend, AuditAppend, Backend, Op};
@@ -22,12 +23,18 @@ pub(super) fn spawn(
     queue_capacity: usize,
     max_batch_ops: usize,
     key: Option<AuditKey>,
+    fence: Option<(String, Held)>,
 ) -> Result<(Writer, JoinHandle<()>), StoreError> {
     let mut backend = PgBackend {
         conn: Some(conn),
         target: target.clone(),
         durability,
         key,
+        fence: fence.map(|(node, held)| Fence {
+            node,
+            held,
+            checked: HashSet::new(),
+        }),
     };
     backend.configure().map_err(|e| pg_err(&target, e))?;
     spawn_backend(
@@ -48,6 +55,70 @@ struct PgBackend {
     target: PgTarget,
     durability: Durability,
     key: Option<AuditKey>,
+    /// A fleet's node: every op on a model checks this node still holds its epoch.
+    fence: Option<Fence>,
+}
+
+/// The fence of a fleet's node (see `owners.rs`).
+struct Fence {
+    node: String,
+    held: Held,
+    /// Models checked in the batch being written (their owner rows are locked until COMMIT).
+    checked: HashSet<String>,
+}
+
+impl Fence {
+    /// Fail the op unless this node holds `model_id` at the epoch it claimed; the owner row
+    /// stays share-locked until the batch commits, so no claim can pass it meanwhile.
+    fn check(
+        &mut self,
+        tx: &mut Transaction<'_>,
+        stmts: &mut Stmts,
+        model_id: &str,
+    ) -> Result<(), Failure> {
+        if self.checked.contains(model_id) {
+            return Ok(());
+        }
+        let held = self.held.lock().ok().and_then(|h| h.get(model_id).copied());
+        let st = stmt(
+            tx,
+            stmts,
+            "SELECT node_id, epoch FROM valem.owners WHERE model_id = $1 FOR SHARE",
+        )?;
+        let row = tx.query_opt(&st, &[&model_id])?;
+        let owner: Option<(String, i64)> = match row {
+            Some(r) => Some((r.try_get(0)?, r.try_get(1)?)),
+            None => None,
+        };
+        let fenced = |detail: String| {
+            Failure::Op(StoreError::Fenced {
+                model_id: model_id.to_string(),
+                detail,
+            })
+        };
+        match (owner, held) {
+            (Some((node, epoch)), Some(mine)) if node == self.node && epoch == mine => {
+                self.checked.insert(model_id.to_string());
+                Ok(())
+            }
+            (Some((node, epoch)), _) => {
+                Err(fenced(format!("node `{node}` holds it at epoch {epoch}")))
+            }
+            (None, _) => Err(fenced("no node holds it: claim it first".into())),
+        }
+    }
+}
+
+/// The model an op writes, if any.
+fn model_of(op: &Op) -> Option<&str> {
+    match op {
+        Op::PutModel { id, .. } | Op::DeleteModel { id } => Some(id),
+        Op::AppendAudit(a) => Some(&a.model_id),
+        Op::Checkpoint { model_id, .. }
+        | Op::PutSnapshot { model_id, .. }
+        | Op::DeleteSnapshot { model_id, .. } => Some(model_id),
+        Op::PutBlob(_) | Op::PutTask { .. } | Op::DeleteTask { .. } | Op::Atomic(_) => None,
+    }
 }
 
 /// How an op failed: alone (its savepoint is rolled back, the batch goes on) or the whole batch.
@@ -91,6 +162,23 @@ impl PgBackend {
     ) -> Result<(Vec<Result<(), StoreError>>, bool), (StoreError, bool)> {
         let key = self.key;
         let target = self.target.clone();
+        let mut fence = self.fence.take();
+        if let Some(f) = fence.as_mut() {
+            f.checked.clear();
+        }
+        let out = self.try_batch_fenced(ops, key, &target, fence.as_mut());
+        self.fence = fence;
+        out
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn try_batch_fenced(
+        &mut self,
+        ops: &[&Op],
+        key: Option<AuditKey>,
+        target: &PgTarget,
+        mut fence: Option<&mut Fence>,
+    ) -> Result<(Vec<Result<(), StoreError>>, bool), (StoreError, bool)> {
         let conn = self.conn().map_err(|e| (e, false))?;
         let Conn { client, stmts } = conn;
         let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
@@ -99,7 +187,11 @@ impl PgBackend {
             let mut tx = client.transaction()?;
             for op in ops {
                 tx.batch_execute("SAVEPOINT op")?;
-                match apply(&mut tx, stmts, op, key.as_ref()) {
+                let applied = match fence.as_deref_mut() {
+                    Some(f) => fenced_apply(&mut tx, stmts, op, key.as_ref(), f),
+                    None => apply(&mut tx, stmts, op, key.as_ref()),
+                };
+                match applied {
                     Ok(()) => {
                         tx.batch_execute("RELEASE SAVEPOINT op")?;
                         results.push(Ok(()));
@@ -122,7 +214,7 @@ impl PgBackend {
             Err(e) => {
                 // The transaction rolled back when it was dropped (or the connection is gone,
                 // and the server rolls it back).
-                let err = pg_err(&target, e);
+                let err = pg_err(target, e);
                 if self.conn.as_ref().is_some_and(|c| c.client.is_closed()) {
                     self.conn = None;
                 }
@@ -182,6 +274,28 @@ impl Backend for PgBackend {
             .map_err(|e| pg_err(&target, e))?;
         Ok(true)
     }
+}
+
+/// `apply`, after the fence passed for every model the op (or its parts) writes.
+fn fenced_apply(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    op: &Op,
+    key: Option<&AuditKey>,
+    fence: &mut Fence,
+) -> Result<(), Failure> {
+    fn each<'a>(op: &'a Op, out: &mut Vec<&'a str>) {
+        match op {
+            Op::Atomic(ops) => ops.iter().for_each(|o| each(o, out)),
+            other => out.extend(model_of(other)),
+        }
+    }
+    let mut models = Vec::new();
+    each(op, &mut models);
+    for m in models {
+        fence.check(tx, stmts, m)?;
+    }
+    apply(tx, stmts, op, key)
 }
 
 fn seq_param(s: u64) -> Result<i64, Failure> {

@@ -353,3 +353,115 @@ fn pg_blobs_are_checked_on_read() {
         .quick_check()
         .expect("the server answers with this schema");
 }
+
+fn node(id: &str, lease_ms: u64, renew: bool) -> StoreOptions {
+    StoreOptions {
+        node: Some(crate::pg::NodeConfig {
+            id: id.into(),
+            url: format!("http://{id}.test"),
+            lease: std::time::Duration::from_millis(lease_ms),
+            renew,
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn pg_one_owner_at_a_time_and_a_node_past_its_lease_is_fenced() {
+    let (_s, url) = server();
+    let a = PgStore::open(&url, node("a", 400, false)).expect("node a");
+    let b = PgStore::open(&url, node("b", 400, false)).expect("node b");
+    let own = a.claim("m").expect("a claims");
+    assert_eq!((own.node.as_str(), own.epoch), ("a", 1));
+    assert_eq!(
+        a.claim("m").expect("again").epoch,
+        1,
+        "a claim of its own keeps the epoch"
+    );
+    a.writer().apply(put_model("m")).expect("create");
+    let mut mine = Chain::new("m");
+    for i in 0..3 {
+        a.writer().apply(mine.op(i, i)).expect("a writes");
+    }
+    // While a's lease holds, b can neither claim nor write.
+    match b.claim("m") {
+        Err(StoreError::OwnedElsewhere { node, url, .. }) => {
+            assert_eq!((node.as_str(), url.as_str()), ("a", "http://a.test"));
+        }
+        other => panic!("b claimed a held model: {other:?}"),
+    }
+    let mut theirs = Chain::new("m");
+    let err = b
+        .writer()
+        .apply(theirs.op(9, 9))
+        .expect_err("b holds nothing");
+    assert!(matches!(err, StoreError::Fenced { .. }), "{err}");
+    assert!(a.renew().expect("renew").is_empty());
+
+    // a is paused past its lease: b claims with the next epoch and continues the chain.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let own = b.claim("m").expect("b claims after the lease ran out");
+    assert_eq!((own.node.as_str(), own.epoch), ("b", 2));
+    let stored = b.load_model("m").expect("load").expect("stored");
+    assert_eq!(stored.head_seq, Some(Seq::new(2)));
+    let mut theirs = Chain::new("m");
+    theirs.next = 3;
+    theirs.prev = stored.head_hash.clone();
+    b.writer()
+        .apply(theirs.op(10, 30))
+        .expect("b writes record 3");
+
+    // a wakes up and commits its own record 3: fenced, nothing written.
+    let err = a.writer().apply(mine.op(11, 3)).expect_err("a is fenced");
+    assert!(
+        matches!(&err, StoreError::Fenced { detail, .. } if detail.contains("node `b`")),
+        "{err}"
+    );
+    assert_eq!(
+        a.renew().expect("renew"),
+        vec!["m".to_string()],
+        "a learns it lost m"
+    );
+    let r = a.verify_chain("m").expect("verify");
+    assert_eq!((r.valid, r.records_checked), (true, 4), "{r:?}");
+    assert_eq!(
+        records(&a, "m")[3]["mutations"]["$.qty"],
+        json!(30),
+        "record 3 is b's"
+    );
+
+    // A release hands it over at once.
+    b.release("m").expect("release");
+    assert_eq!(a.claim("m").expect("a again").epoch, 3);
+    let owner = b.owner("m").expect("owner").expect("owned");
+    assert_eq!((owner.node.as_str(), owner.epoch), ("a", 3));
+    let nodes = b.nodes().expect("nodes");
+    assert_eq!(
+        nodes
+            .iter()
+            .map(|n| (n.id.as_str(), n.url.as_str(), n.models))
+            .collect::<Vec<_>>(),
+        vec![("a", "http://a.test", 1), ("b", "http://b.test", 0)]
+    );
+}
+
+#[test]
+fn pg_a_renewing_node_keeps_its_models_past_many_leases() {
+    let (_s, url) = server();
+    let a = PgStore::open(&url, node("a", 300, true)).expect("node a");
+    let b = PgStore::open(&url, node("b", 300, false)).expect("node b");
+    a.claim("m").expect("claim");
+    a.writer().apply(put_model("m")).expect("create");
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    assert!(matches!(
+        b.claim("m"),
+        Err(StoreError::OwnedElsewhere { .. })
+    ));
+    assert!(a.take_lost().is_empty());
+    let nodes = b.nodes().expect("nodes");
+    assert!(nodes.iter().any(|n| n.id == "a" && n.alive), "{nodes:?}");
+    // Stopped, its leases run out and another node takes over.
+    drop(a);
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert_eq!(b.claim("m").expect("b takes over").epoch, 2);
+}

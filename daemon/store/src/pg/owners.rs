@@ -1,0 +1,291 @@
+//! Ownership in a fleet: each model has at most one owner node at a time, recorded in
+//! `valem.owners` with an epoch and a lease. A node claims a model before it loads or creates
+//! it (an unowned model, one whose lease ran out, or one it owns already); it renews the leases
+//! of all its models together; and every commit that touches a model checks, in its own
+//! transaction, that this node still holds the epoch it claimed (the writer's fence, see
+//! `writer.rs`). A node paused or cut off past its lease may find its models claimed by
+//! another node with a higher epoch: its next commit on them fails with
+//! [`StoreError::Fenced`], so a chain is never written by two nodes. Lease times are the
+//! database's clock.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::PgStore;
+use crate::{StoreError, Timestamp};
+
+/// This node's identity in a fleet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// A name unique in the fleet (one process per name at a time).
+    pub id: String,
+    /// How the other nodes reach this one (`http://host:port`).
+    pub url: String,
+    /// How long a claim or renewal holds a model.
+    pub lease: Duration,
+    /// Renew this node's leases on a thread of the store's, every third of a lease (tests
+    /// renew by hand with [`PgStore::renew`]).
+    pub renew: bool,
+}
+
+/// Who owns a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ownership {
+    /// The model.
+    pub model_id: String,
+    /// The owner node's id.
+    pub node: String,
+    /// How to reach it (`None`: it has not registered, or left).
+    pub url: Option<String>,
+    /// The owner's epoch: one higher at every change of owner.
+    pub epoch: i64,
+    /// When its lease runs out (the database's clock).
+    pub lease_until: Timestamp,
+}
+
+/// A node of the fleet, as `valem.nodes` holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Its id.
+    pub id: String,
+    /// Its URL.
+    pub url: String,
+    /// Renewed within the last two leases.
+    pub alive: bool,
+    /// Models it owns with a lease not run out.
+    pub models: i64,
+}
+
+/// The epochs this node holds, shared with the writer's fence.
+pub(crate) type Held = Arc<Mutex<HashMap<String, i64>>>;
+
+/// What renewing needs, shared by the store and its lease thread.
+struct Leases {
+    node: NodeConfig,
+    held: Held,
+    lost: Arc<Mutex<Vec<String>>>,
+}
+
+impl Leases {
+    fn renew(&self, client: &mut postgres::Client) -> Result<Vec<String>, postgres::Error> {
+        let lease = lease_us(&self.node);
+        let renew = format!(
+            "UPDATE valem.owners SET lease_until_us = {NOW_US} + $2 WHERE node_id = $1
+             RETURNING model_id, epoch"
+        );
+        let seen = format!("UPDATE valem.nodes SET seen_us = {NOW_US} WHERE id = $1");
+        let mut tx = client.transaction()?;
+        let rows = tx.query(&renew, &[&self.node.id, &lease])?;
+        tx.execute(&seen, &[&self.node.id])?;
+        tx.commit()?;
+        let owned: HashMap<String, i64> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let mut lost = Vec::new();
+        if let Ok(mut held) = self.held.lock() {
+            held.retain(|m, e| {
+                let keep = owned.get(m) == Some(e);
+                if !keep {
+                    lost.push(m.clone());
+                }
+                keep
+            });
+        }
+        lost.sort();
+        if let Ok(mut l) = self.lost.lock() {
+            l.extend(lost.iter().cloned());
+        }
+        Ok(lost)
+    }
+}
+
+/// The database's clock in µs, in SQL.
+pub(crate) const NOW_US: &str = "(extract(epoch from clock_timestamp()) * 1000000)::bigint";
+
+fn lease_us(node: &NodeConfig) -> i64 {
+    i64::try_from(node.lease.as_micros()).unwrap_or(i64::MAX / 4)
+}
+
+impl PgStore {
+    fn node(&self) -> Result<&NodeConfig, StoreError> {
+        self.opts.node.as_ref().ok_or_else(|| StoreError::Postgres {
+            path: self.target.label(),
+            detail: "this store was opened without a node identity (--node-id)".into(),
+        })
+    }
+
+    /// Register (or refresh) this node in `valem.nodes`.
+    pub(crate) fn register_node(&self) -> Result<(), StoreError> {
+        let node = self.node()?.clone();
+        let sql = format!(
+            "INSERT INTO valem.nodes (id, url, started_us, seen_us) VALUES ($1, $2, {NOW_US}, {NOW_US})
+             ON CONFLICT (id) DO UPDATE SET url = excluded.url, started_us = excluded.started_us,
+                 seen_us = excluded.seen_us"
+        );
+        self.with_reader(|c| c.client.execute(&sql, &[&node.id, &node.url]))?;
+        Ok(())
+    }
+
+    /// Take model `model_id` for this node (unowned, its lease run out, or this node's
+    /// already): the ownership held now. Owned by another node whose lease holds:
+    /// [`StoreError::OwnedElsewhere`] naming it.
+    pub fn claim(&self, model_id: &str) -> Result<Ownership, StoreError> {
+        let node = self.node()?.clone();
+        let lease = lease_us(&node);
+        let sql = format!(
+            "INSERT INTO valem.owners AS o (model_id, node_id, epoch, lease_until_us)
+             VALUES ($1, $2, 1, {NOW_US} + $3)
+             ON CONFLICT (model_id) DO UPDATE SET
+                 node_id = excluded.node_id,
+                 epoch = CASE WHEN o.node_id = excluded.node_id THEN o.epoch ELSE o.epoch + 1 END,
+                 lease_until_us = excluded.lease_until_us
+             WHERE o.node_id = excluded.node_id OR o.lease_until_us < {NOW_US}
+             RETURNING epoch, lease_until_us"
+        );
+        let claimed =
+            self.with_reader(|c| c.client.query_opt(&sql, &[&model_id, &node.id, &lease]))?;
+        if let Some(row) = claimed {
+            let (epoch, until): (i64, i64) = (row.get(0), row.get(1));
+            if let Ok(mut held) = self.held.lock() {
+                held.insert(model_id.to_string(), epoch);
+            }
+            return Ok(Ownership {
+                model_id: model_id.to_string(),
+                node: node.id,
+                url: Some(node.url),
+                epoch,
+                lease_until: Timestamp::from_us(until),
+            });
+        }
+        match self.owner(model_id)? {
+            Some(o) => Err(StoreError::OwnedElsewhere {
+                model_id: model_id.to_string(),
+                url: o.url.clone().unwrap_or_default(),
+                node: o.node,
+                lease_until: o.lease_until,
+            }),
+            // Released between the two statements: try again.
+            None => self.claim(model_id),
+        }
+    }
+
+    /// Give model `model_id` up (evicted, deleted, or this node stops), so another node can
+    /// claim it at once. Nothing when this node does not hold it.
+    pub fn release(&self, model_id: &str) -> Result<(), StoreError> {
+        let node = self.node()?.clone();
+        let epoch = match self.held.lock() {
+            Ok(mut held) => held.remove(model_id),
+            Err(_) => None,
+        };
+        let Some(epoch) = epoch else {
+            return Ok(());
+        };
+        self.with_reader(|c| {
+            // The row stays, its lease run out: the next owner's epoch is still one higher.
+            c.client.execute(
+                "UPDATE valem.owners SET lease_until_us = 0
+                 WHERE model_id = $1 AND node_id = $2 AND epoch = $3",
+                &[&model_id, &node.id, &epoch],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Renew the leases of every model this node owns and its own row; the models it held and
+    /// lost meanwhile (another node claimed them after a lease ran out), which it must drop.
+    pub fn renew(&self) -> Result<Vec<String>, StoreError> {
+        let leases = self.leases()?;
+        self.with_reader(|c| leases.renew(&mut c.client))
+    }
+
+    fn leases(&self) -> Result<Leases, StoreError> {
+        Ok(Leases {
+            node: self.node()?.clone(),
+            held: self.held.clone(),
+            lost: self.lost.clone(),
+        })
+    }
+
+    /// Start the thread that renews this node's leases every third of a lease until `stop`
+    /// fires or is dropped.
+    pub(crate) fn spawn_renewal(
+        &self,
+        stop: std::sync::mpsc::Receiver<()>,
+    ) -> Result<std::thread::JoinHandle<()>, StoreError> {
+        let leases = self.leases()?;
+        let target = self.target.clone();
+        let every = (leases.node.lease / 3).max(Duration::from_millis(10));
+        std::thread::Builder::new()
+            .name("valem-store-leases".into())
+            .spawn(move || {
+                let mut client: Option<postgres::Client> = None;
+                loop {
+                    match stop.recv_timeout(every) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        _ => return,
+                    }
+                    if client.as_ref().is_none_or(postgres::Client::is_closed) {
+                        client = target.connect().ok();
+                    }
+                    if let Some(c) = client.as_mut() {
+                        // A failure (the database is away) is retried at the next tick; a
+                        // lease that runs out meanwhile is caught by the fence.
+                        if leases.renew(c).is_err() {
+                            client = None;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| StoreError::Postgres {
+                path: self.target.label(),
+                detail: format!("cannot start the lease thread: {e}"),
+            })
+    }
+
+    /// The models lost since the last call (found by the renewal thread).
+    pub fn take_lost(&self) -> Vec<String> {
+        self.lost
+            .lock()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default()
+    }
+
+    /// Who owned `model_id` last (`None`: nobody has claimed it); a released model or one
+    /// whose lease ran out shows its last owner with a lease in the past.
+    pub fn owner(&self, model_id: &str) -> Result<Option<Ownership>, StoreError> {
+        let row = self.with_reader(|c| {
+            c.client.query_opt(
+                "SELECT o.node_id, n.url, o.epoch, o.lease_until_us FROM valem.owners o
+                 LEFT JOIN valem.nodes n ON n.id = o.node_id WHERE o.model_id = $1",
+                &[&model_id],
+            )
+        })?;
+        Ok(row.map(|r| Ownership {
+            model_id: model_id.to_string(),
+            node: r.get(0),
+            url: r.get(1),
+            epoch: r.get(2),
+            lease_until: Timestamp::from_us(r.get(3)),
+        }))
+    }
+
+    /// The fleet's nodes, by id.
+    pub fn nodes(&self) -> Result<Vec<NodeInfo>, StoreError> {
+        let lease = self.opts.node.as_ref().map_or(5_000_000, lease_us);
+        let sql = format!(
+            "SELECT n.id, n.url, n.seen_us > {NOW_US} - 2 * $1::bigint,
+                 (SELECT count(*) FROM valem.owners o
+                  WHERE o.node_id = n.id AND o.lease_until_us > {NOW_US})
+             FROM valem.nodes n ORDER BY n.id"
+        );
+        let rows = self.with_reader(|c| c.client.query(&sql, &[&lease]))?;
+        Ok(rows
+            .iter()
+            .map(|r| NodeInfo {
+                id: r.get(0),
+                url: r.get(1),
+                alive: r.get(2),
+                models: r.get(3),
+            })
+            .collect())
+    }
+}
