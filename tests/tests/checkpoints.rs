@@ -436,7 +436,7 @@ fn a_keyed_store_refuses_to_start_without_its_key_or_with_a_bad_one() {
         None,
     );
     assert!(
-        !o.status.success() && stderr(&o).contains("needs --data-dir"),
+        !o.status.success() && stderr(&o).contains("needs a store (--data-dir or --store)"),
         "{}",
         stderr(&o)
     );

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use valem_tests::backing::Backing;
 use valem_tests::load::Conn;
 use valem_tests::{Daemon, Http};
 
@@ -22,11 +23,47 @@ fn small(id: &str) -> Value {
     })
 }
 
-fn start(dir: &std::path::Path, extra: &[&str]) -> Daemon {
-    let mut args = vec!["--data-dir", dir.to_str().expect("a UTF-8 path")];
-    args.extend_from_slice(extra);
-    Daemon::start(&args)
+fn start(b: &Backing, extra: &[&str]) -> Daemon {
+    b.start(extra)
 }
+
+/// `mod $name { sqlite, postgres }`: scenario `$f` on each store.
+macro_rules! on_both_stores {
+    ($name:ident, $f:ident) => {
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$f(&super::Backing::sqlite());
+            }
+            #[test]
+            fn postgres() {
+                super::$f(&super::Backing::postgres());
+            }
+        }
+    };
+}
+
+on_both_stores!(
+    five_thousand_models_with_five_hundred_resident_stay_readable_and_writable,
+    five_thousand
+);
+on_both_stores!(
+    a_model_evicted_between_two_writes_keeps_its_audit_chain,
+    evicted_between_writes
+);
+on_both_stores!(a_timer_on_a_hibernated_model_fires, timer_fires);
+on_both_stores!(
+    a_websocket_subscriber_of_an_evicted_model_keeps_getting_its_events,
+    websocket_subscriber
+);
+on_both_stores!(
+    kill_9_during_evictions_loses_no_acknowledged_write,
+    kill_9_evictions
+);
+on_both_stores!(
+    mcp_tools_wake_hibernated_models_over_http_and_stdio,
+    mcp_tools_wake
+);
 
 /// One REST request on a keep-alive connection: its status and JSON body.
 fn send(c: &mut Conn, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
@@ -47,17 +84,16 @@ fn metric(http: &Http, name: &str) -> f64 {
     valem_tests::metric(http, name).unwrap_or_else(|| panic!("no metric {name}"))
 }
 
-#[test]
-fn five_thousand_models_with_five_hundred_resident_stay_readable_and_writable() {
-    let dir = tempfile::tempdir().expect("a data directory");
+fn five_thousand(store: &Backing) {
+    let b = store;
     let args = ["--max-resident-models", "500", "--max-models", "10000"];
-    let d = start(dir.path(), &args);
+    let d = start(b, &args);
     let http = Http::new(&d);
     let mut c = Conn::open(&d.addr).expect("connect");
     let n = 5000;
     for i in 0..n {
-        let (s, b) = send(&mut c, "POST", "/models", Some(&small(&format!("m{i}"))));
-        assert_eq!(s, 201, "create m{i}: {b}");
+        let (s, r) = send(&mut c, "POST", "/models", Some(&small(&format!("m{i}"))));
+        assert_eq!(s, 201, "create m{i}: {r}");
     }
     assert!(metric(&http, "valem_models_resident") <= 500.0);
     assert!(metric(&http, "valem_models_hibernated") >= 4500.0);
@@ -65,8 +101,8 @@ fn five_thousand_models_with_five_hundred_resident_stay_readable_and_writable() 
     // Every model written once, in an order that wakes most of them.
     for i in (0..n).rev() {
         let m = json!({"$.price": i, "$.qty": 2, "$.n": i});
-        let (s, b) = send(&mut c, "POST", &format!("/models/m{i}/mutations"), Some(&m));
-        assert_eq!(s, 200, "write m{i}: {b}");
+        let (s, r) = send(&mut c, "POST", &format!("/models/m{i}/mutations"), Some(&m));
+        assert_eq!(s, 200, "write m{i}: {r}");
     }
     for i in 0..n {
         let (s, st) = send(&mut c, "GET", &format!("/models/m{i}/state"), None);
@@ -92,15 +128,15 @@ fn five_thousand_models_with_five_hundred_resident_stay_readable_and_writable() 
     let (s, _) = send(&mut c, "POST", "/models", Some(&small("m0")));
     assert_eq!(s, 409);
     // A hibernated model can be deleted.
-    let (s, b) = send(&mut c, "DELETE", "/models/m1", None);
-    assert_eq!(s, 200, "{b}");
+    let (s, r) = send(&mut c, "DELETE", "/models/m1", None);
+    assert_eq!(s, 200, "{r}");
     let (s, _) = send(&mut c, "GET", "/models/m1/state", None);
     assert_eq!(s, 404);
     drop(c);
     assert!(d.terminate().success());
 
     // A restart loads nothing up front and serves every model as before.
-    let d = start(dir.path(), &args);
+    let d = start(b, &args);
     let http = Http::new(&d);
     assert_eq!(metric(&http, "valem_models_resident"), 0.0);
     assert_eq!(metric(&http, "valem_models_hibernated"), (n - 1) as f64);
@@ -119,10 +155,8 @@ fn evict_by_touching(http: &Http, other: &str) {
     assert_eq!(r.status, 200, "{}", r.text());
 }
 
-#[test]
-fn a_model_evicted_between_two_writes_keeps_its_audit_chain() {
-    let dir = tempfile::tempdir().expect("a data directory");
-    let d = start(dir.path(), &["--shards", "1", "--max-resident-models", "1"]);
+fn evicted_between_writes(b: &Backing) {
+    let d = start(b, &["--shards", "1", "--max-resident-models", "1"]);
     let http = Http::new(&d);
     for id in ["a", "b"] {
         assert_eq!(http.post_json("/models", &small(id)).status, 201);
@@ -157,10 +191,8 @@ fn a_model_evicted_between_two_writes_keeps_its_audit_chain() {
     assert!(d.terminate().success());
 }
 
-#[test]
-fn a_timer_on_a_hibernated_model_fires() {
-    let dir = tempfile::tempdir().expect("a data directory");
-    let d = start(dir.path(), &["--shards", "1", "--max-resident-models", "1"]);
+fn timer_fires(b: &Backing) {
+    let d = start(b, &["--shards", "1", "--max-resident-models", "1"]);
     let http = Http::new(&d);
     let spec = json!({
         "id": "t", "version": "1.0.0",
@@ -208,10 +240,8 @@ fn a_timer_on_a_hibernated_model_fires() {
     assert!(d.terminate().success());
 }
 
-#[test]
-fn a_websocket_subscriber_of_an_evicted_model_keeps_getting_its_events() {
-    let dir = tempfile::tempdir().expect("a data directory");
-    let d = start(dir.path(), &["--shards", "1", "--max-resident-models", "1"]);
+fn websocket_subscriber(b: &Backing) {
+    let d = start(b, &["--shards", "1", "--max-resident-models", "1"]);
     let http = Http::new(&d);
     for id in ["a", "b"] {
         assert_eq!(http.post_json("/models", &small(id)).status, 201);
@@ -237,9 +267,7 @@ fn a_websocket_subscriber_of_an_evicted_model_keeps_getting_its_events() {
     assert!(d.terminate().success());
 }
 
-#[test]
-fn kill_9_during_evictions_loses_no_acknowledged_write() {
-    let dir = tempfile::tempdir().expect("a data directory");
+fn kill_9_evictions(b: &Backing) {
     let models = 40usize;
     let args = [
         "--shards",
@@ -252,7 +280,7 @@ fn kill_9_during_evictions_loses_no_acknowledged_write() {
     let mut acked = vec![0i64; models];
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     for round in 0..6 {
-        let d = start(dir.path(), &args);
+        let d = start(b, &args);
         let http = Http::new(&d);
         if round == 0 {
             for m in 0..models {
@@ -357,10 +385,8 @@ fn modern_call(http: &Http, id: u64, tool: &str, args: Value) -> Value {
     v["result"]["structuredContent"].clone()
 }
 
-#[test]
-fn mcp_tools_wake_hibernated_models_over_http_and_stdio() {
-    let dir = tempfile::tempdir().expect("a data directory");
-    let d = start(dir.path(), &["--shards", "1", "--max-resident-models", "1"]);
+fn mcp_tools_wake(b: &Backing) {
+    let d = start(b, &["--shards", "1", "--max-resident-models", "1"]);
     let http = Http::new(&d);
     for id in ["a", "b"] {
         assert_eq!(http.post_json("/models", &small(id)).status, 201);
@@ -383,16 +409,9 @@ fn mcp_tools_wake_hibernated_models_over_http_and_stdio() {
     assert!(d.terminate().success());
 
     // The embedded engine over stdio, on the same store, with the same bound.
-    let path = dir.path().to_str().expect("a UTF-8 path");
+    let store = b.args();
     let mut mcp = valem_tests::Mcp::start(
-        &[
-            "--data-dir",
-            path,
-            "--shards",
-            "1",
-            "--max-resident-models",
-            "1",
-        ],
+        &b.with(&store, &["--shards", "1", "--max-resident-models", "1"]),
         &[],
     );
     mcp.handshake("2025-11-25");
@@ -417,7 +436,7 @@ fn the_residency_bound_needs_a_data_directory() {
         assert_eq!(o.status.code(), Some(2), "valem {cmd}");
         let err = valem_tests::stderr(&o);
         assert!(
-            err.contains("--max-resident-models 10 needs --data-dir"),
+            err.contains("--max-resident-models 10 needs a store (--data-dir or --store)"),
             "valem {cmd}: {err}"
         );
     }
