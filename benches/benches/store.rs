@@ -1,6 +1,8 @@
 //! Durable audit appends through the store's group-commit writer, strict mode (fsync per batch):
 //! 1, 4 and 16 threads, each appending to its own model's chain and waiting for every ack before
-//! the next append (as a shard does for one mutation at a time). A record is the shape the service
+//! the next append (as a shard does for one mutation at a time), on the SQLite store and, in the
+//! same run, on the PostgreSQL store over a local server started for the bench (Debian's
+//! PostgreSQL with its defaults: `fsync` on, `synchronous_commit` on; loopback TCP). A record is the shape the service
 //! writes (one mutation, one derived update, one trace), hashed and validated on the submitting
 //! thread. Target (issue 6): ≥ 10,000 durable appends/s with 16 writers.
 //!
@@ -19,7 +21,8 @@ use criterion::{
 };
 use serde_json::json;
 use valem_benches::AuditChain as Chain;
-use valem_store::{Op, Seq, SqliteStore, StoreOptions, Timestamp, Writer};
+use valem_store::pg::testing::TestServer;
+use valem_store::{Op, PgStore, Seq, SqliteStore, Store, StoreOptions, Timestamp, Writer};
 
 use valem_benches::T0;
 
@@ -46,6 +49,19 @@ fn run(w: &Writer, chains: &mut [Chain], per_thread: u64) -> Duration {
 fn setup(threads: usize) -> (tempfile::TempDir, SqliteStore, Vec<Chain>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SqliteStore::open(dir.path(), StoreOptions::default()).expect("store opens");
+    let chains = models(&store, threads);
+    (dir, store, chains)
+}
+
+/// A database on `server` (fresh for each call) and its store, with `threads` models.
+fn setup_pg(server: &TestServer, db: &str, threads: usize) -> (PgStore, Vec<Chain>) {
+    let url = server.create_db(db).expect("a database");
+    let store = PgStore::open(&url, StoreOptions::default()).expect("store opens");
+    let chains = models(&store, threads);
+    (store, chains)
+}
+
+fn models(store: &dyn Store, threads: usize) -> Vec<Chain> {
     let chains = (0..threads)
         .map(|i| {
             let model = format!("m{i}");
@@ -61,7 +77,7 @@ fn setup(threads: usize) -> (tempfile::TempDir, SqliteStore, Vec<Chain>) {
             Chain::new(&model)
         })
         .collect();
-    (dir, store, chains)
+    chains
 }
 
 fn appends(c: &mut Criterion) {
@@ -72,41 +88,61 @@ fn appends(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(4))
         .throughput(Throughput::Elements(1));
+    let server = TestServer::start().expect("a PostgreSQL server for the bench");
     for threads in [1usize, 4, 16] {
-        let (_dir, store, mut chains) = setup(threads);
-        let w = store.writer();
-
-        // Fixed run: numbers for the note.
-        let before = store.stats();
-        let start = Instant::now();
-        let mut done = 0u64;
-        while start.elapsed() < Duration::from_secs(2) {
-            run(&w, &mut chains, 50);
-            done += 50 * threads as u64;
+        let (_dir, sqlite, chains) = setup(threads);
+        let (pg, pg_chains) = setup_pg(&server, &format!("bench{threads}"), threads);
+        let stores: [(&str, Box<dyn Store>, Vec<Chain>); 2] = [
+            ("sqlite", Box::new(sqlite), chains),
+            ("postgres", Box::new(pg), pg_chains),
+        ];
+        for (name, store, mut chains) in stores {
+            append_runs(&mut g, name, &*store, &mut chains, threads);
         }
-        let secs = start.elapsed().as_secs_f64();
-        let after = store.stats();
-        let batches = after.batches_committed - before.batches_committed;
-        println!(
-            "store strict, {threads:>2} threads: {:>8.0} durable appends/s, {:>6.0} fsyncs/s, {:>5.1} ops/batch ({done} appends in {secs:.2} s)",
-            done as f64 / secs,
-            (after.fsyncs - before.fsyncs) as f64 / secs,
-            (after.ops_committed - before.ops_committed) as f64 / batches.max(1) as f64,
-        );
-
-        g.bench_function(BenchmarkId::new("threads", threads), |b| {
-            b.iter_custom(|iters| {
-                let per_thread = iters.div_ceil(threads as u64);
-                let t = run(&w, &mut chains, per_thread);
-                // Report per append: scale to the appends actually made.
-                t.mul_f64(iters as f64 / (per_thread * threads as u64) as f64)
-            })
-        });
-        let report = store.verify_chain("m0").expect("verify");
-        assert!(report.valid, "{report:?}");
-        store.close().expect("close");
     }
     g.finish();
+}
+
+/// The fixed 2 s run (numbers for the note) and the criterion group of one store.
+fn append_runs(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    store: &dyn Store,
+    chains: &mut [Chain],
+    threads: usize,
+) {
+    let w = store.writer();
+    let before = store.stats();
+    let start = Instant::now();
+    let mut done = 0u64;
+    let mut latencies = Vec::new();
+    while start.elapsed() < Duration::from_secs(2) {
+        let t = Instant::now();
+        run(&w, chains, 50);
+        latencies.push(t.elapsed() / 50);
+        done += 50 * threads as u64;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let after = store.stats();
+    let batches = after.batches_committed - before.batches_committed;
+    latencies.sort();
+    println!(
+        "store {name:>8} strict, {threads:>2} threads: {:>8.0} durable appends/s, {:>6.0} syncs/s, {:>5.1} ops/batch, ~{:.0} µs per append ({done} appends in {secs:.2} s)",
+        done as f64 / secs,
+        (after.fsyncs - before.fsyncs) as f64 / secs,
+        (after.ops_committed - before.ops_committed) as f64 / batches.max(1) as f64,
+        latencies[latencies.len() / 2].as_secs_f64() * 1e6,
+    );
+    g.bench_function(BenchmarkId::new(format!("{name}/threads"), threads), |b| {
+        b.iter_custom(|iters| {
+            let per_thread = iters.div_ceil(threads as u64);
+            let t = run(&w, chains, per_thread);
+            // Report per append: scale to the appends actually made.
+            t.mul_f64(iters as f64 / (per_thread * threads as u64) as f64)
+        })
+    });
+    let report = store.verify_chain("m0").expect("verify");
+    assert!(report.valid, "{report:?}");
 }
 
 fn reads(c: &mut Criterion) {

@@ -493,6 +493,49 @@ pub(super) fn chain_breakers_fail_alone(store: &dyn Store) {
 }
 
 #[test]
+fn an_atomic_op_that_fails_half_way_leaves_nothing_and_its_batch_commits() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    atomic_fails_whole(&open(tmp.path()));
+}
+
+/// An `Atomic` op whose second part fails leaves nothing of its first; the ops around it in
+/// the same batch commit.
+pub(super) fn atomic_fails_whole(store: &dyn Store) {
+    let w = store.writer();
+    w.apply(put_model("m")).expect("put");
+    let mut chain = Chain::new("m");
+    w.apply(chain.op(1, 1)).expect("append");
+    let release = hold_writer(&w);
+    let half = Op::Atomic(vec![
+        Op::PutSnapshot {
+            model_id: "m".into(),
+            snapshot_id: "s".into(),
+            at: Timestamp::from_us(2),
+            snapshot: json!({"x": 1}),
+        },
+        Op::Checkpoint {
+            model_id: "m".into(),
+            sequence: Some(Seq::new(99)),
+            at: Timestamp::from_us(2),
+            state: json!({}),
+            kind: CheckpointKind::Base,
+        },
+    ]);
+    let rx = submit_all(&w, vec![chain.op(3, 3), half, chain.op(4, 4)]);
+    release.send(()).expect("release");
+    store.flush().expect("flush");
+    let results: Vec<_> = rx.iter().take(3).collect();
+    assert!(results[0].1.is_ok() && results[2].1.is_ok(), "{results:?}");
+    assert!(
+        matches!(results[1].1, Err(StoreError::CheckpointAhead { .. })),
+        "{results:?}"
+    );
+    assert!(store.snapshots("m").expect("snapshots").is_empty());
+    assert_eq!(records(store, "m").len(), 3);
+    assert!(store.verify_chain("m").expect("verify").valid);
+}
+
+#[test]
 fn acks_follow_the_commit_in_submission_order_and_batches_are_bounded() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let db = tmp.path().join(DB_FILE);

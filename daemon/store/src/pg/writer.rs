@@ -121,35 +121,57 @@ fn model_of(op: &Op) -> Option<&str> {
     }
 }
 
-/// How an op failed: alone (its savepoint is rolled back, the batch goes on) or the whole batch.
+/// How an op failed: on its own checks, before it wrote anything (`Op`), or in the database
+/// (`Db`: a constraint, which fails that op alone when it runs in a savepoint, or anything
+/// else, which fails the batch).
 enum Failure {
     Op(StoreError),
-    Batch(postgres::Error),
+    Db(postgres::Error),
 }
 
 impl From<postgres::Error> for Failure {
     fn from(e: postgres::Error) -> Failure {
-        let constraint = [
-            SqlState::UNIQUE_VIOLATION,
-            SqlState::FOREIGN_KEY_VIOLATION,
-            SqlState::CHECK_VIOLATION,
-            SqlState::NOT_NULL_VIOLATION,
-        ];
-        match e.code() {
-            Some(c) if constraint.contains(c) => Failure::Op(StoreError::Constraint {
-                detail: e
-                    .as_db_error()
-                    .map_or_else(|| e.to_string(), |d| d.message().to_string()),
-            }),
-            // A value PostgreSQL's text cannot hold (a NUL character): this op's input.
-            Some(c) if *c == SqlState::CHARACTER_NOT_IN_REPERTOIRE => {
-                Failure::Op(StoreError::InvalidRecord {
-                    detail: e.to_string(),
-                })
-            }
-            _ => Failure::Batch(e),
-        }
+        Failure::Db(e)
     }
+}
+
+/// The error of the op alone when the database refused it for its own content (a constraint,
+/// a character PostgreSQL's text cannot hold); `None`: the batch fails.
+fn op_error(e: &postgres::Error) -> Option<StoreError> {
+    let constraint = [
+        SqlState::UNIQUE_VIOLATION,
+        SqlState::FOREIGN_KEY_VIOLATION,
+        SqlState::CHECK_VIOLATION,
+        SqlState::NOT_NULL_VIOLATION,
+    ];
+    let detail = || {
+        e.as_db_error()
+            .map_or_else(|| e.to_string(), |d| d.message().to_string())
+    };
+    match e.code() {
+        Some(c) if constraint.contains(c) => Some(StoreError::Constraint { detail: detail() }),
+        Some(c) if *c == SqlState::CHARACTER_NOT_IN_REPERTOIRE => {
+            Some(StoreError::InvalidRecord { detail: detail() })
+        }
+        _ => None,
+    }
+}
+
+/// Whether `op` fails its own checks before it writes anything, so that a batch without
+/// savepoints can go on past its failure.
+fn checks_before_writing(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::AppendAudit(_) | Op::Checkpoint { .. } | Op::PutSnapshot { .. }
+    )
+}
+
+/// Why a batch stopped before COMMIT.
+enum Abort {
+    /// The database failed it: the batch fails.
+    Db(postgres::Error),
+    /// An op failed in a way only a savepoint undoes: run the batch again with savepoints.
+    NeedsSavepoints,
 }
 
 impl PgBackend {
@@ -166,11 +188,25 @@ impl PgBackend {
         if let Some(f) = fence.as_mut() {
             f.checked.clear();
         }
-        let out = self.try_batch_fenced(ops, key, &target, fence.as_mut());
+        let mut out = self.try_batch_fenced(ops, key, &target, fence.as_mut(), false);
+        if matches!(out, Err(None)) {
+            if let Some(f) = fence.as_mut() {
+                f.checked.clear();
+            }
+            out = self.try_batch_fenced(ops, key, &target, fence.as_mut(), true);
+        }
         self.fence = fence;
-        out
+        match out {
+            Ok(done) => Ok(done),
+            Err(Some(failed)) => Err(failed),
+            // The batch with savepoints never asks for them again.
+            Err(None) => Err((StoreError::WriterStopped, false)),
+        }
     }
 
+    /// The batch in one transaction: without savepoints first (most ops check before they
+    /// write, and the batch saves two round trips per op), with one per op when an op fails in
+    /// a way only a savepoint undoes (`Err(None)`: run it again with `savepoints`).
     #[allow(clippy::type_complexity)]
     fn try_batch_fenced(
         &mut self,
@@ -178,47 +214,66 @@ impl PgBackend {
         key: Option<AuditKey>,
         target: &PgTarget,
         mut fence: Option<&mut Fence>,
-    ) -> Result<(Vec<Result<(), StoreError>>, bool), (StoreError, bool)> {
-        let conn = self.conn().map_err(|e| (e, false))?;
+        savepoints: bool,
+    ) -> Result<(Vec<Result<(), StoreError>>, bool), Option<(StoreError, bool)>> {
+        let conn = self.conn().map_err(|e| Some((e, false)))?;
         let Conn { client, stmts } = conn;
         let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(ops.len());
         let mut committing = false;
-        let outcome = (|| -> Result<(), postgres::Error> {
-            let mut tx = client.transaction()?;
+        let outcome = (|| -> Result<(), Abort> {
+            let mut tx = client.transaction().map_err(Abort::Db)?;
             for op in ops {
-                tx.batch_execute("SAVEPOINT op")?;
+                if savepoints {
+                    tx.batch_execute("SAVEPOINT op").map_err(Abort::Db)?;
+                }
                 let applied = match fence.as_deref_mut() {
                     Some(f) => fenced_apply(&mut tx, stmts, op, key.as_ref(), f),
                     None => apply(&mut tx, stmts, op, key.as_ref()),
                 };
-                match applied {
+                let failed = match applied {
                     Ok(()) => {
-                        tx.batch_execute("RELEASE SAVEPOINT op")?;
+                        if savepoints {
+                            tx.batch_execute("RELEASE SAVEPOINT op")
+                                .map_err(Abort::Db)?;
+                        }
                         results.push(Ok(()));
+                        continue;
                     }
-                    Err(Failure::Op(e)) => {
-                        tx.batch_execute("ROLLBACK TO SAVEPOINT op; RELEASE SAVEPOINT op")?;
+                    // Refused by its own checks, or the fence, before it wrote anything.
+                    Err(Failure::Op(e)) if !savepoints && checks_before_writing(op) => {
                         results.push(Err(e));
+                        continue;
                     }
-                    Err(Failure::Batch(e)) => return Err(e),
+                    Err(Failure::Op(e)) => e,
+                    Err(Failure::Db(e)) => match op_error(&e) {
+                        Some(own) => own,
+                        None => return Err(Abort::Db(e)),
+                    },
+                };
+                if !savepoints {
+                    return Err(Abort::NeedsSavepoints);
                 }
+                tx.batch_execute("ROLLBACK TO SAVEPOINT op; RELEASE SAVEPOINT op")
+                    .map_err(Abort::Db)?;
+                results.push(Err(failed));
             }
             committing = true;
-            tx.commit()
+            tx.commit().map_err(Abort::Db)
         })();
         match outcome {
             Ok(()) => {
                 let wrote = results.iter().any(Result::is_ok);
                 Ok((results, self.durability == Durability::Strict && wrote))
             }
-            Err(e) => {
+            Err(Abort::NeedsSavepoints) => Err(None),
+            Err(Abort::Db(e)) => {
                 // The transaction rolled back when it was dropped (or the connection is gone,
                 // and the server rolls it back).
                 let err = pg_err(target, e);
                 if self.conn.as_ref().is_some_and(|c| c.client.is_closed()) {
                     self.conn = None;
                 }
-                Err((err, committing))
+                Err(Some((err, committing)))
             }
         }
     }
@@ -500,17 +555,49 @@ fn apply(
 }
 
 /// Append one audit record: in sequence, chained to the stored head, its paths indexed, the
-/// head moved in the same transaction.
+/// head moved in the same transaction. One statement when the record follows the head (the
+/// usual case); when it does not, nothing is written and the head is read to say why.
 fn append_audit(
     tx: &mut Transaction<'_>,
     stmts: &mut Stmts,
     a: &AuditAppend,
 ) -> Result<(), Failure> {
-    let head = head(tx, stmts, &a.model_id)?;
-    let (expected, prev) = match &head {
-        Some((s, h)) => (s + 1, h.as_str()),
-        None => (0, GENESIS),
-    };
+    let seq = seq_param(a.sequence)?;
+    let st = stmt(
+        tx,
+        stmts,
+        "WITH h AS (
+             UPDATE valem.models SET head_seq = $2::bigint, head_hash = $6
+             WHERE id = $1 AND coalesce(head_seq, -1) = $2::bigint - 1 AND head_hash = $5
+             RETURNING id
+         ), a AS (
+             INSERT INTO valem.audit (model_id, sequence, at_us, record, prev_hash, hash)
+             SELECT $1, $2::bigint, $3::bigint, $4, $5, $6 FROM h
+         ), p AS (
+             INSERT INTO valem.audit_paths (model_id, path, sequence)
+             SELECT $1, x, $2::bigint FROM h, unnest($7::text[]) AS x
+             ON CONFLICT DO NOTHING
+         )
+         SELECT count(*) FROM h",
+    )?;
+    let moved: i64 = tx
+        .query_one(
+            &st,
+            &[
+                &a.model_id,
+                &seq,
+                &a.at_us,
+                &a.text,
+                &a.prev_hash,
+                &a.hash,
+                &a.paths,
+            ],
+        )?
+        .try_get(0)?;
+    if moved == 1 {
+        return Ok(());
+    }
+    let expected = head(tx, stmts, &a.model_id)?.map_or(0, |(s, _)| s + 1);
     if a.sequence != expected {
         return Err(Failure::Op(StoreError::OutOfSequence {
             model_id: a.model_id.clone(),
@@ -518,38 +605,10 @@ fn append_audit(
             got: a.sequence,
         }));
     }
-    if a.prev_hash != prev {
-        return Err(Failure::Op(StoreError::ChainMismatch {
-            model_id: a.model_id.clone(),
-            sequence: a.sequence,
-        }));
-    }
-    let seq = seq_param(a.sequence)?;
-    exec(
-        tx,
-        stmts,
-        "INSERT INTO valem.audit (model_id, sequence, at_us, record, prev_hash, hash)
-         VALUES ($1, $2, $3, $4, $5, $6)",
-        &[&a.model_id, &seq, &a.at_us, &a.text, &a.prev_hash, &a.hash],
-    )?;
-    if !a.paths.is_empty() {
-        // One statement for all the paths (they are distinct: sorted and deduplicated).
-        exec(
-            tx,
-            stmts,
-            "INSERT INTO valem.audit_paths (model_id, path, sequence)
-             SELECT $1, p, $3 FROM unnest($2::text[]) AS p
-             ON CONFLICT DO NOTHING",
-            &[&a.model_id, &a.paths, &seq],
-        )?;
-    }
-    exec(
-        tx,
-        stmts,
-        "UPDATE valem.models SET head_seq = $2, head_hash = $3 WHERE id = $1",
-        &[&a.model_id, &seq, &a.hash],
-    )?;
-    Ok(())
+    Err(Failure::Op(StoreError::ChainMismatch {
+        model_id: a.model_id.clone(),
+        sequence: a.sequence,
+    }))
 }
 
 /// Store a checkpoint of `model_id` after record `sequence` (`None`: before the first),

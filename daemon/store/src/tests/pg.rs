@@ -41,6 +41,12 @@ fn pg_ops_that_break_the_chain_fail_alone() {
 }
 
 #[test]
+fn pg_an_atomic_op_that_fails_half_way_leaves_nothing() {
+    let (_s, url) = server();
+    atomic_fails_whole(&*pg_open(&url)(StoreOptions::default()));
+}
+
+#[test]
 fn pg_acks_follow_the_commit_in_order_and_batches_are_bounded() {
     let (s, url) = server();
     let probe = s.url(DB);
