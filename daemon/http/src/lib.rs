@@ -14,6 +14,7 @@
 // `Result<_, Response>` is axum's idiom for early exits; the error is built once per request.
 #![allow(clippy::result_large_err)]
 
+mod cluster;
 pub mod guard;
 pub mod mcp;
 mod mcp_modern;
@@ -200,6 +201,8 @@ pub fn router(state: AppState) -> Router {
         .merge(sandbox::routes())
         .route("/metrics", get(metrics::serve))
         .route("/plugins", get(plugins))
+        .route("/cluster", get(cluster::cluster))
+        .route("/cluster/owner/{id}", get(cluster::owner))
         .fallback(not_found)
         .with_state(state.clone());
     Router::new()

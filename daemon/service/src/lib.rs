@@ -575,6 +575,12 @@ impl ModelService {
 
     /// Model ids, alphabetical.
     pub fn list(&self) -> Result<Vec<String>, ServiceError> {
+        // A fleet's models are every node's: the store lists them.
+        if let Some(store) = self.store.as_ref().filter(|s| s.is_fleet()) {
+            return store
+                .model_ids(None)
+                .map_err(|e| ServiceError::Storage(e.to_string()));
+        }
         let mut all = Vec::new();
         for i in 0..self.shards.len() {
             all.extend(self.on_shard(i, |s| s.ids())?);
@@ -587,7 +593,12 @@ impl ModelService {
         let owned = id.clone();
         self.on_model_reply(id, true, move |s, r| s.delete(&owned, r))
             .wait()??;
-        self.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        // A fleet's node may delete a model it never counted.
+        let _ = self.count.fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |n| n.checked_sub(1),
+        );
         if let Some(sink) = self.audit_sink.get() {
             sink.delete(id);
         }

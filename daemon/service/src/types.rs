@@ -195,6 +195,13 @@ pub enum ServiceError {
     /// reloaded from what the store holds before its next operation.
     #[error("storage: {0}")]
     Storage(String),
+    /// The model belongs to another node of the fleet (its lease holds): ask that node.
+    #[error("model `{id}` is owned by node `{node}`; send the request to {url}")]
+    Elsewhere {
+        id: String,
+        node: String,
+        url: String,
+    },
     /// The model's shard has this many requests queued already: the daemon is overloaded.
     #[error(
         "the daemon is overloaded ({0} requests are queued for this model's shard); retry shortly"

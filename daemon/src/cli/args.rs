@@ -189,6 +189,34 @@ pub struct StoreArgs {
     /// or a local proxy.
     #[arg(long, env = "VALEM_STORE", value_name = "URL")]
     pub store: Option<String>,
+    /// With --store: this node's id in a fleet of daemons sharing the database (unique in the
+    /// fleet, the same across restarts of this node). Each model then has one owner node at
+    /// a time, with a lease this node renews; a model is claimed by the first node a request
+    /// for it reaches once its owner's lease ran out, and every commit checks the claim
+    /// (an owner paused past its lease commits nothing more). A request for a model another
+    /// live node owns answers 421 with that node's URL (`owner`, `ownerUrl`). Nothing is loaded
+    /// at start: each model wakes at its first request here. See GET /cluster.
+    #[arg(
+        long,
+        env = "VALEM_NODE_ID",
+        value_name = "ID",
+        requires = "store",
+        requires = "advertise"
+    )]
+    pub node_id: Option<String>,
+    /// With --node-id: the URL the other nodes and clients reach this node at
+    /// (`http://host:port`).
+    #[arg(
+        long,
+        env = "VALEM_ADVERTISE",
+        value_name = "URL",
+        requires = "node_id"
+    )]
+    pub advertise: Option<String>,
+    /// With --node-id: how long a claim holds a model without renewal, in milliseconds; this
+    /// node renews every third of it. A dead node's models move after at most this long.
+    #[arg(long, env = "VALEM_LEASE_MS", default_value_t = 5000, value_name = "MS", value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
+    pub lease_ms: u64,
     /// With --store: how long to keep trying at start while the database cannot be reached
     /// (down, restarting), in seconds; then the daemon gives up with the last error.
     #[arg(

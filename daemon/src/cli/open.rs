@@ -25,6 +25,10 @@ pub(super) fn open_service(
     limits.max_resident_models = args
         .max_resident_models
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+    // A fleet's node loads nothing at start: each model wakes (claimed) at its first request.
+    if args.node_id.is_some() && limits.max_resident_models.is_none() {
+        limits.max_resident_models = Some(limits.max_models);
+    }
     let Some(label) = store_label(args) else {
         if let Some(n) = args.max_resident_models {
             eprintln!(
@@ -56,8 +60,41 @@ pub(super) fn open_service(
         },
         max_db_bytes: args.max_db_bytes,
         audit_key,
+        node: args.node_id.clone().map(|id| valem_store::pg::NodeConfig {
+            id,
+            url: args.advertise.clone().unwrap_or_default(),
+            lease: std::time::Duration::from_millis(args.lease_ms),
+            renew: true,
+        }),
         ..Default::default()
     };
+    if let Some(id) = &args.node_id {
+        if args.store.is_none() {
+            eprintln!(
+                "valem {cmd}: --node-id needs --store postgres://…: a fleet's nodes share one PostgreSQL database"
+            );
+            return Err(2);
+        }
+        let ok = !id.is_empty()
+            && id.len() <= 128
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !ok {
+            eprintln!(
+                "valem {cmd}: --node-id must be 1 to 128 characters of letters, digits, `-`, `_` and `.` (got `{id}`)"
+            );
+            return Err(2);
+        }
+    }
+    if let Some(url) = &args.advertise {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            eprintln!(
+                "valem {cmd}: --advertise must be the http:// or https:// URL other nodes and clients reach this node at (got `{url}`)"
+            );
+            return Err(2);
+        }
+    }
     let started = std::time::Instant::now();
     let store: std::sync::Arc<dyn valem_store::Store> = match (&args.data_dir, &args.store) {
         (Some(dir), _) => {

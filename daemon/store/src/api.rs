@@ -87,6 +87,15 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn claim(&self, _model_id: &str) -> Result<Option<Ownership>, StoreError> {
         Ok(None)
     }
+    /// Whether this node still holds `model_id` (a single-writer store holds every model);
+    /// a node that lost it must drop it from memory and claim it again.
+    fn holds(&self, _model_id: &str) -> bool {
+        true
+    }
+    /// Whether this store is shared by a fleet (models are claimed before use).
+    fn is_fleet(&self) -> bool {
+        false
+    }
     /// Give `model_id` up (evicted, deleted) so another node can claim it at once.
     fn release(&self, _model_id: &str) -> Result<(), StoreError> {
         Ok(())

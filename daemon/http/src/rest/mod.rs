@@ -221,6 +221,16 @@ pub fn service_error(e: &ServiceError) -> ApiError {
             "storage",
             "Storage failure",
         ),
+        ServiceError::Elsewhere { node, url, .. } => {
+            let mut r = plain(
+                StatusCode::MISDIRECTED_REQUEST,
+                "elsewhere",
+                "Owned by another node",
+            );
+            r.body["owner"] = json!(node);
+            r.body["ownerUrl"] = json!(url);
+            r
+        }
         ServiceError::Unrecovered { .. } => plain(
             StatusCode::SERVICE_UNAVAILABLE,
             "unrecovered",

@@ -193,6 +193,7 @@ impl Shard {
 
     /// Model `id`, woken from the store when it is hibernated.
     pub(crate) fn entry(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
+        self.drop_if_lost(id);
         self.clock += 1;
         let clock = self.clock;
         let stale = match self.models.get_mut(id) {
@@ -233,8 +234,20 @@ impl Shard {
         (text, hash): (String, [u8; 32]),
         reply: Reply<ModelInfo>,
     ) {
+        self.drop_if_lost(&id);
         if self.models.contains_key(&id) || self.hibernated.contains(&id) {
             return reply.send(Err(ServiceError::Duplicate(id)));
+        }
+        // In a fleet: this node's before it exists, and not created by another node before.
+        if let Some(store) = self.store.clone().filter(|s| s.is_fleet()) {
+            if let Err(e) = residency::claim(&*store, &id) {
+                return reply.send(Err(e));
+            }
+            match store.load_model(&id) {
+                Ok(None) => {}
+                Ok(Some(_)) => return reply.send(Err(ServiceError::Duplicate(id))),
+                Err(e) => return reply.send(Err(ServiceError::Storage(e.to_string()))),
+            }
         }
         if let Some(why) = self.unrecovered.get(&id) {
             return reply.send(Err(ServiceError::Unrecovered {
@@ -339,6 +352,13 @@ impl Shard {
     }
 
     pub(crate) fn delete(&mut self, id: &str, reply: Reply<()>) {
+        self.drop_if_lost(id);
+        // In a fleet, a stored model this node has not loaded is claimed (and woken) first.
+        if !self.models.contains_key(id) && self.store.as_ref().is_some_and(|s| s.is_fleet()) {
+            if let Err(e) = self.wake(id) {
+                return reply.send(Err(e));
+            }
+        }
         let unrecovered = self.unrecovered.remove(id).is_some();
         if unrecovered {
             self.checkpoint_metrics.unrecovered(false);

@@ -17,20 +17,36 @@ impl Shard {
     }
 
     /// Load model `id` from the store when it is hibernated (a model that is not is left to
-    /// the caller's lookup, which answers for it).
+    /// the caller's lookup, which answers for it). In a fleet, any stored model wakes here,
+    /// once this node has claimed it: owned by another node, the answer is
+    /// [`ServiceError::Elsewhere`].
     pub(super) fn wake(&mut self, id: &str) -> Result<(), ServiceError> {
         // Only a shard with a store hibernates models.
-        let (true, Some(store)) = (self.hibernated.contains(id), self.store.clone()) else {
+        let Some(store) = self.store.clone() else {
             return Ok(());
         };
+        let fleet = store.is_fleet();
+        if !fleet && !self.hibernated.contains(id) {
+            return Ok(());
+        }
         let started = std::time::Instant::now();
-        let stored = store
-            .load_model(id)
-            .map_err(|e| ServiceError::Storage(e.to_string()))?;
-        self.hibernated.remove(id);
-        self.residency.hibernated(false);
+        let storage = |e: valem_store::StoreError| ServiceError::Storage(e.to_string());
+        if fleet {
+            // Claimed only when stored: a request for an unknown id leaves no owner row.
+            if store.load_model(id).map_err(storage)?.is_none() {
+                if self.hibernated.remove(id) {
+                    self.residency.hibernated(false);
+                }
+                return Err(ServiceError::NotFound(id.to_string()));
+            }
+            claim(&*store, id)?;
+        }
+        let stored = store.load_model(id).map_err(storage)?;
+        if self.hibernated.remove(id) {
+            self.residency.hibernated(false);
+        }
         let Some(stored) = stored else {
-            // Deleted behind our back (another process cannot write the store): forget it.
+            // Deleted behind our back (in a fleet, by another node): forget it.
             return Err(ServiceError::NotFound(id.to_string()));
         };
         match self.recover(stored) {
@@ -43,6 +59,18 @@ impl Shard {
                 tracing::error!(model = %id, error = %e, "a hibernated model could not be woken: it is not served, its stored data stays as it is");
                 Err(e)
             }
+        }
+    }
+
+    /// Drop model `id` from memory when this node no longer holds it (another node of the
+    /// fleet claimed it after this one's lease ran out): its state here may be behind.
+    pub(super) fn drop_if_lost(&mut self, id: &str) {
+        let lost = self
+            .store
+            .as_ref()
+            .is_some_and(|s| s.is_fleet() && !s.holds(id));
+        if lost && self.unload(id).is_some() {
+            tracing::warn!(model = %id, "this node lost the model to another node (its lease ran out): dropped from memory");
         }
     }
 
@@ -76,11 +104,42 @@ impl Shard {
     /// Write a checkpoint at model `id`'s head (when it has records past the last one) and drop
     /// it from memory; its next request wakes it.
     fn evict(&mut self, id: &str) {
-        self.checkpoint(id);
+        let held = self.store.as_ref().is_none_or(|s| s.holds(id));
+        if held {
+            self.checkpoint(id);
+        }
         if self.unload(id).is_some() {
             self.hibernated.insert(id.to_string());
             self.residency.hibernated(true);
             self.residency.evicted.fetch_add(1, Ordering::Relaxed);
         }
+        // In a fleet, its lease is no longer renewed once the checkpoint committed (the
+        // writer answers in order; the checkpoint is fenced by this node's epoch), so another
+        // node may take it within a lease.
+        if let Some(store) = self.store.as_ref().filter(|s| s.is_fleet() && held) {
+            let s = store.clone();
+            let id = id.to_string();
+            store.writer().submit(
+                valem_store::Op::Atomic(Vec::new()),
+                Box::new(move |_| {
+                    let _ = s.release(&id);
+                }),
+            );
+        }
+    }
+}
+
+/// Claim `id` for this node of the fleet: owned elsewhere is [`ServiceError::Elsewhere`].
+pub(super) fn claim(store: &dyn valem_store::Store, id: &str) -> Result<(), ServiceError> {
+    match store.claim(id) {
+        Ok(_) => Ok(()),
+        Err(valem_store::StoreError::OwnedElsewhere { node, url, .. }) => {
+            Err(ServiceError::Elsewhere {
+                id: id.to_string(),
+                node,
+                url,
+            })
+        }
+        Err(e) => Err(ServiceError::Storage(e.to_string())),
     }
 }

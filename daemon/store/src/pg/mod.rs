@@ -619,6 +619,17 @@ impl Store for PgStore {
     fn take_lost(&self) -> Vec<String> {
         PgStore::take_lost(self)
     }
+    fn holds(&self, model_id: &str) -> bool {
+        self.opts.node.is_none()
+            || self
+                .held
+                .lock()
+                .map(|h| h.contains_key(model_id))
+                .unwrap_or(false)
+    }
+    fn is_fleet(&self) -> bool {
+        self.opts.node.is_some()
+    }
     fn owner(&self, model_id: &str) -> Result<Option<Ownership>, StoreError> {
         PgStore::owner(self, model_id)
     }

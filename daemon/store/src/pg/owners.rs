@@ -71,12 +71,18 @@ impl Leases {
     fn renew(&self, client: &mut postgres::Client) -> Result<Vec<String>, postgres::Error> {
         let lease = lease_us(&self.node);
         let renew = format!(
-            "UPDATE valem.owners SET lease_until_us = {NOW_US} + $2 WHERE node_id = $1
+            "UPDATE valem.owners SET lease_until_us = {NOW_US} + $2
+             WHERE node_id = $1 AND model_id = ANY($3::text[])
              RETURNING model_id, epoch"
         );
         let seen = format!("UPDATE valem.nodes SET seen_us = {NOW_US} WHERE id = $1");
+        let mine: Vec<String> = self
+            .held
+            .lock()
+            .map(|h| h.keys().cloned().collect())
+            .unwrap_or_default();
         let mut tx = client.transaction()?;
-        let rows = tx.query(&renew, &[&self.node.id, &lease])?;
+        let rows = tx.query(&renew, &[&self.node.id, &lease, &mine])?;
         tx.execute(&seen, &[&self.node.id])?;
         tx.commit()?;
         let owned: HashMap<String, i64> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
@@ -168,29 +174,17 @@ impl PgStore {
         }
     }
 
-    /// Give model `model_id` up (evicted, deleted, or this node stops), so another node can
-    /// claim it at once. Nothing when this node does not hold it.
+    /// Give model `model_id` up (evicted, or this node stops): it is no longer renewed, so its
+    /// lease runs out within one lease and another node may claim it then. No database call
+    /// (a writer's completion may call it); the row stays, so epochs only grow.
     pub fn release(&self, model_id: &str) -> Result<(), StoreError> {
-        let node = self.node()?.clone();
-        let epoch = match self.held.lock() {
-            Ok(mut held) => held.remove(model_id),
-            Err(_) => None,
-        };
-        let Some(epoch) = epoch else {
-            return Ok(());
-        };
-        self.with_reader(|c| {
-            // The row stays, its lease run out: the next owner's epoch is still one higher.
-            c.client.execute(
-                "UPDATE valem.owners SET lease_until_us = 0
-                 WHERE model_id = $1 AND node_id = $2 AND epoch = $3",
-                &[&model_id, &node.id, &epoch],
-            )
-        })?;
+        if let Ok(mut held) = self.held.lock() {
+            held.remove(model_id);
+        }
         Ok(())
     }
 
-    /// Renew the leases of every model this node owns and its own row; the models it held and
+    /// Renew the leases of the models this node holds, and its own row; the models it held and
     /// lost meanwhile (another node claimed them after a lease ran out), which it must drop.
     pub fn renew(&self) -> Result<Vec<String>, StoreError> {
         let leases = self.leases()?;

@@ -436,8 +436,14 @@ fn pg_one_owner_at_a_time_and_a_node_past_its_lease_is_fenced() {
         "record 3 is b's"
     );
 
-    // A release hands it over at once.
+    // Released, it is no longer renewed: another node takes it when the lease runs out.
     b.release("m").expect("release");
+    assert!(b.renew().expect("renew").is_empty());
+    assert!(matches!(
+        a.claim("m"),
+        Err(StoreError::OwnedElsewhere { .. })
+    ));
+    std::thread::sleep(std::time::Duration::from_millis(450));
     assert_eq!(a.claim("m").expect("a again").epoch, 3);
     let owner = b.owner("m").expect("owner").expect("owned");
     assert_eq!((owner.node.as_str(), owner.epoch), ("a", 3));
