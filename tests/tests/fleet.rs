@@ -1,9 +1,10 @@
 //! Daemons sharing one PostgreSQL database as a fleet (`--store … --node-id … --advertise …`),
 //! against real processes and a real server: one owner per model, a request for a model
-//! another live node owns answered 421 with that node's URL, a dead node's models claimed by
+//! another live node owns forwarded to that node, a dead node's models claimed by
 //! the next request once their lease ran out (nothing acknowledged lost, the chain continued),
 //! and an owner paused past its lease (SIGSTOP) committing nothing more once another node took
-//! the model. Forwarding to the owner is not built yet: clients follow `ownerUrl`.
+//! the model. A REST request reaching a node that does not own its model is forwarded to the
+//! owner (`X-Valem-Node` names the node that answered).
 
 use std::time::Duration;
 
@@ -63,26 +64,27 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     let nb = node(&b, "b", pb);
     let (ha, hb) = (Http::new(&a), Http::new(&nb));
 
-    // Created on a, a owns it: b answers 421 with a's URL.
+    // Created on a, a owns it: b forwards to a, reads and writes alike.
     assert_eq!(ha.post_json("/models", &counters("m")).status, 201);
     for v in 1..=3 {
-        let r = ha.post_json("/models/m/mutations", &json!({"$.c0": v}));
+        let h = if v == 2 { &hb } else { &ha };
+        let r = h.post_json("/models/m/mutations", &json!({"$.c0": v}));
         assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-valem-node"), Some("a"), "answered by the owner");
     }
     let r = hb.get("/models/m/state");
-    assert_eq!(r.status, 421, "{}", r.text());
-    assert_eq!(r.json()["owner"], json!("a"));
-    assert_eq!(
-        r.json()["ownerUrl"],
-        json!(format!("http://127.0.0.1:{pa}"))
-    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["c0"], json!(3));
+    assert_eq!(r.header("x-valem-node"), Some("a"));
     let r = hb.post_json("/models", &counters("m"));
     assert_eq!(
         r.status,
-        421,
+        409,
         "a create of an id owned elsewhere: {}",
         r.text()
     );
+    let forwarded = valem_tests::metric(&hb, "valem_forwards_total{outcome=\"answered\"}");
+    assert!(forwarded.unwrap_or(0.0) >= 3.0, "{forwarded:?}");
     let owner = hb.get("/cluster/owner/m").json();
     assert_eq!(
         (owner["owner"].clone(), owner["epoch"].clone()),
@@ -109,6 +111,7 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         json!(3),
         "every acknowledged write is there"
     );
+    assert_eq!(state.header("x-valem-node"), Some("b"));
     let r = hb.post_json("/models/m/mutations", &json!({"$.c0": 4}));
     assert_eq!(r.status, 200, "{}", r.text());
     let v = hb.get("/models/m/audit/verify").json();
@@ -123,10 +126,11 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         (json!("b"), json!(2))
     );
 
-    // a comes back; b owns m now.
+    // a comes back; b owns m now, and a forwards to it.
     let a = node(&b, "a", pa);
     let ha = Http::new(&a);
-    assert_eq!(ha.get("/models/m/state").status, 421);
+    let r = ha.get("/models/m/state");
+    assert_eq!((r.status, r.header("x-valem-node")), (200, Some("b")));
 
     // b is paused past its lease: a takes m over; b, resumed, commits nothing more on it.
     signal(&nb, "-STOP");
@@ -134,31 +138,55 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     let r = ha.post_json("/models/m/mutations", &json!({"$.c1": 10}));
     assert_eq!(r.status, 200, "{}", r.text());
     signal(&nb, "-CONT");
+    // b's first write either hits its fence (it still thought it owned m: refused, nothing
+    // committed) or, once b noticed the loss, is forwarded to a and committed there.
     let r = hb.post_json("/models/m/mutations", &json!({"$.c0": 99}));
-    assert_ne!(
-        r.status,
-        200,
-        "the old owner committed after losing m: {}",
-        r.text()
-    );
+    let accepted = r.status == 200;
+    if accepted {
+        assert_eq!(
+            r.header("x-valem-node"),
+            Some("a"),
+            "b committed after losing m"
+        );
+    } else {
+        assert_eq!(r.status, 503, "{}", r.text());
+    }
     let state = ha.get("/models/m/state").json();
+    let c0 = if accepted { 99 } else { 4 };
     assert_eq!(
         (state["c0"].clone(), state["c1"].clone()),
-        (json!(4), json!(10)),
+        (json!(c0), json!(10)),
         "{state}"
     );
     let v = ha.get("/models/m/audit/verify").json();
+    let records = if accepted { 6 } else { 5 };
     assert_eq!(
         (v["valid"].clone(), v["recordsChecked"].clone()),
-        (json!(true), json!(5)),
+        (json!(true), json!(records)),
         "{v}"
     );
-    // b learns it lost m: its next request is sent to a.
+    // b knows it lost m: what it is asked now, a answers.
     std::thread::sleep(Duration::from_millis(LEASE_MS / 2));
     let r = hb.get("/models/m/state");
-    assert_eq!(r.status, 421, "{}", r.text());
-    assert_eq!(r.json()["owner"], json!("a"));
-    assert!(a.terminate().success());
+    assert_eq!(
+        (r.status, r.header("x-valem-node")),
+        (200, Some("a")),
+        "{}",
+        r.text()
+    );
+    // The owner gone, its lease still running: 503 with Retry-After, then b takes over.
+    a.kill9();
+    let r = hb.get("/models/m/state");
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.header("retry-after").is_some());
+    past_the_lease();
+    let r = hb.get("/models/m/state");
+    assert_eq!(
+        (r.status, r.header("x-valem-node")),
+        (200, Some("b")),
+        "{}",
+        r.text()
+    );
     assert!(nb.terminate().success());
 }
 

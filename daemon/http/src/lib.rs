@@ -15,6 +15,7 @@
 #![allow(clippy::result_large_err)]
 
 mod cluster;
+mod forward;
 pub mod guard;
 pub mod mcp;
 mod mcp_modern;
@@ -204,6 +205,10 @@ pub fn router(state: AppState) -> Router {
         .route("/cluster", get(cluster::cluster))
         .route("/cluster/owner/{id}", get(cluster::owner))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            forward::forward,
+        ))
         .with_state(state.clone());
     Router::new()
         .fallback_service(routed)

@@ -23,6 +23,8 @@ pub struct Metrics {
     pub mcp_listens_opened: AtomicU64,
     /// Listen streams closed because their reader fell too far behind.
     pub mcp_listens_overflowed: AtomicU64,
+    /// Requests forwarded to another node of the fleet: answered, owner unreachable.
+    forwards: [AtomicU64; 2],
 }
 
 impl Metrics {
@@ -36,6 +38,11 @@ impl Metrics {
         if let Some(c) = self.requests.get(class) {
             c.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A request forwarded to the model's owner node (`answered`: it answered).
+    pub fn forwarded(&self, answered: bool) {
+        self.forwards[usize::from(!answered)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// A request refused by the guard.
@@ -183,6 +190,17 @@ pub async fn serve(State(st): State<AppState>) -> Response {
             out,
             "valem_http_requests_total{{code=\"{i}xx\"}} {}",
             c.load(Ordering::Relaxed)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP valem_forwards_total REST requests forwarded to the node that owns their model, by outcome.\n# TYPE valem_forwards_total counter"
+    );
+    for (i, outcome) in ["answered", "unreachable"].iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "valem_forwards_total{{outcome=\"{outcome}\"}} {}",
+            st.metrics.forwards[i].load(Ordering::Relaxed)
         );
     }
     if let Some(store) = st.service.store() {

@@ -92,6 +92,10 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn holds(&self, _model_id: &str) -> bool {
         true
     }
+    /// This node's id in a fleet (`None`: not a fleet's node).
+    fn node_id(&self) -> Option<String> {
+        None
+    }
     /// Whether this store is shared by a fleet (models are claimed before use).
     fn is_fleet(&self) -> bool {
         false

@@ -630,6 +630,9 @@ impl Store for PgStore {
     fn is_fleet(&self) -> bool {
         self.opts.node.is_some()
     }
+    fn node_id(&self) -> Option<String> {
+        self.opts.node.as_ref().map(|n| n.id.clone())
+    }
     fn owner(&self, model_id: &str) -> Result<Option<Ownership>, StoreError> {
         PgStore::owner(self, model_id)
     }

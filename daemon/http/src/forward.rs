@@ -1,0 +1,191 @@
+//! A fleet's node forwards a REST request for a model another node owns: the request runs here
+//! first; when it answers `421` with the owner's URL (`ServiceError::Elsewhere`), the same
+//! request (method, path and query, body, content type) goes to the owner, carrying this
+//! daemon's API key when it has one (else the client's `Authorization`), and the owner's answer
+//! is returned as it is. A forwarded request carries `X-Valem-Forwarded` and is never forwarded
+//! again (the owner answers it, or says 421 itself). Not forwarded: WebSocket upgrades, `/mcp`,
+//! a sandbox session's requests (their ids are rewritten per session). An owner that cannot be
+//! reached answers 503 with `Retry-After` (its lease may still hold; once it runs out the next
+//! request claims the model here).
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::{error_response, AppState};
+
+/// Marks a request one node sent another.
+pub(crate) const FORWARDED: &str = "x-valem-forwarded";
+/// Names the node that answered (on every answer of a fleet's node).
+pub(crate) const NODE: &str = "x-valem-node";
+
+/// Largest owner answer relayed (a state or an audit page).
+const MAX_ANSWER: u64 = 64 << 20;
+
+fn forwardable(req: &Request) -> bool {
+    let path = req.uri().path();
+    (path == "/models" || path.starts_with("/models/"))
+        && !req.headers().contains_key(FORWARDED)
+        && !req.headers().contains_key(header::UPGRADE)
+        && !req.headers().contains_key("x-session-token")
+}
+
+pub(crate) async fn forward(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(node) = st.service.store().and_then(|s| s.node_id()) else {
+        return next.run(req).await;
+    };
+    let mut r = if forwardable(&req) {
+        forward_misdirected(&st, req, next, &node).await
+    } else {
+        next.run(req).await
+    };
+    if !r.headers().contains_key(NODE) {
+        if let Ok(v) = HeaderValue::from_str(&node) {
+            r.headers_mut().insert(NODE, v);
+        }
+    }
+    r
+}
+
+async fn forward_misdirected(st: &AppState, req: Request, next: Next, node: &str) -> Response {
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, st.config.max_body_bytes).await {
+        Ok(b) => b,
+        Err(_) => {
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                json!({"error": "Payload too large", "message": format!("the body is over {} bytes (--max-body-bytes)", st.config.max_body_bytes)}),
+            )
+        }
+    };
+    let method = parts.method.clone();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_string(), |p| p.as_str().to_string());
+    let headers = parts.headers.clone();
+    let here = next
+        .run(Request::from_parts(parts, Body::from(bytes.clone())))
+        .await;
+    if here.status() != StatusCode::MISDIRECTED_REQUEST {
+        return here;
+    }
+    let (rparts, rbody) = here.into_parts();
+    let Ok(answer) = axum::body::to_bytes(rbody, 1 << 20).await else {
+        return StatusCode::MISDIRECTED_REQUEST.into_response();
+    };
+    let owner_url = serde_json::from_slice::<serde_json::Value>(&answer)
+        .ok()
+        .and_then(|v| v["ownerUrl"].as_str().map(str::to_string))
+        .filter(|u| u.starts_with("http://") || u.starts_with("https://"));
+    let Some(owner_url) = owner_url else {
+        return Response::from_parts(rparts, Body::from(answer));
+    };
+    let key = st.config.api_key.clone();
+    let timeout = st.config.request_timeout;
+    let node = node.to_string();
+    let target = format!("{}{path}", owner_url.trim_end_matches('/'));
+    let sent = tokio::task::spawn_blocking(move || {
+        send(
+            &method,
+            &target,
+            &headers,
+            bytes.to_vec(),
+            key,
+            &node,
+            timeout,
+        )
+    })
+    .await;
+    match sent {
+        Ok(Ok(r)) => {
+            st.metrics.forwarded(true);
+            r
+        }
+        failed => {
+            let why = match failed {
+                Ok(Err(why)) => why,
+                Err(e) => e.to_string(),
+                Ok(Ok(_)) => String::new(),
+            };
+            st.metrics.forwarded(false);
+            let mut r = error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"error": "Owner unreachable", "message": format!("the model's owner at {owner_url} did not answer ({why}); once its lease runs out the next request takes the model over"), "ownerUrl": owner_url}),
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        }
+    }
+}
+
+fn send(
+    method: &Method,
+    url: &str,
+    headers: &HeaderMap,
+    body: Vec<u8>,
+    key: Option<String>,
+    node: &str,
+    timeout: std::time::Duration,
+) -> Result<Response, String> {
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .max_redirects(0)
+        .proxy(None)
+        .timeout_global(Some(timeout))
+        .build()
+        .new_agent();
+    let mut b = ureq::http::Request::builder()
+        .method(method.as_str())
+        .uri(url)
+        .header(FORWARDED, node);
+    for name in [header::CONTENT_TYPE, header::ACCEPT, header::IF_MATCH] {
+        if let Some(v) = headers.get(&name) {
+            b = b.header(name.as_str(), v.as_bytes());
+        }
+    }
+    if let Some(v) = headers.get("idempotency-key") {
+        b = b.header("idempotency-key", v.as_bytes());
+    }
+    match key {
+        Some(k) => b = b.header(header::AUTHORIZATION.as_str(), format!("Bearer {k}")),
+        None => {
+            if let Some(v) = headers.get(header::AUTHORIZATION) {
+                b = b.header(header::AUTHORIZATION.as_str(), v.as_bytes());
+            }
+        }
+    }
+    let request = b.body(body).map_err(|e| e.to_string())?;
+    let res = agent.run(request).map_err(|e| e.to_string())?;
+    let status = StatusCode::from_u16(res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut out_headers = HeaderMap::new();
+    for name in [
+        header::CONTENT_TYPE,
+        header::LOCATION,
+        header::RETRY_AFTER,
+        header::CACHE_CONTROL,
+        header::ETAG,
+        header::HeaderName::from_static(NODE),
+    ] {
+        if let Some(v) = res
+            .headers()
+            .get(name.as_str())
+            .and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok())
+        {
+            out_headers.insert(name, v);
+        }
+    }
+    let bytes = res
+        .into_body()
+        .with_config()
+        .limit(MAX_ANSWER)
+        .read_to_vec()
+        .map_err(|e| format!("reading its answer: {e}"))?;
+    let mut r = (status, bytes).into_response();
+    r.headers_mut().extend(out_headers);
+    Ok(r)
+}
