@@ -52,6 +52,28 @@ fn signal(d: &Daemon, sig: &str) {
     assert!(ok, "kill {sig}");
 }
 
+/// A tools/call in MCP's modern era (no session): the JSON-RPC answer and the node that gave it.
+fn modern_call(http: &Http, id: u64, tool: &str, args: Value) -> (Value, Option<String>) {
+    let msg = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+        "name": tool, "arguments": args,
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "valem-tests", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}}});
+    let r = http.post(
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json, text/event-stream"),
+            ("MCP-Protocol-Version", "2026-07-28"),
+            ("Mcp-Method", "tools/call"),
+            ("Mcp-Name", tool),
+        ],
+        msg.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    (r.json(), r.header("x-valem-node").map(str::to_string))
+}
+
 fn past_the_lease() {
     std::thread::sleep(Duration::from_millis(LEASE_MS + 400));
 }
@@ -83,8 +105,23 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         "a create of an id owned elsewhere: {}",
         r.text()
     );
+    // MCP in the modern era too: a tool call on b about a's model is answered by a.
+    let (v, by) = modern_call(
+        &hb,
+        7,
+        "mutate",
+        json!({"id": "m", "mutations": {"$.c1": 5}}),
+    );
+    assert_eq!(
+        (v["result"]["isError"].clone(), by.as_deref()),
+        (json!(false), Some("a")),
+        "{v}"
+    );
+    let (v, by) = modern_call(&hb, 8, "get_state", json!({"id": "m"}));
+    assert_eq!(v["result"]["structuredContent"]["total"], json!(8), "{v}");
+    assert_eq!(by.as_deref(), Some("a"));
     let forwarded = valem_tests::metric(&hb, "valem_forwards_total{outcome=\"answered\"}");
-    assert!(forwarded.unwrap_or(0.0) >= 3.0, "{forwarded:?}");
+    assert!(forwarded.unwrap_or(0.0) >= 5.0, "{forwarded:?}");
     let owner = hb.get("/cluster/owner/m").json();
     assert_eq!(
         (owner["owner"].clone(), owner["epoch"].clone()),
@@ -117,7 +154,7 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     let v = hb.get("/models/m/audit/verify").json();
     assert_eq!(
         (v["valid"].clone(), v["recordsChecked"].clone()),
-        (json!(true), json!(4)),
+        (json!(true), json!(5)),
         "{v}"
     );
     let owner = hb.get("/cluster/owner/m").json();
@@ -159,7 +196,7 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         "{state}"
     );
     let v = ha.get("/models/m/audit/verify").json();
-    let records = if accepted { 6 } else { 5 };
+    let records = if accepted { 7 } else { 6 };
     assert_eq!(
         (v["valid"].clone(), v["recordsChecked"].clone()),
         (json!(true), json!(records)),

@@ -1,10 +1,13 @@
-//! A fleet's node forwards a REST request for a model another node owns: the request runs here
-//! first; when it answers `421` with the owner's URL (`ServiceError::Elsewhere`), the same
-//! request (method, path and query, body, content type) goes to the owner, carrying this
-//! daemon's API key when it has one (else the client's `Authorization`), and the owner's answer
-//! is returned as it is. A forwarded request carries `X-Valem-Forwarded` and is never forwarded
-//! again (the owner answers it, or says 421 itself). Not forwarded: WebSocket upgrades, `/mcp`,
-//! a sandbox session's requests (their ids are rewritten per session). An owner that cannot be
+//! A fleet's node forwards a request for a model another node owns: the request runs here
+//! first; when the answer says another node owns the model (`ServiceError::Elsewhere`: a REST
+//! `421`, or over `/mcp` a tool result with the owner's URL), the same request (method, path and
+//! query, body, end-to-end headers) goes to the owner, carrying this daemon's API key when it
+//! has one (else the client's `Authorization`), and the owner's answer is returned as it is.
+//! Nothing ran here (the claim failed before the model was touched), so the request runs once.
+//! A forwarded request carries `X-Valem-Forwarded` and is never forwarded again. Forwarded:
+//! REST `/models…` and modern-era `/mcp` POSTs. Not forwarded: WebSocket upgrades, legacy MCP
+//! sessions (they live on the node that opened them), a sandbox session's requests (their ids
+//! are rewritten per session), SSE answers. An owner that cannot be
 //! reached answers 503 with `Retry-After` (its lease may still hold; once it runs out the next
 //! request claims the model here).
 
@@ -25,12 +28,32 @@ pub(crate) const NODE: &str = "x-valem-node";
 /// Largest owner answer relayed (a state or an audit page).
 const MAX_ANSWER: u64 = 64 << 20;
 
+/// REST model routes, and `/mcp` POSTs of the modern era (no session: each request stands
+/// alone, so the owner can answer it as well as this node).
 fn forwardable(req: &Request) -> bool {
     let path = req.uri().path();
-    (path == "/models" || path.starts_with("/models/"))
+    let rest = path == "/models" || path.starts_with("/models/");
+    let mcp = path == "/mcp"
+        && req.method() == Method::POST
+        && !req.headers().contains_key("mcp-session-id");
+    (rest || mcp)
         && !req.headers().contains_key(FORWARDED)
         && !req.headers().contains_key(header::UPGRADE)
         && !req.headers().contains_key("x-session-token")
+}
+
+/// The owner's URL when `answer` says the model is another node's: a REST 421, or a JSON-RPC
+/// answer whose tool result is the `Owned by another node` error.
+fn owner_of(status: StatusCode, answer: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(answer).ok()?;
+    let url = if status == StatusCode::MISDIRECTED_REQUEST {
+        v["ownerUrl"].as_str()
+    } else if v["result"]["isError"] == json!(true) {
+        v["result"]["structuredContent"]["ownerUrl"].as_str()
+    } else {
+        None
+    }?;
+    (url.starts_with("http://") || url.starts_with("https://")).then(|| url.to_string())
 }
 
 pub(crate) async fn forward(State(st): State<AppState>, req: Request, next: Next) -> Response {
@@ -70,18 +93,24 @@ async fn forward_misdirected(st: &AppState, req: Request, next: Next, node: &str
     let here = next
         .run(Request::from_parts(parts, Body::from(bytes.clone())))
         .await;
-    if here.status() != StatusCode::MISDIRECTED_REQUEST {
+    // A REST 421, or a JSON answer of /mcp (an SSE stream is relayed as it is).
+    let json_answer = here
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    let misdirected = here.status() == StatusCode::MISDIRECTED_REQUEST
+        || (path.starts_with("/mcp") && here.status() == StatusCode::OK && json_answer);
+    if !misdirected {
         return here;
     }
     let (rparts, rbody) = here.into_parts();
-    let Ok(answer) = axum::body::to_bytes(rbody, 1 << 20).await else {
-        return StatusCode::MISDIRECTED_REQUEST.into_response();
+    let Ok(answer) = axum::body::to_bytes(rbody, MAX_ANSWER as usize).await else {
+        return error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"error": "Answer too large", "message": "this node's answer could not be read back"}),
+        );
     };
-    let owner_url = serde_json::from_slice::<serde_json::Value>(&answer)
-        .ok()
-        .and_then(|v| v["ownerUrl"].as_str().map(str::to_string))
-        .filter(|u| u.starts_with("http://") || u.starts_with("https://"));
-    let Some(owner_url) = owner_url else {
+    let Some(owner_url) = owner_of(rparts.status, &answer) else {
         return Response::from_parts(rparts, Body::from(answer));
     };
     let key = st.config.api_key.clone();
@@ -143,13 +172,28 @@ fn send(
         .method(method.as_str())
         .uri(url)
         .header(FORWARDED, node);
-    for name in [header::CONTENT_TYPE, header::ACCEPT, header::IF_MATCH] {
-        if let Some(v) = headers.get(&name) {
+    // End-to-end headers as the client sent them (MCP's era checks its own against the body);
+    // not the connection's, the host's, the length (ureq sets them) or the credentials.
+    for (name, v) in headers {
+        let hop = matches!(
+            name.as_str(),
+            "host"
+                | "connection"
+                | "keep-alive"
+                | "transfer-encoding"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "proxy-authorization"
+                | "proxy-connection"
+                | "content-length"
+                | "authorization"
+                | "cookie"
+                | FORWARDED
+        );
+        if !hop {
             b = b.header(name.as_str(), v.as_bytes());
         }
-    }
-    if let Some(v) = headers.get("idempotency-key") {
-        b = b.header("idempotency-key", v.as_bytes());
     }
     match key {
         Some(k) => b = b.header(header::AUTHORIZATION.as_str(), format!("Bearer {k}")),

@@ -220,6 +220,12 @@ impl ServiceError {
             ServiceError::Mutation(
                 m @ (MutationError::Schema(_) | MutationError::Constraint { .. }),
             ) => Some(m.to_json()),
+            ServiceError::Elsewhere { node, url, .. } => Some(serde_json::json!({
+                "error": "Owned by another node",
+                "owner": node,
+                "ownerUrl": url,
+                "message": self.to_string(),
+            })),
             ServiceError::VersionConflict { expected, actual } => Some(serde_json::json!({
                 "error": "Version conflict",
                 "expected": expected,
