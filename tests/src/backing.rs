@@ -97,3 +97,21 @@ impl Backing {
         }
     }
 }
+
+/// `mod $name { sqlite, postgres }`: test scenario `$f` (a `fn(&Backing)` of the calling test
+/// file) on each store.
+#[macro_export]
+macro_rules! on_both_stores {
+    ($name:ident, $f:ident) => {
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$f(&$crate::backing::Backing::sqlite());
+            }
+            #[test]
+            fn postgres() {
+                super::$f(&$crate::backing::Backing::postgres());
+            }
+        }
+    };
+}

@@ -601,3 +601,24 @@ pub fn ws_frame<S: std::io::Read + std::io::Write>(
         }
     }
 }
+
+/// A `tools/call` of `tool` in MCP's modern era (no session, the era's headers and `_meta`):
+/// the HTTP reply as it came.
+pub fn modern_tool_call(http: &Http, id: u64, tool: &str, args: serde_json::Value) -> Reply {
+    let msg = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+        "name": tool, "arguments": args,
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "valem-tests", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}}});
+    http.post(
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json, text/event-stream"),
+            ("MCP-Protocol-Version", "2026-07-28"),
+            ("Mcp-Method", "tools/call"),
+            ("Mcp-Name", tool),
+        ],
+        msg.to_string().as_bytes(),
+    )
+}

@@ -21,45 +21,29 @@ fn start(dir: &std::path::Path) -> Daemon {
     Daemon::start(&["--data-dir", dir.to_str().expect("a UTF-8 path")])
 }
 
-/// `mod $name { sqlite, postgres }`: scenario `$f` on each store.
-macro_rules! on_both_stores {
-    ($name:ident, $f:ident) => {
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$f(&super::Backing::sqlite());
-            }
-            #[test]
-            fn postgres() {
-                super::$f(&super::Backing::postgres());
-            }
-        }
-    };
-}
-
-on_both_stores!(
+valem_tests::on_both_stores!(
     a_clean_restart_brings_back_every_model_its_state_and_its_chain,
     clean_restart
 );
-on_both_stores!(
+valem_tests::on_both_stores!(
     kill_9_at_random_moments_loses_no_acknowledged_mutation,
     kill_9_at_random
 );
-on_both_stores!(
+valem_tests::on_both_stores!(
     the_embedded_mcp_server_keeps_its_models_in_the_store,
     embedded_mcp
 );
-on_both_stores!(
+valem_tests::on_both_stores!(
     a_restore_survives_kill_9_with_and_without_records_before_it,
     restore_kill_9
 );
-on_both_stores!(an_evolved_spec_and_its_state_survive_kill_9, evolve_kill_9);
-on_both_stores!(blobs_are_kept_in_the_store, blobs_kept);
-on_both_stores!(
+valem_tests::on_both_stores!(an_evolved_spec_and_its_state_survive_kill_9, evolve_kill_9);
+valem_tests::on_both_stores!(blobs_are_kept_in_the_store, blobs_kept);
+valem_tests::on_both_stores!(
     fifty_models_of_every_bundled_example_come_back,
     fifty_models
 );
-on_both_stores!(
+valem_tests::on_both_stores!(
     tampering_with_the_stored_audit_is_reported_at_the_record_it_broke,
     tampering
 );

@@ -54,22 +54,7 @@ fn signal(d: &Daemon, sig: &str) {
 
 /// A tools/call in MCP's modern era (no session): the JSON-RPC answer and the node that gave it.
 fn modern_call(http: &Http, id: u64, tool: &str, args: Value) -> (Value, Option<String>) {
-    let msg = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
-        "name": tool, "arguments": args,
-        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
-            "io.modelcontextprotocol/clientInfo": {"name": "valem-tests", "version": "1"},
-            "io.modelcontextprotocol/clientCapabilities": {}}}});
-    let r = http.post(
-        "/mcp",
-        &[
-            ("Content-Type", "application/json"),
-            ("Accept", "application/json, text/event-stream"),
-            ("MCP-Protocol-Version", "2026-07-28"),
-            ("Mcp-Method", "tools/call"),
-            ("Mcp-Name", tool),
-        ],
-        msg.to_string().as_bytes(),
-    );
+    let r = valem_tests::modern_tool_call(http, id, tool, args);
     assert_eq!(r.status, 200, "{r:?}");
     (r.json(), r.header("x-valem-node").map(str::to_string))
 }

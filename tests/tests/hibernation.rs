@@ -27,40 +27,24 @@ fn start(b: &Backing, extra: &[&str]) -> Daemon {
     b.start(extra)
 }
 
-/// `mod $name { sqlite, postgres }`: scenario `$f` on each store.
-macro_rules! on_both_stores {
-    ($name:ident, $f:ident) => {
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$f(&super::Backing::sqlite());
-            }
-            #[test]
-            fn postgres() {
-                super::$f(&super::Backing::postgres());
-            }
-        }
-    };
-}
-
-on_both_stores!(
+valem_tests::on_both_stores!(
     five_thousand_models_with_five_hundred_resident_stay_readable_and_writable,
     five_thousand
 );
-on_both_stores!(
+valem_tests::on_both_stores!(
     a_model_evicted_between_two_writes_keeps_its_audit_chain,
     evicted_between_writes
 );
-on_both_stores!(a_timer_on_a_hibernated_model_fires, timer_fires);
-on_both_stores!(
+valem_tests::on_both_stores!(a_timer_on_a_hibernated_model_fires, timer_fires);
+valem_tests::on_both_stores!(
     a_websocket_subscriber_of_an_evicted_model_keeps_getting_its_events,
     websocket_subscriber
 );
-on_both_stores!(
+valem_tests::on_both_stores!(
     kill_9_during_evictions_loses_no_acknowledged_write,
     kill_9_evictions
 );
-on_both_stores!(
+valem_tests::on_both_stores!(
     mcp_tools_wake_hibernated_models_over_http_and_stdio,
     mcp_tools_wake
 );
@@ -363,22 +347,7 @@ fn kill_9_evictions(b: &Backing) {
 
 /// A modern-era (2026-07-28) `tools/call` on `/mcp`: no session, its `_meta` and headers.
 fn modern_call(http: &Http, id: u64, tool: &str, args: Value) -> Value {
-    let msg = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
-        "name": tool, "arguments": args,
-        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
-            "io.modelcontextprotocol/clientInfo": {"name": "valem-tests", "version": "1"},
-            "io.modelcontextprotocol/clientCapabilities": {}}}});
-    let r = http.post(
-        "/mcp",
-        &[
-            ("Content-Type", "application/json"),
-            ("Accept", "application/json, text/event-stream"),
-            ("MCP-Protocol-Version", "2026-07-28"),
-            ("Mcp-Method", "tools/call"),
-            ("Mcp-Name", tool),
-        ],
-        msg.to_string().as_bytes(),
-    );
+    let r = valem_tests::modern_tool_call(http, id, tool, args);
     assert_eq!(r.status, 200, "{r:?}");
     let v = r.json();
     assert_eq!(v["result"]["isError"], json!(false), "{tool}: {v}");

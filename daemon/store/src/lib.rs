@@ -293,6 +293,18 @@ impl StoreError {
     }
 }
 
+/// `hash` is a blob hash: 64 lowercase hex characters (so it can name a file or a row).
+pub(crate) fn check_blob_hash(hash: &str) -> Result<(), StoreError> {
+    let valid = hash.len() == 64 && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    if valid {
+        Ok(())
+    } else {
+        Err(StoreError::InvalidBlobHash {
+            hash: hash.to_string(),
+        })
+    }
+}
+
 /// Map a SQLite error on `path` to the store's error, singling out the ones a caller reacts to.
 pub(crate) fn sql_err(path: &Path, e: rusqlite::Error) -> StoreError {
     use rusqlite::ErrorCode as C;

@@ -305,13 +305,7 @@ impl SqliteStore {
     }
 
     pub(super) fn blob_path(&self, hash: &str) -> Result<(PathBuf, PathBuf), StoreError> {
-        let valid =
-            hash.len() == 64 && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-        if !valid {
-            return Err(StoreError::InvalidBlobHash {
-                hash: hash.to_string(),
-            });
-        }
+        check_blob_hash(hash)?;
         let sub = self.dir.join("blobs").join(&hash[..2]);
         let path = sub.join(&hash[2..]);
         Ok((sub, path))

@@ -335,13 +335,7 @@ impl PgStore {
 
     /// Blob bytes by hash, checked against the hash (damaged bytes are `Corrupt`).
     pub fn blob_bytes(&self, hash: &str) -> Result<Vec<u8>, StoreError> {
-        let valid =
-            hash.len() == 64 && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-        if !valid {
-            return Err(StoreError::InvalidBlobHash {
-                hash: hash.to_string(),
-            });
-        }
+        crate::check_blob_hash(hash)?;
         let limit = i64::try_from(self.opts.max_blob_bytes).unwrap_or(i64::MAX);
         let row = self.with_reader(|c| {
             c.client.query_opt(
