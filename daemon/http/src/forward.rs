@@ -161,13 +161,18 @@ fn send(
     node: &str,
     timeout: std::time::Duration,
 ) -> Result<Response, String> {
-    let agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .max_redirects(0)
-        .proxy(None)
-        .timeout_global(Some(timeout))
-        .build()
-        .new_agent();
+    // One agent per daemon: its pool keeps the connections to the other nodes open.
+    static AGENT: std::sync::OnceLock<ureq::Agent> = std::sync::OnceLock::new();
+    let agent = AGENT.get_or_init(|| {
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_redirects(0)
+            .proxy(None)
+            .timeout_global(Some(timeout))
+            .max_idle_connections_per_host(64)
+            .build()
+            .new_agent()
+    });
     let mut b = ureq::http::Request::builder()
         .method(method.as_str())
         .uri(url)

@@ -163,6 +163,9 @@ pub(super) struct Shard {
     checkpoint_metrics: Arc<CheckpointMetrics>,
     /// The audit-store plugin's feed, once one is attached.
     audit_sink: Arc<std::sync::OnceLock<super::audit_sink::AuditSink>>,
+    /// In a fleet: models another node was found to own, with its lease's end (no owner can
+    /// change before it), so requests for them are answered without asking the store.
+    elsewhere: HashMap<String, (String, String, Timestamp)>,
 }
 
 impl Shard {
@@ -188,6 +191,7 @@ impl Shard {
             metrics,
             checkpoint_metrics,
             audit_sink,
+            elsewhere: HashMap::new(),
         }
     }
 
@@ -240,7 +244,7 @@ impl Shard {
         }
         // In a fleet: this node's before it exists, and not created by another node before.
         if let Some(store) = self.store.clone().filter(|s| s.is_fleet()) {
-            if let Err(e) = residency::claim(&*store, &id) {
+            if let Err(e) = residency::claim(&*store, &id, None) {
                 return reply.send(Err(e));
             }
             match store.load_model(&id) {

@@ -32,6 +32,16 @@ impl Shard {
         let started = std::time::Instant::now();
         let storage = |e: valem_store::StoreError| ServiceError::Storage(e.to_string());
         if fleet {
+            if let Some((node, url, until)) = self.elsewhere.get(id) {
+                if *until > now() {
+                    return Err(ServiceError::Elsewhere {
+                        id: id.to_string(),
+                        node: node.clone(),
+                        url: url.clone(),
+                    });
+                }
+                self.elsewhere.remove(id);
+            }
             // Claimed only when stored: a request for an unknown id leaves no owner row.
             if store.load_model(id).map_err(storage)?.is_none() {
                 if self.hibernated.remove(id) {
@@ -39,7 +49,9 @@ impl Shard {
                 }
                 return Err(ServiceError::NotFound(id.to_string()));
             }
-            claim(&*store, id)?;
+            if let Err(e) = claim(&*store, id, Some(&mut self.elsewhere)) {
+                return Err(e);
+            }
         }
         let stored = store.load_model(id).map_err(storage)?;
         if self.hibernated.remove(id) {
@@ -129,11 +141,24 @@ impl Shard {
     }
 }
 
-/// Claim `id` for this node of the fleet: owned elsewhere is [`ServiceError::Elsewhere`].
-pub(super) fn claim(store: &dyn valem_store::Store, id: &str) -> Result<(), ServiceError> {
+/// Claim `id` for this node of the fleet: owned elsewhere is [`ServiceError::Elsewhere`]
+/// (remembered in `elsewhere` until the owner's lease ends, when given).
+pub(super) fn claim(
+    store: &dyn valem_store::Store,
+    id: &str,
+    elsewhere: Option<&mut HashMap<String, (String, String, Timestamp)>>,
+) -> Result<(), ServiceError> {
     match store.claim(id) {
         Ok(_) => Ok(()),
-        Err(valem_store::StoreError::OwnedElsewhere { node, url, .. }) => {
+        Err(valem_store::StoreError::OwnedElsewhere {
+            node,
+            url,
+            lease_until,
+            ..
+        }) => {
+            if let Some(cache) = elsewhere {
+                cache.insert(id.to_string(), (node.clone(), url.clone(), lease_until));
+            }
             Err(ServiceError::Elsewhere {
                 id: id.to_string(),
                 node,
