@@ -49,9 +49,7 @@ impl Shard {
                 }
                 return Err(ServiceError::NotFound(id.to_string()));
             }
-            if let Err(e) = claim(&*store, id, Some(&mut self.elsewhere)) {
-                return Err(e);
-            }
+            claim(&*store, id, Some(&mut self.elsewhere))?;
         }
         let stored = store.load_model(id).map_err(storage)?;
         if self.hibernated.remove(id) {
