@@ -70,6 +70,9 @@ pub enum Op {
     },
     /// Forget a task. Idempotent.
     DeleteTask { id: String },
+    /// A fleet's node gives model `model_id` up (evicted): another node may claim it at once.
+    /// After the ops before it (a checkpoint at its head); a store with one writer ignores it.
+    Release { model_id: String },
     /// These ops together, all or none (one savepoint): e.g. a new spec and the checkpoint of
     /// the state evolved under it.
     Atomic(Vec<Op>),
@@ -649,6 +652,7 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
             )?
             .execute(params![id, record, at.us()])?;
         }
+        Op::Release { .. } => {}
         Op::DeleteTask { id } => {
             conn.prepare_cached("DELETE FROM tasks WHERE id = ?1")?
                 .execute(params![id])?;

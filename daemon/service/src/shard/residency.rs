@@ -123,16 +123,19 @@ impl Shard {
             self.residency.hibernated(true);
             self.residency.evicted.fetch_add(1, Ordering::Relaxed);
         }
-        // In a fleet, its lease is no longer renewed once the checkpoint committed (the
-        // writer answers in order; the checkpoint is fenced by this node's epoch), so another
-        // node may take it within a lease.
+        // In a fleet, another node may claim it once the checkpoint committed (the writer
+        // keeps the order; the checkpoint is fenced by this node's epoch).
         if let Some(store) = self.store.as_ref().filter(|s| s.is_fleet() && held) {
             let s = store.clone();
             let id = id.to_string();
             store.writer().submit(
-                valem_store::Op::Atomic(Vec::new()),
-                Box::new(move |_| {
-                    let _ = s.release(&id);
+                valem_store::Op::Release {
+                    model_id: id.clone(),
+                },
+                Box::new(move |r| {
+                    if r.is_ok() {
+                        let _ = s.release(&id);
+                    }
                 }),
             );
         }

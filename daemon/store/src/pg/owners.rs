@@ -1,9 +1,11 @@
 //! Ownership in a fleet: each model has at most one owner node at a time, recorded in
-//! `valem.owners` with an epoch and a lease. A node claims a model before it loads or creates
-//! it (an unowned model, one whose lease ran out, or one it owns already); it renews the leases
-//! of all its models together; and every commit that touches a model checks, in its own
-//! transaction, that this node still holds the epoch it claimed (the writer's fence, see
-//! `writer.rs`). A node paused or cut off past its lease may find its models claimed by
+//! `valem.owners` with an epoch. Each node has one lease (`valem.nodes.lease_until_us`), which
+//! it renews every third of a lease by updating its own row only — never a model's row, so a
+//! renewal never waits on a commit's fence and costs the same for 10 models or 100,000. A model's
+//! claim holds while its owner's lease does and it was not released. A node claims a model
+//! before it loads or creates it (unowned, released, its owner's lease run out, or its own
+//! already); and every commit that touches a model checks, in its own transaction, that this
+//! node still holds the epoch it claimed (the writer's fence, see `writer.rs`). A node paused or cut off past its lease may find its models claimed by
 //! another node with a higher epoch: its next commit on them fails with
 //! [`StoreError::Fenced`], so a chain is never written by two nodes. Lease times are the
 //! database's clock.
@@ -51,7 +53,7 @@ pub struct NodeInfo {
     pub id: String,
     /// Its URL.
     pub url: String,
-    /// Renewed within the last two leases.
+    /// Its lease has not run out.
     pub alive: bool,
     /// Models it owns with a lease not run out.
     pub models: i64,
@@ -71,20 +73,16 @@ impl Leases {
     fn renew(&self, client: &mut postgres::Client) -> Result<Vec<String>, postgres::Error> {
         let lease = lease_us(&self.node);
         let renew = format!(
-            "UPDATE valem.owners SET lease_until_us = {NOW_US} + $2
-             WHERE node_id = $1 AND model_id = ANY($3::text[])
-             RETURNING model_id, epoch"
+            "UPDATE valem.nodes SET seen_us = {NOW_US}, lease_until_us = {NOW_US} + $2
+             WHERE id = $1"
         );
-        let seen = format!("UPDATE valem.nodes SET seen_us = {NOW_US} WHERE id = $1");
-        let mine: Vec<String> = self
-            .held
-            .lock()
-            .map(|h| h.keys().cloned().collect())
-            .unwrap_or_default();
-        let mut tx = client.transaction()?;
-        let rows = tx.query(&renew, &[&self.node.id, &lease, &mine])?;
-        tx.execute(&seen, &[&self.node.id])?;
-        tx.commit()?;
+        client.execute(&renew, &[&self.node.id, &lease])?;
+        // What this node still owns (read without locks: a claim in flight shows at the next
+        // renewal, and the fence stops a write meanwhile).
+        let rows = client.query(
+            "SELECT model_id, epoch FROM valem.owners WHERE node_id = $1 AND NOT released",
+            &[&self.node.id],
+        )?;
         let owned: HashMap<String, i64> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
         let mut lost = Vec::new();
         if let Ok(mut held) = self.held.lock() {
@@ -123,34 +121,44 @@ impl PgStore {
     pub(crate) fn register_node(&self) -> Result<(), StoreError> {
         let node = self.node()?.clone();
         let sql = format!(
-            "INSERT INTO valem.nodes (id, url, started_us, seen_us) VALUES ($1, $2, {NOW_US}, {NOW_US})
+            "INSERT INTO valem.nodes (id, url, started_us, seen_us, lease_until_us)
+             VALUES ($1, $2, {NOW_US}, {NOW_US}, {NOW_US} + $3)
              ON CONFLICT (id) DO UPDATE SET url = excluded.url, started_us = excluded.started_us,
-                 seen_us = excluded.seen_us"
+                 seen_us = excluded.seen_us, lease_until_us = excluded.lease_until_us"
         );
-        self.with_reader(|c| c.client.execute(&sql, &[&node.id, &node.url]))?;
+        let lease = lease_us(&node);
+        self.with_reader(|c| c.client.execute(&sql, &[&node.id, &node.url, &lease]))?;
         Ok(())
     }
 
-    /// Take model `model_id` for this node (unowned, its lease run out, or this node's
-    /// already): the ownership held now. Owned by another node whose lease holds:
+    /// Take model `model_id` for this node (unowned, released, its owner's lease run out, or
+    /// this node's already): the ownership held now. Owned by another node whose lease holds:
     /// [`StoreError::OwnedElsewhere`] naming it.
     pub fn claim(&self, model_id: &str) -> Result<Ownership, StoreError> {
         let node = self.node()?.clone();
         let lease = lease_us(&node);
+        // This node's own lease is renewed with the claim, so the claim holds from now on.
         let sql = format!(
-            "INSERT INTO valem.owners AS o (model_id, node_id, epoch, lease_until_us)
-             VALUES ($1, $2, 1, {NOW_US} + $3)
+            "WITH me AS (
+                 UPDATE valem.nodes SET seen_us = {NOW_US}, lease_until_us = {NOW_US} + $3
+                 WHERE id = $2 RETURNING lease_until_us
+             )
+             INSERT INTO valem.owners AS o (model_id, node_id, epoch, released)
+             VALUES ($1, $2, 1, false)
              ON CONFLICT (model_id) DO UPDATE SET
                  node_id = excluded.node_id,
                  epoch = CASE WHEN o.node_id = excluded.node_id THEN o.epoch ELSE o.epoch + 1 END,
-                 lease_until_us = excluded.lease_until_us
-             WHERE o.node_id = excluded.node_id OR o.lease_until_us < {NOW_US}
-             RETURNING epoch, lease_until_us"
+                 released = false
+             WHERE o.node_id = excluded.node_id OR o.released OR NOT EXISTS (
+                 SELECT 1 FROM valem.nodes n
+                 WHERE n.id = o.node_id AND n.lease_until_us > {NOW_US})
+             RETURNING epoch, (SELECT lease_until_us FROM me)"
         );
         let claimed =
             self.with_reader(|c| c.client.query_opt(&sql, &[&model_id, &node.id, &lease]))?;
         if let Some(row) = claimed {
-            let (epoch, until): (i64, i64) = (row.get(0), row.get(1));
+            let (epoch, until): (i64, Option<i64>) = (row.get(0), row.get(1));
+            let until = until.unwrap_or(0);
             if let Ok(mut held) = self.held.lock() {
                 held.insert(model_id.to_string(), epoch);
             }
@@ -174,9 +182,8 @@ impl PgStore {
         }
     }
 
-    /// Give model `model_id` up (evicted, or this node stops): it is no longer renewed, so its
-    /// lease runs out within one lease and another node may claim it then. No database call
-    /// (a writer's completion may call it); the row stays, so epochs only grow.
+    /// Forget model `model_id` here (after the writer committed `Op::Release` for it: another
+    /// node may claim it at once). No database call (a writer's completion calls it).
     pub fn release(&self, model_id: &str) -> Result<(), StoreError> {
         if let Ok(mut held) = self.held.lock() {
             held.remove(model_id);
@@ -248,7 +255,9 @@ impl PgStore {
     pub fn owner(&self, model_id: &str) -> Result<Option<Ownership>, StoreError> {
         let row = self.with_reader(|c| {
             c.client.query_opt(
-                "SELECT o.node_id, n.url, o.epoch, o.lease_until_us FROM valem.owners o
+                "SELECT o.node_id, n.url, o.epoch,
+                     CASE WHEN o.released THEN 0 ELSE coalesce(n.lease_until_us, 0) END
+                 FROM valem.owners o
                  LEFT JOIN valem.nodes n ON n.id = o.node_id WHERE o.model_id = $1",
                 &[&model_id],
             )
@@ -264,14 +273,14 @@ impl PgStore {
 
     /// The fleet's nodes, by id.
     pub fn nodes(&self) -> Result<Vec<NodeInfo>, StoreError> {
-        let lease = self.opts.node.as_ref().map_or(5_000_000, lease_us);
         let sql = format!(
-            "SELECT n.id, n.url, n.seen_us > {NOW_US} - 2 * $1::bigint,
-                 (SELECT count(*) FROM valem.owners o
-                  WHERE o.node_id = n.id AND o.lease_until_us > {NOW_US})
+            "SELECT n.id, n.url, n.lease_until_us > {NOW_US},
+                 CASE WHEN n.lease_until_us > {NOW_US} THEN
+                     (SELECT count(*) FROM valem.owners o WHERE o.node_id = n.id AND NOT o.released)
+                 ELSE 0 END
              FROM valem.nodes n ORDER BY n.id"
         );
-        let rows = self.with_reader(|c| c.client.query(&sql, &[&lease]))?;
+        let rows = self.with_reader(|c| c.client.query(&sql, &[]))?;
         Ok(rows
             .iter()
             .map(|r| NodeInfo {

@@ -87,22 +87,25 @@ const V1: &str = r#"
     );
     "#;
 
-// v2: a fleet's nodes and the owner of each model. A node claims a model with an epoch one
-// higher than the last owner's and a lease it renews; every commit that touches a model checks,
-// in its transaction, that the committing node still holds that epoch (fencing). Times are the
-// database's clock (µs since the epoch), so nodes' clocks need not agree.
+// v2: a fleet's nodes, each with the lease it renews (one row per node, whatever its number of
+// models), and the owner of each model with an epoch one higher at every change of owner. A
+// model's claim holds while its owner node's lease does and it was not released; every commit
+// that touches a model checks, in its transaction, that the committing node still holds that
+// epoch (fencing). Times are the database's clock (µs since the epoch), so nodes' clocks need
+// not agree.
 const V2: &str = r#"
     CREATE TABLE valem.nodes (
         id TEXT COLLATE "C" PRIMARY KEY,
         url TEXT NOT NULL,
         started_us BIGINT NOT NULL,
-        seen_us BIGINT NOT NULL
+        seen_us BIGINT NOT NULL,
+        lease_until_us BIGINT NOT NULL
     );
     CREATE TABLE valem.owners (
         model_id TEXT COLLATE "C" PRIMARY KEY,
         node_id TEXT COLLATE "C" NOT NULL,
         epoch BIGINT NOT NULL,
-        lease_until_us BIGINT NOT NULL
+        released BOOLEAN NOT NULL DEFAULT false
     );
     CREATE INDEX owners_node ON valem.owners (node_id);
     "#;

@@ -83,7 +83,8 @@ impl Fence {
         let st = stmt(
             tx,
             stmts,
-            "SELECT node_id, epoch FROM valem.owners WHERE model_id = $1 FOR SHARE",
+            "SELECT node_id, epoch FROM valem.owners WHERE model_id = $1 AND NOT released
+             FOR SHARE",
         )?;
         let row = tx.query_opt(&st, &[&model_id])?;
         let owner: Option<(String, i64)> = match row {
@@ -104,7 +105,9 @@ impl Fence {
             (Some((node, epoch)), _) => {
                 Err(fenced(format!("node `{node}` holds it at epoch {epoch}")))
             }
-            (None, _) => Err(fenced("no node holds it: claim it first".into())),
+            (None, _) => Err(fenced(
+                "no node holds it (never claimed, or released): claim it first".into(),
+            )),
         }
     }
 }
@@ -117,7 +120,11 @@ fn model_of(op: &Op) -> Option<&str> {
         Op::Checkpoint { model_id, .. }
         | Op::PutSnapshot { model_id, .. }
         | Op::DeleteSnapshot { model_id, .. } => Some(model_id),
-        Op::PutBlob(_) | Op::PutTask { .. } | Op::DeleteTask { .. } | Op::Atomic(_) => None,
+        Op::PutBlob(_)
+        | Op::PutTask { .. }
+        | Op::DeleteTask { .. }
+        | Op::Atomic(_)
+        | Op::Release { .. } => None,
     }
 }
 
@@ -162,7 +169,7 @@ fn op_error(e: &postgres::Error) -> Option<StoreError> {
 fn checks_before_writing(op: &Op) -> bool {
     matches!(
         op,
-        Op::AppendAudit(_) | Op::Checkpoint { .. } | Op::PutSnapshot { .. }
+        Op::AppendAudit(_) | Op::Checkpoint { .. } | Op::PutSnapshot { .. } | Op::Release { .. }
     )
 }
 
@@ -345,6 +352,15 @@ fn fenced_apply(
             other => out.extend(model_of(other)),
         }
     }
+    if let Op::Release { model_id } = op {
+        exec(
+            tx,
+            stmts,
+            "UPDATE valem.owners SET released = true WHERE model_id = $1 AND node_id = $2",
+            &[model_id, &fence.node],
+        )?;
+        return Ok(());
+    }
     let mut models = Vec::new();
     each(op, &mut models);
     for m in models {
@@ -523,6 +539,8 @@ fn apply(
                 &[id, record, &at.us()],
             )?;
         }
+        // Only a fleet's node releases (see `fenced_apply`).
+        Op::Release { .. } => {}
         Op::DeleteTask { id } => {
             exec(tx, stmts, "DELETE FROM valem.tasks WHERE id = $1", &[id])?;
         }

@@ -436,8 +436,7 @@ fn pg_one_owner_at_a_time_and_a_node_past_its_lease_is_fenced() {
         "record 3 is b's"
     );
 
-    // Released, it is no longer renewed: another node takes it when the lease runs out.
-    b.release("m").expect("release");
+    // b stops renewing: a takes it when b's lease runs out.
     assert!(b.renew().expect("renew").is_empty());
     assert!(matches!(
         a.claim("m"),
@@ -445,8 +444,25 @@ fn pg_one_owner_at_a_time_and_a_node_past_its_lease_is_fenced() {
     ));
     std::thread::sleep(std::time::Duration::from_millis(450));
     assert_eq!(a.claim("m").expect("a again").epoch, 3);
+    // A release (written after the ops before it) hands it over at once.
+    a.writer()
+        .apply(Op::Release {
+            model_id: "m".into(),
+        })
+        .expect("release");
+    a.release("m").expect("forget");
+    assert_eq!(b.claim("m").expect("b at once").epoch, 4);
+    let err = a.writer().apply(mine.op(12, 5)).expect_err("a released it");
+    assert!(matches!(err, StoreError::Fenced { .. }), "{err}");
+    a.claim("m").expect_err("b holds it now");
+    b.writer()
+        .apply(Op::Release {
+            model_id: "m".into(),
+        })
+        .expect("release");
+    assert_eq!(a.claim("m").expect("a again").epoch, 5);
     let owner = b.owner("m").expect("owner").expect("owned");
-    assert_eq!((owner.node.as_str(), owner.epoch), ("a", 3));
+    assert_eq!((owner.node.as_str(), owner.epoch), ("a", 5));
     let nodes = b.nodes().expect("nodes");
     assert_eq!(
         nodes
