@@ -920,10 +920,8 @@ pub(super) fn initialize(
         }
     }
     c.allowed = Some(allowed);
-    for lvl in &cm.levels {
-        for &id in lvl {
-            c.mark_all(id);
-        }
+    for &id in &cm.by_level {
+        c.mark_all(id);
     }
     for &id in &cm.meta_nodes {
         c.mark_all(id);
@@ -972,10 +970,8 @@ pub(super) fn recompute(
     let limits = limits.unbounded();
     let mut c = Cycle::new(cm, &limits, st, now_ms);
     c.allowed = Some(HashSet::default());
-    for lvl in &cm.levels {
-        for &id in lvl {
-            c.mark_all(id);
-        }
+    for &id in &cm.by_level {
+        c.mark_all(id);
     }
     for &id in &cm.meta_nodes {
         c.mark_all(id);
