@@ -938,7 +938,7 @@ mod tests {
                 };
                 let seen =
                     skeleton(&text).is_some_and(|sk| matches!(shapes.get(&sk), Some(Some(_))));
-                let fast = prepare(0, &d, &limits, &constants, &bound, false, &mut shapes);
+                let fast = prepare(0, &d, &limits, &constants, &bound, false, &mut shapes, None);
                 let full = prepare(
                     0,
                     &d,
@@ -947,6 +947,7 @@ mod tests {
                     &bound,
                     false,
                     &mut Shapes::default(),
+                    Some(&mut PartNames::default()),
                 );
                 match (fast, full) {
                     (Ok(mut a), Ok(mut b)) => {
