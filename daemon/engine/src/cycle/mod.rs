@@ -223,7 +223,6 @@ struct Cycle<'a> {
     whole_cache: Option<(u64, JValue)>,
     version: u64,
     result: MutationResult,
-    hits: Vec<(u32, Vec<usize>)>,
     journal: Journal,
     /// Slot values of a JIT call (reused).
     jit_slots: Vec<f64>,
@@ -295,7 +294,6 @@ impl<'a> Cycle<'a> {
                 traces: Traces::new(cm.trace_table.clone()),
                 ..MutationResult::default()
             },
-            hits: Vec::new(),
             journal,
             jit_slots: Vec::new(),
             jit_hit: false,
