@@ -42,7 +42,16 @@ impl Address {
     }
 
     pub fn parse(text: &str) -> Result<Address, AddressError> {
-        Address::parse_as(text, crate::value::intern)
+        Address::parse_as(text, &mut crate::value::intern)
+    }
+
+    /// [`Address::parse`] with its member names made by `key` (a caller on another thread than
+    /// the model's shares them in a table of its own rather than in that thread's names).
+    pub fn parse_with(
+        text: &str,
+        key: &mut dyn FnMut(&str) -> Key,
+    ) -> Result<Address, AddressError> {
+        Address::parse_as(text, key)
     }
 
     /// [`Address::parse`] for an address used once, a mutation's: its member names are not
@@ -50,10 +59,10 @@ impl Address {
     /// becomes the shared key only if the write stores it as a new member
     /// ([`crate::value::ObjMap::insert`]); lookups compare the bytes of unshared keys.
     pub fn parse_transient(text: &str) -> Result<Address, AddressError> {
-        Address::parse_as(text, |s| Arc::from(s))
+        Address::parse_as(text, &mut |s| Arc::from(s))
     }
 
-    fn parse_as(text: &str, key: fn(&str) -> Key) -> Result<Address, AddressError> {
+    fn parse_as(text: &str, key: &mut dyn FnMut(&str) -> Key) -> Result<Address, AddressError> {
         if text.len() > MAX_ADDRESS_LEN {
             return Err(AddressError {
                 message: format!("address is longer than {MAX_ADDRESS_LEN} characters"),
@@ -273,7 +282,7 @@ impl fmt::Display for Address {
 /// The common case of the strict grammar read straight from the bytes: `$` then `.name`
 /// members (identifiers) and `[n]` indices only. `None` for anything else (quoted names,
 /// `[*]`, non-ASCII text, errors): [`strict`] reads those and words the errors.
-fn plain(t: &str, key: fn(&str) -> Key) -> Option<Vec<PathSeg>> {
+fn plain(t: &str, key: &mut dyn FnMut(&str) -> Key) -> Option<Vec<PathSeg>> {
     let b = t.as_bytes();
     let count = b.iter().filter(|&&c| c == b'.' || c == b'[').count();
     if count > MAX_SEGMENTS || b.first() != Some(&b'$') {
@@ -313,7 +322,7 @@ fn plain(t: &str, key: fn(&str) -> Key) -> Option<Vec<PathSeg>> {
 }
 
 /// The strict grammar: `$` then `.name`, `[n]`, `[*]`, `['name']` / `["name"]`.
-fn strict(t: &str, key: fn(&str) -> Key) -> Result<Address, String> {
+fn strict(t: &str, key: &mut dyn FnMut(&str) -> Key) -> Result<Address, String> {
     let chars: Vec<char> = t.chars().collect();
     let mut i = 1; // after '$'
     let mut segs = Vec::new();
@@ -502,8 +511,8 @@ mod tests {
         ];
         let mut answered = 0;
         for t in texts {
-            let general = strict(t, crate::value::intern).map(|a| a.segs);
-            match plain(t, crate::value::intern) {
+            let general = strict(t, &mut crate::value::intern).map(|a| a.segs);
+            match plain(t, &mut crate::value::intern) {
                 Some(segs) => {
                     answered += 1;
                     assert_eq!(Ok(segs), general, "{t}");

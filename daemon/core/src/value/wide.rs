@@ -415,6 +415,7 @@ impl WideMap {
         let mut take = |i: u32| {
             if let Some(&(_, ahead)) = order.get(taken + TAKE_AHEAD) {
                 crate::prefetch(entries.as_ptr().wrapping_add(ahead as usize));
+                crate::prefetch(hashes.as_ptr().wrapping_add(ahead as usize));
             }
             taken += 1;
             let (key, val) = entries.get_mut(i as usize)?.take()?;
@@ -425,7 +426,7 @@ impl WideMap {
                 val,
             })
         };
-        let (bitmap, slots) = build_branch(&order, 0, &mut take);
+        let (bitmap, slots) = build_branch(&order, 0, &mut take, &mut Vec::new());
         WideMap {
             bitmap,
             slots,
@@ -496,19 +497,28 @@ pub(super) fn root_first(hash: u64) -> u64 {
 }
 
 /// The branch at `shift` holding `run` (positions sorted by [`root_first`] of their hashes,
-/// all on this branch's path), its entries taken by `take`.
+/// all on this branch's path), its entries taken by `take`. `bufs` holds a buffer per level,
+/// reused from branch to branch: a branch's slots are gathered there and moved into their
+/// `Arc` in one allocation of the exact size (a 2M-member map has ~1M small bottom branches;
+/// growing a fresh `Vec` for each and copying it into its `Arc` was most of its build).
 pub(super) fn build_branch(
     run: &[(u64, u32)],
     shift: u32,
     take: &mut impl FnMut(u32) -> Option<Entry>,
+    bufs: &mut Vec<Vec<Slot>>,
 ) -> (Bitmap, Arc<[Slot]>) {
     // This level's digit in a `root_first` key: 5 bits, or the last level's 4 at the end.
     let digit = |k: u64| match u64::BITS.checked_sub(shift + FANOUT_BITS) {
         Some(at) => ((k >> at) & (FANOUT as u64 - 1)) as usize,
         None => (k & ((1 << (u64::BITS - shift)) - 1)) as usize,
     };
+    let depth = (shift / FANOUT_BITS) as usize;
+    if bufs.len() <= depth {
+        bufs.resize_with(depth + 1, Vec::new);
+    }
+    let mut slots = std::mem::take(&mut bufs[depth]);
+    slots.clear();
     let mut bitmap: Bitmap = 0;
-    let mut slots = Vec::new();
     let mut rest = run;
     while let Some(&(first, _)) = rest.first() {
         let d = digit(first);
@@ -525,12 +535,15 @@ pub(super) fn build_branch(
                 group.iter().filter_map(|&(_, i)| take(i)),
             )))
         } else {
-            let (bitmap, slots) = build_branch(group, shift + FANOUT_BITS, take);
+            let (bitmap, slots) = build_branch(group, shift + FANOUT_BITS, take, bufs);
             Some(Slot::Branch { bitmap, slots })
         };
         slots.extend(slot);
     }
-    (bitmap, Arc::from(slots))
+    // A draining iterator has an exact length: the `Arc` is allocated once, at its size.
+    let made: Arc<[Slot]> = slots.drain(..).collect();
+    bufs[depth] = slots;
+    (bitmap, made)
 }
 
 /// The hash a slot's entries share (a branch has none), as far as the level at `shift` needs

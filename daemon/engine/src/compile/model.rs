@@ -361,8 +361,8 @@ pub struct CompiledModel {
     /// The nodes evaluated as a native aggregate, and how (few nodes are: kept beside the
     /// nodes rather than a field of each).
     pub(super) aggregates: HashMap<NodeId, Aggregate>,
-    /// Derivation nodes grouped by topological level.
-    pub levels: Vec<Vec<NodeId>>,
+    /// Derivation nodes in evaluation order: by topological level, then by id.
+    pub by_level: Vec<NodeId>,
     /// Per node, the nodes that read what it writes (derivations only write).
     pub dependents: Dependents,
     pub readers: Trie,

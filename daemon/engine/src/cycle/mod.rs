@@ -223,7 +223,6 @@ struct Cycle<'a> {
     whole_cache: Option<(u64, JValue)>,
     version: u64,
     result: MutationResult,
-    hits: Vec<(u32, Vec<usize>)>,
     journal: Journal,
     /// Slot values of a JIT call (reused).
     jit_slots: Vec<f64>,
@@ -295,7 +294,6 @@ impl<'a> Cycle<'a> {
                 traces: Traces::new(cm.trace_table.clone()),
                 ..MutationResult::default()
             },
-            hits: Vec::new(),
             journal,
             jit_slots: Vec::new(),
             jit_hit: false,
@@ -920,10 +918,8 @@ pub(super) fn initialize(
         }
     }
     c.allowed = Some(allowed);
-    for lvl in &cm.levels {
-        for &id in lvl {
-            c.mark_all(id);
-        }
+    for &id in &cm.by_level {
+        c.mark_all(id);
     }
     for &id in &cm.meta_nodes {
         c.mark_all(id);
@@ -972,10 +968,8 @@ pub(super) fn recompute(
     let limits = limits.unbounded();
     let mut c = Cycle::new(cm, &limits, st, now_ms);
     c.allowed = Some(HashSet::default());
-    for lvl in &cm.levels {
-        for &id in lvl {
-            c.mark_all(id);
-        }
+    for &id in &cm.by_level {
+        c.mark_all(id);
     }
     for &id in &cm.meta_nodes {
         c.mark_all(id);

@@ -50,31 +50,27 @@ impl<'a> Cycle<'a> {
     /// Dirty every reader of a written path (and whole-document readers).
     pub(super) fn propagate(&mut self, w: &[Seg]) {
         let readers = &self.cm.readers;
-        self.propagate_hits(w, |out| readers.hits(w, out));
+        self.propagate_hits(w, |visit| readers.visit_hits(w, visit));
     }
 
     /// `propagate` for a write of the top-level member `w`, given its node in the reader index.
     pub(super) fn propagate_member(&mut self, w: &[Seg], member: Option<crate::trie::Member>) {
         let readers = &self.cm.readers;
-        self.propagate_hits(w, |out| readers.member_hits(member, out));
+        self.propagate_hits(w, |visit| readers.visit_member_hits(member, visit));
     }
 
-    /// Mark the readers `find` lists for the write at `w`.
+    /// Mark the readers `find` gives (in the order it finds them) for the write at `w`.
     pub(super) fn propagate_hits(
         &mut self,
         w: &[Seg],
-        find: impl FnOnce(&mut Vec<crate::trie::Hit>),
+        find: impl FnOnce(&mut dyn FnMut(u32, &[usize])),
     ) {
-        let mut hits = std::mem::take(&mut self.hits);
-        hits.clear();
-        find(&mut hits);
-        for (id, b) in hits.drain(..) {
+        find(&mut |id, b| {
             if self.cm.has_delta_aggregates {
                 self.note_aggregate(id, w);
             }
-            self.mark(id, b);
-        }
-        self.hits = hits;
+            self.mark(id, b.to_vec());
+        });
         self.mark_whole_doc();
     }
 
