@@ -424,6 +424,11 @@ impl std::fmt::Debug for Reply {
 
 impl Http {
     pub fn new(d: &Daemon) -> Http {
+        Http::new_addr(&d.addr)
+    }
+
+    /// A client of whatever listens on `addr` (`127.0.0.1:PORT`: a proxy in front of daemons).
+    pub fn new_addr(addr: &str) -> Http {
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .proxy(None)
@@ -431,7 +436,7 @@ impl Http {
             .build();
         Http {
             agent: config.into(),
-            base: d.url(""),
+            base: format!("http://{addr}"),
             key: None,
         }
     }
