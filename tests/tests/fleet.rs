@@ -204,6 +204,13 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     let r = hb.get("/models/m/state");
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.header("retry-after").is_some());
+    // Over MCP, a tool error the agent can read.
+    let (v, _) = modern_call(&hb, 9, "get_state", json!({"id": "m"}));
+    assert_eq!(v["result"]["isError"], json!(true), "{v}");
+    let text = v["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(text.contains("did not answer"), "{v}");
     past_the_lease();
     let r = hb.get("/models/m/state");
     assert_eq!(

@@ -117,6 +117,7 @@ async fn forward_misdirected(st: &AppState, req: Request, next: Next, node: &str
     let timeout = st.config.request_timeout;
     let node = node.to_string();
     let target = format!("{}{path}", owner_url.trim_end_matches('/'));
+    let request_body = bytes.clone();
     let sent = tokio::task::spawn_blocking(move || {
         send(
             &method,
@@ -141,15 +142,41 @@ async fn forward_misdirected(st: &AppState, req: Request, next: Next, node: &str
                 Ok(Ok(_)) => String::new(),
             };
             st.metrics.forwarded(false);
+            let message = format!("the model's owner at {owner_url} did not answer ({why}); once its lease runs out the next request takes the model over: retry in a second");
+            // Over MCP a tool call gets a tool error an agent can read and act on (retry),
+            // not an HTTP error its client turns into an exception.
+            if path.starts_with("/mcp") {
+                if let Some(r) = mcp_tool_error(&request_body, &message) {
+                    return r;
+                }
+            }
             let mut r = error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
-                json!({"error": "Owner unreachable", "message": format!("the model's owner at {owner_url} did not answer ({why}); once its lease runs out the next request takes the model over"), "ownerUrl": owner_url}),
+                json!({"error": "Owner unreachable", "message": message, "ownerUrl": owner_url}),
             );
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             r
         }
     }
+}
+
+/// The JSON-RPC answer to the `tools/call` in `request` that is a tool error saying `message`
+/// (`None`: not a tool call).
+fn mcp_tool_error(request: &[u8], message: &str) -> Option<Response> {
+    let req: serde_json::Value = serde_json::from_slice(request).ok()?;
+    if req["method"] != json!("tools/call") {
+        return None;
+    }
+    let body = json!({
+        "jsonrpc": "2.0",
+        "id": req.get("id").cloned().unwrap_or(serde_json::Value::Null),
+        "result": {
+            "content": [{"type": "text", "text": message}],
+            "isError": true,
+        },
+    });
+    Some((StatusCode::OK, axum::Json(body)).into_response())
 }
 
 fn send(
