@@ -184,9 +184,9 @@ pub struct StoreArgs {
     /// Keep models in a PostgreSQL database instead of a data directory (durable mode, as with
     /// --data-dir): `postgres://USER:PASSWORD@HOST:PORT/DATABASE` (or a `key=value` connection
     /// string). Everything durable lives in the schema `valem` of that database, created and
-    /// migrated at start (a schema from a newer valem is refused); blob bytes too. Nodes that
-    /// share a database see the same models. TLS is not supported yet: use a trusted network
-    /// or a local proxy.
+    /// migrated at start (a schema from a newer valem is refused); blob bytes too. Several
+    /// daemons share one database as a fleet with --node-id. TLS is not supported yet: use a
+    /// trusted network or a local proxy.
     #[arg(long, env = "VALEM_STORE", value_name = "URL")]
     pub store: Option<String>,
     /// With --store: this node's id in a fleet of daemons sharing the database (unique in the
@@ -194,8 +194,9 @@ pub struct StoreArgs {
     /// a time, with a lease this node renews; a model is claimed by the first node a request
     /// for it reaches once its owner's lease ran out, and every commit checks the claim
     /// (an owner paused past its lease commits nothing more). A request for a model another
-    /// live node owns answers 421 with that node's URL (`owner`, `ownerUrl`). Nothing is loaded
-    /// at start: each model wakes at its first request here. See GET /cluster.
+    /// live node owns is forwarded to that node (REST and MCP's modern era; a WebSocket or a
+    /// legacy MCP session gets 421 or a tool error naming it). Nothing is loaded at start: each
+    /// model wakes at its first request here. See GET /cluster and docs/fleet.md.
     #[arg(
         long,
         env = "VALEM_NODE_ID",
