@@ -373,6 +373,12 @@ enum Failure {
     Batch(rusqlite::Error),
 }
 
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Failure {
+        Failure::Op(e)
+    }
+}
+
 impl From<rusqlite::Error> for Failure {
     fn from(e: rusqlite::Error) -> Failure {
         match e.sqlite_error_code() {
@@ -521,11 +527,10 @@ impl Backend for SqliteBackend {
     }
 }
 
-fn seq_param(s: u64) -> Result<i64, Failure> {
-    i64::try_from(s).map_err(|_| {
-        Failure::Op(StoreError::InvalidRecord {
-            detail: format!("sequence {s} exceeds 2^63-1"),
-        })
+/// A sequence as the stores keep it (a signed 64-bit integer).
+pub(crate) fn seq_param(s: u64) -> Result<i64, StoreError> {
+    i64::try_from(s).map_err(|_| StoreError::InvalidRecord {
+        detail: format!("sequence {s} exceeds 2^63-1"),
     })
 }
 
@@ -543,11 +548,75 @@ fn head(conn: &Connection, model_id: &str) -> Result<Option<(u64, String)>, Fail
     Ok(seq.map(|s| (s.max(0) as u64, hash)))
 }
 
-fn to_text(v: &Json) -> Result<String, Failure> {
-    serde_json::to_string(v).map_err(|e| {
-        Failure::Op(StoreError::InvalidRecord {
-            detail: e.to_string(),
-        })
+/// A value's JSON text as the stores keep it.
+pub(crate) fn to_text(v: &Json) -> Result<String, StoreError> {
+    serde_json::to_string(v).map_err(|e| StoreError::InvalidRecord {
+        detail: e.to_string(),
+    })
+}
+
+/// A checkpoint after record `sequence` (`None`: before the first) of a model whose committed
+/// head is `head`: the sequence as stored (-1 before the first record, below every real one),
+/// or `CheckpointAhead` when it is past the head.
+pub(crate) fn checkpoint_seq(
+    model_id: &str,
+    sequence: Option<Seq>,
+    head: Option<u64>,
+) -> Result<i64, StoreError> {
+    match sequence.map(Seq::get) {
+        None => Ok(-1),
+        Some(seq) if head.is_none_or(|h| seq > h) => Err(StoreError::CheckpointAhead {
+            model_id: model_id.to_string(),
+            sequence: seq,
+            head,
+        }),
+        Some(seq) => seq_param(seq),
+    }
+}
+
+/// A checkpoint that follows a record which is not stored.
+pub(crate) fn record_not_stored(model_id: &str, sequence: u64) -> StoreError {
+    StoreError::InvalidRecord {
+        detail: format!(
+            "model `{model_id}`: checkpoint after record {sequence}, which is not stored"
+        ),
+    }
+}
+
+/// A checkpoint as both stores keep it: its state text, the blake3 of that text, and its own
+/// hash over those and the record it follows (`head_hash`).
+pub(crate) struct SealedCheckpoint {
+    pub(crate) text: String,
+    pub(crate) state_hash: String,
+    pub(crate) hash: String,
+}
+
+pub(crate) fn seal_checkpoint(
+    key: Option<&AuditKey>,
+    model_id: &str,
+    sequence: Option<Seq>,
+    at_us: i64,
+    kind: CheckpointKind,
+    head_hash: &str,
+    state: &Json,
+) -> Result<SealedCheckpoint, StoreError> {
+    let text = to_text(state)?;
+    let state_hash = chain::state_hash(text.as_bytes());
+    let hash = chain::checkpoint_hash(
+        key,
+        &CheckpointHeader {
+            model_id,
+            sequence,
+            at_us,
+            kind: kind.as_str(),
+            head_hash,
+            state_hash: &state_hash,
+        },
+    );
+    Ok(SealedCheckpoint {
+        text,
+        state_hash,
+        hash,
     })
 }
 
@@ -737,22 +806,7 @@ fn put_checkpoint(
     key: Option<&AuditKey>,
 ) -> Result<(), Failure> {
     let head = head(conn, model_id)?;
-    let committed = head.as_ref().map(|(s, _)| *s);
-    let number = sequence.map(Seq::get);
-    if let Some(seq) = number {
-        if committed.is_none_or(|h| seq > h) {
-            return Err(Failure::Op(StoreError::CheckpointAhead {
-                model_id: model_id.to_string(),
-                sequence: seq,
-                head: committed,
-            }));
-        }
-    }
-    // Before the first record is stored as -1, below every real sequence.
-    let seq = match number {
-        Some(s) => seq_param(s)?,
-        None => -1,
-    };
+    let seq = checkpoint_seq(model_id, sequence, head.as_ref().map(|(s, _)| *s))?;
     if *kind == CheckpointKind::Periodic {
         let existing: Option<String> = conn
             .prepare_cached("SELECT kind FROM checkpoints WHERE model_id = ?1 AND sequence = ?2")?
@@ -762,34 +816,20 @@ fn put_checkpoint(
             return Ok(());
         }
     }
-    let head_hash = match (number, head) {
+    let head_hash = match (sequence.map(Seq::get), head) {
         (None, _) => GENESIS.to_string(),
         (Some(s), Some((h, hash))) if s == h => hash,
         (Some(s), _) => conn
             .prepare_cached("SELECT hash FROM audit WHERE model_id = ?1 AND sequence = ?2")?
             .query_row(params![model_id, seq], |r| r.get(0))
             .optional()?
-            .ok_or_else(|| {
-                Failure::Op(StoreError::InvalidRecord {
-                    detail: format!(
-                        "model `{model_id}`: checkpoint after record {s}, which is not stored"
-                    ),
-                })
-            })?,
+            .ok_or_else(|| record_not_stored(model_id, s))?,
     };
-    let text = to_text(state)?;
-    let state_hash = chain::state_hash(text.as_bytes());
-    let hash = chain::checkpoint_hash(
-        key,
-        &CheckpointHeader {
-            model_id,
-            sequence,
-            at_us: *at_us,
-            kind: kind.as_str(),
-            head_hash: &head_hash,
-            state_hash: &state_hash,
-        },
-    );
+    let SealedCheckpoint {
+        text,
+        state_hash,
+        hash,
+    } = seal_checkpoint(key, model_id, sequence, *at_us, *kind, &head_hash, state)?;
     conn.prepare_cached(
         "INSERT OR REPLACE INTO checkpoints
              (model_id, sequence, at_us, state, kind, head_hash, state_hash, hash)

@@ -11,8 +11,11 @@ use serde_json::Value as Json;
 
 use super::owners::Held;
 use super::{pg_err, stmt, Conn, PgTarget};
-use crate::chain::{self, AuditKey, CheckpointHeader, Seq, GENESIS};
-use crate::writer::{spawn_backend, AuditAppend, Backend, Op};
+use crate::chain::{self, AuditKey, Seq, GENESIS};
+use crate::writer::{
+    checkpoint_seq, record_not_stored, seal_checkpoint, seq_param, spawn_backend, to_text,
+    AuditAppend, Backend, Op, SealedCheckpoint,
+};
 use crate::{CheckpointKind, Durability, StoreError, Writer};
 
 /// Start the writer thread on `conn`.
@@ -134,6 +137,12 @@ fn model_of(op: &Op) -> Option<&str> {
 enum Failure {
     Op(StoreError),
     Db(postgres::Error),
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Failure {
+        Failure::Op(e)
+    }
 }
 
 impl From<postgres::Error> for Failure {
@@ -367,22 +376,6 @@ fn fenced_apply(
         fence.check(tx, stmts, m)?;
     }
     apply(tx, stmts, op, key)
-}
-
-fn seq_param(s: u64) -> Result<i64, Failure> {
-    i64::try_from(s).map_err(|_| {
-        Failure::Op(StoreError::InvalidRecord {
-            detail: format!("sequence {s} exceeds 2^63-1"),
-        })
-    })
-}
-
-fn to_text(v: &Json) -> Result<String, Failure> {
-    serde_json::to_string(v).map_err(|e| {
-        Failure::Op(StoreError::InvalidRecord {
-            detail: e.to_string(),
-        })
-    })
 }
 
 type Stmts = HashMap<&'static str, Statement>;
@@ -643,21 +636,7 @@ fn put_checkpoint(
     key: Option<&AuditKey>,
 ) -> Result<(), Failure> {
     let head = head(tx, stmts, model_id)?;
-    let committed = head.as_ref().map(|(s, _)| *s);
-    let number = sequence.map(Seq::get);
-    if let Some(seq) = number {
-        if committed.is_none_or(|h| seq > h) {
-            return Err(Failure::Op(StoreError::CheckpointAhead {
-                model_id: model_id.to_string(),
-                sequence: seq,
-                head: committed,
-            }));
-        }
-    }
-    let seq = match number {
-        Some(s) => seq_param(s)?,
-        None => -1,
-    };
+    let seq = checkpoint_seq(model_id, sequence, head.as_ref().map(|(s, _)| *s))?;
     if kind == CheckpointKind::Periodic {
         let st = stmt(
             tx,
@@ -672,7 +651,7 @@ fn put_checkpoint(
             return Ok(());
         }
     }
-    let head_hash = match (number, head) {
+    let head_hash = match (sequence.map(Seq::get), head) {
         (None, _) => GENESIS.to_string(),
         (Some(s), Some((h, hash))) if s == h => hash,
         (Some(s), _) => {
@@ -685,28 +664,14 @@ fn put_checkpoint(
                 .query_opt(&st, &[&model_id, &seq])?
                 .map(|r| r.try_get(0))
                 .transpose()?;
-            found.ok_or_else(|| {
-                Failure::Op(StoreError::InvalidRecord {
-                    detail: format!(
-                        "model `{model_id}`: checkpoint after record {s}, which is not stored"
-                    ),
-                })
-            })?
+            found.ok_or_else(|| record_not_stored(model_id, s))?
         }
     };
-    let text = to_text(state)?;
-    let state_hash = chain::state_hash(text.as_bytes());
-    let hash = chain::checkpoint_hash(
-        key,
-        &CheckpointHeader {
-            model_id,
-            sequence,
-            at_us,
-            kind: kind.as_str(),
-            head_hash: &head_hash,
-            state_hash: &state_hash,
-        },
-    );
+    let SealedCheckpoint {
+        text,
+        state_hash,
+        hash,
+    } = seal_checkpoint(key, model_id, sequence, at_us, kind, &head_hash, state)?;
     exec(
         tx,
         stmts,
