@@ -227,7 +227,7 @@ pub struct ConstraintViolation {
 }
 
 /// An effect the cycle requested; executed (if at all) by the shell after commit.
-#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EffectRequest {
     pub effect_id: String,
@@ -288,6 +288,49 @@ fn traces_schema(schema: &mut schemars::Schema) {
 }
 
 impl MutationResult {
+    /// A result read back from its wire shape (`to_json(false)`), as kept with an idempotency
+    /// key; `None` when `v` is not one. Its traces are not kept.
+    pub fn from_json(v: &Json) -> Option<MutationResult> {
+        let strings = |key: &str| -> Option<Vec<&str>> {
+            v.get(key)?.as_array()?.iter().map(Json::as_str).collect()
+        };
+        let mut mutated_paths = trace::PathList::default();
+        for p in strings("mutatedPaths")? {
+            mutated_paths.push(p);
+        }
+        let derived: Vec<Arc<str>> = strings("derivedUpdated")?
+            .into_iter()
+            .map(Arc::from)
+            .collect();
+        let flagged = v
+            .get("flaggedConstraints")?
+            .as_array()?
+            .iter()
+            .map(|c| {
+                Some(ConstraintViolation {
+                    constraint_id: c.get("constraintId")?.as_str()?.to_string(),
+                    message: c.get("message")?.as_str()?.to_string(),
+                    policy: match c.get("policy")?.as_str()? {
+                        "rollback" => "rollback",
+                        _ => "flag",
+                    },
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(MutationResult {
+            success: v.get("success")?.as_bool()?,
+            mutated_paths,
+            derived_updated: Paths::from(derived),
+            meta_updated: strings("metaUpdated")?
+                .into_iter()
+                .map(str::to_string)
+                .collect(),
+            flagged_constraints: flagged,
+            dispatched_effects: serde_json::from_value(v.get("dispatchedEffects")?.clone()).ok()?,
+            traces: Traces::default(),
+        })
+    }
+
     /// The wire shape; traces only on request.
     pub fn to_json(&self, include_traces: bool) -> Json {
         let mut v = serde_json::to_value(self).unwrap_or(Json::Null);

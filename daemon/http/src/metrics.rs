@@ -81,6 +81,11 @@ pub async fn serve(State(st): State<AppState>) -> Response {
             v.load(Ordering::Relaxed)
         );
     }
+    let _ = writeln!(
+        out,
+        "# HELP valem_idempotent_replays_total Writes sent again under their idempotency key, answered without being applied again.\n# TYPE valem_idempotent_replays_total counter\nvalem_idempotent_replays_total {}",
+        cm.replayed.load(Ordering::Relaxed)
+    );
     histogram(
         &mut out,
         "valem_cycle_duration_seconds",

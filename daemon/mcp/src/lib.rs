@@ -165,7 +165,7 @@ impl Server {
                         format!("the host has no built-in tool `{name}`"),
                     )
                 })?;
-            let ctx = tools::Ctx { server: &server };
+            let ctx = tools::Ctx::new(&server);
             tool.call(&ctx, args).map_err(|e| match e {
                 tools::ToolError::Structured(v) => fail(v.to_string()),
                 tools::ToolError::Message(m) => fail(m),
@@ -547,9 +547,7 @@ impl Session {
             }
             st.in_flight.insert(key.clone());
         }
-        let ctx = tools::Ctx {
-            server: &self.server,
-        };
+        let ctx = tools::Ctx::of_call(&self.server, params);
         let call = tool.call_deferred(&ctx, args);
         let name = tool.name;
         Some(async move {
@@ -946,9 +944,7 @@ impl Session {
                 return r;
             }
         }
-        let ctx = tools::Ctx {
-            server: &self.server,
-        };
+        let ctx = tools::Ctx::of_call(&self.server, &params);
         result(id, tools::envelope_for(tool.name, tool.call(&ctx, args)))
     }
 }

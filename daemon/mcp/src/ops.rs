@@ -9,7 +9,7 @@ use super::tools::{Outcome, ToolError};
 use valem_core::expr::path::Address;
 use valem_core::spec::{parse_evolution_checked, parse_spec};
 use valem_service::time::parse_iso;
-use valem_service::{mutation_list, Call, Change, ModelId, ModelService, Viewed};
+use valem_service::{mutation_list, Call, Change, IdempotencyKey, ModelId, ModelService, Viewed};
 
 pub fn list_models(s: &ModelService) -> Outcome {
     Ok(json!(s.list()?))
@@ -95,9 +95,10 @@ pub fn mutate<'a>(
     id: &ModelId,
     mutations: &Map<String, Json>,
     include_traces: bool,
+    key: Option<IdempotencyKey>,
 ) -> Cycle<'a> {
     Cycle {
-        call: s.write_viewed(id, Change::Mutations(mutation_list(mutations)), None),
+        call: s.write_once(id, Change::Mutations(mutation_list(mutations)), None, key),
         traces: include_traces,
     }
 }
@@ -108,10 +109,11 @@ pub fn patch<'a>(
     id: &ModelId,
     patch: Json,
     include_traces: bool,
+    key: Option<IdempotencyKey>,
 ) -> Result<Cycle<'a>, ToolError> {
     let patch = valem_service::parse_patch(patch).map_err(|e| ToolError::Message(e.to_string()))?;
     Ok(Cycle {
-        call: s.patch(id, patch),
+        call: s.write_once(id, Change::Patch(patch), None, key),
         traces: include_traces,
     })
 }

@@ -213,7 +213,7 @@ impl Session {
             let Some(tool) = server.tools.get(name) else {
                 return Err(tasks::task_error(code::INTERNAL_ERROR, "the tool is gone"));
             };
-            let ctx = tools::Ctx { server: &server };
+            let ctx = tools::Ctx::new(&server);
             Ok(modern::finish(
                 tools::envelope_for(name, tool.call(&ctx, args)),
                 None,

@@ -847,7 +847,21 @@ impl ModelService {
         change: Change,
         view: Option<String>,
     ) -> Call<'_, Viewed> {
-        self.write(id, move |s, id, r| s.write_viewed(id, change, view, r))
+        self.write_once(id, change, view, None)
+    }
+
+    /// [`write_viewed`](Self::write_viewed) under an idempotency key: a request sent again
+    /// with the same key (and the same change and view) is answered as the first was
+    /// (`replayed`) and applied once; with another change it is refused
+    /// ([`ServiceError::KeyReused`]).
+    pub fn write_once(
+        &self,
+        id: &ModelId,
+        change: Change,
+        view: Option<String>,
+        key: Option<IdempotencyKey>,
+    ) -> Call<'_, Viewed> {
+        self.write(id, move |s, id, r| s.write_viewed(id, change, view, key, r))
     }
 
     /// One reactive cycle for an RFC 6902 JSON Patch of the base document.

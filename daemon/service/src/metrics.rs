@@ -17,6 +17,8 @@ pub struct CycleMetrics {
     pub rejected_schema: AtomicU64,
     pub rejected_constraint: AtomicU64,
     pub rejected_other: AtomicU64,
+    /// Writes answered from their idempotency key (sent again, applied once).
+    pub replayed: AtomicU64,
     latency: Histogram,
 }
 

@@ -128,6 +128,41 @@ pub fn parse_patch(v: Json) -> Result<json_patch::Patch, PatchParseError> {
 pub struct Viewed {
     pub result: Arc<MutationResult>,
     pub view: Option<Result<Json, ServiceError>>,
+    /// The write was made before under the same idempotency key: this is its answer again
+    /// (without traces; a view is of the state now), and nothing was applied this time.
+    pub replayed: bool,
+}
+
+/// The longest idempotency key, in bytes.
+pub const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// A client's idempotency key for one write of one model: the write is applied once, and a
+/// request sent again with the same key (after an answer was lost, a node died, a proxy timed
+/// out) is answered as the first was. 1 to [`MAX_IDEMPOTENCY_KEY`] printable ASCII characters;
+/// a model keeps its newest `valem_store::KEYS_KEPT` keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// `key` as sent (`what` names where, for the error: "the Idempotency-Key header").
+    pub fn parse(key: &str, what: &str) -> Result<IdempotencyKey, ServiceError> {
+        if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
+            return Err(ServiceError::BadRequest(format!(
+                "{what} must be 1 to {MAX_IDEMPOTENCY_KEY} characters, not {}",
+                key.len()
+            )));
+        }
+        if let Some((i, c)) = key.char_indices().find(|(_, c)| !(' '..='~').contains(c)) {
+            return Err(ServiceError::BadRequest(format!(
+                "{what} holds {c:?} at byte {i}: only printable ASCII characters are allowed"
+            )));
+        }
+        Ok(IdempotencyKey(key.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
 }
 
 /// Where a mutation came from (recorded in the audit trail).
@@ -210,6 +245,12 @@ pub enum ServiceError {
     /// A fold-back whose effect fired again with another key meanwhile: not applied.
     #[error("effect `{0}` was superseded: its dedupe key changed while it ran")]
     Superseded(String),
+    /// An idempotency key sent again with a different request: nothing was applied.
+    #[error(
+        "idempotency key `{key}` was used for another request to model `{id}`; a retry must \
+         send the same request, a new request a new key"
+    )]
+    KeyReused { id: String, key: String },
 }
 
 impl ServiceError {

@@ -49,12 +49,12 @@ impl Backend for Embedded {
                 id,
                 mutations,
                 include_traces,
-            } => ops::mutate(s, id, mutations, *include_traces).wait(),
+            } => ops::mutate(s, id, mutations, *include_traces, None).wait(),
             Command::PatchMutate {
                 id,
                 patch,
                 include_traces,
-            } => ops::patch(s, id, Json::Array(patch.clone()), *include_traces)
+            } => ops::patch(s, id, Json::Array(patch.clone()), *include_traces, None)
                 .and_then(|c| c.wait()),
             Command::GetHistory { id } => ops::history(s, id),
             Command::GetSchema { id, path } => ops::effective_schema(s, id, path),

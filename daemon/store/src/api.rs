@@ -14,8 +14,8 @@ use crate::keys::KeyAdoption;
 use crate::pg::{NodeInfo, Ownership};
 use crate::Timestamp;
 use crate::{
-    AuditEntry, AuditFilter, BlobMeta, SqliteStore, StoreError, StoredModel, StoredSnapshot,
-    Writer, WriterStats,
+    AuditEntry, AuditFilter, BlobMeta, SqliteStore, StoreError, StoredKey, StoredModel,
+    StoredSnapshot, Writer, WriterStats,
 };
 
 /// A durable store shared by the service's threads (`Send + Sync`, behind an `Arc`).
@@ -56,6 +56,10 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn query_audit(&self, model_id: &str, filter: &AuditFilter) -> Result<Vec<Json>, StoreError>;
     /// A model's named snapshots.
     fn snapshots(&self, model_id: &str) -> Result<Vec<StoredSnapshot>, StoreError>;
+    /// A model's idempotency keys, newest first (at most [`crate::KEYS_KEPT`]).
+    fn idempotency_keys(&self, model_id: &str) -> Result<Vec<StoredKey>, StoreError>;
+    /// The answer a write made under `key` was given (`None`: no such key kept).
+    fn idempotency_answer(&self, model_id: &str, key: &str) -> Result<Option<String>, StoreError>;
     /// The records of the tasks kept (MCP's tasks extension); written with `Op::PutTask`.
     fn tasks(&self) -> Result<Vec<String>, StoreError>;
     /// A blob's metadata.
@@ -167,6 +171,12 @@ impl Store for SqliteStore {
     }
     fn snapshots(&self, model_id: &str) -> Result<Vec<StoredSnapshot>, StoreError> {
         SqliteStore::snapshots(self, model_id)
+    }
+    fn idempotency_keys(&self, model_id: &str) -> Result<Vec<StoredKey>, StoreError> {
+        SqliteStore::idempotency_keys(self, model_id)
+    }
+    fn idempotency_answer(&self, model_id: &str, key: &str) -> Result<Option<String>, StoreError> {
+        SqliteStore::idempotency_answer(self, model_id, key)
     }
     fn blob(&self, id: &str) -> Result<Option<BlobMeta>, StoreError> {
         SqliteStore::blob(self, id)

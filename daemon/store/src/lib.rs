@@ -326,6 +326,31 @@ pub(crate) fn sql_err(path: &Path, e: rusqlite::Error) -> StoreError {
     }
 }
 
+/// How many idempotency keys a model keeps: the newest, by the sequence of their records; older
+/// ones are forgotten at the model's checkpoints.
+pub const KEYS_KEPT: usize = 1000;
+
+/// A write made under an idempotency key, committed with its audit record (one transaction):
+/// a retry with the same key is answered `answer` instead of being applied again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyedWrite {
+    /// The client's key (unique per model).
+    pub key: String,
+    /// The blake3 hex of the request it came with: a key sent again with another request is
+    /// refused.
+    pub request: String,
+    /// The answer given, as JSON text.
+    pub answer: String,
+}
+
+/// An idempotency key as stored: its request's hash and the sequence of its record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredKey {
+    pub key: String,
+    pub request: String,
+    pub sequence: Seq,
+}
+
 /// A model as stored.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredModel {

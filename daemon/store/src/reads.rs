@@ -176,6 +176,35 @@ impl SqliteStore {
         })
     }
 
+    /// A model's idempotency keys, newest first (at most [`KEYS_KEPT`]).
+    pub fn idempotency_keys(&self, model_id: &str) -> Result<Vec<StoredKey>, StoreError> {
+        self.all_rows(
+            "SELECT key, request, sequence FROM idempotency WHERE model_id = ?1
+             ORDER BY sequence DESC LIMIT ?2",
+            rusqlite::params![model_id, KEYS_KEPT as i64],
+            |r| {
+                Ok(StoredKey {
+                    key: r.get(0)?,
+                    request: r.get(1)?,
+                    sequence: Seq::new(r.get::<_, i64>(2)?.max(0) as u64),
+                })
+            },
+        )
+    }
+
+    /// The answer a write made under `key` was given (`None`: no such key kept).
+    pub fn idempotency_answer(
+        &self,
+        model_id: &str,
+        key: &str,
+    ) -> Result<Option<String>, StoreError> {
+        self.with_reader(|c| {
+            c.prepare_cached("SELECT answer FROM idempotency WHERE model_id = ?1 AND key = ?2")
+                .and_then(|mut s| s.query_row([model_id, key], |r| r.get(0)).optional())
+                .map_err(|e| sql_err(&self.db, e))
+        })
+    }
+
     pub fn snapshots(&self, model_id: &str) -> Result<Vec<StoredSnapshot>, StoreError> {
         self.with_reader(|c| {
             let mut st = c

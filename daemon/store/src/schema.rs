@@ -39,6 +39,10 @@ pub(super) const MIGRATIONS: &[Step] = &[
         sql: V5,
         then: None,
     },
+    Step {
+        sql: V6,
+        then: None,
+    },
 ];
 
 // v1: the registry and the hash-chained audit log.
@@ -149,6 +153,22 @@ const V5: &str = r#"
     ) WITHOUT ROWID;
     ALTER TABLE models ADD COLUMN spec_hash TEXT;
     CREATE INDEX models_spec_hash ON models (spec_hash) WHERE spec_hash IS NOT NULL;
+    "#;
+
+// v6: writes made under an idempotency key, each committed with its record: the key, the
+// blake3 of the request it came with, the record's sequence and the answer given (see
+// `crate::KeyedWrite`). A model keeps the newest `crate::KEYS_KEPT`; older ones go at its
+// checkpoints.
+const V6: &str = r#"
+    CREATE TABLE idempotency (
+        model_id TEXT NOT NULL,
+        key TEXT NOT NULL,
+        sequence INTEGER NOT NULL,
+        request TEXT NOT NULL,
+        answer TEXT NOT NULL,
+        PRIMARY KEY (model_id, key)
+    ) WITHOUT ROWID;
+    CREATE INDEX idempotency_seq ON idempotency (model_id, sequence);
     "#;
 
 /// Hash every checkpoint as it stands (plain blake3: a store before v3 has no key). A checkpoint

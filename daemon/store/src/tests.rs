@@ -671,6 +671,7 @@ pub(super) fn delete_removes_every_row(store: &dyn Store, count: Count) {
         for i in 0..3 {
             w.apply(c.op(i, i)).expect("append");
         }
+        w.apply(keyed(c.op(3, 3), "k")).expect("keyed append");
         w.apply(Op::Checkpoint {
             model_id: id.into(),
             sequence: Some(Seq::new(2)),
@@ -696,7 +697,13 @@ pub(super) fn delete_removes_every_row(store: &dyn Store, count: Count) {
     w.apply(Op::DeleteModel { id: "a".into() }).expect("delete");
     w.apply(Op::DeleteModel { id: "a".into() })
         .expect("idempotent");
-    for table in ["audit", "audit_paths", "checkpoints", "snapshots"] {
+    for table in [
+        "audit",
+        "audit_paths",
+        "checkpoints",
+        "snapshots",
+        "idempotency",
+    ] {
         let n = count(&format!(
             "SELECT count(*) FROM {table} WHERE model_id = 'a'"
         ));
@@ -711,7 +718,92 @@ pub(super) fn delete_removes_every_row(store: &dyn Store, count: Count) {
             .collect::<Vec<_>>(),
         vec!["b"]
     );
-    assert_eq!(records(store, "b").len(), 3);
+    assert_eq!(records(store, "b").len(), 4);
+}
+
+/// `op` (an append) made under idempotency key `key`.
+fn keyed(op: Op, key: &str) -> Op {
+    match op {
+        Op::AppendAudit(a) => Op::AppendAudit(a.with_key(KeyedWrite {
+            key: key.into(),
+            request: format!("request of {key}"),
+            answer: format!("{{\"answer\":\"{key}\"}}"),
+        })),
+        other => other,
+    }
+}
+
+#[test]
+fn keyed_writes_are_kept_with_their_records() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    keys_kept_with_records(&boxed(tmp.path()));
+}
+
+/// A keyed append keeps its key, request hash and answer in its transaction (a failed append
+/// keeps none); reopening reads them back; a checkpoint forgets all but the newest KEYS_KEPT.
+pub(super) fn keys_kept_with_records(open: &dyn Fn(StoreOptions) -> Box<dyn Store>) {
+    let mut c = Chain::new("m");
+    {
+        let store = open(StoreOptions::default());
+        let w = store.writer();
+        w.apply(put_model("m")).expect("put");
+        w.apply(keyed(c.op(1, 1), "first")).expect("keyed");
+        w.apply(c.op(2, 2)).expect("plain");
+        // Out of sequence: refused, and its key with it.
+        let mut stale = Chain::new("m");
+        assert!(w.apply(keyed(stale.op(3, 3), "lost")).is_err());
+        w.apply(keyed(c.op(4, 4), "second")).expect("keyed");
+    }
+    let store = open(StoreOptions::default());
+    let keys = store.idempotency_keys("m").expect("keys");
+    let got: Vec<(&str, u64)> = keys
+        .iter()
+        .map(|k| (k.key.as_str(), k.sequence.get()))
+        .collect();
+    assert_eq!(got, vec![("second", 2), ("first", 0)]);
+    assert_eq!(keys[1].request, "request of first");
+    assert_eq!(
+        store
+            .idempotency_answer("m", "first")
+            .expect("answer")
+            .as_deref(),
+        Some("{\"answer\":\"first\"}")
+    );
+    assert_eq!(store.idempotency_answer("m", "lost").expect("answer"), None);
+    assert_eq!(
+        store.idempotency_answer("other", "first").expect("answer"),
+        None
+    );
+    // Past KEYS_KEPT keys, a checkpoint keeps the newest KEYS_KEPT.
+    let w = store.writer();
+    let mut last = 0;
+    for i in 0..KEYS_KEPT + 5 {
+        last = c.next;
+        w.submit(
+            keyed(c.op(10 + i as i64, i as i64), &format!("k{i}")),
+            Box::new(|_| {}),
+        );
+    }
+    w.apply(Op::Checkpoint {
+        model_id: "m".into(),
+        sequence: Some(Seq::new(last)),
+        at: Timestamp::from_us(5_000),
+        state: json!({}),
+        kind: CheckpointKind::Periodic,
+    })
+    .expect("checkpoint");
+    let keys = store.idempotency_keys("m").expect("keys");
+    assert_eq!(keys.len(), KEYS_KEPT);
+    assert_eq!(keys[0].key, format!("k{}", KEYS_KEPT + 4));
+    assert_eq!(
+        store.idempotency_answer("m", "second").expect("answer"),
+        None
+    );
+    assert_eq!(store.idempotency_answer("m", "k4").expect("answer"), None);
+    assert!(store
+        .idempotency_answer("m", "k5")
+        .expect("answer")
+        .is_some());
 }
 
 #[test]

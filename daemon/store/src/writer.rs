@@ -89,6 +89,8 @@ pub struct AuditAppend {
     pub(crate) hash: String,
     pub(crate) text: String,
     pub(crate) paths: Vec<String>,
+    /// The idempotency key the write came with, kept in the same transaction.
+    pub(crate) keyed: Option<Box<crate::KeyedWrite>>,
 }
 
 impl AuditAppend {
@@ -145,6 +147,7 @@ impl AuditAppend {
             hash: hash.to_string(),
             text,
             paths,
+            keyed: None,
         })
     }
 
@@ -175,7 +178,14 @@ impl AuditAppend {
             hash: record.hash().to_string(),
             text,
             paths,
+            keyed: None,
         })
+    }
+
+    /// Keep `keyed` with the record (committed together).
+    pub fn with_key(mut self, keyed: crate::KeyedWrite) -> AuditAppend {
+        self.keyed = Some(Box::new(keyed));
+        self
     }
 
     /// The model the record belongs to.
@@ -679,6 +689,7 @@ fn apply(conn: &Connection, op: &Op, key: Option<&AuditKey>) -> Result<(), Failu
                 "DELETE FROM audit WHERE model_id = ?1",
                 "DELETE FROM checkpoints WHERE model_id = ?1",
                 "DELETE FROM snapshots WHERE model_id = ?1",
+                "DELETE FROM idempotency WHERE model_id = ?1",
                 "DELETE FROM models WHERE id = ?1",
             ] {
                 conn.prepare_cached(sql)?.execute([id])?;
@@ -789,6 +800,13 @@ fn append_audit(conn: &Connection, a: &AuditAppend) -> Result<(), Failure> {
     for p in &a.paths {
         path.execute(params![a.model_id, p, seq])?;
     }
+    if let Some(k) = &a.keyed {
+        conn.prepare_cached(
+            "INSERT OR REPLACE INTO idempotency (model_id, key, sequence, request, answer)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+        )?
+        .execute(params![a.model_id, k.key, seq, k.request, k.answer])?;
+    }
     conn.prepare_cached("UPDATE models SET head_seq = ?2, head_hash = ?3 WHERE id = ?1")?
         .execute(params![a.model_id, seq, a.hash])?;
     Ok(())
@@ -849,6 +867,13 @@ fn put_checkpoint(
         conn.prepare_cached("UPDATE models SET base_seq = ?2 WHERE id = ?1")?
             .execute(params![model_id, seq])?;
     }
+    // The model's idempotency keys past the newest KEYS_KEPT are forgotten.
+    conn.prepare_cached(
+        "DELETE FROM idempotency WHERE model_id = ?1 AND sequence <
+             (SELECT sequence FROM idempotency WHERE model_id = ?1
+              ORDER BY sequence DESC LIMIT 1 OFFSET ?2)",
+    )?
+    .execute(params![model_id, crate::KEYS_KEPT as i64 - 1])?;
     Ok(())
 }
 

@@ -237,6 +237,11 @@ pub fn service_error(e: &ServiceError) -> ApiError {
             "Model not recovered",
         ),
         ServiceError::Superseded(_) => plain(StatusCode::CONFLICT, "superseded", "Superseded"),
+        ServiceError::KeyReused { .. } => plain(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency_key_reused",
+            "Idempotency key reused",
+        ),
         ServiceError::Busy(queued) => {
             let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "busy", "Overloaded");
             r.body["queued"] = json!(queued);

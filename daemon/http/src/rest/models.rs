@@ -12,10 +12,16 @@ use crate::AppState;
 use valem_core::spec::{parse_evolution_checked, parse_spec, SpecParseError};
 use valem_service::Finding;
 use valem_service::MutationError;
-use valem_service::{mutation_list, AuditQuery, Change, ModelId, ServiceError, Viewed};
+use valem_service::{
+    mutation_list, AuditQuery, Change, IdempotencyKey, ModelId, ServiceError, Viewed,
+};
 
 /// The header naming the view whose evaluated components a mutation response carries.
 const VIEW_HEADER: &str = "x-view";
+const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+/// On the answer to a write sent again under its idempotency key (the IETF draft's name, as
+/// Stripe and others answer).
+const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 fn parse_finding(e: &SpecParseError) -> Finding {
     Finding {
@@ -119,6 +125,21 @@ pub(super) async fn lineage(
     Ok(ok(&spec.lineage))
 }
 
+/// The `Idempotency-Key` header, when sent: the write is applied once however often it is
+/// sent with this key.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, ApiError> {
+    let what = "the Idempotency-Key header";
+    match headers.get(IDEMPOTENCY_HEADER) {
+        None => Ok(None),
+        Some(v) => {
+            let text = v
+                .to_str()
+                .map_err(|_| ApiError::bad_request(format!("{what} must be printable ASCII")))?;
+            Ok(Some(IdempotencyKey::parse(text, what)?))
+        }
+    }
+}
+
 /// The `X-View` header, when sent.
 fn view_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     match headers.get(VIEW_HEADER) {
@@ -155,7 +176,12 @@ fn mutation_response(out: Viewed) -> Response {
         Some(Ok(v)) => body["viewDelta"] = Json::Object(components_by_id(&v)),
         Some(Err(e)) => body["viewError"] = json!(e.to_string()),
     }
-    ok(body)
+    let mut r = ok(body);
+    if out.replayed {
+        r.headers_mut()
+            .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    }
+    r
 }
 
 /// A write and, with `X-View`, that view of the state it committed: one shard job, awaited
@@ -167,7 +193,8 @@ async fn write(
     change: Change,
 ) -> Result<Response, ApiError> {
     let view = view_header(headers)?;
-    let out = st.service.write_viewed(id, change, view).await?;
+    let key = idempotency_key(headers)?;
+    let out = st.service.write_once(id, change, view, key).await?;
     Ok(mutation_response(out))
 }
 

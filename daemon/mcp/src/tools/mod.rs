@@ -26,7 +26,9 @@ use valem_service::authoring::{
 use valem_service::plugins::{Kind, Plugin, Plugins};
 use valem_service::time::parse_iso;
 use valem_service::MutationError;
-use valem_service::{AuditQuery, BlobRef, ModelId, ModelInfo, ServiceError, Timestamp};
+use valem_service::{
+    AuditQuery, BlobRef, IdempotencyKey, ModelId, ModelInfo, ServiceError, Timestamp,
+};
 
 /// The tools that never touch the registry (the proxy runs them locally).
 pub const AUTHORING: &[&str] = &[
@@ -44,9 +46,45 @@ pub const TASKS: &[&str] = &["test_spec", "dry_run", "evolve_spec"];
 /// Pretty-printed results longer than this many characters are withheld.
 pub const RESULT_LIMIT_CHARS: usize = 50_000;
 
+/// The `_meta` member of a `tools/call` that names an idempotency key for `mutate` and
+/// `patch_model`: the write is applied once however often it is sent with this key.
+pub const IDEMPOTENCY_META: &str = "io.valem/idempotencyKey";
+
 /// What a handler sees.
 pub struct Ctx<'a> {
     pub server: &'a Server,
+    /// `_meta[IDEMPOTENCY_META]` of the call, as sent.
+    idempotency_key: Option<Json>,
+}
+
+impl<'a> Ctx<'a> {
+    pub fn new(server: &'a Server) -> Ctx<'a> {
+        Ctx {
+            server,
+            idempotency_key: None,
+        }
+    }
+
+    /// For a `tools/call` with these `params` (their `_meta`).
+    pub fn of_call(server: &'a Server, params: &Json) -> Ctx<'a> {
+        Ctx {
+            server,
+            idempotency_key: params
+                .get("_meta")
+                .and_then(|m| m.get(IDEMPOTENCY_META))
+                .cloned(),
+        }
+    }
+
+    /// The call's idempotency key, checked.
+    fn idempotency_key(&self) -> Result<Option<IdempotencyKey>, ToolError> {
+        let what = format!("_meta[\"{IDEMPOTENCY_META}\"]");
+        match &self.idempotency_key {
+            None => Ok(None),
+            Some(Json::String(k)) => Ok(Some(IdempotencyKey::parse(k, &what)?)),
+            Some(_) => Err(ToolError::Message(format!("{what} must be a string"))),
+        }
+    }
 }
 
 /// A tool-level failure (an `isError: true` result).
@@ -373,7 +411,8 @@ fn write_tools() -> Vec<Tool> {
             plugin: None,
             cycle: Some(|c, a| {
                 let a: MutateArgs = args("mutate", a)?;
-                Ok(ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false)))
+                let key = c.idempotency_key()?;
+                Ok(ops::mutate(&c.server.service, &a.id, &a.mutations, a.include_traces.unwrap_or(false), key))
             }),
             handler: |_, _| Err(ToolError::Message("a cycle tool: see `cycle`".into())),
         },
@@ -387,7 +426,8 @@ fn write_tools() -> Vec<Tool> {
             plugin: None,
             cycle: Some(|c, a| {
                 let a: PatchArgs = args("patch_model", a)?;
-                ops::patch(&c.server.service, &a.id, a.patch, a.include_traces.unwrap_or(false))
+                let key = c.idempotency_key()?;
+                ops::patch(&c.server.service, &a.id, a.patch, a.include_traces.unwrap_or(false), key)
             }),
             handler: |_, _| Err(ToolError::Message("a cycle tool: see `cycle`".into())),
         },

@@ -2,6 +2,7 @@
 //! only (compiled models are not `Send`), so nothing here locks.
 
 mod durability;
+mod keys;
 mod reads;
 mod residency;
 mod writes;
@@ -66,6 +67,8 @@ pub(super) struct Entry {
     created: Timestamp,
     /// When its spec last changed (creation or evolve): the history starts there.
     evolved: Timestamp,
+    /// Its idempotency keys, once a keyed write asked for them.
+    keys: Option<Box<keys::KeyMemory>>,
 }
 
 /// One commit of the history ring: its time, and what changed after it up to and including the
@@ -323,6 +326,7 @@ impl Shard {
                 checkpointed: None,
                 created: t,
                 evolved: t,
+                keys: None,
             },
         );
         if replaced.is_none() {

@@ -2,7 +2,7 @@
 //! committed with its audit record.
 
 use super::*;
-use crate::{Change, ModelInfo, Viewed};
+use crate::{Change, IdempotencyKey, ModelInfo, Viewed};
 
 /// Replace local `{"$ref": "#/…"}` nodes by their targets. At most 16 references are followed
 /// along any one branch, so a recursive schema keeps its `$ref` below that.
@@ -180,8 +180,30 @@ impl Shard {
         id: &str,
         change: Change,
         view: Option<String>,
+        key: Option<IdempotencyKey>,
         reply: Reply<Viewed>,
     ) {
+        let keyed = match key {
+            None => None,
+            Some(k) => {
+                let request = keys::request_hash(&change, view.as_deref());
+                match self.replay(id, &k, &request) {
+                    Ok(None) => Some(keys::Keyed::new(k, request)),
+                    Ok(Some(result)) => {
+                        self.metrics
+                            .replayed
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let view = view.map(|v| self.view(id, Some(&v)));
+                        return reply.send(Ok(Viewed {
+                            result,
+                            view,
+                            replayed: true,
+                        }));
+                    }
+                    Err(e) => return reply.send(Err(e)),
+                }
+            }
+        };
         if let Some(v) = &view {
             match self.entry(id) {
                 Ok(e) if e.info().views.iter().any(|x| x == v) => {}
@@ -206,9 +228,10 @@ impl Shard {
         let answer = |s: &mut Shard, result: Arc<MutationResult>| Viewed {
             view: view.map(|v| s.view(id, Some(&v))),
             result,
+            replayed: false,
         };
         match writes {
-            Some(w) => self.commit_then(id, w, source, reply, answer),
+            Some(w) => self.commit_keyed(id, w, source, keyed, reply, answer),
             // A patch that changes nothing: no cycle.
             None => {
                 let unchanged = Arc::new(MutationResult {
@@ -231,8 +254,26 @@ impl Shard {
         reply: Reply<R>,
         answer: impl FnOnce(&mut Shard, Arc<MutationResult>) -> R,
     ) {
+        self.commit_keyed(id, parsed, source, None, reply, answer)
+    }
+
+    /// [`commit_then`](Self::commit_then) of a write that may come with an idempotency key:
+    /// the key is kept with it.
+    pub(super) fn commit_keyed<R: Send + 'static>(
+        &mut self,
+        id: &str,
+        parsed: Vec<(Vec<Seg>, Json)>,
+        source: Source,
+        keyed: Option<keys::Keyed>,
+        reply: Reply<R>,
+        answer: impl FnOnce(&mut Shard, Arc<MutationResult>) -> R,
+    ) {
         match self.cycle(id, parsed, source) {
             Ok((result, op)) => {
+                let op = match keyed {
+                    Some(k) => self.keep_key(id, k, &result, op),
+                    None => op,
+                };
                 let event = Event::Mutation {
                     model_id: id.to_string(),
                     result: result.clone(),

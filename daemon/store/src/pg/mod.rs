@@ -576,6 +576,12 @@ impl Store for PgStore {
     fn tasks(&self) -> Result<Vec<String>, StoreError> {
         PgStore::tasks(self)
     }
+    fn idempotency_keys(&self, model_id: &str) -> Result<Vec<crate::StoredKey>, StoreError> {
+        PgStore::idempotency_keys(self, model_id)
+    }
+    fn idempotency_answer(&self, model_id: &str, key: &str) -> Result<Option<String>, StoreError> {
+        PgStore::idempotency_answer(self, model_id, key)
+    }
     fn blob(&self, id: &str) -> Result<Option<crate::BlobMeta>, StoreError> {
         PgStore::blob(self, id)
     }

@@ -12,8 +12,8 @@ use super::{checkpoint_row, record_hash_of, PgStore};
 use crate::chain::{self, AuditRow, BrokenCheckpoint, ChainHead, ChainReport, Seq};
 use crate::checkpoints::{self, CheckpointChoice, COLUMNS};
 use crate::{
-    AuditEntry, AuditFilter, BlobMeta, StoreError, StoredModel, StoredSnapshot, Timestamp,
-    DEFAULT_QUERY_LIMIT, MAX_QUERY_LIMIT,
+    AuditEntry, AuditFilter, BlobMeta, StoreError, StoredKey, StoredModel, StoredSnapshot,
+    Timestamp, DEFAULT_QUERY_LIMIT, KEYS_KEPT, MAX_QUERY_LIMIT,
 };
 
 /// Rows fetched per round trip when streaming.
@@ -262,6 +262,44 @@ impl PgStore {
                 .iter()
                 .map(|r| r.try_get(0))
                 .collect()
+        })
+    }
+
+    /// A model's idempotency keys, newest first (at most [`KEYS_KEPT`]).
+    pub fn idempotency_keys(&self, model_id: &str) -> Result<Vec<StoredKey>, StoreError> {
+        self.with_reader(|c| {
+            c.client
+                .query(
+                    "SELECT key, request, sequence FROM valem.idempotency WHERE model_id = $1
+                     ORDER BY sequence DESC LIMIT $2",
+                    &[&model_id, &(KEYS_KEPT as i64)],
+                )?
+                .iter()
+                .map(|r| {
+                    Ok(StoredKey {
+                        key: r.try_get(0)?,
+                        request: r.try_get(1)?,
+                        sequence: Seq::new(r.try_get::<_, i64>(2)?.max(0) as u64),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// The answer a write made under `key` was given (`None`: no such key kept).
+    pub fn idempotency_answer(
+        &self,
+        model_id: &str,
+        key: &str,
+    ) -> Result<Option<String>, StoreError> {
+        self.with_reader(|c| {
+            c.client
+                .query_opt(
+                    "SELECT answer FROM valem.idempotency WHERE model_id = $1 AND key = $2",
+                    &[&model_id, &key],
+                )?
+                .map(|r| r.try_get(0))
+                .transpose()
         })
     }
 

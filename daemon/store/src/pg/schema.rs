@@ -12,7 +12,7 @@ use crate::StoreError;
 const MIGRATION_LOCK: i64 = 0x7661_6c65_6d01;
 
 /// Migration steps; step `i` takes the version from `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2];
+const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 // v1: what the SQLite store holds at its v5, in PostgreSQL's types, plus blob bytes (a fleet
 // has no shared directory). Ids, paths and hashes compare bytewise (COLLATE "C"), as SQLite's
@@ -108,6 +108,19 @@ const V2: &str = r#"
         released BOOLEAN NOT NULL DEFAULT false
     );
     CREATE INDEX owners_node ON valem.owners (node_id);
+    "#;
+
+// v3: writes made under an idempotency key, as the SQLite store's v6 keeps them.
+const V3: &str = r#"
+    CREATE TABLE valem.idempotency (
+        model_id TEXT COLLATE "C" NOT NULL,
+        key TEXT COLLATE "C" NOT NULL,
+        sequence BIGINT NOT NULL,
+        request TEXT NOT NULL,
+        answer TEXT NOT NULL,
+        PRIMARY KEY (model_id, key)
+    );
+    CREATE INDEX idempotency_seq ON valem.idempotency (model_id, sequence);
     "#;
 
 /// The schema version this build writes.

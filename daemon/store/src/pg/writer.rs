@@ -479,6 +479,7 @@ fn apply(
                 "DELETE FROM valem.audit WHERE model_id = $1",
                 "DELETE FROM valem.checkpoints WHERE model_id = $1",
                 "DELETE FROM valem.snapshots WHERE model_id = $1",
+                "DELETE FROM valem.idempotency WHERE model_id = $1",
                 "DELETE FROM valem.models WHERE id = $1",
             ] {
                 exec(tx, stmts, sql, &[id])?;
@@ -606,6 +607,17 @@ fn append_audit(
         )?
         .try_get(0)?;
     if moved == 1 {
+        if let Some(k) = &a.keyed {
+            exec(
+                tx,
+                stmts,
+                "INSERT INTO valem.idempotency (model_id, key, sequence, request, answer)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (model_id, key) DO UPDATE SET sequence = excluded.sequence,
+                     request = excluded.request, answer = excluded.answer",
+                &[&a.model_id, &k.key, &seq, &k.request, &k.answer],
+            )?;
+        }
         return Ok(());
     }
     let expected = head(tx, stmts, &a.model_id)?.map_or(0, |(s, _)| s + 1);
@@ -700,6 +712,15 @@ fn put_checkpoint(
             &[&model_id, &seq],
         )?;
     }
+    // The model's idempotency keys past the newest KEYS_KEPT are forgotten.
+    exec(
+        tx,
+        stmts,
+        "DELETE FROM valem.idempotency WHERE model_id = $1 AND sequence <
+             (SELECT sequence FROM valem.idempotency WHERE model_id = $1
+              ORDER BY sequence DESC LIMIT 1 OFFSET $2)",
+        &[&model_id, &(crate::KEYS_KEPT as i64 - 1)],
+    )?;
     Ok(())
 }
 

@@ -66,6 +66,12 @@ fn pg_delete_model_removes_its_rows_from_every_table() {
 }
 
 #[test]
+fn pg_keyed_writes_are_kept_with_their_records() {
+    let (_s, url) = server();
+    keys_kept_with_records(&pg_open(&url));
+}
+
+#[test]
 fn pg_relaxed_commits_do_not_sync_and_a_flush_does() {
     let (_s, url) = server();
     relaxed_flush_syncs(&pg_open(&url));
