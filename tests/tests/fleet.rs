@@ -42,6 +42,15 @@ fn node(b: &Backing, id: &str, port: u16) -> Daemon {
     Daemon::start_on(&listen, &args)
 }
 
+/// Nodes `a` and `b` on `b`'s database: a's port, a, a's client, b, b's client.
+fn two_nodes(b: &Backing) -> (u16, Daemon, Http, Daemon, Http) {
+    let (pa, pb) = (free_port(), free_port());
+    let a = node(b, "a", pa);
+    let nb = node(b, "b", pb);
+    let (ha, hb) = (Http::new(&a), Http::new(&nb));
+    (pa, a, ha, nb, hb)
+}
+
 fn counters(id: &str) -> Value {
     let mut v: Value = serde_json::from_str(COUNTERS).expect("spec");
     v["id"] = json!(id);
@@ -71,10 +80,7 @@ fn past_the_lease() {
 #[test]
 fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     let b = Backing::postgres();
-    let (pa, pb) = (free_port(), free_port());
-    let a = node(&b, "a", pa);
-    let nb = node(&b, "b", pb);
-    let (ha, hb) = (Http::new(&a), Http::new(&nb));
+    let (pa, a, ha, nb, hb) = two_nodes(&b);
 
     // Created on a, a owns it: b forwards to a, reads and writes alike.
     assert_eq!(ha.post_json("/models", &counters("m")).status, 201);
@@ -249,6 +255,97 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         "{}",
         r.text()
     );
+    assert!(nb.terminate().success());
+}
+
+/// The close frame that ends `ws` next (text frames before it are skipped): its code.
+fn closed_with(ws: &mut tungstenite::WebSocket<std::net::TcpStream>) -> (u16, String) {
+    loop {
+        match ws.read() {
+            Ok(tungstenite::Message::Close(Some(f))) => {
+                return (u16::from(f.code), f.reason.to_string())
+            }
+            Ok(tungstenite::Message::Close(None)) => return (1005, String::new()),
+            Ok(_) => {}
+            Err(e) => panic!("no close frame: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_subscription_on_any_node_hears_the_owner_and_follows_the_model() {
+    let b = Backing::postgres();
+    let (pa, a, ha, nb, hb) = two_nodes(&b);
+    assert_eq!(ha.post_json("/models", &counters("m")).status, 201);
+
+    // Subscribed on b, which does not own m: the owner's frames, whoever wrote.
+    let mut ws = valem_tests::ws_open(&nb, "/models/m/subscribe?paths=$.c0");
+    for (h, v) in [(&ha, 1), (&hb, 2)] {
+        let r = h.post_json("/models/m/mutations", &json!({"$.c0": v, "$.c1": v}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let f = valem_tests::ws_frame(&mut ws);
+        assert_eq!(
+            (
+                f["kind"].clone(),
+                f["modelId"].clone(),
+                f["mutatedPaths"].clone()
+            ),
+            (json!("mutation"), json!("m"), json!(["$.c0", "$.c1"])),
+            "{f}"
+        );
+    }
+    // Filtered by the owner as asked: a write outside `$.c0` sends nothing.
+    assert_eq!(
+        ha.post_json("/models/m/mutations", &json!({"$.c1": 7}))
+            .status,
+        200
+    );
+
+    // The owner dies: the relayed socket ends with 1012 ("subscribe again").
+    a.kill9();
+    let (code, reason) = closed_with(&mut ws);
+    assert_eq!(code, 1012, "{reason}");
+    assert!(reason.contains("subscribe again"), "{reason}");
+    // After the lease, subscribing again on b claims m there and hears its writes.
+    past_the_lease();
+    let mut ws = valem_tests::ws_open(&nb, "/models/m/subscribe");
+    let r = hb.post_json("/models/m/mutations", &json!({"$.c0": 3}));
+    assert_eq!((r.status, r.header("x-valem-node")), (200, Some("b")));
+    let f = valem_tests::ws_frame(&mut ws);
+    assert_eq!(f["mutatedPaths"], json!(["$.c0"]), "{f}");
+
+    // a comes back and takes m over while b is paused past its lease: b, resumed, notices
+    // the loss at its next use of m and ends its subscribers with 1012.
+    let a = node(&b, "a", pa);
+    let ha = Http::new(&a);
+    signal(&nb, "-STOP");
+    past_the_lease();
+    let r = ha.post_json("/models/m/mutations", &json!({"$.c0": 4}));
+    assert_eq!(
+        (r.status, r.header("x-valem-node")),
+        (200, Some("a")),
+        "{}",
+        r.text()
+    );
+    signal(&nb, "-CONT");
+    let r = hb.get("/models/m/state");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (code, reason) = closed_with(&mut ws);
+    assert_eq!(code, 1012, "{reason}");
+    assert!(reason.contains("moved to another node"), "{reason}");
+    // Subscribed on b again: relayed from a.
+    let mut ws = valem_tests::ws_open(&nb, "/models/m/subscribe");
+    assert_eq!(
+        ha.post_json("/models/m/mutations", &json!({"$.c0": 5}))
+            .status,
+        200
+    );
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.c0"])
+    );
+    drop(ws);
+    assert!(a.terminate().success());
     assert!(nb.terminate().success());
 }
 

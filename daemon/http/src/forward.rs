@@ -5,9 +5,9 @@
 //! has one (else the client's `Authorization`), and the owner's answer is returned as it is.
 //! Nothing ran here (the claim failed before the model was touched), so the request runs once.
 //! A forwarded request carries `X-Valem-Forwarded` and is never forwarded again. Forwarded:
-//! REST `/models…` and modern-era `/mcp` POSTs. Not forwarded: WebSocket upgrades, legacy MCP
-//! sessions (they live on the node that opened them), a sandbox session's requests (their ids
-//! are rewritten per session), SSE answers. An owner that cannot be
+//! REST `/models…` and modern-era `/mcp` POSTs (WebSocket subscriptions are relayed by
+//! `ws.rs`). Not forwarded: legacy MCP sessions (they live on the node that opened them), a
+//! sandbox session's requests (their ids are rewritten per session), SSE answers. An owner that cannot be
 //! reached answers 503 with `Retry-After` (its lease may still hold; once it runs out the next
 //! request claims the model here).
 
@@ -246,6 +246,7 @@ fn send(
         header::CACHE_CONTROL,
         header::ETAG,
         header::HeaderName::from_static(NODE),
+        header::HeaderName::from_static("idempotent-replayed"),
     ] {
         if let Some(v) = res
             .headers()

@@ -12,6 +12,9 @@
 //!   [`QUEUE`] frames overflows, or one frame cannot be written for [`SEND_TIMEOUT`] — is
 //!   disconnected with 1008. Client frames are read only to answer pings and see the close.
 //!
+//! - In a fleet, a subscription to a model another node owns is relayed from that node (see
+//!   [`relay`]); one whose model leaves this node ends with 1012, saying to subscribe again.
+//!
 //! The guard (Host, Origin, API key as `?token=`) runs before the handler. Events reach the
 //! socket task through a bounded channel fed by a non-blocking send on the shard thread.
 
@@ -21,20 +24,21 @@ use std::time::Duration;
 
 use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 use super::rest::extract::{Params, P};
 use super::rest::{count_errors, ApiError};
 use super::AppState;
 use valem_core::expr::path::Address;
 use valem_service::MutationResult;
-use valem_service::{Event, EventFilter, EventSink};
+use valem_service::{Event, EventFilter, EventSink, ServiceError};
 
 /// Frames queued for one subscriber before it counts as too slow.
 const QUEUE: usize = 1024;
@@ -65,6 +69,8 @@ async fn subscribe(
     P(id): P<String>,
     q: Params,
     scoped: Option<axum::Extension<super::sandbox::Scoped>>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let paths = filter_paths(q.get("paths").unwrap_or(""))?;
@@ -98,7 +104,20 @@ async fn subscribe(
     // filter asks for the next event of any model so that the sink sees it and is dropped.
     let (filter, sink, rx, overflow) = subscriber(&id, QUEUE);
     st.service.subscribe_with(filter, sink);
-    st.service.info(&valem_service::ModelId::from(&id)).await?;
+    match st.service.info(&valem_service::ModelId::from(&id)).await {
+        Ok(_) => {}
+        // Another node of the fleet owns the model: the subscription is relayed from there.
+        Err(ServiceError::Elsewhere { url, .. })
+            if scoped.is_none() && !headers.contains_key(crate::forward::FORWARDED) =>
+        {
+            drop(rx);
+            let target = uri
+                .path_and_query()
+                .map_or_else(|| uri.path().to_string(), |p| p.as_str().to_string());
+            return relay(&st, ws, &url, &target, slot).await;
+        }
+        Err(e) => return Err(e.into()),
+    }
 
     let stop = st.shutdown.clone();
     // A sandbox session's frames name the model by the session's own id.
@@ -113,6 +132,150 @@ async fn subscribe(
             drop(slot);
         })
         .into_response())
+}
+
+/// Relay a subscription to model's owner at `owner` (a fleet's node): the socket to the owner
+/// is opened first (an owner that does not answer is a 503 before the upgrade, like a forwarded
+/// request), then every frame of the owner's goes to the client as it is, its close included.
+/// The owner going away closes the client's socket with 1012: subscribing again reaches the
+/// model's next owner.
+async fn relay(
+    st: &AppState,
+    ws: WebSocketUpgrade,
+    owner: &str,
+    target: &str,
+    slot: Slot,
+) -> Result<Response, ApiError> {
+    let unreachable = |why: String| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "owner_unreachable",
+            "Owner unreachable",
+            format!(
+                "the model's owner at {owner} did not take the subscription ({why}); once its \
+                 lease runs out the next request takes the model over: retry in a second"
+            ),
+        )
+    };
+    let base = owner.trim_end_matches('/');
+    let Some(rest) = base.strip_prefix("http://") else {
+        return Err(unreachable("only http:// owners are relayed".into()));
+    };
+    let mut request = format!("ws://{rest}{target}")
+        .into_client_request()
+        .map_err(|e| unreachable(e.to_string()))?;
+    let node = st
+        .service
+        .store()
+        .and_then(|s| s.node_id())
+        .unwrap_or_default();
+    if let Ok(v) = HeaderValue::from_str(&node) {
+        request.headers_mut().insert(crate::forward::FORWARDED, v);
+    }
+    if let Some(k) = &st.config.api_key {
+        if let Ok(v) = HeaderValue::from_str(&format!("Bearer {k}")) {
+            request
+                .headers_mut()
+                .insert(axum::http::header::AUTHORIZATION, v);
+        }
+    }
+    let connect = async {
+        let host = rest.split('/').next().unwrap_or(rest);
+        let addr = if host.contains(':') {
+            host.to_string()
+        } else {
+            format!("{host}:80")
+        };
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio_tungstenite::client_async(request, tcp)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let (upstream, answer) = match tokio::time::timeout(SEND_TIMEOUT, connect).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(why)) => {
+            st.metrics.forwarded(false);
+            return Err(unreachable(why));
+        }
+        Err(_) => {
+            st.metrics.forwarded(false);
+            return Err(unreachable("timed out".into()));
+        }
+    };
+    st.metrics.forwarded(true);
+    let by = answer.headers().get(crate::forward::NODE).cloned();
+    let stop = st.shutdown.clone();
+    let mut r = ws
+        .max_message_size(MAX_CLIENT_MESSAGE)
+        .on_upgrade(move |socket| async move {
+            pipe(socket, upstream, stop).await;
+            drop(slot);
+        })
+        .into_response();
+    if let Some(v) = by {
+        r.headers_mut().insert(crate::forward::NODE, v);
+    }
+    Ok(r)
+}
+
+/// Carry the owner's frames to the client until either side closes.
+async fn pipe(
+    mut socket: WebSocket,
+    mut upstream: tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>,
+    mut stop: watch::Receiver<bool>,
+) {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message as Up;
+    loop {
+        tokio::select! {
+            m = upstream.next() => match m {
+                Some(Ok(Up::Text(t))) => {
+                    let sent = tokio::time::timeout(
+                        SEND_TIMEOUT,
+                        socket.send(Message::Text(t.as_str().into())),
+                    )
+                    .await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        let _ = upstream.close(None).await;
+                        return;
+                    }
+                }
+                Some(Ok(Up::Close(f))) => {
+                    let (code, reason) = f.map_or((close_code::NORMAL, String::new()), |f| {
+                        (u16::from(f.code), f.reason.as_str().to_string())
+                    });
+                    close(&mut socket, code, reason).await;
+                    return;
+                }
+                Some(Ok(_)) => {}
+                Some(Err(_)) | None => {
+                    close(
+                        &mut socket,
+                        close_code::RESTART,
+                        "the model's owner went away: subscribe again (the model's next owner \
+                         takes it)"
+                            .into(),
+                    )
+                    .await;
+                    return;
+                }
+            },
+            msg = socket.recv() => match msg {
+                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => {
+                    let _ = upstream.close(None).await;
+                    return;
+                }
+                Some(Ok(_)) => {}
+            },
+            _ = stop.changed() => {
+                close(&mut socket, close_code::AWAY, "the daemon is shutting down".into()).await;
+                let _ = upstream.close(None).await;
+                return;
+            }
+        }
+    }
 }
 
 /// The `?paths=` filter, comma-separated: each a canonical address without `[*]`, in its
@@ -213,6 +376,13 @@ fn frame(model_id: &str, e: &Event, paths: &[String]) -> Out {
         Event::Deleted { .. } => Out::Close(
             close_code::NORMAL,
             format!("model `{model_id}` was deleted"),
+        ),
+        Event::Moved { .. } => Out::Close(
+            close_code::RESTART,
+            format!(
+                "model `{model_id}` moved to another node of the fleet: subscribe again (any node \
+                 forwards the subscription to its owner)"
+            ),
         ),
         // The reference has no frame for a restore; clients re-read on their next event.
         Event::Restored { .. } => Out::Skip,

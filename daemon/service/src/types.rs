@@ -312,6 +312,12 @@ pub enum Event {
     Deleted {
         model_id: String,
     },
+    /// A fleet's node gave the model up (evicted and released, or taken by another node after
+    /// its lease ran out): its next events happen on whichever node owns it next, so a
+    /// subscription here ends and is opened again (any node forwards it to the owner).
+    Moved {
+        model_id: String,
+    },
 }
 
 impl Event {
@@ -321,7 +327,8 @@ impl Event {
             | Event::SpecEvolved { model_id, .. }
             | Event::Restored { model_id }
             | Event::Created { model_id }
-            | Event::Deleted { model_id } => model_id,
+            | Event::Deleted { model_id }
+            | Event::Moved { model_id } => model_id,
         }
     }
 }

@@ -73,14 +73,33 @@ impl Shard {
     }
 
     /// Drop model `id` from memory when this node no longer holds it (another node of the
-    /// fleet claimed it after this one's lease ran out): its state here may be behind.
+    /// fleet claimed it after this one's lease ran out, or the lease ran out on this node's
+    /// clock: it was paused or cut off): its state here may be behind. Its subscribers here
+    /// hear `Moved`.
     pub(super) fn drop_if_lost(&mut self, id: &str) {
         let lost = self
             .store
             .as_ref()
             .is_some_and(|s| s.is_fleet() && !s.holds(id));
-        if lost && self.unload(id).is_some() {
+        if !lost {
+            return;
+        }
+        // Writes still on their way settle first (committed, or fenced): a wake must not
+        // read the store before them.
+        let inflight = self
+            .models
+            .get(id)
+            .is_some_and(|e| e.inflight.load(Ordering::Acquire) > 0);
+        if inflight {
+            if let Some(s) = &self.store {
+                let _ = s.flush();
+            }
+        }
+        if self.unload(id).is_some() {
             tracing::warn!(model = %id, "this node lost the model to another node (its lease ran out): dropped from memory");
+            self.subscribers.publish(crate::Event::Moved {
+                model_id: id.to_string(),
+            });
         }
     }
 
@@ -126,6 +145,9 @@ impl Shard {
         // In a fleet, another node may claim it once the checkpoint committed (the writer
         // keeps the order; the checkpoint is fenced by this node's epoch).
         if let Some(store) = self.store.as_ref().filter(|s| s.is_fleet() && held) {
+            self.subscribers.publish(crate::Event::Moved {
+                model_id: id.to_string(),
+            });
             let s = store.clone();
             let id = id.to_string();
             store.writer().submit(

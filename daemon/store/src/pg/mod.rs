@@ -209,6 +209,8 @@ pub struct PgStore {
     held: owners::Held,
     /// Models found lost by a renewal, until [`PgStore::take_lost`].
     lost: std::sync::Arc<Mutex<Vec<String>>>,
+    /// When this node's lease runs out at the latest (a fleet's node only).
+    lease_end: owners::LeaseEnd,
     /// The lease thread and what stops it.
     renewal: Option<(std::sync::mpsc::Sender<()>, JoinHandle<()>)>,
 }
@@ -246,6 +248,7 @@ impl PgStore {
             readers: Mutex::new(Vec::new()),
             held,
             lost: Default::default(),
+            lease_end: Default::default(),
             renewal: None,
         };
         if let Some(node) = store.opts.node.clone() {
@@ -627,11 +630,12 @@ impl Store for PgStore {
     }
     fn holds(&self, model_id: &str) -> bool {
         self.opts.node.is_none()
-            || self
-                .held
-                .lock()
-                .map(|h| h.contains_key(model_id))
-                .unwrap_or(false)
+            || (owners::lease_runs(&self.lease_end)
+                && self
+                    .held
+                    .lock()
+                    .map(|h| h.contains_key(model_id))
+                    .unwrap_or(false))
     }
     fn is_fleet(&self) -> bool {
         self.opts.node.is_some()

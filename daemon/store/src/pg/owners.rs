@@ -62,11 +62,34 @@ pub struct NodeInfo {
 /// The epochs this node holds, shared with the writer's fence.
 pub(crate) type Held = Arc<Mutex<HashMap<String, i64>>>;
 
+/// When this node's lease runs out at the latest, on this process's clock: the lease was set
+/// on the database's clock by a statement sent after the instant it is counted from, so a node
+/// that was paused (or cut off) past it stops serving what it held before the database says so.
+pub(crate) type LeaseEnd = Arc<Mutex<Option<std::time::Instant>>>;
+
+fn lease_renewed(end: &LeaseEnd, sent: std::time::Instant, node: &NodeConfig) {
+    if let Ok(mut e) = end.lock() {
+        let until = sent + node.lease;
+        if e.is_none_or(|x| x < until) {
+            *e = Some(until);
+        }
+    }
+}
+
+/// Whether this node's lease still runs, by [`LeaseEnd`].
+pub(crate) fn lease_runs(end: &LeaseEnd) -> bool {
+    end.lock()
+        .ok()
+        .and_then(|e| *e)
+        .is_some_and(|until| std::time::Instant::now() < until)
+}
+
 /// What renewing needs, shared by the store and its lease thread.
 struct Leases {
     node: NodeConfig,
     held: Held,
     lost: Arc<Mutex<Vec<String>>>,
+    end: LeaseEnd,
 }
 
 impl Leases {
@@ -76,6 +99,7 @@ impl Leases {
             "UPDATE valem.nodes SET seen_us = {NOW_US}, lease_until_us = {NOW_US} + $2
              WHERE id = $1"
         );
+        let sent = std::time::Instant::now();
         client.execute(&renew, &[&self.node.id, &lease])?;
         // What this node still owns (read without locks: a claim in flight shows at the next
         // renewal, and the fence stops a write meanwhile).
@@ -98,6 +122,8 @@ impl Leases {
         if let Ok(mut l) = self.lost.lock() {
             l.extend(lost.iter().cloned());
         }
+        // Only now, with what it lost dropped from `held`, does the lease count as running.
+        lease_renewed(&self.end, sent, &self.node);
         Ok(lost)
     }
 }
@@ -154,14 +180,21 @@ impl PgStore {
                  WHERE n.id = o.node_id AND n.lease_until_us > {NOW_US})
              RETURNING epoch, (SELECT lease_until_us FROM me)"
         );
+        let sent = std::time::Instant::now();
         let claimed =
             self.with_reader(|c| c.client.query_opt(&sql, &[&model_id, &node.id, &lease]))?;
         if let Some(row) = claimed {
             let (epoch, until): (i64, Option<i64>) = (row.get(0), row.get(1));
             let until = until.unwrap_or(0);
             if let Ok(mut held) = self.held.lock() {
+                // After a lapse of the lease, what was held may have been taken: the next
+                // renewal says what is still this node's; until then, nothing else is.
+                if !lease_runs(&self.lease_end) {
+                    held.clear();
+                }
                 held.insert(model_id.to_string(), epoch);
             }
+            lease_renewed(&self.lease_end, sent, &node);
             return Ok(Ownership {
                 model_id: model_id.to_string(),
                 node: node.id,
@@ -203,6 +236,7 @@ impl PgStore {
             node: self.node()?.clone(),
             held: self.held.clone(),
             lost: self.lost.clone(),
+            end: self.lease_end.clone(),
         })
     }
 
