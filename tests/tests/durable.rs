@@ -752,7 +752,11 @@ fn postgres_down_at_start_is_waited_for_and_a_newer_schema_is_refused() {
     let err = valem_tests::stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("schema version 99") && err.contains("supports up to 2"),
+        err.contains("schema version 99")
+            && err.contains(&format!(
+                "supports up to {}",
+                valem_store::pg::SCHEMA_VERSION
+            )),
         "{err}"
     );
 }
