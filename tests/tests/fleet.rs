@@ -349,6 +349,112 @@ fn a_subscription_on_any_node_hears_the_owner_and_follows_the_model() {
     assert!(nb.terminate().success());
 }
 
+const ACCEPT: (&str, &str) = ("Accept", "application/json, text/event-stream");
+
+/// A legacy MCP session (the initialize handshake) on `h`'s node: its id.
+fn legacy_session(h: &Http) -> String {
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "valem-tests", "version": "1"}}});
+    let r = h.post(
+        "/mcp",
+        &[("Content-Type", "application/json"), ACCEPT],
+        init.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sid = r
+        .header("mcp-session-id")
+        .expect("a session id")
+        .to_string();
+    let done = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let r = h.post(
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ACCEPT,
+            ("Mcp-Session-Id", &sid),
+            ("MCP-Protocol-Version", "2025-11-25"),
+        ],
+        done.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    sid
+}
+
+/// A `tools/call` in legacy session `sid`: its result.
+fn legacy_call(h: &Http, sid: &str, id: u64, tool: &str, args: Value, meta: Value) -> Value {
+    let msg = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+        "params": {"name": tool, "arguments": args, "_meta": meta}});
+    let r = h.post(
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ACCEPT,
+            ("Mcp-Session-Id", sid),
+            ("MCP-Protocol-Version", "2025-11-25"),
+        ],
+        msg.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["id"], json!(id), "{v}");
+    assert!(v["result"].get("resultType").is_none(), "{v}");
+    v["result"].clone()
+}
+
+#[test]
+fn a_legacy_mcp_session_reaches_models_other_nodes_own() {
+    let b = Backing::postgres();
+    let (_pa, a, ha, nb, hb) = two_nodes(&b);
+    assert_eq!(ha.post_json("/models", &counters("m")).status, 201);
+
+    // A session on b: its calls about a's model are answered by a.
+    let sid = legacy_session(&hb);
+    let key = json!({"io.valem/idempotencyKey": "legacy-1"});
+    let w = legacy_call(
+        &hb,
+        &sid,
+        2,
+        "mutate",
+        json!({"id": "m", "mutations": {"$.c0": 4}}),
+        key.clone(),
+    );
+    assert_eq!(w["isError"], json!(false), "{w}");
+    // Sent again with its key: answered, not applied again.
+    let again = legacy_call(
+        &hb,
+        &sid,
+        3,
+        "mutate",
+        json!({"id": "m", "mutations": {"$.c0": 4}}),
+        key,
+    );
+    assert_eq!(
+        again["structuredContent"], w["structuredContent"],
+        "{again}"
+    );
+    let s = legacy_call(&hb, &sid, 4, "get_state", json!({"id": "m"}), json!({}));
+    assert_eq!(s["structuredContent"]["total"], json!(4), "{s}");
+    let v = ha.get("/models/m/audit/verify").json();
+    assert_eq!(v["recordsChecked"], json!(1), "{v}");
+    let forwarded = valem_tests::metric(&hb, "valem_forwards_total{outcome=\"answered\"}");
+    assert!(forwarded.unwrap_or(0.0) >= 3.0, "{forwarded:?}");
+    // What is not about a model runs in the session here.
+    let l = legacy_call(&hb, &sid, 5, "list_models", json!({}), json!({}));
+    assert_eq!(l["isError"], json!(false), "{l}");
+    // An unknown model is this node's to say.
+    let u = legacy_call(&hb, &sid, 6, "get_state", json!({"id": "nope"}), json!({}));
+    assert_eq!(u["isError"], json!(true), "{u}");
+
+    // The owner gone, past its lease: the session's next call claims the model on b.
+    a.kill9();
+    past_the_lease();
+    let s = legacy_call(&hb, &sid, 7, "get_state", json!({"id": "m"}), json!({}));
+    assert_eq!(s["structuredContent"]["c0"], json!(4), "{s}");
+    assert_eq!(hb.get("/cluster/owner/m").json()["owner"], json!("b"));
+    assert!(nb.terminate().success());
+}
+
 #[test]
 fn a_fleet_node_needs_the_database_a_sound_id_and_an_url() {
     let cases: [(&[&str], &str); 3] = [

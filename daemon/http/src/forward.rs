@@ -6,8 +6,9 @@
 //! Nothing ran here (the claim failed before the model was touched), so the request runs once.
 //! A forwarded request carries `X-Valem-Forwarded` and is never forwarded again. Forwarded:
 //! REST `/models…` and modern-era `/mcp` POSTs (WebSocket subscriptions are relayed by
-//! `ws.rs`). Not forwarded: legacy MCP sessions (they live on the node that opened them), a
-//! sandbox session's requests (their ids are rewritten per session), SSE answers. An owner that cannot be
+//! `ws.rs`; a legacy MCP session, which lives on the node that opened it, sends its calls about
+//! another node's model there as modern-era requests: [`legacy_call_elsewhere`]). Not
+//! forwarded: a sandbox session's requests (their ids are rewritten per session), SSE answers. An owner that cannot be
 //! reached answers 503 with `Retry-After` (its lease may still hold; once it runs out the next
 //! request claims the model here).
 
@@ -160,6 +161,102 @@ async fn forward_misdirected(st: &AppState, req: Request, next: Next, node: &str
         }
     }
 }
+
+/// A legacy MCP session's `tools/call` about a model (`arguments.id`) that another node of the
+/// fleet owns: the session lives here, the model there, so the call goes to the owner as a
+/// request of the modern era (no session: any node answers one alone), with the call's own
+/// `_meta` (an idempotency key among it) and this node's API key, and the owner's answer is
+/// this session's (without the modern era's `resultType`). `None`: not such a call (a model
+/// this node holds or may claim, another method, not a fleet's node), so it runs here.
+pub(crate) async fn legacy_call_elsewhere(
+    st: &AppState,
+    msg: &serde_json::Value,
+) -> Option<serde_json::Value> {
+    use serde_json::Value as Json;
+    let store = st.service.store()?;
+    let node = store.node_id()?;
+    if msg.get("method")?.as_str()? != "tools/call" {
+        return None;
+    }
+    let id = msg
+        .get("id")
+        .filter(|i| i.is_string() || i.is_number())?
+        .clone();
+    let params = msg.get("params")?;
+    let tool = params.get("name")?.as_str()?.to_string();
+    let model = params.pointer("/arguments/id")?.as_str()?;
+    if store.holds(model) {
+        return None;
+    }
+    let owner_url = match st.service.info(&valem_service::ModelId::from(model)).await {
+        Err(valem_service::ServiceError::Elsewhere { url, .. }) => url,
+        _ => return None,
+    };
+    let mut meta = params
+        .get("_meta")
+        .and_then(Json::as_object)
+        .cloned()
+        .unwrap_or_default();
+    meta.remove("progressToken");
+    meta.insert(
+        "io.modelcontextprotocol/protocolVersion".into(),
+        json!(MODERN_VERSION),
+    );
+    meta.insert(
+        "io.modelcontextprotocol/clientInfo".into(),
+        json!({"name": format!("valem node {node}"), "version": env!("CARGO_PKG_VERSION")}),
+    );
+    meta.insert(
+        "io.modelcontextprotocol/clientCapabilities".into(),
+        json!({}),
+    );
+    let mut call_params = params.clone();
+    call_params["_meta"] = Json::Object(meta);
+    let body = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": call_params});
+    let mut headers = HeaderMap::new();
+    for (k, v) in [
+        ("content-type", "application/json".to_string()),
+        ("accept", "application/json".to_string()),
+        ("mcp-protocol-version", MODERN_VERSION.to_string()),
+        ("mcp-method", "tools/call".to_string()),
+        ("mcp-name", tool),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            headers.insert(header::HeaderName::from_static(k), v);
+        }
+    }
+    let key = st.config.api_key.clone();
+    let timeout = st.config.request_timeout;
+    let target = format!("{}/mcp", owner_url.trim_end_matches('/'));
+    let bytes = body.to_string().into_bytes();
+    let sent = tokio::task::spawn_blocking(move || {
+        send(&Method::POST, &target, &headers, bytes, key, &node, timeout)
+    })
+    .await;
+    let answer = match sent {
+        Ok(Ok(r)) if r.status() == StatusCode::OK => {
+            axum::body::to_bytes(r.into_body(), MAX_ANSWER as usize)
+                .await
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Json>(&b).ok())
+        }
+        _ => None,
+    };
+    st.metrics.forwarded(answer.is_some());
+    let Some(mut answer) = answer else {
+        let message = format!("the model's owner at {owner_url} did not answer; once its lease runs out the next request takes the model over: retry in a second");
+        return Some(json!({"jsonrpc": "2.0", "id": id, "result": {
+            "content": [{"type": "text", "text": message}], "isError": true}}));
+    };
+    if let Some(r) = answer.get_mut("result").and_then(Json::as_object_mut) {
+        r.remove("resultType");
+    }
+    answer["id"] = id;
+    Some(answer)
+}
+
+/// The revision a node speaks to another for a legacy session's call.
+const MODERN_VERSION: &str = "2026-07-28";
 
 /// The JSON-RPC answer to the `tools/call` in `request` that is a tool error saying `message`
 /// (`None`: not a tool call).

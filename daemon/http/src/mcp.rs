@@ -357,6 +357,13 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             .await;
         return StatusCode::ACCEPTED.into_response();
     }
+    // In a fleet, a call about a model another node owns is that node's to answer.
+    if hs.scope.is_none() {
+        if let Some(reply) = super::forward::legacy_call_elsewhere(&st, &msg).await {
+            let res = plain_reply(&st, created, &sid, Some(reply), json_ok);
+            return with_session_header(res, created, &sid);
+        }
+    }
     let session = hs.session.clone();
     let res = if let Some(call) = session.call_deferred(&msg) {
         // A cycle: await the shard; the worker serves other connections meanwhile.
