@@ -455,6 +455,163 @@ fn a_legacy_mcp_session_reaches_models_other_nodes_own() {
     assert!(nb.terminate().success());
 }
 
+/// The GET stream of legacy session `sid` on `addr`: its messages, as they come.
+fn session_stream(addr: &str, sid: &str) -> std::sync::mpsc::Receiver<Value> {
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .new_agent();
+    let res = agent
+        .get(format!("http://{addr}/mcp"))
+        .header("Accept", "text/event-stream")
+        .header("Mcp-Session-Id", sid)
+        .header("MCP-Protocol-Version", "2025-11-25")
+        .call()
+        .expect("GET /mcp");
+    assert_eq!(res.status().as_u16(), 200);
+    sse_messages(res)
+}
+
+/// The next `notifications/resources/updated` on `rx` (within 10 s): its URI.
+fn updated(rx: &std::sync::mpsc::Receiver<Value>) -> String {
+    loop {
+        let m = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a resources/updated notification within 10 s");
+        if m["method"] == json!("notifications/resources/updated") {
+            return m["params"]["uri"].as_str().unwrap_or_default().to_string();
+        }
+    }
+}
+
+#[test]
+fn mcp_subscriptions_on_any_node_hear_the_owners_commits() {
+    let b = Backing::postgres();
+    let (_pa, a, ha, nb, hb) = two_nodes(&b);
+    assert_eq!(ha.post_json("/models", &counters("m")).status, 201);
+    let sid = legacy_session(&hb);
+    let r = hb.post(
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ACCEPT,
+            ("Mcp-Session-Id", &sid),
+            ("MCP-Protocol-Version", "2025-11-25"),
+        ],
+        json!({"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe",
+            "params": {"uri": "valem://state/m"}})
+        .to_string()
+        .as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let rx = session_stream(&nb.addr, &sid);
+    // The relay subscribes on a: writes there (and through b) are heard in b's session.
+    let mut heard = false;
+    for v in 1..=20 {
+        assert_eq!(
+            ha.post_json("/models/m/mutations", &json!({"$.c0": v}))
+                .status,
+            200
+        );
+        if rx.recv_timeout(Duration::from_millis(250)).is_ok_and(|m| {
+            m["method"] == json!("notifications/resources/updated")
+                && m["params"]["uri"] == json!("valem://state/m")
+        }) {
+            heard = true;
+            break;
+        }
+    }
+    assert!(heard, "b's session heard none of a's commits");
+    assert_eq!(
+        hb.post_json("/models/m/mutations", &json!({"$.c1": 1}))
+            .status,
+        200
+    );
+    assert_eq!(updated(&rx), "valem://state/m");
+    // A modern-era `subscriptions/listen` stream on b naming m: relayed the same way.
+    let listen = listen_stream(&nb.addr, "valem://state/m");
+    let ack = listen
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the acknowledgement");
+    assert_eq!(
+        ack["method"],
+        json!("notifications/subscriptions/acknowledged"),
+        "{ack}"
+    );
+    let mut heard = false;
+    for v in 1..=20 {
+        assert_eq!(
+            ha.post_json("/models/m/mutations", &json!({"$.c1": v}))
+                .status,
+            200
+        );
+        if listen
+            .recv_timeout(Duration::from_millis(250))
+            .is_ok_and(|m| {
+                m["method"] == json!("notifications/resources/updated")
+                    && m["params"]["uri"] == json!("valem://state/m")
+            })
+        {
+            heard = true;
+            break;
+        }
+    }
+    assert!(heard, "b's listen stream heard none of a's commits");
+
+    // The owner dies; once b owns m, its own commits are heard (the relays stand down).
+    a.kill9();
+    past_the_lease();
+    let r = hb.post_json("/models/m/mutations", &json!({"$.c1": 2}));
+    assert_eq!((r.status, r.header("x-valem-node")), (200, Some("b")));
+    assert_eq!(updated(&rx), "valem://state/m");
+    assert_eq!(updated(&listen), "valem://state/m");
+    assert!(nb.terminate().success());
+}
+
+/// A modern-era `subscriptions/listen` stream on `addr` for one state URI: its messages.
+fn listen_stream(addr: &str, uri: &str) -> std::sync::mpsc::Receiver<Value> {
+    let body = json!({"jsonrpc": "2.0", "id": 70, "method": "subscriptions/listen", "params": {
+        "notifications": {"resourceSubscriptions": [uri]},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "valem-tests", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}}});
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .new_agent();
+    let res = agent
+        .post(format!("http://{addr}/mcp"))
+        .header("Content-Type", "application/json")
+        .header("Accept", "application/json, text/event-stream")
+        .header("MCP-Protocol-Version", "2026-07-28")
+        .header("Mcp-Method", "subscriptions/listen")
+        .send(body.to_string().as_bytes())
+        .expect("POST subscriptions/listen");
+    assert_eq!(res.status().as_u16(), 200);
+    sse_messages(res)
+}
+
+/// The JSON messages of an SSE answer, as they come, on a thread of their own.
+fn sse_messages(res: ureq::http::Response<ureq::Body>) -> std::sync::mpsc::Receiver<Value> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let reader = std::io::BufReader::new(res.into_body().into_reader());
+        for line in reader.lines() {
+            let Ok(line) = line else { break };
+            if let Some(m) = line
+                .strip_prefix("data:")
+                .and_then(|d| serde_json::from_str::<Value>(d.trim()).ok())
+            {
+                if tx.send(m).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    rx
+}
+
 #[test]
 fn a_fleet_node_needs_the_database_a_sound_id_and_an_url() {
     let cases: [(&[&str], &str); 3] = [

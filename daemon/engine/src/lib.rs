@@ -289,7 +289,8 @@ fn traces_schema(schema: &mut schemars::Schema) {
 
 impl MutationResult {
     /// A result read back from its wire shape (`to_json(false)`), as kept with an idempotency
-    /// key; `None` when `v` is not one. Its traces are not kept.
+    /// key or sent in a WebSocket frame (which has no `success` or `metaUpdated`: committed, no
+    /// meta named); `None` when `v` is not one. Its traces are not kept.
     pub fn from_json(v: &Json) -> Option<MutationResult> {
         let strings = |key: &str| -> Option<Vec<&str>> {
             v.get(key)?.as_array()?.iter().map(Json::as_str).collect()
@@ -317,14 +318,21 @@ impl MutationResult {
                 })
             })
             .collect::<Option<Vec<_>>>()?;
-        Some(MutationResult {
-            success: v.get("success")?.as_bool()?,
-            mutated_paths,
-            derived_updated: Paths::from(derived),
-            meta_updated: strings("metaUpdated")?
+        let meta_updated = match v.get("metaUpdated") {
+            None => Vec::new(),
+            Some(_) => strings("metaUpdated")?
                 .into_iter()
                 .map(str::to_string)
                 .collect(),
+        };
+        Some(MutationResult {
+            success: match v.get("success") {
+                None => true,
+                Some(b) => b.as_bool()?,
+            },
+            mutated_paths,
+            derived_updated: Paths::from(derived),
+            meta_updated,
             flagged_constraints: flagged,
             dispatched_effects: serde_json::from_value(v.get("dispatchedEffects")?.clone()).ok()?,
             traces: Traces::default(),

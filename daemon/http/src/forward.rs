@@ -255,6 +255,19 @@ pub(crate) async fn legacy_call_elsewhere(
     Some(answer)
 }
 
+/// `s` as one path segment: every byte but RFC 3986's unreserved ones percent-encoded.
+pub(crate) fn path_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// The revision a node speaks to another for a legacy session's call.
 const MODERN_VERSION: &str = "2026-07-28";
 

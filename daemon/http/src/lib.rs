@@ -20,6 +20,7 @@ pub mod guard;
 pub mod mcp;
 mod mcp_modern;
 pub mod metrics;
+pub mod relay;
 pub mod rest;
 pub mod sandbox;
 pub mod ws;
@@ -115,6 +116,8 @@ pub struct AppState {
     pub pairings: Arc<sandbox::Pairings>,
     /// Flips to true when the daemon starts shutting down: long-lived streams end.
     pub shutdown: watch::Receiver<bool>,
+    /// The models of other nodes of a fleet whose events are relayed here.
+    pub relays: Arc<relay::Relays>,
 }
 
 impl AppState {
@@ -143,6 +146,7 @@ impl AppState {
             sessions,
             subscriptions: Arc::default(),
             shutdown: stop_rx,
+            relays: Arc::default(),
         };
         (state, stop_tx)
     }

@@ -63,6 +63,9 @@ pub struct HttpSession {
     scope: Option<Scoped>,
     out: Arc<Mutex<Outbound>>,
     last_used: Mutex<Instant>,
+    /// In a fleet, the relays of the models it subscribed to (`valem://state/{id}`): another
+    /// node's model is heard here while the subscription lasts.
+    relayed: Mutex<HashMap<String, crate::relay::RelayGuard>>,
 }
 
 impl HttpSession {
@@ -357,8 +360,10 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
             .await;
         return StatusCode::ACCEPTED.into_response();
     }
-    // In a fleet, a call about a model another node owns is that node's to answer.
+    // In a fleet, a call about a model another node owns is that node's to answer, and a
+    // subscription to one is relayed from there.
     if hs.scope.is_none() {
+        relay_subscription(&st, &hs, &msg);
         if let Some(reply) = super::forward::legacy_call_elsewhere(&st, &msg).await {
             let res = plain_reply(&st, created, &sid, Some(reply), json_ok);
             return with_session_header(res, created, &sid);
@@ -386,6 +391,34 @@ async fn post_mcp(State(st): State<AppState>, req: Request) -> Response {
         }
     };
     with_session_header(res, created, &sid)
+}
+
+/// A legacy session's `resources/subscribe` (or `unsubscribe`) of a model's state: in a fleet,
+/// the model's events are relayed here while it lasts (they are published on this node's bus,
+/// where the session hears them whether the model is here or on another node).
+fn relay_subscription(st: &AppState, hs: &HttpSession, msg: &Json) {
+    let method = msg.get("method").and_then(Json::as_str);
+    let Some(model) = msg
+        .pointer("/params/uri")
+        .and_then(Json::as_str)
+        .and_then(|u| u.strip_prefix(valem_mcp::resources::STATE_PREFIX))
+    else {
+        return;
+    };
+    let Ok(mut relayed) = hs.relayed.lock() else {
+        return;
+    };
+    match method {
+        Some("resources/subscribe") if !relayed.contains_key(model) => {
+            if let Some(g) = st.relays.watch(st, model) {
+                relayed.insert(model.to_string(), g);
+            }
+        }
+        Some("resources/unsubscribe") => {
+            relayed.remove(model);
+        }
+        _ => {}
+    }
 }
 
 /// The session a message belongs to: a new one for `initialize` (sent without a session id),
@@ -673,6 +706,7 @@ fn open_session(
         scope,
         out,
         last_used: Mutex::new(Instant::now()),
+        relayed: Mutex::default(),
     });
     if let Ok(mut m) = st.sessions.map.lock() {
         m.insert(sid.clone(), hs.clone());

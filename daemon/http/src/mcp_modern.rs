@@ -329,6 +329,8 @@ fn tool_schema<'a>(st: &'a AppState, msg: &Json) -> Option<&'a Json> {
 struct ListenSlot {
     st: AppState,
     stop: Arc<AtomicBool>,
+    /// In a fleet, the relays of the models it names that other nodes own (see `relay.rs`).
+    _relays: Vec<crate::relay::RelayGuard>,
 }
 
 impl Drop for ListenSlot {
@@ -374,9 +376,17 @@ fn listen_stream(st: &AppState, msg: Json, scoped: Option<Scoped>) -> Response {
     }
     let stop = Arc::new(AtomicBool::new(false));
     let closed = stop.clone();
+    let relays = match &scoped {
+        None => filter
+            .models()
+            .filter_map(|m| st.relays.watch(st, m))
+            .collect(),
+        Some(_) => Vec::new(),
+    };
     let slot = ListenSlot {
         st: st.clone(),
         stop: stop.clone(),
+        _relays: relays,
     };
     let (tx, rx) = mpsc::channel::<listen::Notice>(valem_mcp::LISTEN_QUEUE);
     let full = Arc::new(AtomicBool::new(false));

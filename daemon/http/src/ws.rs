@@ -157,13 +157,49 @@ async fn relay(
             ),
         )
     };
+    let (upstream, answer) = match connect_owner(st, owner, target).await {
+        Ok(c) => c,
+        Err(why) => {
+            st.metrics.forwarded(false);
+            return Err(unreachable(why));
+        }
+    };
+    st.metrics.forwarded(true);
+    let by = answer.headers().get(crate::forward::NODE).cloned();
+    let stop = st.shutdown.clone();
+    let mut r = ws
+        .max_message_size(MAX_CLIENT_MESSAGE)
+        .on_upgrade(move |socket| async move {
+            pipe(socket, upstream, stop).await;
+            drop(slot);
+        })
+        .into_response();
+    if let Some(v) = by {
+        r.headers_mut().insert(crate::forward::NODE, v);
+    }
+    Ok(r)
+}
+
+/// A socket to model's owner at `owner` (a fleet's node, `http://…`) on `target` (path and
+/// query), as this node: marked forwarded, with this daemon's API key.
+pub(crate) async fn connect_owner(
+    st: &AppState,
+    owner: &str,
+    target: &str,
+) -> Result<
+    (
+        Upstream,
+        tokio_tungstenite::tungstenite::handshake::client::Response,
+    ),
+    String,
+> {
     let base = owner.trim_end_matches('/');
     let Some(rest) = base.strip_prefix("http://") else {
-        return Err(unreachable("only http:// owners are relayed".into()));
+        return Err("only http:// owners are relayed".into());
     };
     let mut request = format!("ws://{rest}{target}")
         .into_client_request()
-        .map_err(|e| unreachable(e.to_string()))?;
+        .map_err(|e| e.to_string())?;
     let node = st
         .service
         .store()
@@ -193,39 +229,17 @@ async fn relay(
             .await
             .map_err(|e| e.to_string())
     };
-    let (upstream, answer) = match tokio::time::timeout(SEND_TIMEOUT, connect).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(why)) => {
-            st.metrics.forwarded(false);
-            return Err(unreachable(why));
-        }
-        Err(_) => {
-            st.metrics.forwarded(false);
-            return Err(unreachable("timed out".into()));
-        }
-    };
-    st.metrics.forwarded(true);
-    let by = answer.headers().get(crate::forward::NODE).cloned();
-    let stop = st.shutdown.clone();
-    let mut r = ws
-        .max_message_size(MAX_CLIENT_MESSAGE)
-        .on_upgrade(move |socket| async move {
-            pipe(socket, upstream, stop).await;
-            drop(slot);
-        })
-        .into_response();
-    if let Some(v) = by {
-        r.headers_mut().insert(crate::forward::NODE, v);
+    match tokio::time::timeout(SEND_TIMEOUT, connect).await {
+        Ok(c) => c,
+        Err(_) => Err("timed out".into()),
     }
-    Ok(r)
 }
 
+/// A socket to another node.
+pub(crate) type Upstream = tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>;
+
 /// Carry the owner's frames to the client until either side closes.
-async fn pipe(
-    mut socket: WebSocket,
-    mut upstream: tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>,
-    mut stop: watch::Receiver<bool>,
-) {
+async fn pipe(mut socket: WebSocket, mut upstream: Upstream, mut stop: watch::Receiver<bool>) {
     use futures_util::StreamExt;
     use tokio_tungstenite::tungstenite::Message as Up;
     loop {

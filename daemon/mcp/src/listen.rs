@@ -47,6 +47,11 @@ impl Filter {
     /// The filter of a `subscriptions/listen` request's `params.notifications`; an error names
     /// the offending member. URIs that are not a model's state are not subscribable here: they
     /// are left out of the acknowledgement (the client learns that from it).
+    /// The models whose state URIs it names.
+    pub fn models(&self) -> impl Iterator<Item = &str> + '_ {
+        self.models.iter().map(String::as_str)
+    }
+
     pub fn parse(params: &Json) -> Result<Filter, String> {
         let n = match params.get("notifications") {
             Some(n @ Json::Object(_)) => n,

@@ -278,6 +278,12 @@ impl ModelService {
         }
     }
 
+    /// Tell the subscribers of an event committed elsewhere: a fleet's node relaying what the
+    /// owner of a model heard (see valem-http's `relay.rs`).
+    pub fn publish_relayed(&self, event: Event) {
+        self.subscribers.publish(event);
+    }
+
     /// Change subscribers registered (WebSocket and MCP listen streams, event forwarders): a
     /// closed one is dropped at the next commit it would be told of.
     pub fn subscriber_count(&self) -> usize {
