@@ -186,6 +186,14 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         (owner["owner"].clone(), owner["epoch"].clone()),
         (json!("b"), json!(2))
     );
+    // b counts it: one failover, and the claims it was refused while a lived.
+    let metric = |h: &Http, name: &str| valem_tests::metric(h, name).unwrap_or(-1.0);
+    assert_eq!(
+        metric(&hb, "valem_fleet_claims_total{kind=\"failover\"}"),
+        1.0
+    );
+    assert!(metric(&hb, "valem_fleet_claims_refused_total") >= 1.0);
+    assert_eq!(metric(&hb, "valem_fleet_claims_total{kind=\"new\"}"), 0.0);
 
     // a comes back; b owns m now, and a forwards to it.
     let a = node(&b, "a", pa);
@@ -228,6 +236,11 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     );
     // b knows it lost m: what it is asked now, a answers.
     std::thread::sleep(Duration::from_millis(LEASE_MS / 2));
+    assert_eq!(metric(&hb, "valem_fleet_models_lost_total"), 1.0);
+    assert_eq!(
+        metric(&ha, "valem_fleet_claims_total{kind=\"failover\"}"),
+        1.0
+    );
     let r = hb.get("/models/m/state");
     assert_eq!(
         (r.status, r.header("x-valem-node")),

@@ -208,6 +208,30 @@ pub async fn serve(State(st): State<AppState>) -> Response {
             st.metrics.forwards[i].load(Ordering::Relaxed)
         );
     }
+    if let Some(c) = st.service.store().and_then(|s| s.claim_stats()) {
+        let _ = writeln!(
+            out,
+            "# HELP valem_fleet_claims_total Models this node claimed, by what it took them from (new: unowned; again: its own; handover: released by another node; failover: another node's whose lease ran out).\n# TYPE valem_fleet_claims_total counter"
+        );
+        for (kind, v) in [
+            ("new", c.new),
+            ("again", c.again),
+            ("handover", c.handovers),
+            ("failover", c.failovers),
+        ] {
+            let _ = writeln!(out, "valem_fleet_claims_total{{kind=\"{kind}\"}} {v}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP valem_fleet_claims_refused_total Claims refused: another live node owns the model (the request was forwarded).\n# TYPE valem_fleet_claims_refused_total counter\nvalem_fleet_claims_refused_total {}",
+            c.refused
+        );
+        let _ = writeln!(
+            out,
+            "# HELP valem_fleet_models_lost_total Models another node took from this one after its lease ran out.\n# TYPE valem_fleet_models_lost_total counter\nvalem_fleet_models_lost_total {}",
+            c.lost
+        );
+    }
     if let Some(store) = st.service.store() {
         let w = store.stats();
         for (name, help, v) in [

@@ -121,6 +121,10 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn nodes(&self) -> Result<Vec<NodeInfo>, StoreError> {
         Ok(Vec::new())
     }
+    /// What this node's claims did since it started (`None`: not a fleet's node).
+    fn claim_stats(&self) -> Option<crate::pg::ClaimStats> {
+        None
+    }
 }
 
 impl Store for SqliteStore {

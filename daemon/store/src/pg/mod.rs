@@ -42,7 +42,7 @@ use crate::checkpoints::{self, Row};
 use crate::keys::KeyAdoption;
 use crate::{Store, StoreError, StoreOptions, Writer, WriterStats};
 
-pub use owners::{NodeConfig, NodeInfo, Ownership};
+pub use owners::{ClaimStats, NodeConfig, NodeInfo, Ownership};
 pub use schema::SCHEMA_VERSION;
 
 /// How long connecting may take before it counts as a failure.
@@ -211,6 +211,8 @@ pub struct PgStore {
     lost: std::sync::Arc<Mutex<Vec<String>>>,
     /// When this node's lease runs out at the latest (a fleet's node only).
     lease_end: owners::LeaseEnd,
+    /// What its claims did.
+    claims: std::sync::Arc<owners::ClaimCounters>,
     /// The lease thread and what stops it.
     renewal: Option<(std::sync::mpsc::Sender<()>, JoinHandle<()>)>,
 }
@@ -249,6 +251,7 @@ impl PgStore {
             held,
             lost: Default::default(),
             lease_end: Default::default(),
+            claims: Default::default(),
             renewal: None,
         };
         if let Some(node) = store.opts.node.clone() {
@@ -648,5 +651,8 @@ impl Store for PgStore {
     }
     fn nodes(&self) -> Result<Vec<NodeInfo>, StoreError> {
         PgStore::nodes(self)
+    }
+    fn claim_stats(&self) -> Option<owners::ClaimStats> {
+        self.opts.node.is_some().then(|| self.claims.stats())
     }
 }

@@ -11,6 +11,7 @@
 //! database's clock.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,6 +45,48 @@ pub struct Ownership {
     pub epoch: i64,
     /// When its lease runs out (the database's clock).
     pub lease_until: Timestamp,
+}
+
+/// What this node's claims did since it started (for `/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClaimStats {
+    /// Models nobody owned before (first claim).
+    pub new: u64,
+    /// Models this node owned already (woken again, or claimed again after a restart).
+    pub again: u64,
+    /// Models another node released (evicted) and this node took.
+    pub handovers: u64,
+    /// Models another node owned whose lease had run out (it died or was cut off): failovers.
+    pub failovers: u64,
+    /// Claims refused: another live node owns the model.
+    pub refused: u64,
+    /// Models a renewal found taken by another node.
+    pub lost: u64,
+}
+
+/// The counters behind [`ClaimStats`].
+#[derive(Default)]
+pub(crate) struct ClaimCounters {
+    new: AtomicU64,
+    again: AtomicU64,
+    handovers: AtomicU64,
+    failovers: AtomicU64,
+    refused: AtomicU64,
+    lost: AtomicU64,
+}
+
+impl ClaimCounters {
+    pub(crate) fn stats(&self) -> ClaimStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ClaimStats {
+            new: g(&self.new),
+            again: g(&self.again),
+            handovers: g(&self.handovers),
+            failovers: g(&self.failovers),
+            refused: g(&self.refused),
+            lost: g(&self.lost),
+        }
+    }
 }
 
 /// A node of the fleet, as `valem.nodes` holds it.
@@ -90,6 +133,7 @@ struct Leases {
     held: Held,
     lost: Arc<Mutex<Vec<String>>>,
     end: LeaseEnd,
+    counters: Arc<ClaimCounters>,
 }
 
 impl Leases {
@@ -119,6 +163,9 @@ impl Leases {
             });
         }
         lost.sort();
+        self.counters
+            .lost
+            .fetch_add(lost.len() as u64, Ordering::Relaxed);
         if let Ok(mut l) = self.lost.lock() {
             l.extend(lost.iter().cloned());
         }
@@ -165,7 +212,9 @@ impl PgStore {
         let lease = lease_us(&node);
         // This node's own lease is renewed with the claim, so the claim holds from now on.
         let sql = format!(
-            "WITH me AS (
+            "WITH before AS (
+                 SELECT node_id, released FROM valem.owners WHERE model_id = $1
+             ), me AS (
                  UPDATE valem.nodes SET seen_us = {NOW_US}, lease_until_us = {NOW_US} + $3
                  WHERE id = $2 RETURNING lease_until_us
              )
@@ -178,7 +227,8 @@ impl PgStore {
              WHERE o.node_id = excluded.node_id OR o.released OR NOT EXISTS (
                  SELECT 1 FROM valem.nodes n
                  WHERE n.id = o.node_id AND n.lease_until_us > {NOW_US})
-             RETURNING epoch, (SELECT lease_until_us FROM me)"
+             RETURNING epoch, (SELECT lease_until_us FROM me),
+                 (SELECT node_id FROM before), (SELECT released FROM before)"
         );
         let sent = std::time::Instant::now();
         let claimed =
@@ -186,6 +236,15 @@ impl PgStore {
         if let Some(row) = claimed {
             let (epoch, until): (i64, Option<i64>) = (row.get(0), row.get(1));
             let until = until.unwrap_or(0);
+            let (before, released): (Option<String>, Option<bool>) = (row.get(2), row.get(3));
+            let c = &self.claims;
+            match before {
+                None => &c.new,
+                Some(n) if n == node.id => &c.again,
+                Some(_) if released == Some(true) => &c.handovers,
+                Some(_) => &c.failovers,
+            }
+            .fetch_add(1, Ordering::Relaxed);
             if let Ok(mut held) = self.held.lock() {
                 // After a lapse of the lease, what was held may have been taken: the next
                 // renewal says what is still this node's; until then, nothing else is.
@@ -204,12 +263,15 @@ impl PgStore {
             });
         }
         match self.owner(model_id)? {
-            Some(o) => Err(StoreError::OwnedElsewhere {
-                model_id: model_id.to_string(),
-                url: o.url.clone().unwrap_or_default(),
-                node: o.node,
-                lease_until: o.lease_until,
-            }),
+            Some(o) => {
+                self.claims.refused.fetch_add(1, Ordering::Relaxed);
+                Err(StoreError::OwnedElsewhere {
+                    model_id: model_id.to_string(),
+                    url: o.url.clone().unwrap_or_default(),
+                    node: o.node,
+                    lease_until: o.lease_until,
+                })
+            }
             // Released between the two statements: try again.
             None => self.claim(model_id),
         }
@@ -237,6 +299,7 @@ impl PgStore {
             held: self.held.clone(),
             lost: self.lost.clone(),
             end: self.lease_end.clone(),
+            counters: self.claims.clone(),
         })
     }
 
