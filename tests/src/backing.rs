@@ -76,6 +76,18 @@ impl Backing {
         }
     }
 
+    /// The one integer `sql` (a `SELECT count(*) …`, say) answers on the store's database.
+    pub fn count(&self, sql: &str) -> i64 {
+        match self {
+            Backing::Sqlite(d) => rusqlite::Connection::open(d.path().join(valem_store::DB_FILE))
+                .and_then(|c| c.query_row(sql, [], |r| r.get(0)))
+                .unwrap_or_else(|e| panic!("{sql}: {e}")),
+            Backing::Postgres { server, .. } => server
+                .count(DB, sql)
+                .unwrap_or_else(|e| panic!("{sql}: {e}")),
+        }
+    }
+
     /// Whether this is the PostgreSQL store.
     pub fn is_postgres(&self) -> bool {
         matches!(self, Backing::Postgres { .. })

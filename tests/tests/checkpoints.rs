@@ -1,13 +1,16 @@
 //! Checkpoints and the audit key against the real binary and its real database: a checkpoint
-//! edited with rusqlite (its state, its head hash, one flipped bit) is refused on restart, the
+//! edited with SQL (its state, its head hash, one flipped bit) is refused on restart, the
 //! model comes back with its true state, the log and `/metrics` say so and `verify_audit` (REST
 //! and MCP) reports it; a refused restore checkpoint keeps that model aside (not served, its
-//! data untouched) instead of losing the restore, and the other models are served; with `--audit-key-file`, a consistent rewrite of the records with plain blake3 is
-//! caught, and a missing, wrong or malformed key is a clear start-up error.
+//! data untouched) instead of losing the restore, and the other models are served — on the
+//! SQLite and the PostgreSQL store alike; with `--audit-key-file` (SQLite here; the PostgreSQL
+//! store's keys are checked by its own tests), a consistent rewrite of the records with plain
+//! blake3 is caught, and a missing, wrong or malformed key is a clear start-up error.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+use valem_tests::backing::Backing;
 use valem_tests::{metric, run, stderr, Daemon, Http};
 
 fn data_dir() -> tempfile::TempDir {
@@ -34,20 +37,6 @@ fn refused_start(dir: &Path, extra: &[&str]) -> String {
     stderr(&o)
 }
 
-/// A copy of a stopped daemon's data directory (its files; the WAL was folded in at the stop).
-fn copy_dir(from: &Path) -> tempfile::TempDir {
-    let to = data_dir();
-    for e in std::fs::read_dir(from)
-        .expect("the data directory")
-        .flatten()
-    {
-        if e.path().is_file() {
-            std::fs::copy(e.path(), to.path().join(e.file_name())).expect("copy");
-        }
-    }
-    to
-}
-
 fn db(dir: &Path) -> rusqlite::Connection {
     rusqlite::Connection::open(dir.join("valem.db")).expect("open the database")
 }
@@ -57,11 +46,10 @@ const DEMO: &str = r#"{"id": "demo", "version": "1.0.0", "schema": {},
 
 /// A store holding `demo` with records 0..=6 (`$.price` 10..=16), checkpointed every 3 records
 /// (after records 2 and 5) and at the clean stop (after 6); the state it ended with.
-fn seven_records(extra: &[&str]) -> (tempfile::TempDir, Value) {
-    let dir = data_dir();
+fn seven_records(b: &Backing, extra: &[&str]) -> Value {
     let mut args = vec!["--checkpoint-every", "3"];
     args.extend_from_slice(extra);
-    let d = start(dir.path(), &args);
+    let d = b.start(&args);
     let http = Http::new(&d);
     let r = http.post(
         "/models",
@@ -79,79 +67,63 @@ fn seven_records(extra: &[&str]) -> (tempfile::TempDir, Value) {
     let state = http.get("/models/demo/state").json();
     assert_eq!(state["total"], json!(32), "{state}");
     assert!(d.terminate().success());
-    let sequences: Vec<i64> = {
-        let c = db(dir.path());
-        let mut st = c
-            .prepare("SELECT sequence FROM checkpoints ORDER BY sequence")
-            .expect("select");
-        st.query_map([], |r| r.get(0))
-            .expect("rows")
-            .collect::<Result<_, _>>()
-            .expect("read")
+    let listed = b.count("SELECT CAST(count(*) * 100 + sum(sequence) AS BIGINT) FROM checkpoints");
+    assert_eq!(
+        listed,
+        3 * 100 + 2 + 5 + 6,
+        "checkpoints after records 2, 5 and 6"
+    );
+    state
+}
+
+/// [`seven_records`] in a data directory of its own (the audit key's tests).
+fn seven_on_disk(extra: &[&str]) -> (tempfile::TempDir, Value) {
+    let b = Backing::sqlite();
+    let state = seven_records(&b, extra);
+    let Backing::Sqlite(dir) = b else {
+        panic!("a SQLite store")
     };
-    assert_eq!(sequences, [2, 5, 6]);
     (dir, state)
 }
 
 #[test]
-fn an_edited_checkpoint_is_refused_and_the_model_recovers_its_true_state() {
-    let (dir, state) = seven_records(&[]);
-    let flip_one_bit = |c: &rusqlite::Connection| {
-        let text: String = c
-            .query_row(
-                "SELECT state FROM checkpoints WHERE sequence = 6",
-                [],
-                |r| r.get(0),
-            )
-            .expect("state");
-        let mut bytes = text.into_bytes();
-        let at = String::from_utf8_lossy(&bytes)
-            .find("\"price\":16")
-            .expect("the price in the checkpoint")
-            + "\"price\":1".len();
-        bytes[at] ^= 1; // '6' becomes '7': one bit, still JSON, another price
-        let text = String::from_utf8(bytes).expect("still UTF-8");
-        c.execute(
-            "UPDATE checkpoints SET state = ?1 WHERE sequence = 6",
-            [text],
-        )
-        .expect("flip");
-    };
+fn an_edited_checkpoint_is_refused_and_the_model_recovers_its_true_state_sqlite() {
+    edited_checkpoint(Backing::sqlite);
+}
+
+#[test]
+fn an_edited_checkpoint_is_refused_and_the_model_recovers_its_true_state_postgres() {
+    edited_checkpoint(Backing::postgres);
+}
+
+/// One bit: '6' (0x36) becomes '7' (0x37), still JSON, another price.
+const FLIP_ONE_BIT: &str =
+    "UPDATE checkpoints SET state = replace(state, '\"price\":16', '\"price\":17') WHERE sequence = 6";
+
+fn edited_checkpoint(fresh: fn() -> Backing) {
     // (case, the edit, the refusal's reason label, what the log says)
-    type Edit<'a> = &'a dyn Fn(&rusqlite::Connection);
-    let cases: [(&str, Edit<'_>, &str, &str); 3] = [
+    let cases = [
         (
             "state edited",
-            &|c| {
-                c.execute(
-                    "UPDATE checkpoints SET state = replace(state, '\"price\":16', '\"price\":99')
-                     WHERE sequence = 6",
-                    [],
-                )
-                .expect("edit");
-            },
+            "UPDATE checkpoints SET state = replace(state, '\"price\":16', '\"price\":99')
+             WHERE sequence = 6",
             "state_hash",
             "state does not match its state hash",
         ),
         (
             "head hash edited",
-            &|c| {
-                c.execute(
-                    "UPDATE checkpoints SET head_hash =
-                         (SELECT hash FROM audit WHERE sequence = 5) WHERE sequence = 6",
-                    [],
-                )
-                .expect("edit");
-            },
+            "UPDATE checkpoints SET head_hash =
+                 (SELECT hash FROM audit WHERE sequence = 5) WHERE sequence = 6",
             "head_hash",
             "is not record 6's hash",
         ),
-        ("one bit flipped", &flip_one_bit, "state_hash", "state hash"),
+        ("one bit flipped", FLIP_ONE_BIT, "state_hash", "state hash"),
     ];
     for (case, tamper, reason, said) in cases {
-        let copy = copy_dir(dir.path());
-        tamper(&db(copy.path()));
-        let d = start(copy.path(), &[]);
+        let b = fresh();
+        let state = seven_records(&b, &[]);
+        b.sql(tamper);
+        let d = b.start(&[]);
         let http = Http::new(&d);
         assert_eq!(
             http.get("/models/demo/state").json(),
@@ -189,9 +161,11 @@ fn an_edited_checkpoint_is_refused_and_the_model_recovers_its_true_state() {
     }
 
     // The same report through the embedded MCP server's verify_audit.
-    let copy = copy_dir(dir.path());
-    flip_one_bit(&db(copy.path()));
-    let mut m = valem_tests::Mcp::start(&["--data-dir", utf8(copy.path())], &[]);
+    let b = fresh();
+    let state = seven_records(&b, &[]);
+    b.sql(FLIP_ONE_BIT);
+    let store = b.args();
+    let mut m = valem_tests::Mcp::start(&b.with(&store, &[]), &[]);
     m.handshake("2025-06-18");
     let r = m.tool(2, "get_state", json!({"id": "demo"}));
     assert_eq!(r["structuredContent"], state, "{r}");
@@ -209,10 +183,13 @@ fn an_edited_checkpoint_is_refused_and_the_model_recovers_its_true_state() {
     assert!(status.success());
 }
 
-#[test]
-fn a_refused_restore_checkpoint_keeps_that_model_aside_rather_than_lose_the_restore() {
-    let dir = data_dir();
-    let d = start(dir.path(), &[]);
+valem_tests::on_both_stores!(
+    a_refused_restore_checkpoint_keeps_that_model_aside_rather_than_lose_the_restore,
+    refused_restore_checkpoint
+);
+
+fn refused_restore_checkpoint(b: &Backing) {
+    let d = b.start(&[]);
     let http = Http::new(&d);
     for spec in [DEMO, &DEMO.replace("\"demo\"", "\"other\"")] {
         let r = http.post(
@@ -238,7 +215,7 @@ fn a_refused_restore_checkpoint_keeps_that_model_aside_rather_than_lose_the_rest
     assert!(d.terminate().success());
 
     // Untouched, the restore is what recovery starts from.
-    let d = start(dir.path(), &[]);
+    let d = b.start(&[]);
     assert_eq!(
         Http::new(&d).get("/models/demo/state").json()["price"],
         json!(3)
@@ -246,14 +223,11 @@ fn a_refused_restore_checkpoint_keeps_that_model_aside_rather_than_lose_the_rest
     assert!(d.terminate().success());
     // Edited, no replay can give its state back: that model is kept aside, says why, and is
     // never served a wrong state; the other model is served as it was.
-    db(dir.path())
-        .execute(
-            "UPDATE checkpoints SET state = replace(state, '\"price\":3', '\"price\":4')
-             WHERE kind = 'base'",
-            [],
-        )
-        .expect("edit");
-    let d = start(dir.path(), &[]);
+    b.sql(
+        "UPDATE checkpoints SET state = replace(state, '\"price\":3', '\"price\":4')
+         WHERE kind = 'base'",
+    );
+    let d = b.start(&[]);
     let http = Http::new(&d);
     let r = http.get("/models/demo/state");
     assert_eq!(r.status, 503, "{}", r.text());
@@ -277,14 +251,10 @@ fn a_refused_restore_checkpoint_keeps_that_model_aside_rather_than_lose_the_rest
     assert!(d.stderr_with("could not be recovered").contains("demo"));
     assert!(d.terminate().success());
     // The edit is still there: nothing was rewritten over it.
-    let kept: String = db(dir.path())
-        .query_row(
-            "SELECT state FROM checkpoints WHERE kind = 'base'",
-            [],
-            |r| r.get(0),
-        )
-        .expect("the base checkpoint");
-    assert!(kept.contains("\"price\":4"), "{kept}");
+    let kept = b.count(
+        "SELECT count(*) FROM checkpoints WHERE kind = 'base' AND state LIKE '%\"price\":4%'",
+    );
+    assert_eq!(kept, 1);
 }
 
 // --- the audit key ---------------------------------------------------------------------------
@@ -361,10 +331,10 @@ fn rewrite_with_plain_blake3(dir: &Path) {
 fn a_keyed_store_catches_a_rewrite_without_the_key() {
     let keys = data_dir();
     let key = key_file(keys.path(), "audit.key", format!("{KEY}\n").as_bytes());
-    let (dir, _) = seven_records(&["--audit-key-file", utf8(&key)]);
+    let (dir, _) = seven_on_disk(&["--audit-key-file", utf8(&key)]);
     // The test's canonical form is the daemon's: on an unkeyed store the same rewrite passes
     // record verification (only the checkpoints, which name the old hashes, object).
-    let (plain, _) = seven_records(&[]);
+    let (plain, _) = seven_on_disk(&[]);
     rewrite_with_plain_blake3(plain.path());
     let d = start(plain.path(), &[]);
     let v = Http::new(&d).get("/models/demo/audit/verify").json();
@@ -406,7 +376,7 @@ fn a_keyed_store_catches_a_rewrite_without_the_key() {
 fn a_keyed_store_refuses_to_start_without_its_key_or_with_a_bad_one() {
     let keys = data_dir();
     let key = key_file(keys.path(), "audit.key", KEY.as_bytes());
-    let (dir, state) = seven_records(&["--audit-key-file", utf8(&key)]);
+    let (dir, state) = seven_on_disk(&["--audit-key-file", utf8(&key)]);
 
     let err = refused_start(dir.path(), &[]);
     assert!(
@@ -450,7 +420,7 @@ fn a_keyed_store_refuses_to_start_without_its_key_or_with_a_bad_one() {
 fn an_unkeyed_store_adopts_a_key_from_each_models_next_record() {
     let keys = data_dir();
     let key = key_file(keys.path(), "audit.key", KEY.as_bytes());
-    let (dir, _) = seven_records(&[]);
+    let (dir, _) = seven_on_disk(&[]);
     let d = start(dir.path(), &["--audit-key-file", utf8(&key)]);
     assert!(
         d.stderr_with("adopts").contains("`demo` from record 7"),

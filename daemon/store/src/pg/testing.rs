@@ -205,7 +205,7 @@ impl TestServer {
     pub fn count(&self, db: &str, sql: &str) -> Result<i64, String> {
         self.client(db)?
             .query_one(sql, &[])
-            .map(|r| r.get(0))
+            .and_then(|r| r.try_get(0))
             .map_err(detail)
     }
 
