@@ -31,14 +31,18 @@ fn free_port() -> u16 {
 
 /// Node `id` of the fleet on `b`'s database, listening on `port`.
 fn node(b: &Backing, id: &str, port: u16) -> Daemon {
+    node_with(b, id, port, &[])
+}
+
+/// [`node`] with `extra` flags.
+fn node_with(b: &Backing, id: &str, port: u16, extra: &[&str]) -> Daemon {
     let listen = format!("127.0.0.1:{port}");
     let url = format!("http://{listen}");
     let lease = LEASE_MS.to_string();
     let store = b.args();
-    let args = b.with(
-        &store,
-        &["--node-id", id, "--advertise", &url, "--lease-ms", &lease],
-    );
+    let mut flags = vec!["--node-id", id, "--advertise", &url, "--lease-ms", &lease];
+    flags.extend_from_slice(extra);
+    let args = b.with(&store, &flags);
     Daemon::start_on(&listen, &args)
 }
 
@@ -623,6 +627,49 @@ fn sse_messages(res: ureq::http::Response<ureq::Body>) -> std::sync::mpsc::Recei
         }
     });
     rx
+}
+
+#[test]
+fn nodes_with_an_api_key_call_each_other_with_it() {
+    const KEY: &str = "fleet-key-0123456789abcdef";
+    let b = Backing::postgres();
+    let (pa, pb) = (free_port(), free_port());
+    let a = node_with(&b, "a", pa, &["--api-key", KEY]);
+    let nb = node_with(&b, "b", pb, &["--api-key", KEY]);
+    let (ha, hb) = (Http::new(&a).with_key(KEY), Http::new(&nb).with_key(KEY));
+    assert_eq!(ha.post_json("/models", &counters("m")).status, 201);
+    // Without the key, b refuses before anything else; with it, b forwards to a with its own.
+    assert_eq!(Http::new(&nb).get("/models/m/state").status, 401);
+    let r = hb.post_json("/models/m/mutations", &json!({"$.c0": 2}));
+    assert_eq!(
+        (r.status, r.header("x-valem-node")),
+        (200, Some("a")),
+        "{}",
+        r.text()
+    );
+    let (v, by) = modern_call(&hb, 1, "get_state", json!({"id": "m"}));
+    assert_eq!(
+        (
+            v["result"]["structuredContent"]["c0"].clone(),
+            by.as_deref()
+        ),
+        (json!(2), Some("a")),
+        "{v}"
+    );
+    // The WebSocket, keyed by `?token=` as browsers send it, relayed from a with b's key.
+    let mut ws = valem_tests::ws_open(&nb, &format!("/models/m/subscribe?token={KEY}"));
+    assert_eq!(
+        ha.post_json("/models/m/mutations", &json!({"$.c0": 3}))
+            .status,
+        200
+    );
+    assert_eq!(
+        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
+        json!(["$.c0"])
+    );
+    drop(ws);
+    assert!(a.terminate().success());
+    assert!(nb.terminate().success());
 }
 
 #[test]
