@@ -233,18 +233,24 @@ pub(crate) async fn legacy_call_elsewhere(
         send(&Method::POST, &target, &headers, bytes, key, &node, timeout)
     })
     .await;
-    let answer = match sent {
-        Ok(Ok(r)) if r.status() == StatusCode::OK => {
-            axum::body::to_bytes(r.into_body(), MAX_ANSWER as usize)
-                .await
+    // The owner's JSON-RPC answer, whatever its HTTP status (the modern era answers some
+    // errors with a 4xx).
+    let (answer, why) = match sent {
+        Ok(Ok(r)) => {
+            let status = r.status();
+            let body = axum::body::to_bytes(r.into_body(), MAX_ANSWER as usize).await;
+            let rpc = body
                 .ok()
                 .and_then(|b| serde_json::from_slice::<Json>(&b).ok())
+                .filter(|v| v.get("jsonrpc").is_some());
+            (rpc, format!("HTTP {status} without a JSON-RPC answer"))
         }
-        _ => None,
+        Ok(Err(e)) => (None, e),
+        Err(e) => (None, e.to_string()),
     };
     st.metrics.forwarded(answer.is_some());
     let Some(mut answer) = answer else {
-        let message = format!("the model's owner at {owner_url} did not answer; once its lease runs out the next request takes the model over: retry in a second");
+        let message = format!("the model's owner at {owner_url} did not answer ({why}); once its lease runs out the next request takes the model over: retry in a second");
         return Some(json!({"jsonrpc": "2.0", "id": id, "result": {
             "content": [{"type": "text", "text": message}], "isError": true}}));
     };
@@ -375,4 +381,36 @@ fn send(
     let mut r = (status, bytes).into_response();
     r.headers_mut().extend(out_headers);
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_segment_keeps_only_unreserved_bytes() {
+        assert_eq!(path_segment("m-1.a_b~c"), "m-1.a_b~c");
+        assert_eq!(path_segment("ns/id x"), "ns%2Fid%20x");
+        assert_eq!(path_segment("é"), "%C3%A9");
+        assert_eq!(path_segment(""), "");
+    }
+
+    #[test]
+    fn the_owner_is_read_from_a_421_or_an_mcp_tool_error() {
+        let rest = br#"{"error":"Owned by another node","ownerUrl":"http://n1:8080"}"#;
+        assert_eq!(
+            owner_of(StatusCode::MISDIRECTED_REQUEST, rest).as_deref(),
+            Some("http://n1:8080")
+        );
+        let mcp = br#"{"jsonrpc":"2.0","id":1,"result":{"isError":true,
+            "structuredContent":{"ownerUrl":"http://n2:8080"}}}"#;
+        assert_eq!(
+            owner_of(StatusCode::OK, mcp).as_deref(),
+            Some("http://n2:8080")
+        );
+        // Only http(s) URLs, and only from those two shapes.
+        let odd = br#"{"ownerUrl":"file:///etc/passwd"}"#;
+        assert_eq!(owner_of(StatusCode::MISDIRECTED_REQUEST, odd), None);
+        assert_eq!(owner_of(StatusCode::OK, rest), None);
+    }
 }

@@ -409,7 +409,10 @@ fn relay_subscription(st: &AppState, hs: &HttpSession, msg: &Json) {
         return;
     };
     match method {
-        Some("resources/subscribe") if !relayed.contains_key(model) => {
+        // As many as the session itself keeps (it refuses more), of models that can exist.
+        Some("resources/subscribe")
+            if !model.is_empty() && !relayed.contains_key(model) && relayed.len() < 1000 =>
+        {
             if let Some(g) = st.relays.watch(st, model) {
                 relayed.insert(model.to_string(), g);
             }
