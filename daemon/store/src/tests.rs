@@ -734,6 +734,85 @@ fn keyed(op: Op, key: &str) -> Op {
 }
 
 #[test]
+fn appends_to_many_models_in_one_batch_fail_alone() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    batched_appends_fail_alone(&*boxed(tmp.path())(StoreOptions::default()));
+}
+
+/// Appends to five models queued into one batch (the PostgreSQL writer writes such a run in one
+/// statement), one of them out of sequence and one keyed: the bad one fails alone, with its
+/// own error, and the others commit with their paths and key; then a clean run of five.
+pub(super) fn batched_appends_fail_alone(store: &dyn Store) {
+    let w = store.writer();
+    let ids = ["b0", "b1", "b2", "b3", "b4"];
+    let mut chains: Vec<Chain> = ids.iter().map(|id| Chain::new(id)).collect();
+    for (id, c) in ids.iter().zip(chains.iter_mut()) {
+        w.apply(put_model(id)).expect("put");
+        w.apply(c.op(1, 1)).expect("first record");
+    }
+    let release = hold_writer(&w);
+    let ops: Vec<Op> = chains
+        .iter_mut()
+        .enumerate()
+        .map(|(i, c)| match i {
+            // b2's record claims to be its first again: out of sequence.
+            2 => Chain::new("b2").op(2, 20),
+            1 => keyed(c.op(2, 2), "k-b1"),
+            _ => c.op(2, 2),
+        })
+        .collect();
+    let rx = submit_all(&w, ops);
+    let _ = release.send(());
+    let mut results: Vec<(usize, Result<(), StoreError>)> =
+        (0..5).map(|_| rx.recv().expect("an answer")).collect();
+    results.sort_by_key(|(i, _)| *i);
+    for (i, r) in &results {
+        match i {
+            2 => assert!(
+                matches!(
+                    r,
+                    Err(StoreError::OutOfSequence {
+                        expected: 1,
+                        got: 0,
+                        ..
+                    })
+                ),
+                "{r:?}"
+            ),
+            _ => assert!(r.is_ok(), "b{i}: {r:?}"),
+        }
+    }
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(records(store, id).len(), if i == 2 { 1 } else { 2 }, "{id}");
+        assert!(store.verify_chain(id).expect("verify").valid, "{id}");
+    }
+    let keys = store.idempotency_keys("b1").expect("keys");
+    assert_eq!(keys.len(), 1);
+    assert_eq!(keys[0].sequence.get(), 1);
+    let hit = store
+        .query_audit(
+            "b3",
+            &AuditFilter {
+                path_prefix: Some("$.qty".into()),
+                ..Default::default()
+            },
+        )
+        .expect("by path");
+    assert_eq!(hit.len(), 2, "paths indexed for the batched records");
+    // A clean run of five in one batch.
+    let release = hold_writer(&w);
+    let ops: Vec<Op> = chains.iter_mut().map(|c| c.op(3, 3)).collect();
+    let rx = submit_all(&w, ops);
+    let _ = release.send(());
+    for _ in 0..5 {
+        let (i, r) = rx.recv().expect("an answer");
+        assert!(r.is_ok(), "b{i}: {r:?}");
+    }
+    assert_eq!(records(store, "b0").len(), 3);
+    assert_eq!(records(store, "b2").len(), 2);
+}
+
+#[test]
 fn keyed_writes_are_kept_with_their_records() {
     let tmp = tempfile::tempdir().expect("tempdir");
     keys_kept_with_records(&boxed(tmp.path()));

@@ -238,7 +238,45 @@ impl PgBackend {
         let mut committing = false;
         let outcome = (|| -> Result<(), Abort> {
             let mut tx = client.transaction().map_err(Abort::Db)?;
-            for op in ops {
+            let mut grouped_until = 0;
+            for (i, op) in ops.iter().enumerate() {
+                if i < grouped_until {
+                    continue;
+                }
+                // Appends to several models in a row: one statement for all of them (one round
+                // trip instead of one each). Any of them failing its checks runs the batch
+                // again with savepoints, op by op, which says which one.
+                let run = if savepoints { 0 } else { append_run(&ops[i..]) };
+                if run >= 2 {
+                    let group: Vec<&AuditAppend> = ops[i..i + run]
+                        .iter()
+                        .filter_map(|o| match o {
+                            Op::AppendAudit(a) => Some(a),
+                            _ => None,
+                        })
+                        .collect();
+                    if let Some(f) = fence.as_deref_mut() {
+                        for a in &group {
+                            match f.check(&mut tx, stmts, &a.model_id) {
+                                Ok(()) => {}
+                                Err(Failure::Db(e)) => return Err(Abort::Db(e)),
+                                Err(Failure::Op(_)) => return Err(Abort::NeedsSavepoints),
+                            }
+                        }
+                    }
+                    match append_many(&mut tx, stmts, &group) {
+                        Ok(true) => {
+                            results.extend(group.iter().map(|_| Ok(())));
+                            grouped_until = i + run;
+                            continue;
+                        }
+                        Ok(false) | Err(Failure::Op(_)) => return Err(Abort::NeedsSavepoints),
+                        Err(Failure::Db(e)) => match op_error(&e) {
+                            Some(_) => return Err(Abort::NeedsSavepoints),
+                            None => return Err(Abort::Db(e)),
+                        },
+                    }
+                }
                 if savepoints {
                     tx.batch_execute("SAVEPOINT op").map_err(Abort::Db)?;
                 }
@@ -632,6 +670,106 @@ fn append_audit(
         model_id: a.model_id.clone(),
         sequence: a.sequence,
     }))
+}
+
+/// How many ops from the start of `ops` are appends to distinct models (a model's second
+/// append in a batch must follow its first, which one statement cannot order).
+fn append_run(ops: &[&Op]) -> usize {
+    let mut seen = HashSet::new();
+    ops.iter()
+        .take_while(|o| matches!(o, Op::AppendAudit(a) if seen.insert(a.model_id.as_str())))
+        .count()
+}
+
+/// Append `group` (records of distinct models) in one statement: every record follows its
+/// model's stored head, its paths and idempotency key written with it; `Ok(false)` when one did
+/// not follow its head (then what the statement wrote must be rolled back).
+fn append_many(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    group: &[&AuditAppend],
+) -> Result<bool, Failure> {
+    let mut models = Vec::with_capacity(group.len());
+    let mut seqs = Vec::with_capacity(group.len());
+    let (mut ats, mut texts, mut prevs, mut hashes) = (vec![], vec![], vec![], vec![]);
+    let (mut path_models, mut paths, mut path_seqs) = (vec![], vec![], vec![]);
+    let (mut key_models, mut keys, mut key_seqs, mut requests, mut answers) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for a in group {
+        let seq = seq_param(a.sequence)?;
+        models.push(a.model_id.as_str());
+        seqs.push(seq);
+        ats.push(a.at_us);
+        texts.push(a.text.as_str());
+        prevs.push(a.prev_hash.as_str());
+        hashes.push(a.hash.as_str());
+        for p in &a.paths {
+            path_models.push(a.model_id.as_str());
+            paths.push(p.as_str());
+            path_seqs.push(seq);
+        }
+        if let Some(k) = &a.keyed {
+            key_models.push(a.model_id.as_str());
+            keys.push(k.key.as_str());
+            key_seqs.push(seq);
+            requests.push(k.request.as_str());
+            answers.push(k.answer.as_str());
+        }
+    }
+    let st = stmt(
+        tx,
+        stmts,
+        "WITH i AS (
+             SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[],
+                 $5::text[], $6::text[]) AS t(model_id, seq, at_us, record, prev_hash, hash)
+         ), h AS (
+             UPDATE valem.models m SET head_seq = i.seq, head_hash = i.hash FROM i
+             WHERE m.id = i.model_id AND coalesce(m.head_seq, -1) = i.seq - 1
+                 AND m.head_hash = i.prev_hash
+             RETURNING m.id
+         ), a AS (
+             INSERT INTO valem.audit (model_id, sequence, at_us, record, prev_hash, hash)
+             SELECT i.model_id, i.seq, i.at_us, i.record, i.prev_hash, i.hash
+             FROM i JOIN h ON h.id = i.model_id
+         ), p AS (
+             INSERT INTO valem.audit_paths (model_id, path, sequence)
+             SELECT x.model_id, x.path, x.seq
+             FROM unnest($7::text[], $8::text[], $9::bigint[]) AS x(model_id, path, seq)
+                 JOIN h ON h.id = x.model_id
+             ON CONFLICT DO NOTHING
+         ), k AS (
+             INSERT INTO valem.idempotency (model_id, key, sequence, request, answer)
+             SELECT y.model_id, y.key, y.seq, y.request, y.answer
+             FROM unnest($10::text[], $11::text[], $12::bigint[], $13::text[], $14::text[])
+                 AS y(model_id, key, seq, request, answer)
+                 JOIN h ON h.id = y.model_id
+             ON CONFLICT (model_id, key) DO UPDATE SET sequence = excluded.sequence,
+                 request = excluded.request, answer = excluded.answer
+         )
+         SELECT count(*) FROM h",
+    )?;
+    let moved: i64 = tx
+        .query_one(
+            &st,
+            &[
+                &models,
+                &seqs,
+                &ats,
+                &texts,
+                &prevs,
+                &hashes,
+                &path_models,
+                &paths,
+                &path_seqs,
+                &key_models,
+                &keys,
+                &key_seqs,
+                &requests,
+                &answers,
+            ],
+        )?
+        .try_get(0)?;
+    Ok(moved == group.len() as i64)
 }
 
 /// Store a checkpoint of `model_id` after record `sequence` (`None`: before the first),

@@ -66,6 +66,12 @@ fn pg_delete_model_removes_its_rows_from_every_table() {
 }
 
 #[test]
+fn pg_appends_to_many_models_in_one_batch_fail_alone() {
+    let (_s, url) = server();
+    batched_appends_fail_alone(&*pg_open(&url)(StoreOptions::default()));
+}
+
+#[test]
 fn pg_keyed_writes_are_kept_with_their_records() {
     let (_s, url) = server();
     keys_kept_with_records(&pg_open(&url));
