@@ -504,7 +504,7 @@ fn updated(rx: &std::sync::mpsc::Receiver<Value>) -> String {
 #[test]
 fn mcp_subscriptions_on_any_node_hear_the_owners_commits() {
     let b = Backing::postgres();
-    let (_pa, a, ha, nb, hb) = two_nodes(&b);
+    let (pa, a, ha, nb, hb) = two_nodes(&b);
     assert_eq!(ha.post_json("/models", &counters("m")).status, 201);
     let sid = legacy_session(&hb);
     let r = hb.post(
@@ -582,6 +582,42 @@ fn mcp_subscriptions_on_any_node_hear_the_owners_commits() {
     assert_eq!((r.status, r.header("x-valem-node")), (200, Some("b")));
     assert_eq!(updated(&rx), "valem://state/m");
     assert_eq!(updated(&listen), "valem://state/m");
+
+    // a comes back and takes m while b is paused past its lease: b's session hears a again
+    // (the relay finds the new owner; at once when b notices the loss, else within seconds).
+    let a = node(&b, "a", pa);
+    let ha = Http::new(&a);
+    signal(&nb, "-STOP");
+    past_the_lease();
+    let r = ha.post_json("/models/m/mutations", &json!({"$.c0": 100}));
+    assert_eq!(
+        (r.status, r.header("x-valem-node")),
+        (200, Some("a")),
+        "{}",
+        r.text()
+    );
+    signal(&nb, "-CONT");
+    while rx.try_recv().is_ok() {}
+    let mut heard = false;
+    for v in 101..=140 {
+        assert_eq!(
+            ha.post_json("/models/m/mutations", &json!({"$.c0": v}))
+                .status,
+            200
+        );
+        if rx
+            .recv_timeout(Duration::from_millis(250))
+            .is_ok_and(|m| m["method"] == json!("notifications/resources/updated"))
+        {
+            heard = true;
+            break;
+        }
+    }
+    assert!(
+        heard,
+        "b's session heard none of a's commits after a took m back"
+    );
+    assert!(a.terminate().success());
     assert!(nb.terminate().success());
 }
 

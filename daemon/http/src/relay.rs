@@ -1,10 +1,12 @@
 //! A fleet's node hears the events of a model another node owns while something here watches
-//! it (an MCP session's resource subscription): it subscribes to the model on its owner (the
-//! WebSocket `/models/{id}/subscribe`) and publishes every frame it hears on its own service's
-//! event bus, as the event it stands for, so every subscriber here hears it as if the model
-//! were here. When the model moves the socket ends, and the relay finds where it went: another
-//! node (subscribe there), or this one (its own commits are published here already: the relay
-//! waits, and looks again while the watch lasts). Events between two sockets are not replayed.
+//! it (an MCP session's resource subscription): it finds the model's owner in the store (it
+//! claims nothing itself), subscribes there (the WebSocket `/models/{id}/subscribe`) and
+//! publishes every frame it hears on its own service's event bus, as the event it stands for,
+//! so every subscriber here hears it as if the model were here. When the model moves the socket
+//! ends, and the relay looks for it again: on another node (subscribe there), or here or nowhere
+//! (this node's own commits are published here already: the relay waits, looking again ever less
+//! often, and at once when the model leaves this node). Events between two sockets are not
+//! replayed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -14,10 +16,13 @@ use serde_json::Value as Json;
 use tokio::sync::watch;
 
 use crate::AppState;
-use valem_service::{Event, ModelId, MutationResult, ServiceError};
+use valem_service::{Event, MutationResult};
 
-/// How often a relay looks again at a model's owner while it is not relaying.
+/// How soon a relay looks again at a model's owner while it is not relaying: at first, then
+/// twice as late each time up to [`RECHECK_MAX`] (a model that leaves this node says so at once:
+/// see `moved_here`).
 const RECHECK: Duration = Duration::from_millis(500);
+const RECHECK_MAX: Duration = Duration::from_secs(5);
 
 /// The models relayed here, each with how many watch it and what stops its relay.
 #[derive(Default)]
@@ -76,31 +81,72 @@ impl Relays {
 
 async fn run(st: AppState, model: String, mut stop: watch::Receiver<bool>) {
     let mut shutdown = st.shutdown.clone();
+    let moved = moved_here(&st, &model);
+    let mut wait = RECHECK;
     loop {
         if *stop.borrow() || *shutdown.borrow() {
-            return;
+            break;
         }
-        let owner = match st.service.info(&ModelId::from(model.as_str())).await {
-            Err(ServiceError::Elsewhere { url, .. }) => Some(url),
-            _ => None,
-        };
-        if let Some(url) = owner {
+        if let Some(url) = owner_elsewhere(&st, &model).await {
             let target = format!("/models/{}/subscribe", crate::forward::path_segment(&model));
             if let Ok((upstream, _)) = crate::ws::connect_owner(&st, &url, &target).await {
                 st.metrics.forwarded(true);
+                wait = RECHECK;
                 if pump(&st, &model, upstream, &mut stop).await {
-                    return;
+                    break;
                 }
             } else {
                 st.metrics.forwarded(false);
             }
         }
         tokio::select! {
-            _ = stop.changed() => return,
-            _ = shutdown.changed() => return,
-            _ = tokio::time::sleep(RECHECK) => {}
+            _ = stop.changed() => break,
+            _ = shutdown.changed() => break,
+            _ = moved.0.notified() => wait = RECHECK,
+            _ = tokio::time::sleep(wait) => wait = (wait * 2).min(RECHECK_MAX),
         }
     }
+    moved.1.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The URL of the live node other than this one that owns `model`, read from the store (a
+/// relay never claims a model: a model nobody owns is claimed by the next request for it).
+async fn owner_elsewhere(st: &AppState, model: &str) -> Option<String> {
+    let store = st.service.store()?.clone();
+    let me = store.node_id()?;
+    let m = model.to_string();
+    let owner = tokio::task::spawn_blocking(move || store.owner(&m))
+        .await
+        .ok()?
+        .ok()??;
+    (owner.node != me && owner.lease_until > valem_service::time::now())
+        .then_some(owner.url)
+        .flatten()
+}
+
+/// Woken when `model` leaves this node (`Event::Moved` here), until the flag is raised.
+fn moved_here(
+    st: &AppState,
+    model: &str,
+) -> (Arc<tokio::sync::Notify>, Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let done = Arc::new(AtomicBool::new(false));
+    let (wanted, gone) = (model.to_string(), done.clone());
+    st.service.subscribe_with(
+        Arc::new(move |e: &Event| {
+            gone.load(Ordering::Relaxed)
+                || matches!(e, Event::Moved { model_id } if *model_id == wanted)
+        }),
+        {
+            let (notify, done) = (notify.clone(), done.clone());
+            Box::new(move |_: &Event| {
+                notify.notify_one();
+                !done.load(Ordering::Relaxed)
+            })
+        },
+    );
+    (notify, done)
 }
 
 /// Publish what the owner says of `model` until its socket ends (`false`: look for the owner

@@ -353,6 +353,10 @@ impl Session {
     }
 
     fn on_event(&self, ev: &Event) {
+        // A fleet moving the model changes nothing of its state.
+        if matches!(ev, Event::Moved { .. }) {
+            return;
+        }
         let uri = format!("valem://state/{}", ev.model_id());
         if self.lock().subscriptions.contains(&uri) {
             (self.out)(&json!({

@@ -175,7 +175,8 @@ impl Filter {
             Event::Created { .. } | Event::Deleted { .. } if self.resources_list => {
                 Some(Notice::ListChanged)
             }
-            Event::Created { .. } => None,
+            // Neither changes the model's state (a move is a fleet's business).
+            Event::Created { .. } | Event::Moved { .. } => None,
             _ if self.models.contains(id) => Some(Notice::Updated(id.to_string())),
             _ => None,
         }
@@ -187,7 +188,7 @@ impl Filter {
         }
         match ev {
             Event::Created { .. } | Event::Deleted { .. } if self.resources_list => true,
-            Event::Created { .. } => false,
+            Event::Created { .. } | Event::Moved { .. } => false,
             _ => self.models.contains(ev.model_id()),
         }
     }
