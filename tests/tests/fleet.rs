@@ -77,6 +77,21 @@ fn modern_call(http: &Http, id: u64, tool: &str, args: Value) -> (Value, Option<
     (r.json(), r.header("x-valem-node").map(str::to_string))
 }
 
+/// `a` takes model m over from `paused` (stopped past its lease, then resumed): `write` is
+/// committed by `a` meanwhile.
+fn take_over_while_paused(paused: &Daemon, ha: &Http, write: Value) {
+    signal(paused, "-STOP");
+    past_the_lease();
+    let r = ha.post_json("/models/m/mutations", &write);
+    assert_eq!(
+        (r.status, r.header("x-valem-node")),
+        (200, Some("a")),
+        "{}",
+        r.text()
+    );
+    signal(paused, "-CONT");
+}
+
 fn past_the_lease() {
     std::thread::sleep(Duration::from_millis(LEASE_MS + 400));
 }
@@ -275,6 +290,13 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     assert!(nb.terminate().success());
 }
 
+/// A write of `$.c0 = v` through `h`, heard on `ws` as the next frame.
+fn hears(ws: &mut tungstenite::WebSocket<std::net::TcpStream>, h: &Http, v: i64) {
+    let r = h.post_json("/models/m/mutations", &json!({"$.c0": v}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(valem_tests::ws_frame(ws)["mutatedPaths"], json!(["$.c0"]));
+}
+
 /// The close frame that ends `ws` next (text frames before it are skipped): its code.
 fn closed_with(ws: &mut tungstenite::WebSocket<std::net::TcpStream>) -> (u16, String) {
     loop {
@@ -335,16 +357,7 @@ fn a_subscription_on_any_node_hears_the_owner_and_follows_the_model() {
     // the loss at its next use of m and ends its subscribers with 1012.
     let a = node(&b, "a", pa);
     let ha = Http::new(&a);
-    signal(&nb, "-STOP");
-    past_the_lease();
-    let r = ha.post_json("/models/m/mutations", &json!({"$.c0": 4}));
-    assert_eq!(
-        (r.status, r.header("x-valem-node")),
-        (200, Some("a")),
-        "{}",
-        r.text()
-    );
-    signal(&nb, "-CONT");
+    take_over_while_paused(&nb, &ha, json!({"$.c0": 4}));
     let r = hb.get("/models/m/state");
     assert_eq!(r.status, 200, "{}", r.text());
     let (code, reason) = closed_with(&mut ws);
@@ -352,15 +365,7 @@ fn a_subscription_on_any_node_hears_the_owner_and_follows_the_model() {
     assert!(reason.contains("moved to another node"), "{reason}");
     // Subscribed on b again: relayed from a.
     let mut ws = valem_tests::ws_open(&nb, "/models/m/subscribe");
-    assert_eq!(
-        ha.post_json("/models/m/mutations", &json!({"$.c0": 5}))
-            .status,
-        200
-    );
-    assert_eq!(
-        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
-        json!(["$.c0"])
-    );
+    hears(&mut ws, &ha, 5);
     drop(ws);
     assert!(a.terminate().success());
     assert!(nb.terminate().success());
@@ -587,16 +592,7 @@ fn mcp_subscriptions_on_any_node_hear_the_owners_commits() {
     // (the relay finds the new owner; at once when b notices the loss, else within seconds).
     let a = node(&b, "a", pa);
     let ha = Http::new(&a);
-    signal(&nb, "-STOP");
-    past_the_lease();
-    let r = ha.post_json("/models/m/mutations", &json!({"$.c0": 100}));
-    assert_eq!(
-        (r.status, r.header("x-valem-node")),
-        (200, Some("a")),
-        "{}",
-        r.text()
-    );
-    signal(&nb, "-CONT");
+    take_over_while_paused(&nb, &ha, json!({"$.c0": 100}));
     while rx.try_recv().is_ok() {}
     let mut heard = false;
     for v in 101..=140 {
@@ -694,15 +690,7 @@ fn nodes_with_an_api_key_call_each_other_with_it() {
     );
     // The WebSocket, keyed by `?token=` as browsers send it, relayed from a with b's key.
     let mut ws = valem_tests::ws_open(&nb, &format!("/models/m/subscribe?token={KEY}"));
-    assert_eq!(
-        ha.post_json("/models/m/mutations", &json!({"$.c0": 3}))
-            .status,
-        200
-    );
-    assert_eq!(
-        valem_tests::ws_frame(&mut ws)["mutatedPaths"],
-        json!(["$.c0"])
-    );
+    hears(&mut ws, &ha, 3);
     drop(ws);
     assert!(a.terminate().success());
     assert!(nb.terminate().success());
