@@ -788,15 +788,12 @@ fn put_checkpoint(
     let head = head(tx, stmts, model_id)?;
     let seq = checkpoint_seq(model_id, sequence, head.as_ref().map(|(s, _)| *s))?;
     if kind == CheckpointKind::Periodic {
-        let st = stmt(
+        let existing = text_cell(
             tx,
             stmts,
             "SELECT kind FROM valem.checkpoints WHERE model_id = $1 AND sequence = $2",
+            &[&model_id, &seq],
         )?;
-        let existing: Option<String> = tx
-            .query_opt(&st, &[&model_id, &seq])?
-            .map(|r| r.try_get(0))
-            .transpose()?;
         if existing.is_some_and(|k| CheckpointKind::parse(&k) != Some(CheckpointKind::Periodic)) {
             return Ok(());
         }
@@ -804,18 +801,13 @@ fn put_checkpoint(
     let head_hash = match (sequence.map(Seq::get), head) {
         (None, _) => GENESIS.to_string(),
         (Some(s), Some((h, hash))) if s == h => hash,
-        (Some(s), _) => {
-            let st = stmt(
-                tx,
-                stmts,
-                "SELECT hash FROM valem.audit WHERE model_id = $1 AND sequence = $2",
-            )?;
-            let found: Option<String> = tx
-                .query_opt(&st, &[&model_id, &seq])?
-                .map(|r| r.try_get(0))
-                .transpose()?;
-            found.ok_or_else(|| record_not_stored(model_id, s))?
-        }
+        (Some(s), _) => text_cell(
+            tx,
+            stmts,
+            "SELECT hash FROM valem.audit WHERE model_id = $1 AND sequence = $2",
+            &[&model_id, &seq],
+        )?
+        .ok_or_else(|| record_not_stored(model_id, s))?,
     };
     let SealedCheckpoint {
         text,
@@ -868,13 +860,24 @@ fn spec_hash_of(
     stmts: &mut Stmts,
     id: &str,
 ) -> Result<Option<String>, Failure> {
-    let st = stmt(
+    text_cell(
         tx,
         stmts,
         "SELECT spec_hash FROM valem.models WHERE id = $1",
-    )?;
+        &[&id],
+    )
+}
+
+/// The one text column `sql` selects (`None`: no row, or NULL there).
+fn text_cell(
+    tx: &mut Transaction<'_>,
+    stmts: &mut Stmts,
+    sql: &'static str,
+    params: &[&(dyn postgres::types::ToSql + Sync)],
+) -> Result<Option<String>, Failure> {
+    let st = stmt(tx, stmts, sql)?;
     Ok(tx
-        .query_opt(&st, &[&id])?
+        .query_opt(&st, params)?
         .map(|r| r.try_get::<_, Option<String>>(0))
         .transpose()?
         .flatten())
