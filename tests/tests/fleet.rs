@@ -55,6 +55,16 @@ fn two_nodes(b: &Backing) -> (u16, Daemon, Http, Daemon, Http) {
     (pa, a, ha, nb, hb)
 }
 
+/// `r` is a 200 that node `node` gave.
+fn answered_by(r: &valem_tests::Reply, node: &str) {
+    assert_eq!(
+        (r.status, r.header("x-valem-node")),
+        (200, Some(node)),
+        "{}",
+        r.text()
+    );
+}
+
 fn counters(id: &str) -> Value {
     let mut v: Value = serde_json::from_str(COUNTERS).expect("spec");
     v["id"] = json!(id);
@@ -83,12 +93,7 @@ fn take_over_while_paused(paused: &Daemon, ha: &Http, write: Value) {
     signal(paused, "-STOP");
     past_the_lease();
     let r = ha.post_json("/models/m/mutations", &write);
-    assert_eq!(
-        (r.status, r.header("x-valem-node")),
-        (200, Some("a")),
-        "{}",
-        r.text()
-    );
+    answered_by(&r, "a");
     signal(paused, "-CONT");
 }
 
@@ -165,12 +170,7 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         )
     };
     let first = keyed(&hb);
-    assert_eq!(
-        (first.status, first.header("x-valem-node")),
-        (200, Some("a")),
-        "{}",
-        first.text()
-    );
+    answered_by(&first, "a");
 
     // a dies: after its lease, the next request on b claims m and recovers it whole.
     a.kill9();
@@ -218,7 +218,7 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     let a = node(&b, "a", pa);
     let ha = Http::new(&a);
     let r = ha.get("/models/m/state");
-    assert_eq!((r.status, r.header("x-valem-node")), (200, Some("b")));
+    answered_by(&r, "b");
 
     // b is paused past its lease: a takes m over; b, resumed, commits nothing more on it.
     signal(&nb, "-STOP");
@@ -261,12 +261,7 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
         1.0
     );
     let r = hb.get("/models/m/state");
-    assert_eq!(
-        (r.status, r.header("x-valem-node")),
-        (200, Some("a")),
-        "{}",
-        r.text()
-    );
+    answered_by(&r, "a");
     // The owner gone, its lease still running: 503 with Retry-After, then b takes over.
     a.kill9();
     let r = hb.get("/models/m/state");
@@ -281,12 +276,7 @@ fn one_owner_per_model_failover_after_kill_9_and_a_paused_owner_is_fenced() {
     assert!(text.contains("did not answer"), "{v}");
     past_the_lease();
     let r = hb.get("/models/m/state");
-    assert_eq!(
-        (r.status, r.header("x-valem-node")),
-        (200, Some("b")),
-        "{}",
-        r.text()
-    );
+    answered_by(&r, "b");
     assert!(nb.terminate().success());
 }
 
@@ -349,7 +339,7 @@ fn a_subscription_on_any_node_hears_the_owner_and_follows_the_model() {
     past_the_lease();
     let mut ws = valem_tests::ws_open(&nb, "/models/m/subscribe");
     let r = hb.post_json("/models/m/mutations", &json!({"$.c0": 3}));
-    assert_eq!((r.status, r.header("x-valem-node")), (200, Some("b")));
+    answered_by(&r, "b");
     let f = valem_tests::ws_frame(&mut ws);
     assert_eq!(f["mutatedPaths"], json!(["$.c0"]), "{f}");
 
@@ -584,7 +574,7 @@ fn mcp_subscriptions_on_any_node_hear_the_owners_commits() {
     a.kill9();
     past_the_lease();
     let r = hb.post_json("/models/m/mutations", &json!({"$.c1": 2}));
-    assert_eq!((r.status, r.header("x-valem-node")), (200, Some("b")));
+    answered_by(&r, "b");
     assert_eq!(updated(&rx), "valem://state/m");
     assert_eq!(updated(&listen), "valem://state/m");
 
@@ -673,12 +663,7 @@ fn nodes_with_an_api_key_call_each_other_with_it() {
     // Without the key, b refuses before anything else; with it, b forwards to a with its own.
     assert_eq!(Http::new(&nb).get("/models/m/state").status, 401);
     let r = hb.post_json("/models/m/mutations", &json!({"$.c0": 2}));
-    assert_eq!(
-        (r.status, r.header("x-valem-node")),
-        (200, Some("a")),
-        "{}",
-        r.text()
-    );
+    answered_by(&r, "a");
     let (v, by) = modern_call(&hb, 1, "get_state", json!({"id": "m"}));
     assert_eq!(
         (
