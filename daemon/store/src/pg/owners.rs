@@ -108,23 +108,23 @@ pub(crate) type Held = Arc<Mutex<HashMap<String, i64>>>;
 /// When this node's lease runs out at the latest, on this process's clock: the lease was set
 /// on the database's clock by a statement sent after the instant it is counted from, so a node
 /// that was paused (or cut off) past it stops serving what it held before the database says so.
-pub(crate) type LeaseEnd = Arc<Mutex<Option<std::time::Instant>>>;
+pub(crate) type LeaseEnd = Arc<AtomicU64>;
+
+/// An instant as µs since a second before the first one this process asked for (0 is "never":
+/// no lease yet), so that a lease's end fits an atomic read on every access to a model.
+fn micros(at: std::time::Instant) -> u64 {
+    static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(|| at.checked_sub(Duration::from_secs(1)).unwrap_or(at));
+    u64::try_from(at.saturating_duration_since(base).as_micros()).unwrap_or(u64::MAX)
+}
 
 fn lease_renewed(end: &LeaseEnd, sent: std::time::Instant, node: &NodeConfig) {
-    if let Ok(mut e) = end.lock() {
-        let until = sent + node.lease;
-        if e.is_none_or(|x| x < until) {
-            *e = Some(until);
-        }
-    }
+    end.fetch_max(micros(sent + node.lease), Ordering::AcqRel);
 }
 
 /// Whether this node's lease still runs, by [`LeaseEnd`].
 pub(crate) fn lease_runs(end: &LeaseEnd) -> bool {
-    end.lock()
-        .ok()
-        .and_then(|e| *e)
-        .is_some_and(|until| std::time::Instant::now() < until)
+    micros(std::time::Instant::now()) < end.load(Ordering::Acquire)
 }
 
 /// What renewing needs, shared by the store and its lease thread.
