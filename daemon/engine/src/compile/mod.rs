@@ -168,7 +168,22 @@ pub fn compile(
             .iter()
             .all(|&i| nodes[i as usize].cell.is_some());
         mark_written(&mut readers, &producers);
+        let cell_producers = (merged_is_base && !producers.has_root_entries()).then(|| {
+            let mut by_cell = vec![0; cells.len()];
+            for &i in &derivation_ids {
+                if let Some(c) = nodes[i as usize].cell {
+                    by_cell[c as usize] = i;
+                }
+            }
+            by_cell.into_boxed_slice()
+        });
+        let producers = if cell_producers.is_some() {
+            Trie::default()
+        } else {
+            producers
+        };
         Ok::<_, Vec<CompileError>>(CompiledModel {
+            cell_producers,
             target_readers,
             target_reader_ids,
             trace_table: Arc::new(trace_table),
@@ -1050,6 +1065,49 @@ mod tests {
         }
         // `x` and `y` are read and nothing writes them: answered from the mark.
         assert_eq!(unproduced, 2);
+    }
+
+    /// A model whose derivations all write cells drops its producer index and answers from
+    /// the cells what the index would: the same derivation above a write, the same set below.
+    #[test]
+    fn cells_answer_as_the_producer_index_of_a_flat_model() {
+        let m = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.t","expr":"x * 2"},
+            {"path":"$.u","expr":"t + y.z"},
+            {"path":"$.v","expr":"$count(items)"}
+        ]}))
+        .unwrap();
+        assert!(m.cell_producers.is_some());
+        assert!(!m.producers.has_root_entries() && m.producers.members().next().is_none());
+        let derivations = m.nodes.len();
+        let (index, _, _) = index_targets(&m.nodes, derivations);
+        let f = |s: &str| valem_core::value::Seg::Field(Arc::from(s));
+        let i = valem_core::value::Seg::Index;
+        let paths: Vec<Vec<valem_core::value::Seg>> = vec![
+            vec![],
+            vec![f("x")],
+            vec![f("t")],
+            vec![f("t"), f("deep")],
+            vec![f("u")],
+            vec![f("v"), i(0)],
+            vec![f("y"), f("z")],
+            vec![f("items"), i(3)],
+            vec![f("unread")],
+            vec![i(0)],
+        ];
+        for w in &paths {
+            assert_eq!(m.produced_above(w), index.above(w), "{w:?}");
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            m.produced_below(w, &mut a);
+            index.below(w, &mut b);
+            a.sort();
+            b.sort();
+            assert_eq!(a, b, "{w:?}");
+        }
+        // The root write reaches every derivation.
+        let mut all = Vec::new();
+        m.produced_below(&[], &mut all);
+        assert_eq!(all.len(), 3);
     }
 
     #[test]

@@ -377,8 +377,13 @@ pub struct CompiledModel {
     pub cells: Arc<crate::merged::CellLayout>,
     /// Every derivation writes a cell: the merged document's tree is the base document.
     pub merged_is_base: bool,
-    /// Where derivations write (read-only check, compile-time edges).
+    /// Where derivations write (read-only check, compile-time edges). Empty once compiled
+    /// when every derivation writes a cell: `cell_producers` answers then.
     pub producers: Trie,
+    /// When every derivation writes a cell (and so no target is below another or at the
+    /// root), the derivation of each cell: a write's producers are then its member's cell
+    /// (a 1M-derivation flat model's producer index was ~72 MB).
+    pub(super) cell_producers: Option<Box<[NodeId]>>,
     /// The target patterns of meta-derivations and scoped constraints (derivations are in
     /// `producers`): a new or replaced container dirties the instances below it.
     pub instances: Trie,
@@ -554,13 +559,28 @@ impl CompiledModel {
         if self.unproduced(w) {
             return None;
         }
+        if let Some(by_cell) = &self.cell_producers {
+            return match w.first() {
+                Some(valem_core::value::Seg::Field(k)) => self
+                    .cells
+                    .find(k)
+                    .and_then(|c| by_cell.get(c as usize).copied()),
+                _ => None,
+            };
+        }
         self.producers.above(w)
     }
 
     /// The derivation targets strictly below the concrete path `w`, as [`Trie::below`].
     pub fn produced_below(&self, w: &[valem_core::value::Seg], out: &mut Vec<crate::trie::Hit>) {
-        if !self.unproduced(w) {
-            self.producers.below(w, out);
+        if self.unproduced(w) {
+            return;
+        }
+        match &self.cell_producers {
+            // Every target is one top-level member: only the root has targets below it.
+            Some(by_cell) if w.is_empty() => out.extend(by_cell.iter().map(|&id| (id, Vec::new()))),
+            Some(_) => {}
+            None => self.producers.below(w, out),
         }
     }
 
