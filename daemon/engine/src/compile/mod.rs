@@ -121,13 +121,21 @@ pub fn compile(
         let derivation_ids: Vec<NodeId> = (0..nodes_len as u32)
             .filter(|&i| matches!(nodes[i as usize].kind, NodeKind::Derivation { .. }))
             .collect();
-        let (producers, produced_at, instances) = index_targets(&nodes, derivation_ids.len());
+        // A flat model (each derivation writes its own top-level member) needs no producer
+        // index: its targets are found by name.
+        let flat = flat_targets(concretes, &derivation_ids);
+        let (producers, produced_at, instances) =
+            index_targets(&nodes, derivation_ids.len(), flat.is_none());
         let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
             .filter(|&i| nodes[i as usize].whole_doc)
             .collect();
         let whole: Vec<bool> = nodes.iter().map(|n| n.whole_doc).collect();
         let firsts: Vec<Option<&Address>> = nodes.iter().map(|n| n.targets.first()).collect();
-        let deps_of = edges(&whole, &firsts, &derivation_ids, &producers, reads);
+        let overlapping = |r: &[TSeg], out: &mut Vec<u32>| match &flat {
+            Some(f) => f.overlapping(r, concretes, out),
+            None => producers.overlapping(r, out),
+        };
+        let deps_of = edges(&whole, &firsts, &derivation_ids, &overlapping, reads);
         drop(firsts);
         let dependents = deps_of.reverse();
 
@@ -155,7 +163,10 @@ pub fn compile(
         let constraint_nodes = by_kind(|k| matches!(k, NodeKind::Constraint { .. }));
         let effect_nodes = by_kind(|k| matches!(k, NodeKind::Effect { .. }));
 
-        let cells = assign_cells(&mut nodes, &by_level, concretes, &produced_at, &producers);
+        let alone = |id: NodeId| {
+            flat.is_some() || producers.sole_entry(produced_at[id as usize]) == Some(id)
+        };
+        let cells = assign_cells(&mut nodes, &by_level, concretes, alone);
         for n in &mut nodes {
             n.jit.resolve_cells(&cells);
         }
@@ -167,7 +178,16 @@ pub fn compile(
         let merged_is_base = derivation_ids
             .iter()
             .all(|&i| nodes[i as usize].cell.is_some());
-        mark_written(&mut readers, &producers);
+        match &flat {
+            Some(_) => {
+                for &i in &derivation_ids {
+                    if let Some([Seg::Field(k)]) = concretes[i as usize].as_deref() {
+                        readers.mark_member(k);
+                    }
+                }
+            }
+            None => mark_written(&mut readers, &producers),
+        }
         let cell_producers = (merged_is_base && !producers.has_root_entries()).then(|| {
             let mut by_cell = vec![0; cells.len()];
             for &i in &derivation_ids {
@@ -324,18 +344,22 @@ fn draft_derivations(
 /// How far ahead of the derivation drafted the names of one to draft are prefetched.
 const NAMES_AHEAD: usize = 8;
 
-/// The producer index (each derivation's target) and the instance index (the targets of every
-/// other node), as path tries; and per node, the producer index's node of its target (`u32::MAX`
-/// for nodes other than derivations).
-fn index_targets(nodes: &[Node], derivations: usize) -> (Trie, Vec<u32>, Trie) {
+/// The producer index (each derivation's target; left empty unless `producing`) and the
+/// instance index (the targets of every other node), as path tries; and per node, the
+/// producer index's node of its target (`u32::MAX` for nodes other than derivations).
+fn index_targets(nodes: &[Node], derivations: usize, producing: bool) -> (Trie, Vec<u32>, Trie) {
     let mut producers = Trie::default();
     let mut instances = Trie::default();
-    let mut at = vec![u32::MAX; nodes.len()];
+    let mut at = vec![u32::MAX; if producing { nodes.len() } else { 0 }];
     // At most one top-level member per derivation.
-    producers.reserve_members(derivations);
+    if producing {
+        producers.reserve_members(derivations);
+    }
     for (id, n) in nodes.iter().enumerate() {
         if matches!(n.kind, NodeKind::Derivation { .. }) {
-            at[id] = producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+            if producing {
+                at[id] = producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+            }
         } else {
             for t in &n.targets {
                 instances.insert_refs(tseg_refs(t), id as u32);
@@ -348,6 +372,64 @@ fn index_targets(nodes: &[Node], derivations: usize) -> (Trie, Vec<u32>, Trie) {
     (producers, at, instances)
 }
 
+/// The targets of a flat model's derivations, each one top-level member written by no other
+/// derivation: by name, each entry a derivation (what the producer index would hold, in 8
+/// bytes a target rather than ~70).
+struct FlatTargets(hashbrown::HashTable<NodeId>);
+
+/// The member a derivation's concrete target is, when it is one top-level member.
+fn flat_member(concretes: &[Option<Box<[Seg]>>], id: NodeId) -> Option<&Key> {
+    match concretes.get(id as usize)?.as_deref() {
+        Some([Seg::Field(k)]) => Some(k),
+        _ => None,
+    }
+}
+
+/// [`FlatTargets`] of the derivations, when every one writes its own top-level member.
+fn flat_targets(
+    concretes: &[Option<Box<[Seg]>>],
+    derivation_ids: &[NodeId],
+) -> Option<FlatTargets> {
+    let hash =
+        |id: &NodeId| flat_member(concretes, *id).map_or(0, |k| valem_core::hash::str_hash(k));
+    let mut table = hashbrown::HashTable::with_capacity(derivation_ids.len());
+    for &id in derivation_ids {
+        let k = flat_member(concretes, id)?;
+        match table.entry(
+            valem_core::hash::str_hash(k),
+            |&o: &NodeId| {
+                flat_member(concretes, o).is_some_and(|m| valem_core::value::key_eq(m, k))
+            },
+            hash,
+        ) {
+            hashbrown::hash_table::Entry::Occupied(_) => return None,
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(id);
+            }
+        }
+    }
+    Some(FlatTargets(table))
+}
+
+impl FlatTargets {
+    /// [`Trie::overlapping`] of the index these targets would make: every target for a read
+    /// of the whole document, the member's own for a read at or in it, none for a read
+    /// that starts with an array step.
+    fn overlapping(&self, r: &[TSeg], concretes: &[Option<Box<[Seg]>>], out: &mut Vec<u32>) {
+        match r.first() {
+            None => out.extend(self.0.iter().copied()),
+            Some(TSeg::Field(k)) => out.extend(
+                self.0
+                    .find(valem_core::hash::str_hash(k), |&o| {
+                        flat_member(concretes, o).is_some_and(|m| valem_core::value::key_eq(m, k))
+                    })
+                    .copied(),
+            ),
+            Some(TSeg::Wild | TSeg::Index(_)) => {}
+        }
+    }
+}
+
 /// Edges producer → reader: each node's dependencies, the derivations whose targets overlap
 /// what it reads (a whole-document reader depends on every derivation but the other such), in
 /// increasing order. `whole` and `firsts` are each node's `whole_doc` and first target. A
@@ -356,7 +438,7 @@ fn edges<'r, I: Iterator<Item = &'r [TSeg]>>(
     whole: &[bool],
     firsts: &[Option<&Address>],
     derivation_ids: &[NodeId],
-    producers: &Trie,
+    overlapping: &(impl Fn(&[TSeg], &mut Vec<u32>) + Sync),
     reads: impl Fn(usize) -> I + Sync,
 ) -> Dependents {
     let nodes_len = whole.len();
@@ -377,7 +459,7 @@ fn edges<'r, I: Iterator<Item = &'r [TSeg]>>(
             }
             for r in reads(id) {
                 buf.clear();
-                producers.overlapping(r, &mut buf);
+                overlapping(r, &mut buf);
                 for &p in &buf {
                     // A `[*]` derivation reading its whole element (`$fn($parent)`) also reads
                     // its own previous output; that is not a dependency (the reference has no
@@ -757,13 +839,13 @@ fn target_readers(
 
 /// Give a cell to every derivation whose target is one top-level member that no other
 /// derivation writes at or below; cells are numbered in evaluation order (level, then id).
-/// `concretes` are the derivations' concrete targets, `produced_at` their nodes in `producers`.
+/// `concretes` are the derivations' concrete targets; `alone(id)`: the only entry at its
+/// member in the producer index, and nothing below it.
 fn assign_cells(
     nodes: &mut [Node],
     by_level: &[NodeId],
     concretes: &[Option<Box<[Seg]>>],
-    produced_at: &[u32],
-    producers: &Trie,
+    alone: impl Fn(NodeId) -> bool,
 ) -> super::merged::CellLayout {
     let mut keys = Vec::new();
     for &id in by_level {
@@ -771,7 +853,7 @@ fn assign_cells(
             continue;
         };
         // Alone: the only entry at its member, and nothing below it.
-        if producers.sole_entry(produced_at[id as usize]) == Some(id) {
+        if alone(id) {
             nodes[id as usize].cell = Some(keys.len() as u32);
             keys.push(k.clone());
         }
@@ -1080,7 +1162,7 @@ mod tests {
         assert!(m.cell_producers.is_some());
         assert!(!m.producers.has_root_entries() && m.producers.members().next().is_none());
         let derivations = m.nodes.len();
-        let (index, _, _) = index_targets(&m.nodes, derivations);
+        let (index, _, _) = index_targets(&m.nodes, derivations, true);
         let f = |s: &str| valem_core::value::Seg::Field(Arc::from(s));
         let i = valem_core::value::Seg::Index;
         let paths: Vec<Vec<valem_core::value::Seg>> = vec![
@@ -1108,6 +1190,20 @@ mod tests {
         let mut all = Vec::new();
         m.produced_below(&[], &mut all);
         assert_eq!(all.len(), 3);
+        // Edges found by name: `u` reads `t` (and `y.z`, which nothing writes).
+        assert_eq!(m.dependents.of(0), &[1]);
+        assert!(m.dependents.of(1).is_empty() && m.dependents.of(2).is_empty());
+        let deep = c(json!({"id":"m","schema":{},"derivations":[
+            {"path":"$.b","expr":"a.w + 1"},
+            {"path":"$.a","expr":"{\"w\": x}"},
+            {"path":"$.k","expr":"$count($keys($))"}
+        ]}))
+        .unwrap();
+        assert!(deep.cell_producers.is_some());
+        // A read inside a derived member depends on it; a whole-document reader on the others.
+        assert_eq!(deep.dependents.of(1), &[0, 2]);
+        assert_eq!(deep.dependents.of(0), &[2]);
+        assert!(deep.nodes[1].level < deep.nodes[0].level);
     }
 
     #[test]
