@@ -850,6 +850,33 @@ mod tests {
         assert_eq!(Val::from_json(&small).to_json(), small);
     }
 
+    /// A member of a wide object nesting too deep is found wherever it is: the object is
+    /// refused, as a small one is.
+    #[test]
+    fn a_wide_object_with_a_member_too_deep_is_refused() {
+        let mut deep = json!(1);
+        for _ in 0..4 {
+            deep = json!([deep]);
+        }
+        for at in [0, 17, 39] {
+            let mut o = serde_json::Map::new();
+            for i in 0..40 {
+                o.insert(
+                    format!("m{i}"),
+                    if i == at { deep.clone() } else { json!(i) },
+                );
+            }
+            let wide = Json::Object(o);
+            assert_eq!(
+                Val::from_json_within(&wide, 4).err(),
+                Some(TooDeep),
+                "at {at}"
+            );
+            let v = Val::from_json_within(&wide, 5).expect("room for it");
+            assert_eq!(v.to_json(), wide);
+        }
+    }
+
     /// Give `keys` the hash `h` (see `hash_key`).
     fn choose(keys: &[String], h: u64) {
         CHOSEN.with(|c| {
