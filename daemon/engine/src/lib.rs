@@ -415,21 +415,40 @@ pub enum CreateError {
 thread_local! {
     /// Compiled models by their spec's content (see [`content_hash`]): every model of one
     /// content on this thread shares one compiled model, held only by the models using it;
-    /// the newest few are also kept alive for dry runs, tests and re-creation. Compiled models
-    /// are not `Send`, so the cache is per thread.
+    /// the newest few small ones are also kept alive for dry runs, tests and re-creation.
+    /// Compiled models are not `Send`, so the cache is per thread.
     static COMPILED: RefCell<CompiledCache> = RefCell::new(CompiledCache::default());
 }
 /// Compiled models kept alive by the cache itself, newest last.
 const COMPILED_CACHE_SIZE: usize = 64;
+/// Graph nodes the compiled models kept alive by the cache itself may have in all: a large
+/// spec's compiled model (~0.7 KB a node) lives only as long as a model uses it, so that
+/// deleting or evicting a model of a million derivations gives its memory back.
+const COMPILED_CACHE_NODES: usize = 100_000;
 
-#[derive(Default)]
 struct CompiledCache {
     /// Every compiled model still alive, by content.
     live: HashMap<[u8; 32], std::rc::Weak<CompiledModel>>,
     /// The newest ones, kept alive by the cache.
     recent: std::collections::VecDeque<Rc<CompiledModel>>,
+    /// The nodes of those in `recent`.
+    recent_nodes: usize,
+    /// At most this many nodes in `recent` ([`COMPILED_CACHE_NODES`]).
+    node_budget: usize,
     /// `live`'s size after its last sweep of dead entries.
     swept: usize,
+}
+
+impl Default for CompiledCache {
+    fn default() -> Self {
+        CompiledCache {
+            live: HashMap::new(),
+            recent: std::collections::VecDeque::new(),
+            recent_nodes: 0,
+            node_budget: COMPILED_CACHE_NODES,
+            swept: 0,
+        }
+    }
 }
 
 impl CompiledCache {
@@ -439,9 +458,16 @@ impl CompiledCache {
 
     fn insert(&mut self, hash: [u8; 32], cm: &Rc<CompiledModel>) {
         self.live.insert(hash, Rc::downgrade(cm));
-        self.recent.push_back(cm.clone());
-        if self.recent.len() > COMPILED_CACHE_SIZE {
-            self.recent.pop_front();
+        let nodes = cm.nodes.len();
+        if nodes <= self.node_budget {
+            self.recent.push_back(cm.clone());
+            self.recent_nodes += nodes;
+        }
+        while self.recent.len() > COMPILED_CACHE_SIZE || self.recent_nodes > self.node_budget {
+            let Some(old) = self.recent.pop_front() else {
+                break;
+            };
+            self.recent_nodes -= old.nodes.len();
         }
         // Sweep the dead entries once the map has doubled since the last sweep: amortised
         // O(1) per insert, and the map stays within twice the live compiled models.
@@ -889,3 +915,44 @@ pub use merged::ordered_json;
 #[global_allocator]
 static GLOBAL: valem_core::budget::Counting<std::alloc::System> =
     valem_core::budget::Counting(std::alloc::System);
+
+#[cfg(test)]
+mod compiled_cache_tests {
+    use super::*;
+
+    fn compiled(n: usize) -> Rc<CompiledModel> {
+        let derivations: Vec<_> = (0..n)
+            .map(|i| serde_json::json!({"path": format!("$.d{i}"), "expr": format!("x + {i}")}))
+            .collect();
+        let spec = valem_core::spec::parse_spec(&serde_json::json!({
+            "id": "c", "schema": {}, "derivations": derivations
+        }))
+        .unwrap();
+        Rc::new(compile::compile(Arc::new(spec), &EngineLimits::default()).unwrap())
+    }
+
+    /// The cache keeps the newest compiled models alive within its node budget: a model
+    /// larger than the budget lives only while something uses it, and newer ones push the
+    /// oldest out once the budget is passed.
+    #[test]
+    fn the_cache_keeps_the_newest_compiled_models_within_its_node_budget() {
+        let mut c = CompiledCache {
+            node_budget: 10,
+            ..CompiledCache::default()
+        };
+        c.insert([1; 32], &compiled(3));
+        assert!(c.get(&[1; 32]).is_some(), "kept by the cache");
+        let big = compiled(11);
+        c.insert([2; 32], &big);
+        assert!(c.get(&[2; 32]).is_some(), "alive while used");
+        drop(big);
+        assert!(c.get(&[2; 32]).is_none(), "over the budget: not kept");
+        assert!(c.get(&[1; 32]).is_some());
+        for i in 3..6 {
+            c.insert([i; 32], &compiled(3));
+        }
+        assert!(c.get(&[1; 32]).is_none(), "the oldest went");
+        assert!((3..6).all(|i| c.get(&[i; 32]).is_some()));
+        assert_eq!((c.recent.len(), c.recent_nodes), (3, 9));
+    }
+}
