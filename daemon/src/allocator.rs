@@ -15,8 +15,10 @@ const ALLOW_THP: libmimalloc_sys::mi_option_t = 43;
 /// huge pages for its first arena by then: so the process turns them off in the kernel
 /// (`PR_SET_THP_DISABLE`, what mimalloc itself does when the option is off from the start;
 /// inherited by child processes) and the option off for what mimalloc maps later. Called
-/// first thing in `main`.
+/// first thing in `main`. Also tells the model service how to give memory back
+/// ([`release`]).
 pub fn configure() {
+    valem_service::set_memory_release(release);
     if std::env::var_os("MIMALLOC_ALLOW_THP").is_some() {
         return;
     }
@@ -29,6 +31,14 @@ pub fn configure() {
     unsafe {
         libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
     }
+}
+
+/// Give the memory mimalloc holds free back to the OS now: what the model service calls when a
+/// large model leaves memory (`valem_service::set_memory_release`), so an evicted or deleted
+/// model's memory is returned at once rather than when its shard next purges.
+pub fn release() {
+    // SAFETY: `mi_collect` takes no pointers; it only frees what mimalloc holds unused.
+    unsafe { libmimalloc_sys::mi_collect(true) };
 }
 
 /// Whether this process may get transparent huge pages from mimalloc.

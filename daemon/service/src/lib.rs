@@ -51,6 +51,25 @@ use valem_core::spec::evolve::Incompatibility;
 use valem_core::spec::{ModelSpec, SpecEvolution};
 use valem_engine::{EngineLimits, Trace};
 
+/// Models of this many graph nodes or more give their memory back to the OS when they leave
+/// memory (evicted or deleted): ~0.7 KB a node, so from ~7 MB.
+pub(crate) const RELEASE_FROM_NODES: usize = 10_000;
+
+static MEMORY_RELEASE: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// How the process gives the memory it holds free back to the OS (the daemon: mimalloc's
+/// `mi_collect`), called on a shard's thread when a large model leaves memory. Set once, at
+/// start; without it the allocator returns memory in its own time.
+pub fn set_memory_release(release: fn()) {
+    let _ = MEMORY_RELEASE.set(release);
+}
+
+pub(crate) fn release_memory() {
+    if let Some(release) = MEMORY_RELEASE.get() {
+        release();
+    }
+}
+
 /// The model service. Cheap to share (`Arc`). A read blocks the caller until the owning shard
 /// answers; a write returns a [`Call`], which a thread `wait`s for and async code `.await`s.
 pub struct ModelService {
@@ -1002,6 +1021,49 @@ mod tests {
             ("$.price".to_string(), serde_json::json!(price)),
             ("$.qty".to_string(), serde_json::json!(3)),
         ]
+    }
+
+    static RELEASES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// A large model leaving memory (evicted under the residency bound, or deleted) gives
+    /// its memory back through the release set at start; a small one does not ask.
+    #[test]
+    fn a_large_model_leaving_memory_releases_memory() {
+        set_memory_release(|| {
+            RELEASES.fetch_add(1, Ordering::SeqCst);
+        });
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let store =
+            valem_store::SqliteStore::open(dir.path(), valem_store::StoreOptions::default())
+                .expect("the store opens");
+        let limits = ServiceLimits {
+            max_resident_models: Some(1),
+            ..ServiceLimits::default()
+        };
+        let svc = ModelService::open(1, limits, Arc::new(store)).expect("the service opens");
+        let spec = |id: &str, n: usize| {
+            let derivations: Vec<Json> = (0..n)
+                .map(
+                    |i| serde_json::json!({"path": format!("$.t{i}"), "expr": format!("p{i} * 2")}),
+                )
+                .collect();
+            valem_core::spec::parse_spec(&serde_json::json!({
+                "id": id, "schema": {}, "derivations": derivations
+            }))
+            .expect("the spec parses")
+        };
+        let released = || RELEASES.load(Ordering::SeqCst);
+        svc.create(spec("big", RELEASE_FROM_NODES))
+            .expect("created");
+        let before = released();
+        svc.create(spec("small", 3)).expect("created");
+        assert_eq!(released(), before + 1, "the large model was evicted");
+        svc.create(spec("other", 3)).expect("created");
+        assert_eq!(released(), before + 1, "a small one evicted asks nothing");
+        // Woken by a read (evicting `other`), then deleted.
+        assert!(svc.field(&ModelId::from("big"), "$.t1").wait().is_ok());
+        svc.delete(&ModelId::from("big")).expect("deleted");
+        assert_eq!(released(), before + 2, "the large model was deleted");
     }
 
     #[test]

@@ -339,12 +339,20 @@ impl Shard {
     }
 
     /// Drop model `id` from memory (it stays in the store, if any).
-    fn unload(&mut self, id: &str) -> Option<Entry> {
-        let e = self.models.remove(id);
-        if e.is_some() {
-            self.residency.resident(false);
+    /// Drop model `id` from memory; whether it was there. A large model's memory is given back
+    /// to the OS at once ([`crate::set_memory_release`]), not whenever the allocator next
+    /// purges on this thread (an idle shard may not for a long time).
+    fn unload(&mut self, id: &str) -> bool {
+        let Some(e) = self.models.remove(id) else {
+            return false;
+        };
+        self.residency.resident(false);
+        let large = e.model.compiled.nodes.len() >= crate::RELEASE_FROM_NODES;
+        drop(e);
+        if large {
+            crate::release_memory();
         }
-        e
+        true
     }
 
     fn entry_raw(&mut self, id: &str) -> Result<&mut Entry, ServiceError> {
@@ -375,7 +383,7 @@ impl Shard {
         if hibernated {
             self.residency.hibernated(false);
         }
-        let resident = self.unload(id).is_some();
+        let resident = self.unload(id);
         if !resident && !hibernated && !unrecovered {
             return reply.send(Err(ServiceError::NotFound(id.to_string())));
         }

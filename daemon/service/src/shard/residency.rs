@@ -95,7 +95,7 @@ impl Shard {
                 let _ = s.flush();
             }
         }
-        if self.unload(id).is_some() {
+        if self.unload(id) {
             tracing::warn!(model = %id, "this node lost the model to another node (its lease ran out): dropped from memory");
             self.subscribers.publish(crate::Event::Moved {
                 model_id: id.to_string(),
@@ -137,7 +137,7 @@ impl Shard {
         if held {
             self.checkpoint(id);
         }
-        if self.unload(id).is_some() {
+        if self.unload(id) {
             self.hibernated.insert(id.to_string());
             self.residency.hibernated(true);
             self.residency.evicted.fetch_add(1, Ordering::Relaxed);
