@@ -812,29 +812,28 @@ fn default_rules(
 
 /// The readers of each concrete derivation target without array indices (a write there binds
 /// no `[*]`, so each reader is dirtied whole), looked up in the index once.
-#[allow(clippy::type_complexity)]
-fn target_readers(
-    concretes: &[Option<Box<[Seg]>>],
-    readers: &Trie,
-) -> (Vec<Option<(u32, u32)>>, Vec<NodeId>) {
-    let mut ranges = Vec::with_capacity(concretes.len());
+/// As `CompiledModel::target_readers` keeps them: each node's end in the ids (with [`KNOWN`]
+/// when it has a list), after a leading 0.
+fn target_readers(concretes: &[Option<Box<[Seg]>>], readers: &Trie) -> (Vec<u32>, Vec<NodeId>) {
+    let mut ends = Vec::with_capacity(concretes.len() + 1);
+    ends.push(0);
     let mut ids = Vec::new();
     let mut hits = Vec::new();
     for c in concretes {
-        let range = match c {
+        let known = match c {
             Some(t) if t.iter().all(|s| matches!(s, Seg::Field(_))) => {
                 hits.clear();
                 readers.hits(t, &mut hits);
-                let start = ids.len() as u32;
                 ids.extend(hits.iter().map(|(id, _)| *id));
-                Some((start, ids.len() as u32))
+                KNOWN
             }
-            _ => None,
+            _ => 0,
         };
-        ranges.push(range);
+        // Fewer than 2^31 ids (each is a read the spec makes: bounded far below).
+        ends.push((ids.len() as u32 & !KNOWN) | known);
     }
     ids.shrink_to_fit();
-    (ranges, ids)
+    (ends, ids)
 }
 
 /// Give a cell to every derivation whose target is one top-level member that no other
@@ -1136,6 +1135,9 @@ mod tests {
             vec![f("unread")],
             vec![],
         ];
+        // `$.items[*].v` has no concrete target: its writes look the index up.
+        assert_eq!(m.target_readers(2), None);
+        assert_eq!(m.target_readers(0), Some(&[][..]));
         let mut unproduced = 0;
         for w in &paths {
             assert_eq!(m.produced_above(w), m.producers.above(w), "{w:?}");
@@ -1192,6 +1194,11 @@ mod tests {
         assert_eq!(all.len(), 3);
         // Edges found by name: `u` reads `t` (and `y.z`, which nothing writes).
         assert_eq!(m.dependents.of(0), &[1]);
+        // A write of `t` dirties `u`, of `u` or `v` nothing: known at compile time.
+        assert_eq!(m.target_readers(0), Some(&[1][..]));
+        assert_eq!(m.target_readers(1), Some(&[][..]));
+        assert_eq!(m.target_readers(2), Some(&[][..]));
+        assert_eq!(m.target_readers(3), None);
         assert!(m.dependents.of(1).is_empty() && m.dependents.of(2).is_empty());
         let deep = c(json!({"id":"m","schema":{},"derivations":[
             {"path":"$.b","expr":"a.w + 1"},

@@ -130,6 +130,9 @@ impl NodeExpr {
     }
 }
 
+/// The bit of an end in `CompiledModel::target_readers` that says the node has a list.
+pub(super) const KNOWN: u32 = 1 << 31;
+
 /// Interpreter forms of arithmetic derivations compiled again for a fallback, kept at most.
 pub(super) const FALLBACK_FORMS: usize = 1024;
 
@@ -367,9 +370,11 @@ pub struct CompiledModel {
     pub dependents: Dependents,
     pub readers: Trie,
     /// What a write of a concrete derivation's target dirties (its readers in the index, all
-    /// of every instance: the target has no array index), as ranges of `target_reader_ids`;
-    /// `None` for other nodes (their writes look the index up).
-    pub(super) target_readers: Vec<Option<(u32, u32)>>,
+    /// of every instance: the target has no array index), as ranges of `target_reader_ids`:
+    /// node `i`'s ends at `target_readers[i + 1]` and starts where node `i - 1`'s ended (4
+    /// bytes a node). [`KNOWN`] is set for the nodes that have such a list; the others' writes
+    /// look the index up.
+    pub(super) target_readers: Vec<u32>,
     pub(super) target_reader_ids: Vec<NodeId>,
     /// Per node, its key and what its traces share.
     pub trace_table: Arc<crate::TraceTable>,
@@ -603,7 +608,7 @@ impl CompiledModel {
             crate::prefetch(p);
             crate::prefetch(p.cast::<u8>().wrapping_add(64));
         }
-        if let Some(t) = self.target_readers.get(id as usize) {
+        if let Some(t) = self.target_readers.get(id as usize + 1) {
             crate::prefetch(t);
         }
     }
@@ -611,7 +616,13 @@ impl CompiledModel {
     /// The readers a write of `node`'s target dirties (whole), when known at compile time.
     #[inline]
     pub fn target_readers(&self, node: NodeId) -> Option<&[NodeId]> {
-        let (a, b) = self.target_readers.get(node as usize).copied().flatten()?;
-        Some(&self.target_reader_ids[a as usize..b as usize])
+        let i = node as usize;
+        let end = *self.target_readers.get(i + 1)?;
+        if end & KNOWN == 0 {
+            return None;
+        }
+        let start = self.target_readers.get(i)? & !KNOWN;
+        self.target_reader_ids
+            .get(start as usize..(end & !KNOWN) as usize)
     }
 }
