@@ -1138,17 +1138,24 @@ mod tests {
         // `$.items[*].v` has no concrete target: its writes look the index up.
         assert_eq!(m.target_readers(2), None);
         assert_eq!(m.target_readers(0), Some(&[][..]));
-        let mut unproduced = 0;
-        for w in &paths {
-            assert_eq!(m.produced_above(w), m.producers.above(w), "{w:?}");
+        answers_as(&m, &m.producers, &paths);
+        // `x` and `y` are read and nothing writes them: answered from the mark.
+        let unproduced = paths.iter().filter(|w| m.unproduced(w)).count();
+        assert_eq!(unproduced, 2);
+    }
+
+    /// `m` answers which derivation is above and which are below each write in `paths` as
+    /// the producer index `index` does (those below in any order).
+    fn answers_as(m: &CompiledModel, index: &Trie, paths: &[Vec<valem_core::value::Seg>]) {
+        for w in paths {
+            assert_eq!(m.produced_above(w), index.above(w), "{w:?}");
             let (mut a, mut b) = (Vec::new(), Vec::new());
             m.produced_below(w, &mut a);
-            m.producers.below(w, &mut b);
+            index.below(w, &mut b);
+            a.sort();
+            b.sort();
             assert_eq!(a, b, "{w:?}");
-            unproduced += usize::from(m.unproduced(w));
         }
-        // `x` and `y` are read and nothing writes them: answered from the mark.
-        assert_eq!(unproduced, 2);
     }
 
     /// A model whose derivations all write cells drops its producer index and answers from
@@ -1179,15 +1186,7 @@ mod tests {
             vec![f("unread")],
             vec![i(0)],
         ];
-        for w in &paths {
-            assert_eq!(m.produced_above(w), index.above(w), "{w:?}");
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            m.produced_below(w, &mut a);
-            index.below(w, &mut b);
-            a.sort();
-            b.sort();
-            assert_eq!(a, b, "{w:?}");
-        }
+        answers_as(&m, &index, &paths);
         // The root write reaches every derivation.
         let mut all = Vec::new();
         m.produced_below(&[], &mut all);
