@@ -386,7 +386,7 @@ fn check_derivations(spec: &ModelSpec, v: &mut V) {
         }
         v.nonblank(&format!("{loc}.expr"), "expr", &d.expr);
         if let Some(e) = &d.evaluation {
-            if !matches!(e.as_str(), "eager" | "lazy") {
+            if !matches!(&**e, "eager" | "lazy") {
                 v.err(
                     format!("{loc}.evaluation"),
                     format!("evaluation must be \"eager\" or \"lazy\", found `{e}`"),
