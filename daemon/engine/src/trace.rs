@@ -199,6 +199,12 @@ fn serialize_val<S: Serializer>(v: &Val, s: S) -> Result<S::Ok, S::Error> {
 /// allocation of its own (a 100k-derivation model has 100k of them).
 #[derive(Debug, Default)]
 pub struct TraceTable {
+    /// The spec whose first `shared` derivations are the first `shared` nodes, written
+    /// canonically: their keys and expressions are its paths and texts, not copied here
+    /// (32 bytes a node).
+    spec: Option<Arc<valem_core::spec::ModelSpec>>,
+    shared: u32,
+    /// The keys and expressions of the nodes from `shared` on.
     keys: Vec<Arc<str>>,
     expressions: Vec<Arc<str>>,
     /// Every node's input addresses, one node's after another.
@@ -233,6 +239,34 @@ impl TraceTable {
     /// Add an address the next node reads (written by `write`, appended to the table's text).
     pub fn push_path_with(&mut self, write: impl FnOnce(&mut String)) {
         self.paths.push_with(write);
+    }
+
+    /// A table whose nodes may take their keys and expressions from `spec`'s derivations
+    /// ([`TraceTable::push_shared`]).
+    pub fn for_spec(spec: Arc<valem_core::spec::ModelSpec>) -> TraceTable {
+        TraceTable {
+            spec: Some(spec),
+            ..TraceTable::default()
+        }
+    }
+
+    /// Whether node `id` may be added with [`TraceTable::push_shared`]: every node before it
+    /// was.
+    pub fn can_share(&self, id: u32) -> bool {
+        self.keys.is_empty()
+            && self.shared == id
+            && self
+                .spec
+                .as_ref()
+                .is_some_and(|s| (id as usize) < s.derivations.len())
+    }
+
+    /// Add the next node, derivation `id` of the spec (see [`TraceTable::can_share`]), whose
+    /// key and expression are that derivation's path and text.
+    pub fn push_shared(&mut self) {
+        self.node_ends
+            .push(u32::try_from(self.paths.len()).unwrap_or(u32::MAX));
+        self.shared += 1;
     }
 
     /// Add the next node: its key and its expression; it reads the addresses pushed since the
@@ -274,7 +308,26 @@ impl TraceTable {
     }
 
     pub fn key(&self, node: u32) -> &Arc<str> {
-        &self.keys[node as usize]
+        match self.derivation(node) {
+            Some(d) => &d.path,
+            None => &self.keys[(node - self.shared) as usize],
+        }
+    }
+
+    fn expression(&self, node: u32) -> &Arc<str> {
+        match self.derivation(node) {
+            Some(d) => &d.expr,
+            None => &self.expressions[(node - self.shared) as usize],
+        }
+    }
+
+    /// The spec's derivation that node `node` is, when its texts are the spec's.
+    #[inline]
+    fn derivation(&self, node: u32) -> Option<&valem_core::spec::DerivationSpec> {
+        if node >= self.shared {
+            return None;
+        }
+        self.spec.as_ref()?.derivations.get(node as usize)
     }
 
     /// The addresses `node` reads.
@@ -285,7 +338,7 @@ impl TraceTable {
     /// What every trace of `node` shares, read from `table`.
     pub fn source(table: &Arc<TraceTable>, node: u32) -> TraceSource {
         TraceSource {
-            expression: table.expressions[node as usize].clone(),
+            expression: table.expression(node).clone(),
             input_paths: InputPaths {
                 of: Some((table.clone(), node)),
             },

@@ -48,6 +48,7 @@ pub fn compile(
             + spec.meta_derivations.len()
             + spec.constraints.len()
             + spec.effects.len(),
+        &spec,
     );
 
     // Constants and library first: every expression may bind them.
@@ -309,11 +310,13 @@ fn draft_derivations(
             // The key is the canonical address: the spec's own text when written that way.
             key_buf.clear();
             p.target.render_into(&mut key_buf);
-            let key = if *key_buf == *d.path {
+            let canonical = *key_buf == *d.path;
+            let key = if canonical {
                 d.path.clone()
             } else {
                 Arc::from(key_buf.as_str())
             };
+            let spec_texts = canonical && *expr.text == *d.expr;
             let mut dr = draft_empty(
                 drafts,
                 NodeKind::Derivation { lazy: d.is_lazy() },
@@ -332,6 +335,7 @@ fn draft_derivations(
             });
             end_reads(&mut dr);
             dr.extra.program = p.program.take();
+            dr.extra.spec_texts = spec_texts;
             drafts.push(dr);
         }
         if before {
@@ -1210,6 +1214,34 @@ mod tests {
         assert_eq!(deep.dependents.of(1), &[0, 2]);
         assert_eq!(deep.dependents.of(0), &[2]);
         assert!(deep.nodes[1].level < deep.nodes[0].level);
+    }
+
+    /// Traces name each node by its key and expression: the spec's own texts for derivations
+    /// written canonically up to the first that is not, the node's after it (and for meta,
+    /// constraints and effects).
+    #[test]
+    fn the_trace_table_names_every_node_as_the_node() {
+        let m = c(json!({"id":"m","schema":{},
+            "derivations":[
+                {"path":"$.t0","expr":"x + 1"},
+                {"path":"$.t1","expr":"t0 * 2"},
+                {"path":"$['t2']","expr":"t1 - 3"},
+                {"path":"$.t3","expr":"t2 / 4"}
+            ],
+            "metaDerivations":[{"path":"$.x","property":"readOnly","expr":"t3 > 10"}],
+            "constraints":[{"id":"c","expr":"t0 < 100","message":"m","policy":"flag"}]
+        }))
+        .unwrap();
+        assert_eq!(&*m.nodes[2].key, "$.t2", "the canonical key");
+        let table = &m.trace_table;
+        for n in &m.nodes {
+            assert_eq!(table.key(n.id), &n.key, "{}", n.key);
+            let source = crate::TraceTable::source(table, n.id);
+            assert_eq!(source.expression, n.expr.text, "{}", n.key);
+        }
+        // The first two are the spec's texts, not copies.
+        assert!(Arc::ptr_eq(table.key(1), &m.spec.derivations[1].path));
+        assert!(!Arc::ptr_eq(table.key(2), &m.spec.derivations[2].path));
     }
 
     #[test]

@@ -126,6 +126,8 @@ pub(super) struct DraftExtra {
     /// An arithmetic derivation's lowering.
     pub(super) program: Option<Lowering>,
     pub(super) aggregate: Option<Aggregate>,
+    /// A derivation whose key and expression are its spec's path and text, as written.
+    pub(super) spec_texts: bool,
 }
 
 /// How an arithmetic derivation lowers: to a program of its own (and its key), or as an
@@ -189,14 +191,15 @@ pub(super) struct Drafts {
 }
 
 impl Drafts {
-    pub(super) fn with_capacity(n: usize) -> Drafts {
+    /// Room for `n` nodes of `spec`.
+    pub(super) fn with_capacity(n: usize, spec: &Arc<ModelSpec>) -> Drafts {
         Drafts {
             nodes: Vec::with_capacity(n),
             segs: Vec::new(),
             read_ends: Vec::new(),
             node_reads: Vec::with_capacity(n),
             aggregates: HashMap::new(),
-            trace_table: crate::TraceTable::default(),
+            trace_table: crate::TraceTable::for_spec(spec.clone()),
             jit_slots: HashMap::new(),
         }
     }
@@ -247,8 +250,12 @@ impl Drafts {
             let nj = lowering.into_jit(batch, &mut self.jit_slots);
             node.jit = crate::jit::JitCell::new(batch, Some(nj));
         }
-        self.trace_table
-            .push(node.key.clone(), node.expr.text.clone());
+        if extra.spec_texts && self.trace_table.can_share(id) {
+            self.trace_table.push_shared();
+        } else {
+            self.trace_table
+                .push(node.key.clone(), node.expr.text.clone());
+        }
         self.nodes.push(node);
     }
 }

@@ -51,6 +51,7 @@ pub(super) fn draft_empty(
         extra: DraftExtra {
             program: None,
             aggregate,
+            spec_texts: false,
         },
     }
 }
