@@ -956,3 +956,46 @@ mod compiled_cache_tests {
         assert_eq!((c.recent.len(), c.recent_nodes), (3, 9));
     }
 }
+
+#[cfg(test)]
+mod flat_model_tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A write of the whole document to a flat model (its producers answered from its cells)
+    /// recomputes every derivation, even one that reads nothing, and a later write of one
+    /// member only its readers.
+    #[test]
+    fn a_root_write_to_a_flat_model_recomputes_every_derivation() {
+        let spec = valem_core::spec::parse_spec(&json!({"id": "f", "schema": {}, "derivations": [
+            {"path": "$.a", "expr": "x + 1"},
+            {"path": "$.b", "expr": "a * 2"},
+            {"path": "$.c", "expr": "y - 1"},
+            {"path": "$.k", "expr": "5"}
+        ]}))
+        .unwrap();
+        let now = Timestamp::from_ms(0);
+        let (mut m, _) = Model::create(&spec, now, EngineLimits::default()).unwrap();
+        let r = m
+            .mutate(&[("$".into(), json!({"x": 1, "y": 10}))], now)
+            .unwrap();
+        assert_eq!(r.traces.len(), 4);
+        assert_eq!(
+            m.merged_json(now),
+            json!({"x": 1, "y": 10, "a": 2, "c": 9, "k": 5, "b": 4})
+        );
+        // `k` reads nothing: only the root write's marking brings it back.
+        let r = m.mutate(&[("$".into(), json!({"x": 5}))], now).unwrap();
+        assert_eq!(r.traces.len(), 4);
+        assert_eq!(
+            m.merged_json(now),
+            json!({"x": 5, "a": 6, "c": null, "k": 5, "b": 12})
+        );
+        let r = m.mutate(&[("$.y".into(), json!(3))], now).unwrap();
+        assert_eq!(r.traces.len(), 1);
+        assert_eq!(
+            m.get(&[valem_core::value::Seg::Field("c".into())], now),
+            Some(json!(2))
+        );
+    }
+}
