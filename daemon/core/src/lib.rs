@@ -32,6 +32,38 @@ pub fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// `s` as one URI path segment (or query component): every byte but RFC 3986's unreserved
+/// ones percent-encoded, so `$.a[0]` is `%24.a%5B0%5D` and `ns/id x` is `ns%2Fid%20x`. What a
+/// node forwarding to another, the console's remote client and an effect's URL template put
+/// in a URL.
+pub fn path_segment(s: &str) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_path_segment_keeps_only_unreserved_bytes() {
+        use super::path_segment;
+        assert_eq!(path_segment("m-1.a_b~c"), "m-1.a_b~c");
+        assert_eq!(path_segment("ns/id x"), "ns%2Fid%20x");
+        assert_eq!(path_segment("é"), "%C3%A9");
+        assert_eq!(path_segment(""), "");
+        assert_eq!(path_segment("$.a[0].b"), "%24.a%5B0%5D.b");
+        assert_eq!(path_segment("$constraint:id"), "%24constraint%3Aid");
+        assert_eq!(path_segment("a/b c"), "a%2Fb%20c");
+    }
+}
+
 // The unit tests count their allocations, so that memory budgets are enforced there too.
 #[cfg(test)]
 #[global_allocator]

@@ -261,19 +261,6 @@ pub(crate) async fn legacy_call_elsewhere(
     Some(answer)
 }
 
-/// `s` as one path segment: every byte but RFC 3986's unreserved ones percent-encoded.
-pub(crate) fn path_segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// The revision a node speaks to another for a legacy session's call.
 const MODERN_VERSION: &str = "2026-07-28";
 
@@ -386,14 +373,6 @@ fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_path_segment_keeps_only_unreserved_bytes() {
-        assert_eq!(path_segment("m-1.a_b~c"), "m-1.a_b~c");
-        assert_eq!(path_segment("ns/id x"), "ns%2Fid%20x");
-        assert_eq!(path_segment("é"), "%C3%A9");
-        assert_eq!(path_segment(""), "");
-    }
 
     #[test]
     fn the_owner_is_read_from_a_421_or_an_mcp_tool_error() {

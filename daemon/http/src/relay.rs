@@ -88,7 +88,7 @@ async fn run(st: AppState, model: String, mut stop: watch::Receiver<bool>) {
             break;
         }
         if let Some(url) = owner_elsewhere(&st, &model).await {
-            let target = format!("/models/{}/subscribe", crate::forward::path_segment(&model));
+            let target = format!("/models/{}/subscribe", valem_core::path_segment(&model));
             if let Ok((upstream, _)) = crate::ws::connect_owner(&st, &url, &target).await {
                 st.metrics.forwarded(true);
                 wait = RECHECK;

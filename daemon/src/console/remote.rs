@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Map, Value as Json};
 
 use super::{Backend, Command};
+use valem_core::path_segment;
 use valem_mcp::ops::blob_json;
 
 /// Time to open the connection to the daemon.
@@ -125,7 +126,7 @@ impl Remote {
                 };
                 if let Some((k, v)) = query {
                     // Our own encoding: `+` (an ISO-8601 offset) must not read as a space.
-                    r = r.query_raw(segment(k), segment(v));
+                    r = r.query_raw(path_segment(k), path_segment(v));
                 }
                 if let Some(a) = &self.authorization {
                     r = r.header("Authorization", a);
@@ -252,7 +253,7 @@ impl Remote {
     }
 
     fn run(&self, cmd: &Command) -> Result<Json, RemoteError> {
-        let m = |id: &str| format!("/models/{}", segment(id));
+        let m = |id: &str| format!("/models/{}", path_segment(id));
         match cmd {
             Command::ListModels => self.get("/models"),
             Command::CreateModel { spec } => {
@@ -278,7 +279,7 @@ impl Remote {
                 Body::None,
             ),
             Command::GetField { id, path } => {
-                self.get(&format!("{}/state/{}", m(id), segment(path)))
+                self.get(&format!("{}/state/{}", m(id), path_segment(path)))
             }
             Command::Mutate {
                 id,
@@ -305,10 +306,10 @@ impl Remote {
             }
             Command::GetHistory { id } => self.get(&format!("{}/history", m(id))),
             Command::GetSchema { id, path } => {
-                self.get(&format!("{}/schema/{}", m(id), segment(path)))
+                self.get(&format!("{}/schema/{}", m(id), path_segment(path)))
             }
             Command::Explain { id, path } => {
-                self.get(&format!("{}/explain/{}", m(id), segment(path)))
+                self.get(&format!("{}/explain/{}", m(id), path_segment(path)))
             }
             Command::Snapshot { id } => {
                 self.json("POST", &format!("{}/snapshot", m(id)), None, Body::None)
@@ -344,14 +345,15 @@ impl Remote {
                 )
             }
             Command::GetBlob { blob_id } => {
-                self.blob(&format!("/blobs/{}", segment(blob_id)), blob_id)
+                self.blob(&format!("/blobs/{}", path_segment(blob_id)), blob_id)
             }
-            Command::GetModelBlob { id, blob_id } => {
-                self.blob(&format!("{}/blobs/{}", m(id), segment(blob_id)), blob_id)
-            }
+            Command::GetModelBlob { id, blob_id } => self.blob(
+                &format!("{}/blobs/{}", m(id), path_segment(blob_id)),
+                blob_id,
+            ),
             Command::GetView { id, view_id } => match view_id {
                 None => self.get(&format!("{}/view", m(id))),
-                Some(v) => self.get(&format!("{}/view/{}", m(id), segment(v))),
+                Some(v) => self.get(&format!("{}/view/{}", m(id), path_segment(v))),
             },
             Command::Help | Command::Exit => Ok(Json::Object(Map::new())),
         }
@@ -383,21 +385,6 @@ fn check_base_url(url: &str) -> Result<String, RemoteError> {
         return Err(bad());
     }
     Ok(trimmed.trim_end_matches('/').to_string())
-}
-
-/// Percent-encode `s` as one path segment: everything but RFC 3986 unreserved characters
-/// (so `$.a[0]` is `%24.a%5B0%5D` and `$constraint:id` is `%24constraint%3Aid`).
-pub fn segment(s: &str) -> String {
-    use std::fmt::Write;
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(b));
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
 }
 
 /// Drop `traces` unless asked for: the MCP tool's default shape.
@@ -482,14 +469,6 @@ fn server_message(method: &str, url: &str, status: u16, body: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn segments_are_percent_encoded() {
-        assert_eq!(segment("$.a[0].b"), "%24.a%5B0%5D.b");
-        assert_eq!(segment("$constraint:id"), "%24constraint%3Aid");
-        assert_eq!(segment("a/b c"), "a%2Fb%20c");
-        assert_eq!(segment("é"), "%C3%A9");
-    }
 
     #[test]
     fn base_urls() {

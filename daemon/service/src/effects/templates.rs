@@ -77,13 +77,7 @@ pub(super) fn interpolate(
             Some(other) => other.to_string(),
         };
         if in_url {
-            for b in s.bytes() {
-                if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                    out.push(b as char);
-                } else {
-                    out.push_str(&format!("%{b:02X}"));
-                }
-            }
+            out.push_str(&valem_core::path_segment(&s));
         } else {
             out.push_str(&s);
         }
