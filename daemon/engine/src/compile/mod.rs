@@ -179,30 +179,22 @@ pub fn compile(
         let merged_is_base = derivation_ids
             .iter()
             .all(|&i| nodes[i as usize].cell.is_some());
-        match &flat {
-            Some(_) => {
-                for &i in &derivation_ids {
-                    if let Some([Seg::Field(k)]) = concretes[i as usize].as_deref() {
-                        readers.mark_member(k);
-                    }
-                }
-            }
-            None => mark_written(&mut readers, &producers),
-        }
-        let cell_producers = (merged_is_base && !producers.has_root_entries()).then(|| {
+        // A flat model's derivations each have a cell: the cells say who writes what.
+        let cell_producers = flat.as_ref().map(|_| {
             let mut by_cell = vec![0; cells.len()];
             for &i in &derivation_ids {
+                if let Some(k) = flat_member(concretes, i) {
+                    readers.mark_member(k);
+                }
                 if let Some(c) = nodes[i as usize].cell {
                     by_cell[c as usize] = i;
                 }
             }
             by_cell.into_boxed_slice()
         });
-        let producers = if cell_producers.is_some() {
-            Trie::default()
-        } else {
-            producers
-        };
+        if flat.is_none() {
+            mark_written(&mut readers, &producers);
+        }
         Ok::<_, Vec<CompileError>>(CompiledModel {
             cell_producers,
             target_readers,
@@ -852,7 +844,7 @@ fn assign_cells(
 ) -> super::merged::CellLayout {
     let mut keys = Vec::new();
     for &id in by_level {
-        let Some([Seg::Field(k)]) = concretes[id as usize].as_deref() else {
+        let Some(k) = flat_member(concretes, id) else {
             continue;
         };
         // Alone: the only entry at its member, and nothing below it.

@@ -382,12 +382,12 @@ pub struct CompiledModel {
     pub cells: Arc<crate::merged::CellLayout>,
     /// Every derivation writes a cell: the merged document's tree is the base document.
     pub merged_is_base: bool,
-    /// Where derivations write (read-only check, compile-time edges). Empty once compiled
-    /// when every derivation writes a cell: `cell_producers` answers then.
+    /// Where derivations write (read-only check, compile-time edges). Left empty for a flat
+    /// model: `cell_producers` answers then.
     pub producers: Trie,
-    /// When every derivation writes a cell (and so no target is below another or at the
-    /// root), the derivation of each cell: a write's producers are then its member's cell
-    /// (a 1M-derivation flat model's producer index was ~72 MB).
+    /// A flat model's (each derivation writes its own top-level member, so each has a cell)
+    /// derivation of each cell: a write's producers are its member's cell (a 1M-derivation
+    /// flat model's producer index was ~72 MB).
     pub(super) cell_producers: Option<Box<[NodeId]>>,
     /// The target patterns of meta-derivations and scoped constraints (derivations are in
     /// `producers`): a new or replaced container dirties the instances below it.
