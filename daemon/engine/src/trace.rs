@@ -264,16 +264,20 @@ impl TraceTable {
     /// Add the next node, derivation `id` of the spec (see [`TraceTable::can_share`]), whose
     /// key and expression are that derivation's path and text.
     pub fn push_shared(&mut self) {
+        self.end_node();
+        self.shared += 1;
+    }
+
+    /// The next node reads the addresses pushed since the node before it.
+    fn end_node(&mut self) {
         self.node_ends
             .push(u32::try_from(self.paths.len()).unwrap_or(u32::MAX));
-        self.shared += 1;
     }
 
     /// Add the next node: its key and its expression; it reads the addresses pushed since the
     /// node before it.
     pub fn push(&mut self, key: Arc<str>, expression: Arc<str>) {
-        self.node_ends
-            .push(u32::try_from(self.paths.len()).unwrap_or(u32::MAX));
+        self.end_node();
         self.keys.push(key);
         self.expressions.push(expression);
     }
