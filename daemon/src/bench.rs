@@ -454,8 +454,7 @@ fn ns_us(ns: u32) -> f64 {
 /// mimalloc first returns the pages it holds free (`mi_collect`), so VmRSS is the live
 /// footprint rather than depending on whether a delayed purge has run yet.
 pub fn rss_mb() -> (f64, f64) {
-    // SAFETY: `mi_collect` takes no pointers; it only frees what mimalloc holds unused.
-    unsafe { libmimalloc_sys::mi_collect(true) };
+    crate::allocator::release();
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| -> f64 {
         status
