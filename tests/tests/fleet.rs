@@ -550,25 +550,10 @@ fn mcp_subscriptions_on_any_node_hear_the_owners_commits() {
         json!("notifications/subscriptions/acknowledged"),
         "{ack}"
     );
-    let mut heard = false;
-    for v in 1..=20 {
-        assert_eq!(
-            ha.post_json("/models/m/mutations", &json!({"$.c1": v}))
-                .status,
-            200
-        );
-        if listen
-            .recv_timeout(Duration::from_millis(250))
-            .is_ok_and(|m| {
-                m["method"] == json!("notifications/resources/updated")
-                    && m["params"]["uri"] == json!("valem://state/m")
-            })
-        {
-            heard = true;
-            break;
-        }
-    }
-    assert!(heard, "b's listen stream heard none of a's commits");
+    assert!(
+        heard_while_writing(&ha, "$.c1", 1..=20, &listen),
+        "b's listen stream heard none of a's commits"
+    );
 
     // The owner dies; once b owns m, its own commits are heard (the relays stand down).
     a.kill9();
@@ -584,27 +569,37 @@ fn mcp_subscriptions_on_any_node_hear_the_owners_commits() {
     let ha = Http::new(&a);
     take_over_while_paused(&nb, &ha, json!({"$.c0": 100}));
     while rx.try_recv().is_ok() {}
-    let mut heard = false;
-    for v in 101..=140 {
-        assert_eq!(
-            ha.post_json("/models/m/mutations", &json!({"$.c0": v}))
-                .status,
-            200
-        );
-        if rx
-            .recv_timeout(Duration::from_millis(250))
-            .is_ok_and(|m| m["method"] == json!("notifications/resources/updated"))
-        {
-            heard = true;
-            break;
-        }
-    }
     assert!(
-        heard,
+        heard_while_writing(&ha, "$.c0", 101..=140, &rx),
         "b's session heard none of a's commits after a took m back"
     );
     assert!(a.terminate().success());
     assert!(nb.terminate().success());
+}
+
+/// Write each of `values` to `field` of m through `h` until `rx` hears m's state updated
+/// within 250 ms of a write; whether it did.
+fn heard_while_writing(
+    h: &Http,
+    field: &str,
+    values: std::ops::RangeInclusive<i64>,
+    rx: &std::sync::mpsc::Receiver<Value>,
+) -> bool {
+    for v in values {
+        assert_eq!(
+            h.post_json("/models/m/mutations", &json!({ field: v }))
+                .status,
+            200
+        );
+        let heard = rx.recv_timeout(Duration::from_millis(250)).is_ok_and(|m| {
+            m["method"] == json!("notifications/resources/updated")
+                && m["params"]["uri"] == json!("valem://state/m")
+        });
+        if heard {
+            return true;
+        }
+    }
+    false
 }
 
 /// A modern-era `subscriptions/listen` stream on `addr` for one state URI: its messages.
