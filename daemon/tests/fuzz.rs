@@ -480,7 +480,7 @@ proptest! {
         } else {
             let mut m = ObjMap::new();
             for (k, v) in &model {
-                m.insert(Arc::from(k.as_str()), Val::num(*v as f64));
+                m.insert(valem_core::value::Key::from(k.as_str()), Val::num(*v as f64));
             }
             m
         };
@@ -490,7 +490,7 @@ proptest! {
             match op {
                 MapOp::Insert(i, v) => {
                     let k = &pool[i % pool.len()];
-                    let old = m.insert(Arc::from(k.as_str()), Val::num(*v as f64));
+                    let old = m.insert(valem_core::value::Key::from(k.as_str()), Val::num(*v as f64));
                     let want = model.insert(k.clone(), *v).map(|o| Val::num(o as f64));
                     prop_assert_eq!(old, want);
                 }

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use valem_core::hash::{pair_hash, str_hash, Keyed};
 use valem_core::value::{Key, Seg};
 
-/// A field edge of the trie: from `parent` through member `key` to `child` (24 bytes; the
+/// A field edge of the trie: from `parent` through member `key` to `child` (16 bytes; the
 /// table hashes `(parent, key)` itself, so a lookup borrows the name and clones nothing). The
 /// names are a spec's, so the hash is keyed ([`valem_core::hash`]).
 #[derive(Debug)]
@@ -22,7 +22,7 @@ fn edge_hash(parent: u32, key: &str) -> u64 {
     pair_hash(parent, key)
 }
 
-/// A field edge from the root: to `child` through top-level member `key` (24 bytes). When
+/// A field edge from the root: to `child` through top-level member `key` (16 bytes). When
 /// `child` is a plain leaf (one entry, nothing below) the edge holds that entry too, so a
 /// write of the member finds its reader without visiting the node. Large flat models are
 /// almost all root edges.
@@ -34,6 +34,10 @@ struct RootEdge {
     /// The child's only entry when it is a plain leaf (set by [`Trie::shrink`]), or `NONE`.
     leaf: u32,
 }
+
+#[cfg(target_pointer_width = "64")]
+const _: () =
+    assert!(std::mem::size_of::<FieldEdge>() == 16 && std::mem::size_of::<RootEdge>() == 16);
 
 fn root_hash(key: &str) -> u64 {
     str_hash(key)
@@ -593,13 +597,12 @@ impl Trie {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn f(k: &str) -> TSeg {
-        TSeg::Field(Arc::from(k))
+        TSeg::Field(Key::from(k))
     }
     fn sf(k: &str) -> Seg {
-        Seg::Field(Arc::from(k))
+        Seg::Field(Key::from(k))
     }
 
     #[test]

@@ -4,7 +4,6 @@
 //! rejected with the canonical rewrite in the message, as the reference validator does.
 
 use std::fmt;
-use std::sync::Arc;
 
 use crate::value::{Key, Seg};
 
@@ -59,7 +58,7 @@ impl Address {
     /// becomes the shared key only if the write stores it as a new member
     /// ([`crate::value::ObjMap::insert`]); lookups compare the bytes of unshared keys.
     pub fn parse_transient(text: &str) -> Result<Address, AddressError> {
-        Address::parse_as(text, &mut |s| Arc::from(s))
+        Address::parse_as(text, &mut |s| Key::from(s))
     }
 
     fn parse_as(text: &str, key: &mut dyn FnMut(&str) -> Key) -> Result<Address, AddressError> {
@@ -434,7 +433,7 @@ fn lenient(t: &str) -> Option<Address> {
             } else if name.chars().all(|c| c.is_ascii_digit()) {
                 segs.push(PathSeg::Index(name.parse().ok()?));
             } else {
-                segs.push(PathSeg::Field(Arc::from(name)));
+                segs.push(PathSeg::Field(Key::from(name)));
             }
         }
         let mut rest = brackets;
@@ -531,7 +530,7 @@ mod tests {
         let (PathSeg::Field(a), PathSeg::Field(b)) = (&own.segs[0], &shared.segs[0]) else {
             panic!("a member first")
         };
-        assert!(!Arc::ptr_eq(a, b));
+        assert!(!Key::ptr_eq(a, b));
     }
 
     #[test]

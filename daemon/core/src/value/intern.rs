@@ -37,7 +37,7 @@ thread_local! {
 /// any more are swept out when it fills, and past `INTERN_MAX_KEYS` live names keys are simply
 /// allocated.
 pub fn intern(s: &str) -> Key {
-    intern_with(s, || Arc::from(s))
+    intern_with(s, || Key::from(s))
 }
 
 /// The shared key for `key`'s text: `key` itself when the name is not interned yet. For keys
@@ -68,7 +68,7 @@ pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str> + Clone) -> 
             if let Some(a) = texts.next().filter(|a| a.len() <= INTERN_MAX_LEN) {
                 t.set.prefetch_text(name_hash(a));
             }
-            keys.push(t.key(s, || Arc::from(s)));
+            keys.push(t.key(s, || Key::from(s)));
         }
         keys
     })
@@ -99,7 +99,8 @@ impl Interner {
         }
         if self.set.len() >= self.cap {
             if self.holding == 0 {
-                self.set.retain(|(_, k)| Arc::strong_count(k) > 1);
+                self.set
+                    .retain(|(_, k)| Key::strong_count(k).is_some_and(|n| n > 1));
             }
             if self.set.len() >= self.cap / 2 {
                 self.cap = (self.cap * 2).min(INTERN_MAX_KEYS);
@@ -163,8 +164,8 @@ pub fn key_eq(a: &str, b: &str) -> bool {
 
 /// The interning table: open addressing with linear probing over two arrays, each slot's tag
 /// (the high half of its name's hash, never `0`: `0` marks an empty slot, and the slot a name
-/// probes first is its tag's low bits) and its key, at most seven eighths full — 20 bytes a
-/// slot, where a SIMD-grouped table of (hash, key) takes 25. Unlike such a table its slot for
+/// probes first is its tag's low bits) and its key, at most seven eighths full — 12 bytes a
+/// slot, where a SIMD-grouped table of (hash, key) takes 17. Unlike such a table its slot for
 /// a hash is known before the probe, so a run of names can start loading theirs ahead
 /// ([`prefetch_name`]): a large compile or load interns millions of names, each a cache miss
 /// or two in a table of that size.

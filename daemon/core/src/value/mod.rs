@@ -13,8 +13,9 @@ use std::sync::Arc;
 use imbl::{OrdMap, Vector};
 use serde_json::Value as Json;
 
-/// Object keys are shared strings: the same key text is stored once per object entry.
-pub type Key = Arc<str>;
+/// Object keys are shared strings: the same key text is stored once per object entry, behind
+/// one 8-byte pointer (the length sits with the text).
+pub type Key = arcstr::ArcStr;
 
 /// The deepest a document may nest arrays and objects within one another. Every value the
 /// daemon accepts, builds or stores is checked against it where it is made — a write at an
@@ -549,7 +550,7 @@ mod tests {
         let mut m = WideMap::default();
         for i in 0..100 {
             m.insert(
-                Arc::from(format!("a{i}").as_str()),
+                Key::from(format!("a{i}").as_str()),
                 Val::num(i as f64),
                 share,
             );
@@ -558,7 +559,7 @@ mod tests {
         m.next = u32::MAX - 1;
         for i in 0..3 {
             m.insert(
-                Arc::from(format!("b{i}").as_str()),
+                Key::from(format!("b{i}").as_str()),
                 Val::num(i as f64),
                 share,
             );
@@ -577,7 +578,7 @@ mod tests {
     }
 
     fn f(k: &str) -> Seg {
-        Seg::Field(Arc::from(k))
+        Seg::Field(Key::from(k))
     }
 
     #[test]
@@ -598,7 +599,7 @@ mod tests {
             let mut m = ObjMap::new();
             for i in 0..members {
                 m.insert(
-                    Arc::from(format!("fresh_member_{i}").as_str()),
+                    Key::from(format!("fresh_member_{i}").as_str()),
                     Val::num(1.0),
                 );
             }
@@ -609,9 +610,9 @@ mod tests {
                     .map(|(k, _)| k.clone())
             };
             let first = stored(&m, 0).unwrap();
-            assert!(Arc::ptr_eq(&first, &intern("fresh_member_0")), "{members}");
-            m.insert(Arc::from("fresh_member_0"), Val::num(2.0));
-            assert!(Arc::ptr_eq(&stored(&m, 0).unwrap(), &first));
+            assert!(Key::ptr_eq(&first, &intern("fresh_member_0")), "{members}");
+            m.insert(Key::from("fresh_member_0"), Val::num(2.0));
+            assert!(Key::ptr_eq(&stored(&m, 0).unwrap(), &first));
             assert_eq!(m.get("fresh_member_0"), Some(&Val::num(2.0)));
             assert_eq!(m.len(), members);
         }
@@ -650,7 +651,7 @@ mod tests {
             let held: Vec<Key> = (0..n).map(|i| intern(&format!("held_{i}"))).collect();
             for i in [0, INTERN_FIRST_CAP - 1, INTERN_FIRST_CAP, n - 1] {
                 assert!(
-                    Arc::ptr_eq(&held[i], &intern(&format!("held_{i}"))),
+                    Key::ptr_eq(&held[i], &intern(&format!("held_{i}"))),
                     "key {i}"
                 );
             }
@@ -699,7 +700,7 @@ mod tests {
                 assert_eq!(t.set.capacity(), before);
                 assert!(held
                     .iter()
-                    .all(|k| t.set.find(name_hash(k), |e| Arc::ptr_eq(e, k)).is_some()));
+                    .all(|k| t.set.find(name_hash(k), |e| Key::ptr_eq(e, k)).is_some()));
             });
             // A table holding as many already is left as it is.
             reserve_names(10);
@@ -740,7 +741,7 @@ mod tests {
                     at(&mut root),
                     h,
                     0,
-                    Arc::from(k.as_str()),
+                    Key::from(k.as_str()),
                     Val::num(i as f64),
                     i as u32,
                     share
@@ -753,7 +754,7 @@ mod tests {
         // Overwrite one of each colliding pair.
         for (h, k, v) in live.iter_mut().step_by(2) {
             *v += 100.0;
-            let key = Arc::from(k.as_str());
+            let key = Key::from(k.as_str());
             let old = insert_at(at(&mut root), *h, 0, key, Val::num(*v), 0, share);
             assert_eq!(old, Some(Val::num(*v - 100.0)));
         }
@@ -908,7 +909,7 @@ mod tests {
         }
         let mut m = ObjMap::new();
         for (i, k) in order.iter().enumerate() {
-            assert_eq!(m.insert(Arc::from(k.as_str()), Val::num(i as f64)), None);
+            assert_eq!(m.insert(Key::from(k.as_str()), Val::num(i as f64)), None);
         }
         let snapshot = m.clone();
         let keys: Vec<&str> = m.iter().map(|(k, _)| &**k).collect();
@@ -937,7 +938,7 @@ mod tests {
         // Replace every third, remove every fifth; the rest keep their place.
         for (i, k) in order.iter().enumerate() {
             if i % 3 == 0 {
-                let old = m.insert(Arc::from(k.as_str()), Val::num(-(i as f64)));
+                let old = m.insert(Key::from(k.as_str()), Val::num(-(i as f64)));
                 assert_eq!(old, Some(Val::num(i as f64)));
             }
             if let Some(v) = m.get_mut(k).filter(|_| i % 7 == 0) {
@@ -1003,7 +1004,7 @@ mod tests {
         fn copies_per_insert(n: usize) -> f64 {
             let keys: Vec<String> = (0..n).map(|i| format!("{i:0>64}")).collect();
             choose(&keys, 0xDEAD_BEEF_0000_0001);
-            let keys: Vec<Key> = keys.iter().map(|k| Arc::from(k.as_str())).collect();
+            let keys: Vec<Key> = keys.iter().map(|k| Key::from(k.as_str())).collect();
             let mut m = ObjMap::new();
             let mut snapshot = m.clone();
             let before = ENTRY_COPIES.with(|c| c.get());
@@ -1047,7 +1048,7 @@ mod tests {
                     order.push(k.clone());
                 }
                 reference.insert(k.clone(), step as i64);
-                m.insert(Arc::from(k.as_str()), Val::num(step as f64));
+                m.insert(Key::from(k.as_str()), Val::num(step as f64));
             }
             if step % 5000 == 0 {
                 snapshots.push((m.clone(), reference.clone()));

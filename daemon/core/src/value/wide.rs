@@ -18,7 +18,7 @@ use super::*;
 pub(super) const FANOUT_BITS: u32 = 5;
 pub(super) const FANOUT: usize = 1 << FANOUT_BITS;
 
-/// A member: 48 bytes, kept in its branch's slot (a 300k-member object has 300k of them). It
+/// A member: 40 bytes, kept in its branch's slot (a 300k-member object has 300k of them). It
 /// keeps the low half of its key's hash, which is what the first six levels index by and
 /// rejects almost every other key without reading its text; the whole hash is computed again
 /// from the key when a collision needs it.
@@ -134,7 +134,7 @@ pub(super) enum Slot {
     /// A branch: which of its `FANOUT` slots are occupied (bit `i` for slot `i`), and those
     /// slots in order. The bitmap sits here, in the parent, and the slots in one shared
     /// allocation, so a step down the trie is one cache miss (not a branch record and then
-    /// its array). A slot is the 48 bytes of its member.
+    /// its array). A slot is the 40 bytes of its member.
     Branch {
         bitmap: Bitmap,
         slots: Arc<[Slot]>,
@@ -158,7 +158,7 @@ impl Slot {
 pub(super) type Bitmap = u32;
 
 const _: () = assert!(FANOUT <= Bitmap::BITS as usize);
-const _: () = assert!(std::mem::size_of::<Slot>() == 48);
+const _: () = assert!(std::mem::size_of::<Slot>() == 40);
 
 /// Where slot `i` of a branch is (or would be) stored, and whether it is occupied.
 #[inline]

@@ -1116,7 +1116,7 @@ mod tests {
             {"path":"$.items[*].v","expr":"$parent.p + y"}
         ]}))
         .unwrap();
-        let f = |s: &str| valem_core::value::Seg::Field(Arc::from(s));
+        let f = |s: &str| valem_core::value::Seg::Field(valem_core::value::Key::from(s));
         let paths: Vec<Vec<valem_core::value::Seg>> = vec![
             vec![f("x")],
             vec![f("y")],
@@ -1168,7 +1168,7 @@ mod tests {
         assert!(!m.producers.has_root_entries() && m.producers.members().next().is_none());
         let derivations = m.nodes.len();
         let (index, _, _) = index_targets(&m.nodes, derivations, true);
-        let f = |s: &str| valem_core::value::Seg::Field(Arc::from(s));
+        let f = |s: &str| valem_core::value::Seg::Field(valem_core::value::Key::from(s));
         let i = valem_core::value::Seg::Index;
         let paths: Vec<Vec<valem_core::value::Seg>> = vec![
             vec![],

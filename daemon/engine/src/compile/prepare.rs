@@ -332,7 +332,7 @@ impl PartNames {
         if let Some(k) = self.0.get(name) {
             return k.clone();
         }
-        let k: Key = Arc::from(name);
+        let k: Key = Key::from(name);
         self.0.insert(k.clone());
         k
     }

@@ -101,7 +101,11 @@ pub(super) fn scan_memo(doc: Merged<'_>, agg: &Aggregate) -> Option<AggMemo> {
 }
 
 /// `collect` from the merged document's root.
-pub(super) fn collect_root<'v>(m: Merged<'v>, path: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
+pub(super) fn collect_root<'v>(
+    m: Merged<'v>,
+    path: &[valem_core::value::Key],
+    out: &mut Vec<&'v Val>,
+) -> bool {
     match path.split_first() {
         Some((k, rest)) if m.root_is_obj() => member(m.root_get(k), rest, out),
         _ => collect(m.doc, path, out),
@@ -109,7 +113,11 @@ pub(super) fn collect_root<'v>(m: Merged<'v>, path: &[Arc<str>], out: &mut Vec<&
 }
 
 /// Navigate like a JSONata path over plain data; false on shapes we leave to JSONata.
-pub(super) fn collect<'v>(v: &'v Val, path: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
+pub(super) fn collect<'v>(
+    v: &'v Val,
+    path: &[valem_core::value::Key],
+    out: &mut Vec<&'v Val>,
+) -> bool {
     let Some((k, rest)) = path.split_first() else {
         match v {
             Val::Arr(_) => return false,
@@ -125,7 +133,11 @@ pub(super) fn collect<'v>(v: &'v Val, path: &[Arc<str>], out: &mut Vec<&'v Val>)
 }
 
 /// `collect` past an object's member (`None`: absent).
-pub(super) fn member<'v>(v: Option<&'v Val>, rest: &[Arc<str>], out: &mut Vec<&'v Val>) -> bool {
+pub(super) fn member<'v>(
+    v: Option<&'v Val>,
+    rest: &[valem_core::value::Key],
+    out: &mut Vec<&'v Val>,
+) -> bool {
     match v {
         Some(Val::Arr(a)) if !rest.is_empty() => a.iter().all(|x| match x {
             Val::Arr(_) => false,
