@@ -153,6 +153,10 @@ pub struct Trie {
     roots: hashbrown::HashTable<RootEdge>,
     /// Index edges: (parent, concrete index in a pattern) → child.
     indices: HashMap<(u32, usize), u32, Keyed>,
+    /// Trie nodes from this number on are folded leaves ([`Trie::fold_leaves`]): node
+    /// `folded + e` is a plain leaf whose only entry is `e`, kept in no `TNode`. `NONE`
+    /// until folded.
+    folded: u32,
 }
 
 impl Default for Trie {
@@ -163,6 +167,7 @@ impl Default for Trie {
             fields: hashbrown::HashTable::new(),
             roots: hashbrown::HashTable::new(),
             indices: HashMap::default(),
+            folded: NONE,
         }
     }
 }
@@ -172,8 +177,14 @@ impl Default for Trie {
 pub type Hit = (u32, Vec<usize>);
 
 impl Trie {
+    /// The entry of `t` when it is a folded leaf ([`Trie::fold_leaves`]).
+    #[inline]
+    fn folded_entry(&self, t: usize) -> Option<u32> {
+        (t >= self.folded as usize).then(|| (t - self.folded as usize) as u32)
+    }
+
     fn more(&self, t: usize) -> Option<&More> {
-        self.more.get(self.nodes[t].more as usize)
+        self.more.get(self.nodes.get(t)?.more as usize)
     }
 
     fn more_mut(&mut self, t: usize) -> &mut More {
@@ -186,7 +197,10 @@ impl Trie {
     }
 
     fn entries(&self, t: usize) -> impl Iterator<Item = u32> + '_ {
-        let first = self.nodes[t].first;
+        let first = match self.folded_entry(t) {
+            Some(e) => e,
+            None => self.nodes[t].first,
+        };
         (first != NONE)
             .then_some(first)
             .into_iter()
@@ -215,6 +229,9 @@ impl Trie {
         if t == 0 {
             return self.root(k).map(|e| unmarked(e.child));
         }
+        if t >= self.nodes.len() {
+            return None;
+        }
         let t = t as u32;
         self.fields
             .find(edge_hash(t, k), |e| {
@@ -224,12 +241,20 @@ impl Trie {
     }
 
     fn index(&self, t: usize, i: usize) -> Option<usize> {
+        if t >= self.nodes.len() {
+            return None;
+        }
         self.indices.get(&(t as u32, i)).map(|&c| c as usize)
     }
 
     fn wild(&self, t: usize) -> Option<usize> {
-        let w = self.nodes[t].wild;
+        let w = self.nodes.get(t)?.wild;
         (w != NONE).then_some(w as usize)
+    }
+
+    /// Whether `t` was reached through an index segment.
+    fn is_index_child(&self, t: usize) -> bool {
+        self.nodes.get(t).is_some_and(|n| n.index_child)
     }
 
     /// Room for `n` more top-level members: a large flat model's index is then built without
@@ -249,6 +274,7 @@ impl Trie {
 
     /// Index `entry` at `path`; returns the trie node it is at (see [`Trie::sole_entry`]).
     pub fn insert_refs<'a>(&mut self, path: impl Iterator<Item = TSegRef<'a>>, entry: u32) -> u32 {
+        debug_assert!(self.folded == NONE, "nothing is inserted in a folded trie");
         let mut t = 0usize;
         for seg in path {
             let next = match seg {
@@ -303,6 +329,9 @@ impl Trie {
     /// The only entry at or below trie node `t` (as [`Trie::insert_refs`] returned it), if it
     /// has exactly one: what `at` and `below` of its path would find, without walking to it.
     pub fn sole_entry(&self, t: u32) -> Option<u32> {
+        if let Some(e) = self.folded_entry(t as usize) {
+            return Some(e);
+        }
         let n = self.nodes.get(t as usize)?;
         let alone = n.first != NONE
             && n.wild == NONE
@@ -315,6 +344,9 @@ impl Trie {
     /// Release spare capacity once the trie is complete (nothing is inserted after), and note
     /// the plain leaves below root edges in the edges.
     pub fn shrink(&mut self) {
+        if self.folded != NONE {
+            return; // shrunk before it was folded
+        }
         for e in self.roots.iter_mut() {
             let n = &self.nodes[unmarked(e.child)];
             e.leaf = if n.wild == NONE && n.more == NONE {
@@ -332,6 +364,83 @@ impl Trie {
         }
         self.fields.shrink_to_fit(|e| edge_hash(e.parent, &e.key));
         self.indices.shrink_to_fit();
+    }
+
+    /// Fold away the trie nodes of the top-level members that are plain leaves (one entry,
+    /// nothing below: [`Trie::shrink`] has put that entry in their edges already). A large
+    /// flat model's index is almost all such members, and their nodes were 16 bytes each
+    /// (fan-out 1M: 2M of them) that no lookup needs. A folded leaf keeps a number, past the
+    /// nodes that are left, from which its entry follows; every walk takes such a number for a
+    /// node with that one entry and nothing below. Call it once, after `shrink`, on a trie
+    /// nothing is inserted in afterwards and whose node numbers nobody kept (the reader
+    /// index; not the producer index, whose numbers `sole_entry` is asked about).
+    pub fn fold_leaves(&mut self) {
+        if self.folded != NONE {
+            return;
+        }
+        let n = self.nodes.len();
+        let mut gone = vec![false; n];
+        let mut count = 0usize;
+        let mut top = 0u32;
+        for e in self.roots.iter() {
+            let c = unmarked(e.child);
+            if e.leaf != NONE && c != 0 && !gone[c] {
+                gone[c] = true;
+                count += 1;
+                top = top.max(e.leaf);
+            }
+        }
+        let kept = n - count;
+        // Folded numbers stay below the edges' mark bit (node ids are far fewer).
+        if count == 0 || kept as u64 + top as u64 >= MARKED as u64 {
+            return;
+        }
+        let mut next = 0u32;
+        let remap: Vec<u32> = (0..n)
+            .map(|i| {
+                if gone[i] {
+                    kept as u32 + self.nodes[i].first
+                } else {
+                    next += 1;
+                    next - 1
+                }
+            })
+            .collect();
+        let mut i = 0;
+        self.nodes.retain(|_| {
+            i += 1;
+            !gone[i - 1]
+        });
+        self.nodes.shrink_to_fit();
+        let map = |c: u32| if c == NONE { NONE } else { remap[c as usize] };
+        for node in &mut self.nodes {
+            node.wild = map(node.wild);
+        }
+        for m in &mut self.more {
+            for c in &mut m.children {
+                *c = map(*c);
+            }
+        }
+        for e in self.roots.iter_mut() {
+            e.child = (e.child & MARKED) | map(unmarked(e.child) as u32);
+        }
+        let fields = std::mem::take(&mut self.fields);
+        self.fields
+            .reserve(fields.len(), |e| edge_hash(e.parent, &e.key));
+        for mut e in fields {
+            e.parent = map(e.parent);
+            e.child = map(e.child);
+            self.fields
+                .insert_unique(edge_hash(e.parent, &e.key), e, |e| {
+                    edge_hash(e.parent, &e.key)
+                });
+        }
+        let indices = std::mem::take(&mut self.indices);
+        self.indices = indices
+            .into_iter()
+            .map(|((p, i), c)| ((map(p), i), map(c)))
+            .collect();
+        self.folded = kept as u32;
     }
 
     /// The key and trie node of top-level member `k`, when an entry is at or below it: the
@@ -457,9 +566,11 @@ impl Trie {
         skip_arrays: bool,
         out: &mut F,
     ) {
-        let node = &self.nodes[t];
+        let Some(node) = self.nodes.get(t) else {
+            return; // a folded leaf: nothing below it
+        };
         for &c in self.children(t) {
-            if skip_arrays && node.has_index_children && self.nodes[c as usize].index_child {
+            if skip_arrays && node.has_index_children && self.is_index_child(c as usize) {
                 continue;
             }
             self.all(c as usize, bind, out);
@@ -485,14 +596,14 @@ impl Trie {
     }
 
     fn index_children(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
-        let scan: &[u32] = if self.nodes[t].has_index_children {
+        let scan: &[u32] = if self.nodes.get(t).is_some_and(|n| n.has_index_children) {
             self.children(t)
         } else {
             &[]
         };
         scan.iter()
             .map(|&c| c as usize)
-            .filter(|&c| self.nodes[c].index_child)
+            .filter(|&c| self.is_index_child(c))
     }
 
     fn overlap(&self, t: usize, r: &[TSeg], out: &mut Vec<u32>, depth: usize) {
@@ -656,6 +767,86 @@ mod tests {
         }
         assert_eq!(t.member("a").map(|(k, _)| &**k), Some("a"));
         assert!(t.member("e").is_none());
+    }
+
+    /// A folded trie answers every lookup as before: the members that were plain leaves (and
+    /// only those) lose their nodes, and the numbers of the nodes that are left move.
+    #[test]
+    fn folded_leaves_answer_as_their_nodes_did() {
+        let mut t = Trie::default();
+        for (i, k) in ["a", "b", "c"].iter().enumerate() {
+            t.insert(&[f(k)], 10 + i as u32); // plain leaves
+        }
+        t.insert(&[f("two")], 1); // two entries
+        t.insert(&[f("two")], 2);
+        t.insert(&[f("deep"), f("x")], 3); // below, with a plain leaf of its own
+        t.insert(&[f("both")], 4); // at and below
+        t.insert(&[f("both"), TSeg::Wild, f("y")], 5);
+        t.insert(&[f("list"), TSeg::Index(2), f("z")], 6); // an index child
+        t.insert(&[TSeg::Index(1)], 7); // an index below the root
+        t.insert(&[f("z")], 8); // a plain leaf after the others
+        t.shrink();
+        let writes: Vec<Vec<Seg>> = vec![
+            vec![],
+            vec![sf("a")],
+            vec![sf("a"), sf("q")],
+            vec![sf("a"), Seg::Index(0)],
+            vec![sf("c")],
+            vec![sf("two")],
+            vec![sf("deep")],
+            vec![sf("deep"), sf("x")],
+            vec![sf("both")],
+            vec![sf("both"), Seg::Index(4), sf("y")],
+            vec![sf("list"), Seg::Index(2)],
+            vec![sf("list"), Seg::Index(2), sf("z")],
+            vec![Seg::Index(1)],
+            vec![sf("z")],
+            vec![sf("none")],
+        ];
+        let reads: Vec<Vec<TSeg>> = vec![
+            vec![],
+            vec![f("a")],
+            vec![f("b"), f("q")],
+            vec![f("deep")],
+            vec![f("both"), TSeg::Wild],
+            vec![f("list"), f("z")],
+            vec![f("none")],
+        ];
+        let answers = |t: &Trie| {
+            let mut out = Vec::new();
+            for w in &writes {
+                let (mut hits, mut below, mut member) = (Vec::new(), Vec::new(), Vec::new());
+                t.hits(w, &mut hits);
+                t.below(w, &mut below);
+                if let [Seg::Field(k)] = &w[..] {
+                    t.member_hits(t.member(k).map(|(_, m)| m), &mut member);
+                    member.sort();
+                }
+                let at: Option<Vec<u32>> = t.at(w).map(Iterator::collect);
+                out.push(format!(
+                    "{hits:?} {below:?} {member:?} {at:?} {:?}",
+                    t.above(w)
+                ));
+            }
+            for r in &reads {
+                let mut o = Vec::new();
+                t.overlapping(r, &mut o);
+                out.push(format!("{o:?}"));
+            }
+            out
+        };
+        let before = answers(&t);
+        let nodes = t.nodes.len();
+        t.fold_leaves();
+        // a, b, c and z are folded; two (two entries), both, deep and list are not, nor x.
+        assert_eq!(t.nodes.len(), nodes - 4);
+        assert_eq!(t.member("a").and_then(|(_, m)| m.leaf()), Some(10));
+        assert_eq!(answers(&t), before);
+        // Folding again, or shrinking after, changes nothing.
+        t.fold_leaves();
+        t.shrink();
+        assert_eq!(answers(&t), before);
+        assert_eq!(t.nodes.len(), nodes - 4);
     }
 
     #[test]

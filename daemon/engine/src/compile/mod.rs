@@ -114,6 +114,7 @@ pub fn compile(
             }
         }
         readers.shrink();
+        readers.fold_leaves();
         let targets = target_readers(concretes, &readers);
         (readers, targets)
     };
