@@ -16,11 +16,19 @@ pub enum PathSeg {
     Wild,
 }
 
-/// A parsed canonical address; may contain `[*]`.
+/// A parsed canonical address; may contain `[*]`. Its segments are kept in the address when
+/// there is one (a top-level member: most targets), so that it allocates nothing: 24 bytes,
+/// as a `Vec`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Address {
-    pub segs: Vec<PathSeg>,
+    pub segs: Segs,
 }
+
+/// The segments of an [`Address`].
+pub type Segs = smallvec::SmallVec<[PathSeg; 1]>;
+
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Address>() == 24);
 
 /// Why a text is not a canonical address.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -37,7 +45,7 @@ const MAX_SEGMENTS: usize = 256;
 
 impl Address {
     pub fn root() -> Address {
-        Address { segs: Vec::new() }
+        Address { segs: Segs::new() }
     }
 
     pub fn parse(text: &str) -> Result<Address, AddressError> {
@@ -170,7 +178,7 @@ impl Address {
     pub fn element_pattern(&self) -> Option<Address> {
         let last = self.segs.iter().rposition(|s| matches!(s, PathSeg::Wild))?;
         Some(Address {
-            segs: self.segs[..=last].to_vec(),
+            segs: self.segs[..=last].into(),
         })
     }
 
@@ -281,13 +289,13 @@ impl fmt::Display for Address {
 /// The common case of the strict grammar read straight from the bytes: `$` then `.name`
 /// members (identifiers) and `[n]` indices only. `None` for anything else (quoted names,
 /// `[*]`, non-ASCII text, errors): [`strict`] reads those and words the errors.
-fn plain(t: &str, key: &mut dyn FnMut(&str) -> Key) -> Option<Vec<PathSeg>> {
+fn plain(t: &str, key: &mut dyn FnMut(&str) -> Key) -> Option<Segs> {
     let b = t.as_bytes();
     let count = b.iter().filter(|&&c| c == b'.' || c == b'[').count();
     if count > MAX_SEGMENTS || b.first() != Some(&b'$') {
         return None;
     }
-    let mut segs = Vec::with_capacity(count);
+    let mut segs = Segs::with_capacity(count);
     let mut i = 1;
     while i < b.len() {
         let start = i + 1;
@@ -324,7 +332,7 @@ fn plain(t: &str, key: &mut dyn FnMut(&str) -> Key) -> Option<Vec<PathSeg>> {
 fn strict(t: &str, key: &mut dyn FnMut(&str) -> Key) -> Result<Address, String> {
     let chars: Vec<char> = t.chars().collect();
     let mut i = 1; // after '$'
-    let mut segs = Vec::new();
+    let mut segs = Segs::new();
     while i < chars.len() {
         if segs.len() >= MAX_SEGMENTS {
             return Err(format!("more than {MAX_SEGMENTS} segments"));
@@ -418,7 +426,7 @@ fn strict(t: &str, key: &mut dyn FnMut(&str) -> Key) -> Result<Address, String> 
 /// `.*` becomes `[*]`, odd member names are quoted.
 fn lenient(t: &str) -> Option<Address> {
     let body = t.strip_prefix('$')?;
-    let mut segs = Vec::new();
+    let mut segs = Segs::new();
     for part in body.split('.').skip(1) {
         if part.is_empty() {
             return None;

@@ -436,7 +436,7 @@ fn object_mut(j: &mut Json) -> &mut Map<String, Json> {
 }
 
 /// A schema-node data path: canonical, not the root, `[*]` for array elements.
-fn node_path(text: &str, field: &str) -> Result<Vec<PathSeg>, EvolveError> {
+fn node_path(text: &str, field: &str) -> Result<crate::expr::path::Segs, EvolveError> {
     let a = Address::parse(text).map_err(|e| EvolveError(format!("{field}: {}", e.message)))?;
     if a.is_root() {
         return err(format!(
@@ -481,10 +481,7 @@ fn schema_pointer(segs: &[PathSeg]) -> String {
 }
 
 fn data_path(segs: &[PathSeg]) -> String {
-    Address {
-        segs: segs.to_vec(),
-    }
-    .to_string()
+    Address { segs: segs.into() }.to_string()
 }
 
 /// Walk to the schema node owning the last segment of `segs` (creating missing intermediates

@@ -217,9 +217,9 @@ impl Dependents {
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first (the spec's texts, messages and
-// interpreted forms come after). 176 bytes: a 1M-derivation model holds 1M nodes, so what is
-// rare (aggregates, projections of interpreted nodes) is kept beside the node or boxed, and the
-// node is not padded to whole cache lines (192 bytes; 16 MB more at 1M).
+// interpreted forms come after). 192 bytes: a 1M-derivation model holds 1M nodes, so what is
+// rare (aggregates, projections of interpreted nodes) is kept beside the node or boxed, and
+// the node is not padded to whole cache lines.
 #[repr(C)]
 pub struct Node {
     pub kind: NodeKind,
@@ -243,7 +243,8 @@ pub struct Node {
     /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
     pub key: Arc<str>,
     /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
-    pub targets: Box<[Address]>,
+    /// One is kept in the node (no allocation: a large model's nodes have one each).
+    pub targets: smallvec::SmallVec<[Address; 1]>,
     pub expr: NodeExpr,
     /// What of the document an interpreted evaluation is given. An arithmetic derivation's
     /// is made only when it first falls back to the interpreter
@@ -254,7 +255,7 @@ pub struct Node {
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() == 176);
+const _: () = assert!(std::mem::size_of::<Node>() == 192);
 
 impl Node {
     /// The `[*]`s of its (first) target.

@@ -37,7 +37,7 @@ pub(super) fn draft_empty(
             concrete,
             cell: None,
             key,
-            targets: targets.into_boxed_slice(),
+            targets: targets.into(),
             expr,
             input,
             projection: None,
