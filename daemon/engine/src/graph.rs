@@ -20,7 +20,7 @@ pub fn project(cm: &CompiledModel) -> Json {
         .nodes
         .iter()
         .filter(|n| matches!(n.kind, NodeKind::Derivation { .. }))
-        .map(|n| &*n.key)
+        .map(|n| &**cm.key(n.id))
         .collect();
     // Predecessors of each computed node: derivations it depends on, then base paths it reads.
     let mut preds: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); cm.nodes.len()];
@@ -42,12 +42,12 @@ pub fn project(cm: &CompiledModel) -> Json {
             if base_seen.insert(ip) {
                 base.push(ip);
             }
-            edges.push(json!({"from": ip, "to": &*n.key}));
+            edges.push(json!({"from": ip, "to": &**cm.key(n.id)}));
         }
     }
     for (d, ps) in preds.iter().enumerate() {
         for &p in ps {
-            edges.push(json!({"from": &*cm.nodes[p].key, "to": &*cm.nodes[d].key}));
+            edges.push(json!({"from": &**cm.key(p as u32), "to": &**cm.key(d as u32)}));
         }
     }
 
@@ -77,9 +77,9 @@ pub fn project(cm: &CompiledModel) -> Json {
     for (i, n) in cm.nodes.iter().enumerate() {
         let level = depth.get(&i).copied().unwrap_or(0);
         let mut node = json!({
-            "id": &*n.key,
+            "id": &**cm.key(n.id),
             "kind": kind_name(&n.kind),
-            "expression": &*n.expr.text,
+            "expression": &**cm.expression(n.id),
             "inputPaths": cm.trace_table.input_paths(n.id).collect::<Vec<_>>(),
             "level": level,
             "location": n.location.to_string(),
@@ -93,7 +93,7 @@ pub fn project(cm: &CompiledModel) -> Json {
         if levels.len() <= level {
             levels.resize(level + 1, Vec::new());
         }
-        levels[level].push(&n.key);
+        levels[level].push(cm.key(n.id));
     }
     levels.retain(|l| !l.is_empty());
     json!({

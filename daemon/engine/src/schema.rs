@@ -217,7 +217,7 @@ fn undeclared(cm: &CompiledModel, path: &[Seg], depth: usize, parent: &Json) -> 
         return format!(
             "{at} is not declared in the model's schema; it is computed by the derivation of {} \
              and cannot be written",
-            cm.nodes[p as usize].key
+            cm.key(p)
         );
     }
     const SHOWN: usize = 20;
@@ -255,7 +255,7 @@ pub fn validate_write(
             message: format!(
                 "{} is computed by the derivation of {} and cannot be written",
                 render(path),
-                cm.nodes[p as usize].key
+                cm.key(p)
             ),
         }];
     }

@@ -318,7 +318,7 @@ impl TraceTable {
         }
     }
 
-    fn expression(&self, node: u32) -> &Arc<str> {
+    pub fn expression(&self, node: u32) -> &Arc<str> {
         match self.derivation(node) {
             Some(d) => &d.expr,
             None => &self.expressions[(node - self.shared) as usize],

@@ -141,7 +141,8 @@ pub fn compile(
         drop(firsts);
         let dependents = deps_of.reverse();
 
-        let level = levels_of(&nodes, &deps_of, &dependents).map_err(|e| vec![e])?;
+        let level =
+            levels_of(&nodes, &deps_of, &dependents, &drafts.trace_table).map_err(|e| vec![e])?;
 
         debug_assert!(
             (0..nodes_len).all(|i| deps_of
@@ -296,8 +297,8 @@ fn draft_derivations(
             };
             p.settle();
             let expr = match p.parsed.take() {
-                Some(parsed) => NodeExpr::new(interner.share(&d.expr, parsed)),
-                None => NodeExpr::text(d.expr.clone()),
+                Some(parsed) => ExprDraft::new(interner.share(&d.expr, parsed)),
+                None => ExprDraft::text(d.expr.clone()),
             };
             let parent = p.target.parent();
             // The key is the canonical address: the spec's own text when written that way.
@@ -530,6 +531,7 @@ fn levels_of(
     nodes: &[Node],
     deps_of: &Dependents,
     dependents: &Dependents,
+    trace_table: &crate::TraceTable,
 ) -> Result<Vec<u32>, CompileError> {
     let nodes_len = nodes.len();
     // Kahn's algorithm; levels = longest path from a source.
@@ -551,7 +553,10 @@ fn levels_of(
     if done < nodes_len {
         let stuck: Vec<usize> = (0..nodes_len).filter(|&i| indeg[i] > 0).collect();
         let cycle = find_cycle(&stuck, deps_of, &indeg);
-        let names: Vec<&str> = cycle.iter().map(|&i| &*nodes[i].key).collect();
+        let names: Vec<&str> = cycle
+            .iter()
+            .map(|&i| &**trace_table.key(i as u32))
+            .collect();
         let location = nodes[cycle[0]].location.to_string();
         return Err(CompileError {
             location,
@@ -610,7 +615,7 @@ fn draft_meta(
             NodeKind::Meta(prop),
             key.into(),
             vec![target],
-            NodeExpr::new(expr),
+            ExprDraft::new(expr),
             input,
             Location::new(Section::MetaDerivations, i),
             aggregate,
@@ -687,7 +692,7 @@ fn draft_constraints(
             let element = targets.iter().find_map(Address::element_pattern);
             let reads = deps::reads(expr.ast());
             let at = Location::new(Section::Constraints, i);
-            let expr = NodeExpr::new(expr);
+            let expr = ExprDraft::new(expr);
             let (field, key) = (Input::Field, key.into());
             let mut d = draft_empty(drafts, kind, key, targets, expr, field, at, None);
             for t in &d.node.targets {
@@ -963,8 +968,8 @@ mod tests {
         let m = c(json!({"id": "big", "schema": {}, "derivations": good})).unwrap();
         assert_eq!(m.nodes.len(), n);
         for (i, node) in m.nodes.iter().enumerate() {
-            assert_eq!(&*node.key, format!("$.t_{i}"));
-            assert_eq!(&*node.expr.text, format!("a_{i} * b_{i}"));
+            assert_eq!(&**m.key(node.id), format!("$.t_{i}"));
+            assert_eq!(&**m.expression(node.id), format!("a_{i} * b_{i}"));
             assert_eq!(node.location.to_string(), format!("derivations[{i}]"));
             let reads: Vec<String> = m
                 .trace_table
@@ -1089,7 +1094,8 @@ mod tests {
             {"path":"$.sum","expr":"$sum(items.t)"}
         ]}))
         .unwrap();
-        let lvl = |k: &str| m.nodes.iter().find(|n| &*n.key == k).unwrap().level;
+        let find = |k: &str| m.nodes.iter().find(|n| &**m.key(n.id) == k).unwrap();
+        let lvl = |k: &str| find(k).level;
         assert_eq!(lvl("$.b"), 0);
         assert_eq!(lvl("$.c"), 1);
         assert_eq!(lvl("$.items[*].t"), 0);
@@ -1101,9 +1107,9 @@ mod tests {
             .map(|&id| (m.nodes[id as usize].level, id))
             .collect();
         assert_eq!(order, [(0, 1), (0, 2), (1, 0), (1, 3)]);
-        let sum = m.nodes.iter().find(|n| &*n.key == "$.sum").unwrap();
+        let sum = find("$.sum");
         assert!(m.delta_aggregate(sum).is_some());
-        let b = m.nodes.iter().find(|n| &*n.key == "$.b").unwrap();
+        let b = find("$.b");
         assert!(m.aggregate(b).is_none());
     }
 
@@ -1209,11 +1215,11 @@ mod tests {
         assert!(deep.nodes[1].level < deep.nodes[0].level);
     }
 
-    /// Traces name each node by its key and expression: the spec's own texts for derivations
-    /// written canonically up to the first that is not, the node's after it (and for meta,
-    /// constraints and effects).
+    /// Traces (and the model: the nodes keep neither) name each node by its key and
+    /// expression: the spec's own texts for derivations written canonically up to the first
+    /// that is not, the table's own after it (and for meta, constraints and effects).
     #[test]
-    fn the_trace_table_names_every_node_as_the_node() {
+    fn the_trace_table_names_every_node() {
         let m = c(json!({"id":"m","schema":{},
             "derivations":[
                 {"path":"$.t0","expr":"x + 1"},
@@ -1225,12 +1231,25 @@ mod tests {
             "constraints":[{"id":"c","expr":"t0 < 100","message":"m","policy":"flag"}]
         }))
         .unwrap();
-        assert_eq!(&*m.nodes[2].key, "$.t2", "the canonical key");
         let table = &m.trace_table;
-        for n in &m.nodes {
-            assert_eq!(table.key(n.id), &n.key, "{}", n.key);
+        let keys: Vec<&str> = m.nodes.iter().map(|n| &**m.key(n.id)).collect();
+        assert_eq!(
+            keys,
+            [
+                "$.t0",
+                "$.t1",
+                "$.t2",
+                "$.t3",
+                "$.x#read_only",
+                "$constraint:c"
+            ],
+            "the canonical keys"
+        );
+        let texts = ["x + 1", "t0 * 2", "t1 - 3", "t2 / 4", "t3 > 10", "t0 < 100"];
+        for (n, text) in m.nodes.iter().zip(texts) {
+            assert_eq!(&**m.expression(n.id), text);
             let source = crate::TraceTable::source(table, n.id);
-            assert_eq!(source.expression, n.expr.text, "{}", n.key);
+            assert_eq!(&*source.expression, text, "{}", m.key(n.id));
         }
         // The first two are the spec's texts, not copies.
         assert!(Arc::ptr_eq(table.key(1), &m.spec.derivations[1].path));

@@ -87,12 +87,13 @@ impl Projection {
     }
 }
 
-/// A node's expression: its text, and the interpreter's compiled form. An arithmetic
-/// derivation lets the compiled form go once the spec is compiled (the JIT tier computes it from
-/// its lowering); an evaluation that needs the interpreter compiles the text again, and the most
-/// recent such forms are kept (`CompiledModel::interpreted`).
+/// A node's interpreter form. Its text is in the trace table with its key
+/// ([`CompiledModel::expression`], [`CompiledModel::key`]): the spec's own when written
+/// canonically, so a node holds neither. An arithmetic derivation lets the compiled form go
+/// once the spec is compiled (the JIT tier computes it from its lowering); an evaluation that
+/// needs the interpreter compiles the text again, and the most recent such forms are kept
+/// (`CompiledModel::interpreted`).
 pub struct NodeExpr {
-    pub text: Arc<str>,
     /// A `Cell` (taken and put back to read): 8 bytes where a `RefCell` takes 16.
     pub(super) compiled: Cell<Option<Rc<Compiled>>>,
 }
@@ -100,25 +101,39 @@ pub struct NodeExpr {
 impl std::fmt::Debug for NodeExpr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeExpr")
-            .field("text", &self.text)
             .field("held", &self.held().is_some())
             .finish()
     }
 }
 
-impl NodeExpr {
-    pub(super) fn new(c: Rc<Compiled>) -> NodeExpr {
-        NodeExpr {
+/// A node's expression while it is drafted: its text (which goes to the trace table) and its
+/// compiled form, if made.
+pub(super) struct ExprDraft {
+    pub(super) text: Arc<str>,
+    pub(super) compiled: Option<Rc<Compiled>>,
+}
+
+impl ExprDraft {
+    pub(super) fn new(c: Rc<Compiled>) -> ExprDraft {
+        ExprDraft {
             text: c.text.clone(),
-            compiled: Cell::new(Some(c)),
+            compiled: Some(c),
         }
     }
 
     /// The text alone (the interpreted form is compiled when needed).
-    pub(super) fn text(text: Arc<str>) -> NodeExpr {
-        NodeExpr {
+    pub(super) fn text(text: Arc<str>) -> ExprDraft {
+        ExprDraft {
             text,
-            compiled: Cell::new(None),
+            compiled: None,
+        }
+    }
+}
+
+impl NodeExpr {
+    pub(super) fn new(compiled: Option<Rc<Compiled>>) -> NodeExpr {
+        NodeExpr {
+            compiled: Cell::new(compiled),
         }
     }
 
@@ -217,7 +232,7 @@ impl Dependents {
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first (the spec's texts, messages and
-// interpreted forms come after). 192 bytes: a 1M-derivation model holds 1M nodes, so what is
+// interpreted forms come after). 160 bytes: a 1M-derivation model holds 1M nodes, so what is
 // rare (aggregates, projections of interpreted nodes) is kept beside the node or boxed, and
 // the node is not padded to whole cache lines.
 #[repr(C)]
@@ -240,8 +255,6 @@ pub struct Node {
     pub concrete: Option<Box<[valem_core::value::Seg]>>,
     /// The JIT tier of a derivation (`engine/jit.rs`).
     pub jit: crate::jit::JitCell,
-    /// Graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
-    pub key: Arc<str>,
     /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
     /// One is kept in the node (no allocation: a large model's nodes have one each).
     pub targets: smallvec::SmallVec<[Address; 1]>,
@@ -255,7 +268,7 @@ pub struct Node {
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() == 192);
+const _: () = assert!(std::mem::size_of::<Node>() == 160);
 
 impl Node {
     /// The `[*]`s of its (first) target.
@@ -493,13 +506,23 @@ pub const BUILTINS: &[&str] = &[
 ];
 
 impl CompiledModel {
+    /// Node `id`'s graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
+    pub fn key(&self, id: NodeId) -> &Arc<str> {
+        self.trace_table.key(id)
+    }
+
+    /// Node `id`'s expression text.
+    pub fn expression(&self, id: NodeId) -> &Arc<str> {
+        self.trace_table.expression(id)
+    }
+
     /// The interpreter's form of `node`'s expression: compiled again when it was let go, and
     /// then kept among the most recent [`FALLBACK_FORMS`].
     pub fn interpreted(&self, node: &Node) -> Result<Rc<Compiled>, ExprError> {
         if let Some(c) = node.expr.held() {
             return Ok(c);
         }
-        let c = Rc::new(Compiled::compile(&node.expr.text, &self.limits)?);
+        let c = Rc::new(Compiled::compile(self.expression(node.id), &self.limits)?);
         node.expr.compiled.set(Some(c.clone()));
         let mut kept = self.fallback_forms.borrow_mut();
         kept.push_back(node.id);

@@ -128,6 +128,9 @@ pub(super) struct DraftExtra {
     pub(super) aggregate: Option<Aggregate>,
     /// A derivation whose key and expression are its spec's path and text, as written.
     pub(super) spec_texts: bool,
+    /// Its graph key and expression text, for the trace table (the node keeps neither).
+    pub(super) key: Arc<str>,
+    pub(super) text: Arc<str>,
 }
 
 /// How an arithmetic derivation lowers: to a program of its own (and its key), or as an
@@ -253,8 +256,7 @@ impl Drafts {
         if extra.spec_texts && self.trace_table.can_share(id) {
             self.trace_table.push_shared();
         } else {
-            self.trace_table
-                .push(node.key.clone(), node.expr.text.clone());
+            self.trace_table.push(extra.key, extra.text);
         }
         self.nodes.push(node);
     }
