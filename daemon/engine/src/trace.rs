@@ -242,7 +242,7 @@ impl TraceTable {
     }
 
     /// A table whose nodes may take their keys and expressions from `spec`'s derivations
-    /// ([`TraceTable::push_shared`]).
+    /// (see [`TraceTable::push`]).
     pub fn for_spec(spec: Arc<valem_core::spec::ModelSpec>) -> TraceTable {
         TraceTable {
             spec: Some(spec),
@@ -250,22 +250,16 @@ impl TraceTable {
         }
     }
 
-    /// Whether node `id` may be added with [`TraceTable::push_shared`]: every node before it
-    /// was.
-    pub fn can_share(&self, id: u32) -> bool {
+    /// Whether the next node, `id`, has derivation `id`'s path and text as its key and
+    /// expression, and every node before it was shared so.
+    fn can_share(&self, id: u32, key: &str, expression: &str) -> bool {
         self.keys.is_empty()
             && self.shared == id
             && self
                 .spec
                 .as_ref()
-                .is_some_and(|s| (id as usize) < s.derivations.len())
-    }
-
-    /// Add the next node, derivation `id` of the spec (see [`TraceTable::can_share`]), whose
-    /// key and expression are that derivation's path and text.
-    pub fn push_shared(&mut self) {
-        self.end_node();
-        self.shared += 1;
+                .and_then(|s| s.derivations.get(id as usize))
+                .is_some_and(|d| *d.path == *key && *d.expr == *expression)
     }
 
     /// The next node reads the addresses pushed since the node before it.
@@ -275,11 +269,25 @@ impl TraceTable {
     }
 
     /// Add the next node: its key and its expression; it reads the addresses pushed since the
-    /// node before it.
+    /// node before it. The leading nodes that are the spec's derivations as written (a key
+    /// that is the derivation's path, its text as the expression) keep no copy: their texts
+    /// are read from the spec.
     pub fn push(&mut self, key: Arc<str>, expression: Arc<str>) {
+        let id = u32::try_from(self.node_ends.len()).unwrap_or(u32::MAX);
+        let shared = self.can_share(id, &key, &expression);
         self.end_node();
-        self.keys.push(key);
-        self.expressions.push(expression);
+        if shared {
+            self.shared += 1;
+        } else {
+            self.keys.push(key);
+            self.expressions.push(expression);
+        }
+    }
+
+    /// The nodes whose key and expression the table holds itself (not the spec's).
+    #[cfg(test)]
+    pub(crate) fn own_texts(&self) -> usize {
+        self.keys.len()
     }
 
     /// Drop the addresses pushed since the last node.
@@ -288,7 +296,6 @@ impl TraceTable {
         self.paths.truncate(kept);
     }
 
-    /// Release spare capacity once every node is in.
     /// How many addresses it holds, and their bytes in all.
     pub fn path_counts(&self) -> (usize, usize) {
         (self.paths.len(), self.paths.text.len())
@@ -304,6 +311,7 @@ impl TraceTable {
         self.paths.text.reserve(bytes);
     }
 
+    /// Release spare capacity once every node is in.
     pub fn shrink(&mut self) {
         self.keys.shrink_to_fit();
         self.expressions.shrink_to_fit();

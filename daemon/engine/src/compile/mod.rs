@@ -304,13 +304,11 @@ fn draft_derivations(
             // The key is the canonical address: the spec's own text when written that way.
             key_buf.clear();
             p.target.render_into(&mut key_buf);
-            let canonical = *key_buf == *d.path;
-            let key = if canonical {
+            let key = if *key_buf == *d.path {
                 d.path.clone()
             } else {
                 Arc::from(key_buf.as_str())
             };
-            let spec_texts = canonical && *expr.text == *d.expr;
             let mut dr = draft_empty(
                 drafts,
                 NodeKind::Derivation { lazy: d.is_lazy() },
@@ -329,7 +327,6 @@ fn draft_derivations(
             });
             end_reads(&mut dr);
             dr.extra.program = p.program.take();
-            dr.extra.spec_texts = spec_texts;
             drafts.push(dr);
         }
         if before {
@@ -1251,7 +1248,8 @@ mod tests {
             let source = crate::TraceTable::source(table, n.id);
             assert_eq!(&*source.expression, text, "{}", m.key(n.id));
         }
-        // The first two are the spec's texts, not copies.
+        // The first two are the spec's texts, not copies; the other four the table's own.
+        assert_eq!(table.own_texts(), 4);
         assert!(Arc::ptr_eq(table.key(1), &m.spec.derivations[1].path));
         assert!(!Arc::ptr_eq(table.key(2), &m.spec.derivations[2].path));
     }

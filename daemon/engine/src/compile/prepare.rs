@@ -126,8 +126,6 @@ pub(super) struct DraftExtra {
     /// An arithmetic derivation's lowering.
     pub(super) program: Option<Lowering>,
     pub(super) aggregate: Option<Aggregate>,
-    /// A derivation whose key and expression are its spec's path and text, as written.
-    pub(super) spec_texts: bool,
     /// Its graph key and expression text, for the trace table (the node keeps neither).
     pub(super) key: Arc<str>,
     pub(super) text: Arc<str>,
@@ -253,11 +251,7 @@ impl Drafts {
             let nj = lowering.into_jit(batch, &mut self.jit_slots);
             node.jit = crate::jit::JitCell::new(batch, Some(nj));
         }
-        if extra.spec_texts && self.trace_table.can_share(id) {
-            self.trace_table.push_shared();
-        } else {
-            self.trace_table.push(extra.key, extra.text);
-        }
+        self.trace_table.push(extra.key, extra.text);
         self.nodes.push(node);
     }
 }

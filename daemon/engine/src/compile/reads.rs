@@ -50,7 +50,6 @@ pub(super) fn draft_empty(
         extra: DraftExtra {
             program: None,
             aggregate,
-            spec_texts: false,
             key,
             text: expr.text,
         },
