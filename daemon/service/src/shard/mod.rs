@@ -338,10 +338,10 @@ impl Shard {
         Ok(e)
     }
 
-    /// Drop model `id` from memory (it stays in the store, if any).
-    /// Drop model `id` from memory; whether it was there. A large model's memory is given back
-    /// to the OS at once ([`crate::set_memory_release`]), not whenever the allocator next
-    /// purges on this thread (an idle shard may not for a long time).
+    /// Drop model `id` from memory (it stays in the store, if any); whether it was there. A
+    /// large model's memory is given back to the OS at once ([`crate::set_memory_release`]),
+    /// not whenever the allocator next purges on this thread (an idle shard may not for a
+    /// long time).
     fn unload(&mut self, id: &str) -> bool {
         let Some(e) = self.models.remove(id) else {
             return false;
