@@ -299,9 +299,9 @@ impl MutationResult {
         for p in strings("mutatedPaths")? {
             mutated_paths.push(p);
         }
-        let derived: Vec<Arc<str>> = strings("derivedUpdated")?
+        let derived: Vec<arcstr::ArcStr> = strings("derivedUpdated")?
             .into_iter()
-            .map(Arc::from)
+            .map(arcstr::ArcStr::from)
             .collect();
         let flagged = v
             .get("flaggedConstraints")?

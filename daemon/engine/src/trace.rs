@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use arcstr::ArcStr;
+
 use schemars::JsonSchema;
 use serde::ser::{SerializeSeq, Serializer};
 use serde::Serialize;
@@ -16,7 +18,8 @@ use valem_core::value::Val;
 #[serde(rename_all = "camelCase")]
 pub struct Trace {
     /// What was computed: a field address, a meta key (`$.path#prop`) or a constraint/effect id.
-    pub target_path: Arc<str>,
+    #[schemars(with = "String")]
+    pub target_path: ArcStr,
     /// The expression and what it reads (the node's, read from the model's trace table).
     #[serde(flatten)]
     pub source: TraceSource,
@@ -37,7 +40,8 @@ pub struct Trace {
 #[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TraceSource {
-    pub expression: Arc<str>,
+    #[schemars(with = "String")]
+    pub expression: ArcStr,
     /// The addresses the expression read.
     pub input_paths: InputPaths,
 }
@@ -205,8 +209,8 @@ pub struct TraceTable {
     spec: Option<Arc<valem_core::spec::ModelSpec>>,
     shared: u32,
     /// The keys and expressions of the nodes from `shared` on.
-    keys: Vec<Arc<str>>,
-    expressions: Vec<Arc<str>>,
+    keys: Vec<ArcStr>,
+    expressions: Vec<ArcStr>,
     /// Every node's input addresses, one node's after another.
     paths: PathList,
     /// Per node, where its addresses end in `paths`.
@@ -272,7 +276,7 @@ impl TraceTable {
     /// node before it. The leading nodes that are the spec's derivations as written (a key
     /// that is the derivation's path, its text as the expression) keep no copy: their texts
     /// are read from the spec.
-    pub fn push(&mut self, key: Arc<str>, expression: Arc<str>) {
+    pub fn push(&mut self, key: ArcStr, expression: ArcStr) {
         let id = u32::try_from(self.node_ends.len()).unwrap_or(u32::MAX);
         let shared = self.can_share(id, &key, &expression);
         self.end_node();
@@ -319,14 +323,14 @@ impl TraceTable {
         self.node_ends.shrink_to_fit();
     }
 
-    pub fn key(&self, node: u32) -> &Arc<str> {
+    pub fn key(&self, node: u32) -> &ArcStr {
         match self.derivation(node) {
             Some(d) => &d.path,
             None => &self.keys[(node - self.shared) as usize],
         }
     }
 
-    pub fn expression(&self, node: u32) -> &Arc<str> {
+    pub fn expression(&self, node: u32) -> &ArcStr {
         match self.derivation(node) {
             Some(d) => &d.expr,
             None => &self.expressions[(node - self.shared) as usize],
@@ -374,7 +378,7 @@ struct TraceRec {
 #[derive(Clone, Debug)]
 struct Extra {
     /// The address when it is not the node's key (`[*]` instances).
-    target: Option<Arc<str>>,
+    target: Option<ArcStr>,
     error: Option<Box<str>>,
 }
 
@@ -411,7 +415,7 @@ impl Traces {
     pub fn push(
         &mut self,
         node: u32,
-        target: Option<Arc<str>>,
+        target: Option<ArcStr>,
         result: Val,
         passed: Option<bool>,
         jit: bool,
@@ -433,7 +437,7 @@ impl Traces {
     }
 
     /// Record a trace that belongs to no node: `target` with an empty source.
-    pub fn push_detached(&mut self, target: Arc<str>, passed: Option<bool>) {
+    pub fn push_detached(&mut self, target: ArcStr, passed: Option<bool>) {
         self.push(NO_NODE, Some(target), Val::Null, passed, false, None);
     }
 
@@ -453,9 +457,9 @@ impl Traces {
         let target = extra.and_then(|e| e.target.clone());
         let (target, source) = if r.node == NO_NODE {
             (
-                target.unwrap_or_else(|| Arc::from("")),
+                target.unwrap_or_else(ArcStr::new),
                 TraceSource {
-                    expression: Arc::from(""),
+                    expression: ArcStr::new(),
                     input_paths: InputPaths::default(),
                 },
             )
@@ -504,7 +508,7 @@ const STR: u32 = 1 << 31;
 pub struct Paths {
     table: Arc<TraceTable>,
     items: Vec<u32>,
-    strs: Vec<Arc<str>>,
+    strs: Vec<ArcStr>,
 }
 
 impl Paths {
@@ -527,7 +531,7 @@ impl Paths {
         self.items.push(node);
     }
 
-    pub fn push(&mut self, path: Arc<str>) {
+    pub fn push(&mut self, path: ArcStr) {
         self.items.push(STR | self.strs.len() as u32);
         self.strs.push(path);
     }
@@ -566,11 +570,21 @@ impl PartialEq for Paths {
     }
 }
 
-impl From<Vec<Arc<str>>> for Paths {
-    fn from(v: Vec<Arc<str>>) -> Paths {
+impl From<Vec<ArcStr>> for Paths {
+    fn from(v: Vec<ArcStr>) -> Paths {
         let mut p = Paths::default();
         for s in v {
             p.push(s);
+        }
+        p
+    }
+}
+
+impl<'a> FromIterator<&'a str> for Paths {
+    fn from_iter<I: IntoIterator<Item = &'a str>>(it: I) -> Paths {
+        let mut p = Paths::default();
+        for s in it {
+            p.push(ArcStr::from(s));
         }
         p
     }
@@ -597,17 +611,17 @@ mod tests {
         // dropped leaves nothing.
         let mut table = TraceTable::default();
         table.push_path_with(|t| t.push_str("$.a"));
-        table.push(Arc::from("$.p"), Arc::from("a"));
+        table.push(ArcStr::from("$.p"), ArcStr::from("a"));
         table.push_path_with(|t| t.push_str("$.dropped"));
         table.drop_unfinished();
         for p in paths {
             table.push_path_with(|t| t.push_str(p));
         }
         table.push_path_with(|t| t.push_str("$.x"));
-        table.push(Arc::from("$.q"), Arc::from("price"));
+        table.push(ArcStr::from("$.q"), ArcStr::from("price"));
         table.push_path_with(|t| t.push_str("$.also_dropped"));
         table.drop_unfinished();
-        table.push(Arc::from("$.r"), Arc::from("1"));
+        table.push(ArcStr::from("$.r"), ArcStr::from("1"));
         table.shrink();
         let table = Arc::new(table);
         let packed = TraceTable::source(&table, 1).input_paths;

@@ -560,7 +560,7 @@ mod tests {
         assert!(!within("$.ab", "$.a"));
         let r = MutationResult {
             mutated_paths: ["$.order"].into_iter().collect(),
-            derived_updated: vec![Arc::from("$.total")].into(),
+            derived_updated: ["$.total"].into_iter().collect(),
             ..Default::default()
         };
         assert!(touches(&r, &["$.order.qty".into()]), "an ancestor write");

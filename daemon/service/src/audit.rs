@@ -300,7 +300,7 @@ mod tests {
         let mut t = AuditTrail::new(100, key);
         let r = MutationResult {
             success: true,
-            derived_updated: vec![std::sync::Arc::from("$.total")].into(),
+            derived_updated: ["$.total"].into_iter().collect(),
             ..Default::default()
         };
         for i in 0..n {

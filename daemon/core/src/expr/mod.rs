@@ -161,7 +161,7 @@ pub fn find_code(message: &str) -> Option<String> {
 /// A compiled expression. The AST is parsed once; evaluation picks the bytecode VM when no
 /// binding is needed and the tree-walker otherwise (bindings need it).
 pub struct Compiled {
-    pub text: Arc<str>,
+    pub text: arcstr::ArcStr,
     expression: jsonata_core::Expression,
     /// Free `$variables` the expression reads (without `$`).
     pub vars: BTreeSet<String>,
@@ -230,7 +230,7 @@ impl Parsed {
         &self.calls
     }
 
-    pub fn into_compiled(self, text: Arc<str>) -> Compiled {
+    pub fn into_compiled(self, text: arcstr::ArcStr) -> Compiled {
         Compiled {
             text,
             expression: jsonata_core::Expression::from_ast(self.ast),
@@ -244,7 +244,7 @@ impl Parsed {
 
 impl Compiled {
     pub fn compile(text: &str, limits: &Limits) -> Result<Compiled, ExprError> {
-        Ok(Compiled::parse(text, limits)?.into_compiled(Arc::from(text)))
+        Ok(Compiled::parse(text, limits)?.into_compiled(arcstr::ArcStr::from(text)))
     }
 
     /// Parse `text` (its length checked against the limit, `$round` calls renamed).

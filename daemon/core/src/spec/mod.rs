@@ -197,34 +197,120 @@ pub struct DefaultValueSpec {
     pub description: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
+/// A derivation: its target and expression, each one shared 8-byte pointer (the compiled
+/// node takes them as its key and text), and its rarely given settings behind one more (a
+/// large spec holds a million of these: 24 bytes each). Its JSON form has `path`, `expr`,
+/// and optionally `evaluation` and `description`.
+#[derive(Clone, Debug, PartialEq)]
 pub struct DerivationSpec {
-    /// The computed field, in canonical JSON Path (`$.total`, `$.items[*].lineTotal` for one
-    /// value per element, with `$parent` bound to the element). Shared with the compiled
-    /// node as its key when it is written canonically.
-    pub path: std::sync::Arc<str>,
-    /// JSONata over the merged document (no `$.` prefix: `price * qty`). Shared with the
-    /// compiled node (a large spec's texts are held once).
-    pub expr: std::sync::Arc<str>,
-    /// `"eager"` (default: computed in every mutation) or `"lazy"` (computed when read).
-    /// Boxed text, as `description`: 16 bytes where a `String` takes 24 (a large spec holds
-    /// a million of these).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("enum" = ["eager", "lazy", null]))]
-    pub evaluation: Option<Box<str>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub description: Option<Box<str>>,
+    /// The computed field, in canonical JSON Path.
+    pub path: arcstr::ArcStr,
+    /// JSONata over the merged document.
+    pub expr: arcstr::ArcStr,
+    extra: Option<Box<DerivationExtra>>,
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<DerivationSpec>() == 64);
+const _: () = assert!(std::mem::size_of::<DerivationSpec>() == 24);
+
+/// What a derivation seldom has.
+#[derive(Clone, Debug, PartialEq)]
+struct DerivationExtra {
+    evaluation: Option<Box<str>>,
+    description: Option<Box<str>>,
+}
+
+// A derivation as a spec writes it (a `//` comment: the published schema has no description
+// here).
+#[derive(Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(rename = "DerivationSpec")]
+struct DerivationWire<S> {
+    /// The computed field, in canonical JSON Path (`$.total`, `$.items[*].lineTotal` for one
+    /// value per element, with `$parent` bound to the element). Shared with the compiled
+    /// node as its key when it is written canonically.
+    #[schemars(with = "String")]
+    path: S,
+    /// JSONata over the merged document (no `$.` prefix: `price * qty`). Shared with the
+    /// compiled node (a large spec's texts are held once).
+    #[schemars(with = "String")]
+    expr: S,
+    /// `"eager"` (default: computed in every mutation) or `"lazy"` (computed when read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["eager", "lazy", null]), with = "Option<String>")]
+    evaluation: Option<S>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>")]
+    description: Option<S>,
+}
 
 impl DerivationSpec {
+    /// An eager derivation of `path` computing `expr`, with no description.
+    pub fn new(path: impl Into<arcstr::ArcStr>, expr: impl Into<arcstr::ArcStr>) -> Self {
+        DerivationSpec {
+            path: path.into(),
+            expr: expr.into(),
+            extra: None,
+        }
+    }
+
+    /// `"eager"`, `"lazy"` (or what else the spec says, which the validator reports), when
+    /// given.
+    pub fn evaluation(&self) -> Option<&str> {
+        self.extra.as_ref()?.evaluation.as_deref()
+    }
+
+    pub fn description(&self) -> Option<&str> {
+        self.extra.as_ref()?.description.as_deref()
+    }
+
     pub fn is_lazy(&self) -> bool {
-        self.evaluation
-            .as_deref()
+        self.evaluation()
             .is_some_and(|e| e.eq_ignore_ascii_case("lazy"))
+    }
+}
+
+impl Serialize for DerivationSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        DerivationWire::<&str> {
+            path: &self.path,
+            expr: &self.expr,
+            evaluation: self.evaluation(),
+            description: self.description(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for DerivationSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let w = DerivationWire::<arcstr::ArcStr>::deserialize(d)?;
+        let boxed = |s: Option<arcstr::ArcStr>| s.map(|s| Box::<str>::from(s.as_str()));
+        let extra = (w.evaluation.is_some() || w.description.is_some()).then(|| {
+            Box::new(DerivationExtra {
+                evaluation: boxed(w.evaluation),
+                description: boxed(w.description),
+            })
+        });
+        Ok(DerivationSpec {
+            path: w.path,
+            expr: w.expr,
+            extra,
+        })
+    }
+}
+
+impl JsonSchema for DerivationSpec {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        DerivationWire::<String>::schema_name()
+    }
+
+    fn schema_id() -> std::borrow::Cow<'static, str> {
+        DerivationWire::<String>::schema_id()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        DerivationWire::<String>::json_schema(g)
     }
 }
 

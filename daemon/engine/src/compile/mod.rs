@@ -307,7 +307,7 @@ fn draft_derivations(
             let key = if *key_buf == *d.path {
                 d.path.clone()
             } else {
-                Arc::from(key_buf.as_str())
+                arcstr::ArcStr::from(key_buf.as_str())
             };
             let mut dr = draft_empty(
                 drafts,
@@ -1025,12 +1025,7 @@ mod tests {
                     .replace('A', ns[0])
                     .replace('B', ns[1])
                     .replace('C', ns[2]);
-                let d = valem_core::spec::DerivationSpec {
-                    path: "$.t".into(),
-                    expr: text.as_str().into(),
-                    evaluation: None,
-                    description: None,
-                };
+                let d = valem_core::spec::DerivationSpec::new("$.t", text.as_str());
                 let seen =
                     skeleton(&text).is_some_and(|sk| matches!(shapes.get(&sk), Some(Some(_))));
                 let fast = prepare(0, &d, &limits, &constants, &bound, false, &mut shapes, None);
@@ -1250,8 +1245,14 @@ mod tests {
         }
         // The first two are the spec's texts, not copies; the other four the table's own.
         assert_eq!(table.own_texts(), 4);
-        assert!(Arc::ptr_eq(table.key(1), &m.spec.derivations[1].path));
-        assert!(!Arc::ptr_eq(table.key(2), &m.spec.derivations[2].path));
+        assert!(arcstr::ArcStr::ptr_eq(
+            table.key(1),
+            &m.spec.derivations[1].path
+        ));
+        assert!(!arcstr::ArcStr::ptr_eq(
+            table.key(2),
+            &m.spec.derivations[2].path
+        ));
     }
 
     #[test]

@@ -109,7 +109,7 @@ impl std::fmt::Debug for NodeExpr {
 /// A node's expression while it is drafted: its text (which goes to the trace table) and its
 /// compiled form, if made.
 pub(super) struct ExprDraft {
-    pub(super) text: Arc<str>,
+    pub(super) text: arcstr::ArcStr,
     pub(super) compiled: Option<Rc<Compiled>>,
 }
 
@@ -122,7 +122,7 @@ impl ExprDraft {
     }
 
     /// The text alone (the interpreted form is compiled when needed).
-    pub(super) fn text(text: Arc<str>) -> ExprDraft {
+    pub(super) fn text(text: arcstr::ArcStr) -> ExprDraft {
         ExprDraft {
             text,
             compiled: None,
@@ -507,12 +507,12 @@ pub const BUILTINS: &[&str] = &[
 
 impl CompiledModel {
     /// Node `id`'s graph key: `$.total`, `$.email#relevant`, `$constraint:id`, `$effect:id`.
-    pub fn key(&self, id: NodeId) -> &Arc<str> {
+    pub fn key(&self, id: NodeId) -> &arcstr::ArcStr {
         self.trace_table.key(id)
     }
 
     /// Node `id`'s expression text.
-    pub fn expression(&self, id: NodeId) -> &Arc<str> {
+    pub fn expression(&self, id: NodeId) -> &arcstr::ArcStr {
         self.trace_table.expression(id)
     }
 

@@ -15,7 +15,7 @@ impl Interner {
         if let Some(c) = self.exprs.get(text) {
             return c.clone();
         }
-        let c = Rc::new(parsed.into_compiled(Arc::from(text)));
+        let c = Rc::new(parsed.into_compiled(arcstr::ArcStr::from(text)));
         self.exprs.insert(text.to_string(), c.clone());
         c
     }
@@ -127,8 +127,8 @@ pub(super) struct DraftExtra {
     pub(super) program: Option<Lowering>,
     pub(super) aggregate: Option<Aggregate>,
     /// Its graph key and expression text, for the trace table (the node keeps neither).
-    pub(super) key: Arc<str>,
-    pub(super) text: Arc<str>,
+    pub(super) key: arcstr::ArcStr,
+    pub(super) text: arcstr::ArcStr,
 }
 
 /// How an arithmetic derivation lowers: to a program of its own (and its key), or as an

@@ -13,7 +13,7 @@ pub(super) fn merge_reads(into: &mut Reads, r: &Reads) {
 pub(super) fn draft_empty(
     drafts: &mut Drafts,
     kind: NodeKind,
-    key: Arc<str>,
+    key: arcstr::ArcStr,
     targets: Vec<Address>,
     expr: ExprDraft,
     input: Input,
@@ -60,7 +60,7 @@ pub(super) fn draft_empty(
 pub(super) fn draft(
     drafts: &mut Drafts,
     kind: NodeKind,
-    key: Arc<str>,
+    key: arcstr::ArcStr,
     targets: Vec<Address>,
     expr: Rc<Compiled>,
     input: Input,

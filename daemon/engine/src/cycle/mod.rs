@@ -417,7 +417,7 @@ impl<'a> Cycle<'a> {
     fn trace(
         &mut self,
         node: &Node,
-        target: Option<Arc<str>>,
+        target: Option<arcstr::ArcStr>,
         result: Val,
         passed: Option<bool>,
         error: Option<String>,
@@ -698,9 +698,9 @@ impl<'a> Cycle<'a> {
         error: Option<String>,
     ) {
         // `[*]` instances are named by their address; a concrete node by its key.
-        let target: Option<Arc<str>> = (!concrete).then(|| {
+        let target: Option<arcstr::ArcStr> = (!concrete).then(|| {
             render_into(inst, &mut self.render_buf);
-            Arc::from(self.render_buf.as_str())
+            arcstr::ArcStr::from(self.render_buf.as_str())
         });
         let noting = self.cm.has_delta_aggregates;
         let written = if let (Some(c), true) = (node.cell, concrete) {
@@ -816,7 +816,7 @@ impl<'a> Cycle<'a> {
             let mut traces = std::mem::take(&mut self.result.traces);
             for v in &rollback {
                 traces.push_detached(
-                    Arc::from(format!("$constraint:{}", v.constraint_id)),
+                    arcstr::ArcStr::from(format!("$constraint:{}", v.constraint_id)),
                     Some(false),
                 );
             }

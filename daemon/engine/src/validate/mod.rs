@@ -385,8 +385,8 @@ fn check_derivations(spec: &ModelSpec, v: &mut V) {
             }
         }
         v.nonblank(&format!("{loc}.expr"), "expr", &d.expr);
-        if let Some(e) = &d.evaluation {
-            if !matches!(&**e, "eager" | "lazy") {
+        if let Some(e) = d.evaluation() {
+            if !matches!(e, "eager" | "lazy") {
                 v.err(
                     format!("{loc}.evaluation"),
                     format!("evaluation must be \"eager\" or \"lazy\", found `{e}`"),
