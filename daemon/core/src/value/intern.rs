@@ -9,6 +9,9 @@ pub(super) const INTERN_MAX_LEN: usize = 64;
 /// full; it doubles when a sweep leaves it more than half full, up to `INTERN_MAX_KEYS`.
 pub(super) const INTERN_FIRST_CAP: usize = 1 << 16;
 pub(super) const INTERN_MAX_KEYS: usize = 1 << 22;
+/// An object of this many members or more is a bulk load (a large model's document): once its
+/// names are interned, the thread's table starts over (see [`intern_all`]).
+pub(super) const WIDE_LOAD: usize = 1 << 16;
 
 /// A thread's table of shared keys: each with its hash, so that growing the table and
 /// looking a name up compare and move hashes, not the names' text (a cache miss each). The
@@ -54,6 +57,14 @@ pub(super) fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
 /// [`intern`] for many names at once (the members of a wide object), the table taken once;
 /// the slot of the name `AHEAD` places on and the text of the one half as far are loaded
 /// while each is looked up (a wide object's names are cache misses in a large table).
+///
+/// After a bulk load ([`WIDE_LOAD`] names or more) the table starts over, unless a
+/// [`HoldingNames`] guard is open. The load's names are held by its document from then on,
+/// and by the compiled model whose names it found here (a model is compiled before its
+/// document is loaded). Kept, they would pin 12–16 bytes a name for the thread's life (48 MB
+/// after a 1M-derivation model's 3M names) only to share them with specs and documents not
+/// seen yet. What is compiled later against this document shares its names through
+/// [`share_names_of`].
 pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str> + Clone) -> Vec<Key> {
     const AHEAD: usize = 16;
     INTERNED.with(|t| {
@@ -70,8 +81,26 @@ pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str> + Clone) -> 
             }
             keys.push(t.key(s, || Key::from(s)));
         }
+        if keys.len() >= WIDE_LOAD && t.holding == 0 {
+            t.set = NameTable::default();
+            t.cap = 0;
+        }
         keys
     })
+}
+
+/// Put the names of `doc`'s top-level members in this thread's table (those it has not got),
+/// so that a spec compiled next against `doc` (an evolution) shares them rather than making
+/// its own copies: after a bulk load the table holds none of them ([`intern_all`]).
+pub fn share_names_of(doc: &Val) {
+    let Val::Obj(m) = doc else { return };
+    reserve_names(INTERNED.with(|t| t.borrow().set.len()) + m.len());
+    INTERNED.with(|t| {
+        let mut t = t.borrow_mut();
+        for (k, _) in m.iter() {
+            t.key(k, || k.clone());
+        }
+    });
 }
 
 /// Start loading the slot of name `s` in this thread's table: a caller about to intern a run

@@ -711,6 +711,46 @@ mod tests {
         .unwrap();
     }
 
+    /// A bulk load finds the names compiled before it, then the table starts over; a document's
+    /// names can be shared again on demand; a load under a `HoldingNames` guard keeps them.
+    #[test]
+    fn a_bulk_load_shares_the_names_before_it_then_the_table_starts_over() {
+        std::thread::spawn(|| {
+            let n = WIDE_LOAD + 10;
+            let names: Vec<String> = (0..n).map(|i| format!("price_{i}")).collect();
+            // What a compile interns before the model's document is loaded.
+            let compiled: Vec<Key> = names.iter().map(|s| intern(s)).collect();
+            let doc: Json = Json::Object(names.iter().map(|s| (s.clone(), json!(1))).collect());
+            let v = Val::from_json(&doc);
+            let Val::Obj(m) = &v else { panic!("an object") };
+            let in_doc: std::collections::HashSet<*const u8> =
+                m.iter().map(|(k, _)| k.as_ptr()).collect();
+            let shared = compiled
+                .iter()
+                .filter(|k| in_doc.contains(&k.as_ptr()))
+                .count();
+            assert_eq!(shared, n, "every member's name is the compiled one");
+            let (len, slots) = INTERNED.with(|t| (t.borrow().set.len(), t.borrow().set.capacity()));
+            assert_eq!((len, slots), (0, 0), "the table started over");
+            // A name interned now is a new key; after `share_names_of` it is the document's.
+            assert!(!Key::ptr_eq(&intern("price_7"), &compiled[7]));
+            share_names_of(&v);
+            let k = intern("price_9");
+            assert!(Key::ptr_eq(&k, &compiled[9]));
+            // A small object is no bulk load; a bulk load under a guard keeps the table.
+            drop(Val::from_json(&json!({"a": 1, "b": 2})));
+            assert!(INTERNED.with(|t| t.borrow().set.len()) >= n);
+            let guard = holding_names();
+            drop(Val::from_json(&doc));
+            assert!(INTERNED.with(|t| t.borrow().set.len()) >= n);
+            drop(guard);
+            drop(Val::from_json(&doc));
+            assert_eq!(INTERNED.with(|t| t.borrow().set.len()), 0);
+        })
+        .join()
+        .unwrap();
+    }
+
     /// Hashes chosen to share long prefixes and whole values: deep branches, collision lists,
     /// and branches collapsing again as entries go.
     #[test]

@@ -554,6 +554,9 @@ impl Shard {
         if !report.valid {
             return Err(ServiceError::EvolutionInvalid(report.errors));
         }
+        // The new spec's names are the live document's (not copies of them), as they are
+        // when a model is compiled before its document is loaded.
+        valem_core::value::share_names_of(&e.model.state().base);
         let compiled = compile_cached(&spec, &limits)
             .map_err(|errs| ServiceError::EvolutionInvalid(compile_findings(errs)))?;
         let t = e.tick();
