@@ -229,12 +229,10 @@ pub fn compile(
             fallback_projections: RefCell::default(),
         })
     })?;
-    // The concrete targets go back where they are kept; the same target as a pattern is
-    // needed no more.
+    // The concrete targets go back where they are kept.
     for (n, c) in model.nodes.iter_mut().zip(taken) {
         if c.is_some() {
             n.concrete = c;
-            n.targets = Box::default();
         }
     }
     model.has_delta_aggregates = model
@@ -1167,14 +1165,8 @@ mod tests {
         .unwrap();
         assert!(m.cell_producers.is_some());
         assert!(!m.producers.has_root_entries() && m.producers.members().next().is_none());
-        // The producer index it would have: its derivations' targets (a compiled concrete
-        // derivation keeps its target as segments only), by their paths in the spec.
-        let mut index = Trie::default();
-        for (id, d) in m.spec.derivations.iter().enumerate() {
-            let target = Address::parse(&d.path).unwrap();
-            index.insert_refs(tseg_refs(&target), id as u32);
-        }
-        index.shrink();
+        let derivations = m.nodes.len();
+        let (index, _, _) = index_targets(&m.nodes, derivations, true);
         let f = |s: &str| valem_core::value::Seg::Field(valem_core::value::Key::from(s));
         let i = valem_core::value::Seg::Index;
         let paths: Vec<Vec<valem_core::value::Seg>> = vec![

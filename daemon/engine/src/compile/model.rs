@@ -232,7 +232,7 @@ impl Dependents {
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first (the spec's texts, messages and
-// interpreted forms come after). 144 bytes: a 1M-derivation model holds 1M nodes, so what is
+// interpreted forms come after). 160 bytes: a 1M-derivation model holds 1M nodes, so what is
 // rare (aggregates, projections of interpreted nodes) is kept beside the node or boxed, and
 // the node is not padded to whole cache lines.
 #[repr(C)]
@@ -255,10 +255,9 @@ pub struct Node {
     pub concrete: Option<Box<[valem_core::value::Seg]>>,
     /// The JIT tier of a derivation (`engine/jit.rs`).
     pub jit: crate::jit::JitCell,
-    /// Derivation with `[*]`, meta: the target pattern. Scoped constraint: its paths.
-    /// Otherwise empty, and so is a concrete derivation's once compiled: its target is
-    /// `concrete` (a large model's nodes are almost all such, and keep it once).
-    pub targets: Box<[Address]>,
+    /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
+    /// One is kept in the node (no allocation: a large model's nodes have one each).
+    pub targets: smallvec::SmallVec<[Address; 1]>,
     pub expr: NodeExpr,
     /// What of the document an interpreted evaluation is given. An arithmetic derivation's
     /// is made only when it first falls back to the interpreter
@@ -269,7 +268,7 @@ pub struct Node {
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() == 144);
+const _: () = assert!(std::mem::size_of::<Node>() == 160);
 
 impl Node {
     /// The `[*]`s of its (first) target.

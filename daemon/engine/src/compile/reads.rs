@@ -36,7 +36,7 @@ pub(super) fn draft_empty(
             wild: targets.first().map_or(0, Address::wildcard_count) as u32,
             concrete,
             cell: None,
-            targets: targets.into_boxed_slice(),
+            targets: targets.into(),
             expr: NodeExpr::new(expr.compiled),
             input,
             projection: None,
