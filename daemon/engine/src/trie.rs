@@ -43,6 +43,123 @@ fn root_hash(key: &str) -> u64 {
     str_hash(key)
 }
 
+/// The root edges, split by hash among up to [`ROOT_SHARDS`] tables of one size. A table of
+/// `n` entries has a power of two of buckets, from 8/7 `n` to 16/7 `n` (17 bytes each): fan-out
+/// 1M reads 2M members, just past 1.8M, and its one table had 4M buckets (68 MB). Split five
+/// ways, the same members take 5 × 512k (44 MB). The number of tables is chosen once, when
+/// room is first reserved for many members ([`RootTable::reserve`]).
+#[derive(Debug)]
+struct RootTable {
+    /// Never empty.
+    shards: Vec<hashbrown::HashTable<RootEdge>>,
+}
+
+/// Most tables a [`RootTable`] is split into.
+const ROOT_SHARDS: usize = 8;
+/// Fewer members than this stay in one table.
+const SHARD_FROM: usize = 4096;
+
+/// Buckets of a `hashbrown` table made with room for `cap` entries.
+fn buckets_for(cap: usize) -> usize {
+    if cap < 8 {
+        if cap < 4 {
+            4
+        } else {
+            8
+        }
+    } else {
+        (cap.saturating_mul(8) / 7).next_power_of_two()
+    }
+}
+
+impl Default for RootTable {
+    fn default() -> Self {
+        RootTable {
+            shards: vec![hashbrown::HashTable::new()],
+        }
+    }
+}
+
+impl RootTable {
+    /// The table of hash `h`: from bits 25–56, which a table of up to 2^25 buckets does not
+    /// place by and whose tag (the top 7 bits) they leave alone.
+    #[inline]
+    fn shard(&self, h: u64) -> usize {
+        let mid = (h >> 25) as u32 as u64;
+        ((mid * self.shards.len() as u64) >> 32) as usize
+    }
+
+    fn len(&self) -> usize {
+        self.shards.iter().map(hashbrown::HashTable::len).sum()
+    }
+
+    /// Room for `n` more edges. Into an empty table of many, the split with the fewest
+    /// buckets, each table with a tenth more room than its share.
+    fn reserve(&mut self, n: usize) {
+        if self.len() == 0 && n >= SHARD_FROM {
+            let room = |k: usize| (n / k).saturating_add(n / k / 10);
+            let k = (1..=ROOT_SHARDS)
+                .min_by_key(|&k| k * buckets_for(room(k)))
+                .unwrap_or(1);
+            self.shards = (0..k)
+                .map(|_| hashbrown::HashTable::with_capacity(room(k)))
+                .collect();
+            return;
+        }
+        let k = self.shards.len();
+        for t in &mut self.shards {
+            t.reserve(n / k + n / k / 10, |e| root_hash(&e.key));
+        }
+    }
+
+    #[inline]
+    fn find(&self, h: u64, k: &str) -> Option<&RootEdge> {
+        self.shards[self.shard(h)].find(h, |e| valem_core::value::key_eq(&e.key, k))
+    }
+
+    fn find_mut(&mut self, h: u64, k: &str) -> Option<&mut RootEdge> {
+        let s = self.shard(h);
+        self.shards[s].find_mut(h, |e| valem_core::value::key_eq(&e.key, k))
+    }
+
+    /// The child of `k`'s edge, and whether `make` made it: one probe of the table, where a
+    /// lookup then an insert take two (a large compile inserts millions).
+    fn find_or_insert(&mut self, h: u64, k: &str, make: impl FnOnce() -> RootEdge) -> (u32, bool) {
+        let s = self.shard(h);
+        let entry = self.shards[s].entry(
+            h,
+            |e| valem_core::value::key_eq(&e.key, k),
+            |e| root_hash(&e.key),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(e) => (e.get().child, false),
+            hashbrown::hash_table::Entry::Vacant(v) => (v.insert(make()).get().child, true),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &RootEdge> + '_ {
+        self.shards.iter().flat_map(hashbrown::HashTable::iter)
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut RootEdge> + '_ {
+        self.shards
+            .iter_mut()
+            .flat_map(hashbrown::HashTable::iter_mut)
+    }
+
+    fn shrink_to_fit(&mut self) {
+        for t in &mut self.shards {
+            t.shrink_to_fit(|e| root_hash(&e.key));
+        }
+    }
+
+    /// Buckets in all.
+    #[cfg(test)]
+    fn buckets(&self) -> usize {
+        self.shards.iter().map(|t| buckets_for(t.capacity())).sum()
+    }
+}
+
 /// The bit of `RootEdge::child` that marks the edge.
 const MARKED: u32 = 1 << 31;
 
@@ -150,7 +267,7 @@ pub struct Trie {
     nodes: Vec<TNode>,
     more: Vec<More>,
     fields: hashbrown::HashTable<FieldEdge>,
-    roots: hashbrown::HashTable<RootEdge>,
+    roots: RootTable,
     /// Index edges: (parent, concrete index in a pattern) → child.
     indices: HashMap<(u32, usize), u32, Keyed>,
     /// Trie nodes from this number on are folded leaves ([`Trie::fold_leaves`]): node
@@ -165,7 +282,7 @@ impl Default for Trie {
             nodes: vec![TNode::default()],
             more: Vec::new(),
             fields: hashbrown::HashTable::new(),
-            roots: hashbrown::HashTable::new(),
+            roots: RootTable::default(),
             indices: HashMap::default(),
             folded: NONE,
         }
@@ -221,8 +338,7 @@ impl Trie {
     }
 
     fn root(&self, k: &str) -> Option<&RootEdge> {
-        self.roots
-            .find(root_hash(k), |e| valem_core::value::key_eq(&e.key, k))
+        self.roots.find(root_hash(k), k)
     }
 
     fn field(&self, t: usize, k: &Key) -> Option<usize> {
@@ -261,7 +377,7 @@ impl Trie {
     /// growing its table step by step (each step hashes every member's name again, reading
     /// its text).
     pub fn reserve_members(&mut self, n: usize) {
-        self.roots.reserve(n, |e| root_hash(&e.key));
+        self.roots.reserve(n);
         if n > 0 {
             self.nodes.reserve(n);
             self.more_mut(0).children.reserve(n);
@@ -277,6 +393,20 @@ impl Trie {
         debug_assert!(self.folded == NONE, "nothing is inserted in a folded trie");
         let mut t = 0usize;
         for seg in path {
+            if let (TSegRef::Field(k), 0) = (seg, t) {
+                let n = self.nodes.len() as u32;
+                let (child, made) = self.roots.find_or_insert(root_hash(k), k, || RootEdge {
+                    key: k.clone(),
+                    child: n,
+                    leaf: NONE,
+                });
+                if made {
+                    self.nodes.push(TNode::default());
+                    self.more_mut(0).children.push(n);
+                }
+                t = unmarked(child);
+                continue;
+            }
             let next = match seg {
                 TSegRef::Field(k) => self.field(t, k),
                 TSegRef::Index(i) => self.index(t, i),
@@ -288,16 +418,6 @@ impl Trie {
                     let n = self.nodes.len() as u32;
                     self.nodes.push(TNode::default());
                     match seg {
-                        TSegRef::Field(k) if t == 0 => {
-                            let edge = RootEdge {
-                                key: k.clone(),
-                                child: n,
-                                leaf: NONE,
-                            };
-                            self.roots
-                                .insert_unique(root_hash(k), edge, |e| root_hash(&e.key));
-                            self.more_mut(t).children.push(n);
-                        }
                         TSegRef::Field(k) => {
                             let edge = FieldEdge {
                                 key: k.clone(),
@@ -355,7 +475,7 @@ impl Trie {
                 NONE
             };
         }
-        self.roots.shrink_to_fit(|e| root_hash(&e.key));
+        self.roots.shrink_to_fit();
         self.nodes.shrink_to_fit();
         self.more.shrink_to_fit();
         for m in &mut self.more {
@@ -466,9 +586,7 @@ impl Trie {
 
     /// Mark top-level member `k`, when it is one.
     pub fn mark_member(&mut self, k: &str) {
-        let found = self
-            .roots
-            .find_mut(root_hash(k), |e| valem_core::value::key_eq(&e.key, k));
+        let found = self.roots.find_mut(root_hash(k), k);
         if let Some(e) = found {
             e.child |= MARKED;
         }
@@ -847,6 +965,42 @@ mod tests {
         t.shrink();
         assert_eq!(answers(&t), before);
         assert_eq!(t.nodes.len(), nodes - 4);
+    }
+
+    /// Room reserved for many members splits the root table: every member, marked or not,
+    /// is found in its part, none twice, and the parts take fewer buckets than one table.
+    #[test]
+    fn a_split_root_table_finds_every_member() {
+        let n = 60_000;
+        let mut t = Trie::default();
+        t.reserve_members(n);
+        assert!(t.roots.shards.len() > 1, "split");
+        for i in 0..n {
+            t.insert(&[f(&format!("m{i}"))], i as u32);
+        }
+        t.shrink();
+        t.fold_leaves();
+        // One table of 60k members: 131,072 buckets (60k × 8/7 is past 65,536).
+        assert!(t.roots.buckets() < 131_072, "{} buckets", t.roots.buckets());
+        assert_eq!(t.roots.len(), n);
+        let mut names: Vec<&str> = t.members().map(|k| &**k).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), n);
+        t.mark_member("m7");
+        for i in 0..n {
+            let (_, m) = t.member(&format!("m{i}")).unwrap();
+            assert_eq!(m.leaf(), Some(i as u32));
+            assert_eq!(m.marked(), i == 7, "m{i}");
+            let mut hits = Vec::new();
+            t.hits(&[sf(&format!("m{i}"))], &mut hits);
+            assert_eq!(hits.iter().map(|h| h.0).collect::<Vec<_>>(), vec![i as u32]);
+        }
+        assert!(t.member("m60000").is_none() && t.member("").is_none());
+        t.mark_all_members();
+        assert!(t
+            .members()
+            .all(|k| t.member(k).is_some_and(|(_, m)| m.marked())));
     }
 
     #[test]
