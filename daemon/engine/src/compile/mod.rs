@@ -85,6 +85,7 @@ pub fn compile(
     }
 
     let mut nodes = std::mem::take(&mut drafts.nodes);
+    let mut patterns = std::mem::take(&mut drafts.targets);
     let nodes_len = nodes.len();
     let (segs, read_ends, node_reads) = (
         &drafts.segs[..],
@@ -127,12 +128,16 @@ pub fn compile(
         // index: its targets are found by name.
         let flat = flat_targets(concretes, &derivation_ids);
         let (producers, produced_at, instances) =
-            index_targets(&nodes, derivation_ids.len(), flat.is_none());
+            index_targets(&nodes, &patterns, derivation_ids.len(), flat.is_none());
         let whole_doc_nodes: Vec<NodeId> = (0..nodes_len as u32)
             .filter(|&i| nodes[i as usize].whole_doc)
             .collect();
         let whole: Vec<bool> = nodes.iter().map(|n| n.whole_doc).collect();
-        let firsts: Vec<Option<&Address>> = nodes.iter().map(|n| n.targets.first()).collect();
+        let firsts: Vec<Option<&Address>> = nodes
+            .iter()
+            .zip(&patterns)
+            .map(|(n, p)| p.as_ref().or(n.targets.first()))
+            .collect();
         let overlapping = |r: &[TSeg], out: &mut Vec<u32>| match &flat {
             Some(f) => f.overlapping(r, concretes, out),
             None => producers.overlapping(r, out),
@@ -229,12 +234,16 @@ pub fn compile(
             fallback_projections: RefCell::default(),
         })
     })?;
-    // The concrete targets go back where they are kept.
-    for (n, c) in model.nodes.iter_mut().zip(taken) {
+    // The concrete targets go back where they are kept; a `[*]` derivation keeps its
+    // pattern.
+    for ((n, c), p) in model.nodes.iter_mut().zip(taken).zip(&mut patterns) {
         if c.is_some() {
             n.concrete = c;
+        } else if let Some(p) = p.take() {
+            n.targets = Box::new([p]);
         }
     }
+    drop(patterns);
     model.has_delta_aggregates = model
         .aggregates
         .iter()
@@ -339,10 +348,16 @@ fn draft_derivations(
 /// How far ahead of the derivation drafted the names of one to draft are prefetched.
 const NAMES_AHEAD: usize = 8;
 
-/// The producer index (each derivation's target; left empty unless `producing`) and the
-/// instance index (the targets of every other node), as path tries; and per node, the
-/// producer index's node of its target (`u32::MAX` for nodes other than derivations).
-fn index_targets(nodes: &[Node], derivations: usize, producing: bool) -> (Trie, Vec<u32>, Trie) {
+/// The producer index (each derivation's target, its pattern in `patterns`; left empty unless
+/// `producing`) and the instance index (the targets of every other node), as path tries; and
+/// per node, the producer index's node of its target (`u32::MAX` for nodes other than
+/// derivations).
+fn index_targets(
+    nodes: &[Node],
+    patterns: &[Option<Address>],
+    derivations: usize,
+    producing: bool,
+) -> (Trie, Vec<u32>, Trie) {
     let mut producers = Trie::default();
     let mut instances = Trie::default();
     let mut at = vec![u32::MAX; if producing { nodes.len() } else { 0 }];
@@ -352,8 +367,8 @@ fn index_targets(nodes: &[Node], derivations: usize, producing: bool) -> (Trie, 
     }
     for (id, n) in nodes.iter().enumerate() {
         if matches!(n.kind, NodeKind::Derivation { .. }) {
-            if producing {
-                at[id] = producers.insert_refs(tseg_refs(&n.targets[0]), id as u32);
+            if let (true, Some(p)) = (producing, &patterns[id]) {
+                at[id] = producers.insert_refs(tseg_refs(p), id as u32);
             }
         } else {
             for t in &n.targets {
@@ -1165,8 +1180,14 @@ mod tests {
         .unwrap();
         assert!(m.cell_producers.is_some());
         assert!(!m.producers.has_root_entries() && m.producers.members().next().is_none());
-        let derivations = m.nodes.len();
-        let (index, _, _) = index_targets(&m.nodes, derivations, true);
+        // Its derivations' patterns (once compiled a concrete one keeps none), from the spec.
+        let patterns: Vec<Option<Address>> = m
+            .spec
+            .derivations
+            .iter()
+            .map(|d| Address::parse(&d.path).ok())
+            .collect();
+        let (index, _, _) = index_targets(&m.nodes, &patterns, patterns.len(), true);
         let f = |s: &str| valem_core::value::Seg::Field(valem_core::value::Key::from(s));
         let i = valem_core::value::Seg::Index;
         let paths: Vec<Vec<valem_core::value::Seg>> = vec![

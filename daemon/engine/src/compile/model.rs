@@ -232,7 +232,7 @@ impl Dependents {
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first (the spec's texts, messages and
-// interpreted forms come after). 160 bytes: a 1M-derivation model holds 1M nodes, so what is
+// interpreted forms come after). 144 bytes: a 1M-derivation model holds 1M nodes, so what is
 // rare (aggregates, projections of interpreted nodes) is kept beside the node or boxed, and
 // the node is not padded to whole cache lines.
 #[repr(C)]
@@ -255,9 +255,10 @@ pub struct Node {
     pub concrete: Option<Box<[valem_core::value::Seg]>>,
     /// The JIT tier of a derivation (`engine/jit.rs`).
     pub jit: crate::jit::JitCell,
-    /// Derivation/meta: the target pattern. Scoped constraint: its paths. Otherwise empty.
-    /// One is kept in the node (no allocation: a large model's nodes have one each).
-    pub targets: smallvec::SmallVec<[Address; 1]>,
+    /// Derivation with `[*]`, meta: the target pattern. Scoped constraint: its paths.
+    /// Otherwise empty: a concrete derivation's target is `concrete` (a large model's nodes
+    /// are almost all such; while it compiles, their patterns are kept beside the nodes).
+    pub targets: Box<[Address]>,
     pub expr: NodeExpr,
     /// What of the document an interpreted evaluation is given. An arithmetic derivation's
     /// is made only when it first falls back to the interpreter
@@ -268,7 +269,7 @@ pub struct Node {
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() == 160);
+const _: () = assert!(std::mem::size_of::<Node>() == 144);
 
 impl Node {
     /// The `[*]`s of its (first) target.

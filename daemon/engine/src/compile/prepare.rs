@@ -129,6 +129,8 @@ pub(super) struct DraftExtra {
     /// Its graph key and expression text, for the trace table (the node keeps neither).
     pub(super) key: arcstr::ArcStr,
     pub(super) text: arcstr::ArcStr,
+    /// A derivation's target pattern (its node keeps none).
+    pub(super) target: Option<Address>,
 }
 
 /// How an arithmetic derivation lowers: to a program of its own (and its key), or as an
@@ -189,6 +191,11 @@ pub(super) struct Drafts {
     pub(super) trace_table: crate::TraceTable,
     /// One JIT slot per distinct program (and batch shape) among the nodes.
     pub(super) jit_slots: crate::jit::Slots,
+    /// Per node, a derivation's target pattern: what the graph is built from. Kept here, in
+    /// one list, rather than in each node: once compiled, only a `[*]` derivation's is kept
+    /// (in its node), and a million patterns freed one by one from among the nodes would
+    /// leave the allocator's pages full of holes.
+    pub(super) targets: Vec<Option<Address>>,
 }
 
 impl Drafts {
@@ -202,6 +209,7 @@ impl Drafts {
             aggregates: HashMap::new(),
             trace_table: crate::TraceTable::for_spec(spec.clone()),
             jit_slots: HashMap::new(),
+            targets: Vec::with_capacity(n),
         }
     }
 
@@ -252,6 +260,7 @@ impl Drafts {
             node.jit = crate::jit::JitCell::new(batch, Some(nj));
         }
         self.trace_table.push(extra.key, extra.text);
+        self.targets.push(extra.target);
         self.nodes.push(node);
     }
 }

@@ -29,14 +29,21 @@ pub(super) fn draft_empty(
         _ => None,
     };
     let concrete_none = concrete.is_none();
+    let wild = targets.first().map_or(0, Address::wildcard_count) as u32;
+    // A derivation's pattern is kept beside the nodes while the model compiles (see
+    // `Drafts::targets`): most are concrete, and keep no pattern once compiled.
+    let (targets, target) = match kind {
+        NodeKind::Derivation { .. } => (Box::default(), targets.into_iter().next()),
+        _ => (targets.into_boxed_slice(), None),
+    };
     NodeDraft {
         node: Node {
             id: 0,
             kind,
-            wild: targets.first().map_or(0, Address::wildcard_count) as u32,
+            wild,
             concrete,
             cell: None,
-            targets: targets.into(),
+            targets,
             expr: NodeExpr::new(expr.compiled),
             input,
             projection: None,
@@ -52,6 +59,7 @@ pub(super) fn draft_empty(
             aggregate,
             key,
             text: expr.text,
+            target,
         },
     }
 }
