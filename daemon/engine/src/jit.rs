@@ -192,23 +192,16 @@ pub fn slot_inputs(program: &Program) -> Vec<SlotInput> {
 }
 
 /// A node's tier state: its lowering (made when the spec is compiled: an arithmetic
-/// derivation never keeps the interpreter's AST), and its runs, counted until it asks for
-/// compiled code.
+/// derivation never keeps the interpreter's AST). Its runs, counted until it asks for
+/// compiled code, are kept in the node ([`JitCell::get`]), where its first 32 bytes had room.
 #[derive(Debug, Default)]
 pub struct JitCell {
-    /// The node has `[*]` instances.
-    pub batch: bool,
-    runs: Cell<u32>,
     lowered: Option<NodeJit>,
 }
 
 impl JitCell {
-    pub fn new(batch: bool, lowered: Option<NodeJit>) -> JitCell {
-        JitCell {
-            batch,
-            runs: Cell::new(0),
-            lowered,
-        }
+    pub fn new(lowered: Option<NodeJit>) -> JitCell {
+        JitCell { lowered }
     }
 
     /// See [`NodeJit::resolve_cells`].
@@ -255,9 +248,13 @@ impl JitCell {
     }
 
     /// The node's lowering while the tier is on, with its compiled code once ready; counts
-    /// this run and asks for the code once the node is hot.
+    /// this run in `runs` (the node's) and asks for the code once the node is hot.
     #[inline]
-    pub fn get(&self, cfg: crate::JitConfig) -> Option<(&NodeJit, Option<&Code>)> {
+    pub fn get(
+        &self,
+        runs: &Cell<u32>,
+        cfg: crate::JitConfig,
+    ) -> Option<(&NodeJit, Option<&Code>)> {
         let nj = self.lowered.as_ref()?;
         if !cfg.enabled {
             return None;
@@ -265,9 +262,9 @@ impl JitCell {
         if let Some(code) = nj.slot.code() {
             return Some((nj, Some(code)));
         }
-        let runs = self.runs.get();
-        self.runs.set(runs.saturating_add(1));
-        if runs >= cfg.tier_after && !nj.slot.requested.swap(true, Ordering::AcqRel) {
+        let ran = runs.get();
+        runs.set(ran.saturating_add(1));
+        if ran >= cfg.tier_after && !nj.slot.requested.swap(true, Ordering::AcqRel) {
             registry().request(nj.slot.clone());
         }
         Some((nj, nj.slot.code()))

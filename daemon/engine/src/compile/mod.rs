@@ -185,7 +185,7 @@ pub fn compile(
         };
         let merged_is_base = derivation_ids
             .iter()
-            .all(|&i| nodes[i as usize].cell.is_some());
+            .all(|&i| nodes[i as usize].cell().is_some());
         // A flat model's derivations each have a cell: the cells say who writes what.
         let cell_producers = flat.as_ref().map(|_| {
             let mut by_cell = vec![0; cells.len()];
@@ -193,7 +193,7 @@ pub fn compile(
                 if let Some(k) = flat_member(concretes, i) {
                     readers.mark_member(k);
                 }
-                if let Some(c) = nodes[i as usize].cell {
+                if let Some(c) = nodes[i as usize].cell() {
                     by_cell[c as usize] = i;
                 }
             }
@@ -867,7 +867,7 @@ fn assign_cells(
         };
         // Alone: the only entry at its member, and nothing below it.
         if alone(id) {
-            nodes[id as usize].cell = Some(keys.len() as u32);
+            nodes[id as usize].cell = keys.len() as u32;
             keys.push(k.clone());
         }
     }

@@ -232,7 +232,7 @@ impl Dependents {
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first (the spec's texts, messages and
-// interpreted forms come after). 144 bytes: a 1M-derivation model holds 1M nodes, so what is
+// interpreted forms come after). 136 bytes: a 1M-derivation model holds 1M nodes, so what is
 // rare (aggregates, projections of interpreted nodes) is kept beside the node or boxed, and
 // the node is not padded to whole cache lines.
 #[repr(C)]
@@ -250,7 +250,11 @@ pub struct Node {
     pub uses_parent: bool,
     /// The cell holding a derivation's value when its target is one top-level member
     /// (`engine/merged.rs`).
-    pub cell: Option<u32>,
+    /// `NO_CELL` when it has none (see [`Node::cell`]).
+    pub cell: u32,
+    /// Runs of its lowering counted until it asks for compiled code (see
+    /// [`crate::jit::JitCell::get`]).
+    pub runs: std::cell::Cell<u32>,
     /// The concrete target of a derivation without `[*]`.
     pub concrete: Option<Box<[valem_core::value::Seg]>>,
     /// The JIT tier of a derivation (`engine/jit.rs`).
@@ -269,9 +273,28 @@ pub struct Node {
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() == 144);
+const _: () = assert!(std::mem::size_of::<Node>() == 136);
+
+/// [`Node::cell`] of a node without a cell.
+pub const NO_CELL: u32 = u32::MAX;
 
 impl Node {
+    /// The cell holding a derivation's value, when its target is one top-level member.
+    #[inline]
+    pub fn cell(&self) -> Option<u32> {
+        (self.cell != NO_CELL).then_some(self.cell)
+    }
+
+    /// Its lowering while the arithmetic tier is on, counting this run (see
+    /// [`crate::jit::JitCell::get`]).
+    #[inline]
+    pub fn jit(
+        &self,
+        cfg: crate::JitConfig,
+    ) -> Option<(&crate::jit::NodeJit, Option<&crate::jit::Code>)> {
+        self.jit.get(&self.runs, cfg)
+    }
+
     /// The `[*]`s of its (first) target.
     #[inline]
     pub fn wildcards(&self) -> usize {

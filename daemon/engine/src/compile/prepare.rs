@@ -257,7 +257,7 @@ impl Drafts {
         if let Some(lowering) = extra.program {
             let batch = node.concrete.is_none();
             let nj = lowering.into_jit(batch, &mut self.jit_slots);
-            node.jit = crate::jit::JitCell::new(batch, Some(nj));
+            node.jit = crate::jit::JitCell::new(Some(nj));
         }
         self.trace_table.push(extra.key, extra.text);
         self.targets.push(extra.target);

@@ -28,7 +28,6 @@ pub(super) fn draft_empty(
             .map(Vec::into_boxed_slice),
         _ => None,
     };
-    let concrete_none = concrete.is_none();
     let wild = targets.first().map_or(0, Address::wildcard_count) as u32;
     // A derivation's pattern is kept beside the nodes while the model compiles (see
     // `Drafts::targets`): most are concrete, and keep no pattern once compiled.
@@ -42,7 +41,7 @@ pub(super) fn draft_empty(
             kind,
             wild,
             concrete,
-            cell: None,
+            cell: NO_CELL,
             targets,
             expr: NodeExpr::new(expr.compiled),
             input,
@@ -52,7 +51,8 @@ pub(super) fn draft_empty(
             uses_parent: false,
             level: 0,
             location,
-            jit: crate::jit::JitCell::new(concrete_none, None),
+            jit: crate::jit::JitCell::default(),
+            runs: std::cell::Cell::new(0),
         },
         extra: DraftExtra {
             program: None,

@@ -80,7 +80,7 @@ impl<'a> Cycle<'a> {
         node: &Node,
         inst: &[Seg],
     ) -> Option<Result<Option<interp::Value>, ExprError>> {
-        let (nj, code) = node.jit.get(self.limits.jit)?;
+        let (nj, code) = node.jit(self.limits.jit)?;
         // Only derivations are lowered: their input is the document. `$parent` as `evaluate`
         // binds it: the target's JSON parent.
         let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);

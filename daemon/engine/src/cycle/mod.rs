@@ -335,7 +335,7 @@ impl<'a> Cycle<'a> {
         // write below walks the document.
         if let Some(leaf) = found.and_then(|(_, t)| t.leaf()).filter(|_| self.prefetch) {
             let node = &self.cm.nodes[leaf as usize];
-            if let Some(c) = node.cell {
+            if let Some(c) = node.cell() {
                 self.st.cells.prefetch(c);
             }
             node.jit.prefetch_inputs(self.st.merged());
@@ -617,7 +617,7 @@ impl<'a> Cycle<'a> {
         if insts.len() < MIN_ROWS || !node.jit.lowered() || node.input != Input::Doc {
             return None;
         }
-        let (nj, code) = node.jit.get(self.limits.jit)?;
+        let (nj, code) = node.jit(self.limits.jit)?;
         let code = code?;
         // The buffers of the last batch: no fresh (zeroed) pages per call.
         let mut b = std::mem::take(&mut self.sc.batch);
@@ -703,7 +703,7 @@ impl<'a> Cycle<'a> {
             arcstr::ArcStr::from(self.render_buf.as_str())
         });
         let noting = self.cm.has_delta_aggregates;
-        let written = if let (Some(c), true) = (node.cell, concrete) {
+        let written = if let (Some(c), true) = (node.cell(), concrete) {
             // A cell: compared and replaced by index. (Over a scalar root a top-level member
             // does not exist, as in the tree.)
             if !self.st.merged().root_is_obj() || self.st.cells.get(c) == Some(&value) {
