@@ -95,11 +95,11 @@ pub fn compile(
     let reads = move |id| packed_reads(segs, read_ends, node_reads, id);
     // The derivations' concrete targets, taken out of the nodes while the graph is built (and
     // put back after): the readers of each are looked up beside the reader index.
-    let taken: Vec<Option<Box<[Seg]>>> = nodes
+    let taken: Vec<Concrete> = nodes
         .iter_mut()
         .map(|n| match n.kind {
-            NodeKind::Derivation { .. } => n.concrete.take(),
-            _ => None,
+            NodeKind::Derivation { .. } => std::mem::take(&mut n.concrete),
+            _ => Concrete::None,
         })
         .collect();
     let concretes = &taken[..];
@@ -388,7 +388,7 @@ fn index_targets(
 struct FlatTargets(hashbrown::HashTable<NodeId>);
 
 /// The member a derivation's concrete target is, when it is one top-level member.
-fn flat_member(concretes: &[Option<Box<[Seg]>>], id: NodeId) -> Option<&Key> {
+fn flat_member(concretes: &[Concrete], id: NodeId) -> Option<&Key> {
     match concretes.get(id as usize)?.as_deref() {
         Some([Seg::Field(k)]) => Some(k),
         _ => None,
@@ -396,10 +396,7 @@ fn flat_member(concretes: &[Option<Box<[Seg]>>], id: NodeId) -> Option<&Key> {
 }
 
 /// [`FlatTargets`] of the derivations, when every one writes its own top-level member.
-fn flat_targets(
-    concretes: &[Option<Box<[Seg]>>],
-    derivation_ids: &[NodeId],
-) -> Option<FlatTargets> {
+fn flat_targets(concretes: &[Concrete], derivation_ids: &[NodeId]) -> Option<FlatTargets> {
     let hash =
         |id: &NodeId| flat_member(concretes, *id).map_or(0, |k| valem_core::hash::str_hash(k));
     let mut table = hashbrown::HashTable::with_capacity(derivation_ids.len());
@@ -425,7 +422,7 @@ impl FlatTargets {
     /// [`Trie::overlapping`] of the index these targets would make: every target for a read
     /// of the whole document, the member's own for a read at or in it, none for a read
     /// that starts with an array step.
-    fn overlapping(&self, r: &[TSeg], concretes: &[Option<Box<[Seg]>>], out: &mut Vec<u32>) {
+    fn overlapping(&self, r: &[TSeg], concretes: &[Concrete], out: &mut Vec<u32>) {
         match r.first() {
             None => out.extend(self.0.iter().copied()),
             Some(TSeg::Field(k)) => out.extend(
@@ -828,13 +825,13 @@ fn default_rules(
 /// no `[*]`, so each reader is dirtied whole), looked up in the index once.
 /// As `CompiledModel::target_readers` keeps them: each node's end in the ids (with [`KNOWN`]
 /// when it has a list), after a leading 0.
-fn target_readers(concretes: &[Option<Box<[Seg]>>], readers: &Trie) -> (Vec<u32>, Vec<NodeId>) {
+fn target_readers(concretes: &[Concrete], readers: &Trie) -> (Vec<u32>, Vec<NodeId>) {
     let mut ends = Vec::with_capacity(concretes.len() + 1);
     ends.push(0);
     let mut ids = Vec::new();
     let mut hits = Vec::new();
     for c in concretes {
-        let known = match c {
+        let known = match c.as_deref() {
             Some(t) if t.iter().all(|s| matches!(s, Seg::Field(_))) => {
                 hits.clear();
                 readers.hits(t, &mut hits);
@@ -857,7 +854,7 @@ fn target_readers(concretes: &[Option<Box<[Seg]>>], readers: &Trie) -> (Vec<u32>
 fn assign_cells(
     nodes: &mut [Node],
     by_level: &[NodeId],
-    concretes: &[Option<Box<[Seg]>>],
+    concretes: &[Concrete],
     alone: impl Fn(NodeId) -> bool,
 ) -> super::merged::CellLayout {
     let mut keys = Vec::new();

@@ -232,7 +232,7 @@ impl Dependents {
 /// One node of the dependency graph.
 #[derive(Debug)]
 // The fields a mutation's mark and evaluation read come first (the spec's texts, messages and
-// interpreted forms come after). 136 bytes: a 1M-derivation model holds 1M nodes, so what is
+// interpreted forms come after). 144 bytes: a 1M-derivation model holds 1M nodes, so what is
 // rare (aggregates, projections of interpreted nodes) is kept beside the node or boxed, and
 // the node is not padded to whole cache lines.
 #[repr(C)]
@@ -256,7 +256,7 @@ pub struct Node {
     /// [`crate::jit::JitCell::get`]).
     pub runs: std::cell::Cell<u32>,
     /// The concrete target of a derivation without `[*]`.
-    pub concrete: Option<Box<[valem_core::value::Seg]>>,
+    pub concrete: Concrete,
     /// The JIT tier of a derivation (`engine/jit.rs`).
     pub jit: crate::jit::JitCell,
     /// Derivation with `[*]`, meta: the target pattern. Scoped constraint: its paths.
@@ -273,7 +273,48 @@ pub struct Node {
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() == 136);
+const _: () = assert!(std::mem::size_of::<Node>() == 144 && std::mem::size_of::<Concrete>() == 24);
+
+/// A derivation's concrete target: one segment in place (a large model's derivations mostly
+/// write one top-level member each, and a boxed one was an allocation a node), longer ones
+/// boxed.
+#[derive(Clone, Debug, Default)]
+pub enum Concrete {
+    /// A derivation with `[*]`, or another kind of node.
+    #[default]
+    None,
+    One(valem_core::value::Seg),
+    Many(Box<[valem_core::value::Seg]>),
+}
+
+impl Concrete {
+    pub fn new(segs: Vec<valem_core::value::Seg>) -> Concrete {
+        if segs.len() == 1 {
+            segs.into_iter()
+                .next()
+                .map_or(Concrete::None, Concrete::One)
+        } else {
+            Concrete::Many(segs.into_boxed_slice())
+        }
+    }
+
+    #[inline]
+    pub fn as_deref(&self) -> Option<&[valem_core::value::Seg]> {
+        match self {
+            Concrete::None => None,
+            Concrete::One(s) => Some(std::slice::from_ref(s)),
+            Concrete::Many(b) => Some(b),
+        }
+    }
+
+    pub fn is_some(&self) -> bool {
+        !matches!(self, Concrete::None)
+    }
+
+    pub fn is_none(&self) -> bool {
+        matches!(self, Concrete::None)
+    }
+}
 
 /// [`Node::cell`] of a node without a cell.
 pub const NO_CELL: u32 = u32::MAX;

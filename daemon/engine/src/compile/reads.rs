@@ -25,8 +25,8 @@ pub(super) fn draft_empty(
         NodeKind::Derivation { .. } => targets
             .first()
             .and_then(Address::concrete)
-            .map(Vec::into_boxed_slice),
-        _ => None,
+            .map_or(Concrete::None, Concrete::new),
+        _ => Concrete::None,
     };
     let wild = targets.first().map_or(0, Address::wildcard_count) as u32;
     // A derivation's pattern is kept beside the nodes while the model compiles (see

@@ -553,7 +553,7 @@ impl<'a> Cycle<'a> {
         let again = self.sc.has(id, EVALUATED);
         self.sc.set(id, EVALUATED);
         self.evaluating = Some(id);
-        match &node.concrete {
+        match node.concrete.as_deref() {
             Some(target) => {
                 self.sc.clean(id);
                 self.derive_instance(node, target, true, again);
