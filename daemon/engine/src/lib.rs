@@ -295,14 +295,8 @@ impl MutationResult {
         let strings = |key: &str| -> Option<Vec<&str>> {
             v.get(key)?.as_array()?.iter().map(Json::as_str).collect()
         };
-        let mut mutated_paths = trace::PathList::default();
-        for p in strings("mutatedPaths")? {
-            mutated_paths.push(p);
-        }
-        let derived: Vec<arcstr::ArcStr> = strings("derivedUpdated")?
-            .into_iter()
-            .map(arcstr::ArcStr::from)
-            .collect();
+        let mutated_paths: trace::PathList = strings("mutatedPaths")?.into_iter().collect();
+        let derived_updated: Paths = strings("derivedUpdated")?.into_iter().collect();
         let flagged = v
             .get("flaggedConstraints")?
             .as_array()?
@@ -331,7 +325,7 @@ impl MutationResult {
                 Some(b) => b.as_bool()?,
             },
             mutated_paths,
-            derived_updated: Paths::from(derived),
+            derived_updated,
             meta_updated,
             flagged_constraints: flagged,
             dispatched_effects: serde_json::from_value(v.get("dispatchedEffects")?.clone()).ok()?,

@@ -570,16 +570,6 @@ impl PartialEq for Paths {
     }
 }
 
-impl From<Vec<ArcStr>> for Paths {
-    fn from(v: Vec<ArcStr>) -> Paths {
-        let mut p = Paths::default();
-        for s in v {
-            p.push(s);
-        }
-        p
-    }
-}
-
 impl<'a> FromIterator<&'a str> for Paths {
     fn from_iter<I: IntoIterator<Item = &'a str>>(it: I) -> Paths {
         let mut p = Paths::default();

@@ -94,10 +94,10 @@ impl RootTable {
     }
 
     /// Room for `n` more edges. Into an empty table of many, the split with the fewest
-    /// buckets, each table with a tenth more room than its share.
+    /// buckets; each table with a tenth more room than its share.
     fn reserve(&mut self, n: usize) {
+        let room = |k: usize| (n / k).saturating_add(n / k / 10);
         if self.len() == 0 && n >= SHARD_FROM {
-            let room = |k: usize| (n / k).saturating_add(n / k / 10);
             let k = (1..=ROOT_SHARDS)
                 .min_by_key(|&k| k * buckets_for(room(k)))
                 .unwrap_or(1);
@@ -106,9 +106,9 @@ impl RootTable {
                 .collect();
             return;
         }
-        let k = self.shards.len();
+        let room = room(self.shards.len());
         for t in &mut self.shards {
-            t.reserve(n / k + n / k / 10, |e| root_hash(&e.key));
+            t.reserve(room, |e| root_hash(&e.key));
         }
     }
 

@@ -216,8 +216,8 @@ const _: () = assert!(std::mem::size_of::<DerivationSpec>() == 24);
 /// What a derivation seldom has.
 #[derive(Clone, Debug, PartialEq)]
 struct DerivationExtra {
-    evaluation: Option<Box<str>>,
-    description: Option<Box<str>>,
+    evaluation: Option<arcstr::ArcStr>,
+    description: Option<arcstr::ArcStr>,
 }
 
 // A derivation as a spec writes it (a `//` comment: the published schema has no description
@@ -285,11 +285,10 @@ impl Serialize for DerivationSpec {
 impl<'de> Deserialize<'de> for DerivationSpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let w = DerivationWire::<arcstr::ArcStr>::deserialize(d)?;
-        let boxed = |s: Option<arcstr::ArcStr>| s.map(|s| Box::<str>::from(s.as_str()));
         let extra = (w.evaluation.is_some() || w.description.is_some()).then(|| {
             Box::new(DerivationExtra {
-                evaluation: boxed(w.evaluation),
-                description: boxed(w.description),
+                evaluation: w.evaluation,
+                description: w.description,
             })
         });
         Ok(DerivationSpec {
