@@ -215,31 +215,22 @@ impl JitCell {
     /// [`super::prefetch`]).
     #[inline]
     pub fn prefetch_inputs(&self, m: Merged<'_>) {
-        let Some(nj) = &self.lowered else { return };
-        for input in &nj.inputs {
-            match input {
-                SlotInput::Member(h, _) => {
-                    if let Val::Obj(o) = m.doc {
-                        o.prefetch_hashed(*h);
-                    }
-                }
-                SlotInput::Cell(c, _) => m.cells.prefetch(*c),
-                _ => {}
-            }
+        if let Some(nj) = &self.lowered {
+            nj.prefetch_inputs(m);
         }
     }
 
     /// The first stage of [`JitCell::prefetch_inputs`], some nodes before it: the level above
     /// the one that prefetches of the members it reads (`ObjMap::prefetch_hashed_far`).
     pub fn prefetch_inputs_far(&self, m: Merged<'_>) {
-        let Some(nj) = &self.lowered else { return };
-        if let Val::Obj(o) = m.doc {
-            for input in &nj.inputs {
-                if let SlotInput::Member(h, _) = input {
-                    o.prefetch_hashed_far(*h);
-                }
-            }
+        if let Some(nj) = &self.lowered {
+            nj.prefetch_members(m.doc, true);
         }
+    }
+
+    /// The node's lowering, whether the tier is on or not.
+    pub fn lowering(&self) -> Option<&NodeJit> {
+        self.lowered.as_ref()
     }
 
     /// Whether the expression is in the arithmetic subset.
@@ -382,6 +373,20 @@ pub fn read_slots(
     parent: Option<&[Seg]>,
     out: &mut Vec<f64>,
 ) -> Read {
+    read_slots_in(inputs, m.doc, Some(m), parent, out)
+}
+
+/// [`read_slots`] over the document's tree `doc`, and over the cells when `m` is given (its
+/// tree is `doc`); without them, a slot that reads a cell or `$parent` is [`Read::Other`].
+#[inline]
+fn read_slots_in(
+    inputs: &[SlotInput],
+    doc: &Val,
+    m: Option<Merged<'_>>,
+    parent: Option<&[Seg]>,
+    out: &mut Vec<f64>,
+) -> Read {
+    let root_is_obj = matches!(doc, Val::Obj(_));
     out.clear();
     let mut undefined = false;
     let mut not_numbers = 0u64;
@@ -394,24 +399,27 @@ pub fn read_slots(
         };
         let x = match input {
             SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Member(..)
-                if !m.root_is_obj() =>
+                if !root_is_obj =>
             {
                 return Read::Other
             }
-            SlotInput::Cell(c, k) => below(m.cell_or_member(*c, k), &[]),
+            SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Parent(_) if m.is_none() => {
+                return Read::Other
+            }
+            SlotInput::Cell(c, k) => below(m.and_then(|m| m.cell_or_member(*c, k)), &[]),
             SlotInput::CellPath(b) => {
                 let (c, k, rest) = &**b;
-                below(m.cell_or_member(*c, k), rest)
+                below(m.and_then(|m| m.cell_or_member(*c, k)), rest)
             }
-            SlotInput::Member(h, k) => below(m.doc.as_obj().and_then(|o| o.get_hashed(*h, k)), &[]),
+            SlotInput::Member(h, k) => below(doc.as_obj().and_then(|o| o.get_hashed(*h, k)), &[]),
             SlotInput::Doc(path) if path.is_empty() => Walked::Other,
-            SlotInput::Doc(path) => walk(m.doc, path),
-            SlotInput::Parent(path) => match (parent, path.split_first()) {
+            SlotInput::Doc(path) => walk(doc, path),
+            SlotInput::Parent(path) => match (parent, path.split_first(), m) {
                 // A top-level target's parent is the root.
-                (Some([]), Some((Seg::Field(k), rest))) if m.root_is_obj() => {
+                (Some([]), Some((Seg::Field(k), rest)), Some(m)) if root_is_obj => {
                     below(m.root_get(k), rest)
                 }
-                (Some(p), Some(_)) if !p.is_empty() => {
+                (Some(p), Some(_), Some(m)) if !p.is_empty() => {
                     // Found once per call: the slots of `$parent.a * $parent.b` share it.
                     let v = *parent_val.get_or_insert_with(|| m.get_path(p));
                     v.map_or(Walked::Other, |v| walk(v, path))
@@ -449,6 +457,92 @@ pub fn read_doc_slots(inputs: &[SlotInput], doc: &Val, out: &mut Vec<f64>) -> Re
         static EMPTY: super::merged::Cells = super::merged::Cells::default();
     }
     EMPTY.with(|cells| read_slots(inputs, Merged { doc, cells }, None, out))
+}
+
+/// What the arithmetic tier answers (see `Cycle::evaluate_lowered`).
+pub type Answer = Result<Option<valem_jit::interp::Value>, valem_core::expr::ExprError>;
+
+/// The tier's answer for slots read as `read` (their values in `slots`), and whether compiled
+/// code gave it; `None` when the interpreter must answer.
+#[inline]
+pub fn answer(
+    nj: &NodeJit,
+    code: Option<&Code>,
+    read: Read,
+    slots: &[f64],
+) -> Option<(Answer, bool)> {
+    Some(match read {
+        Read::Other => return None,
+        Read::NotNumbers(not_numbers) => (Err(type_error(nj.program(), not_numbers)?), false),
+        Read::Undefined => (
+            Ok(valem_jit::interp::eval_undefined(nj.program(), slots)?),
+            false,
+        ),
+        Read::Numbers => match code {
+            Some(code) => {
+                let x = code.set.call(code.index, slots)?;
+                (
+                    Ok(Some(valem_jit::interp::Value::from_f64(code.ty, x))),
+                    true,
+                )
+            }
+            None => (
+                Ok(Some(valem_jit::interp::eval(nj.program(), slots)?)),
+                false,
+            ),
+        },
+    })
+}
+
+impl NodeJit {
+    /// Whether every slot reads the document's tree (top-level members that are not cells,
+    /// paths from the root): [`NodeJit::answer_over`] can answer on any thread.
+    pub fn reads_tree_only(&self) -> bool {
+        self.inputs
+            .iter()
+            .all(|i| matches!(i, SlotInput::Member(..) | SlotInput::Doc(_)))
+    }
+
+    /// The tier's answer over the document's tree `doc` (`None` unless
+    /// [`NodeJit::reads_tree_only`]), with the compiled code as far as it is ready; counts no
+    /// run (see [`JitCell::get`]). Allocates nothing: any thread can answer.
+    pub fn answer_over_tree(&self, doc: &Val, slots: &mut Vec<f64>) -> Option<(Answer, bool)> {
+        let read = read_slots_in(&self.inputs, doc, None, None, slots);
+        answer(self, self.slot.code(), read, slots)
+    }
+
+    /// Start loading the top-level members of `doc` its slots read (see
+    /// [`JitCell::prefetch_inputs`]).
+    #[inline]
+    pub fn prefetch_members(&self, doc: &Val, far: bool) {
+        if let Val::Obj(o) = doc {
+            for input in &self.inputs {
+                if let SlotInput::Member(h, _) = input {
+                    if far {
+                        o.prefetch_hashed_far(*h);
+                    } else {
+                        o.prefetch_hashed(*h);
+                    }
+                }
+            }
+        }
+    }
+
+    /// See [`JitCell::prefetch_inputs`].
+    #[inline]
+    pub fn prefetch_inputs(&self, m: Merged<'_>) {
+        for input in &self.inputs {
+            match input {
+                SlotInput::Member(h, _) => {
+                    if let Val::Obj(o) = m.doc {
+                        o.prefetch_hashed(*h);
+                    }
+                }
+                SlotInput::Cell(c, _) => m.cells.prefetch(*c),
+                _ => {}
+            }
+        }
+    }
 }
 
 /// Wait (at most `timeout`) until every requested program has been compiled. For tests and

@@ -75,29 +75,20 @@ impl<'a> Cycle<'a> {
     /// error for one operation over a null, boolean or string input; `None` when the node is
     /// not arithmetic, an input is something else or a value is not finite (the JSONata
     /// interpreter answers).
-    pub(super) fn evaluate_lowered(
-        &mut self,
-        node: &Node,
-        inst: &[Seg],
-    ) -> Option<Result<Option<interp::Value>, ExprError>> {
+    pub(super) fn evaluate_lowered(&mut self, node: &Node, inst: &[Seg]) -> Option<jit::Answer> {
         let (nj, code) = node.jit(self.limits.jit)?;
+        if let Some((answer, hit)) = self.early.take() {
+            // Answered ahead, on another thread (see `Cycle::answer_ahead`); the run is counted.
+            self.jit_hit = hit;
+            return Some(answer);
+        }
         // Only derivations are lowered: their input is the document. `$parent` as `evaluate`
         // binds it: the target's JSON parent.
         let parent = (node.uses_parent && !inst.is_empty()).then(|| &inst[..inst.len() - 1]);
-        let v = match jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots) {
-            jit::Read::Other => return None,
-            jit::Read::NotNumbers(slots) => return jit::type_error(nj.program(), slots).map(Err),
-            jit::Read::Undefined => interp::eval_undefined(nj.program(), &self.jit_slots)?,
-            jit::Read::Numbers => Some(match code {
-                Some(code) => {
-                    let x = code.set.call(code.index, &self.jit_slots)?;
-                    self.jit_hit = true;
-                    interp::Value::from_f64(code.ty, x)
-                }
-                None => interp::eval(nj.program(), &self.jit_slots)?,
-            }),
-        };
-        Some(Ok(v))
+        let read = jit::read_slots(&nj.inputs, self.st.merged(), parent, &mut self.jit_slots);
+        let (answer, hit) = jit::answer(nj, code, read, &self.jit_slots)?;
+        self.jit_hit = hit;
+        Some(answer)
     }
 
     /// A meta-derivation's, constraint's or effect trigger's value. These are never lowered
