@@ -66,26 +66,35 @@ pub(super) fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
 /// seen yet. What is compiled later against this document shares its names through
 /// [`share_names_of`].
 pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str> + Clone) -> Vec<Key> {
+    intern_all_hashed(names).0
+}
+
+/// [`intern_all`], with each name's hash ([`crate::hash::str_hash`]) handed back: computed once,
+/// for the table's prefetches and lookups and then the caller's own use (a wide map's slots),
+/// where each of them hashed the name again (a 2M-member document: 8M hashes, not 2M).
+pub(super) fn intern_all_hashed<'a>(
+    names: impl ExactSizeIterator<Item = &'a str> + Clone,
+) -> (Vec<Key>, Vec<u64>) {
     const AHEAD: usize = 16;
+    let hashes: Vec<u64> = names.clone().map(name_hash).collect();
     INTERNED.with(|t| {
         let mut t = t.borrow_mut();
         let mut keys = Vec::with_capacity(names.len());
-        let mut slots = names.clone().skip(AHEAD);
-        let mut texts = names.clone().skip(AHEAD / 2);
-        for s in names {
-            if let Some(a) = slots.next().filter(|a| a.len() <= INTERN_MAX_LEN) {
-                t.set.prefetch(name_hash(a));
+        for (i, s) in names.enumerate() {
+            if let Some(&h) = hashes.get(i + AHEAD) {
+                t.set.prefetch(h);
             }
-            if let Some(a) = texts.next().filter(|a| a.len() <= INTERN_MAX_LEN) {
-                t.set.prefetch_text(name_hash(a));
+            if let Some(&h) = hashes.get(i + AHEAD / 2) {
+                t.set.prefetch_text(h);
             }
-            keys.push(t.key(s, || Key::from(s)));
+            let h = hashes.get(i).copied().unwrap_or_else(|| name_hash(s));
+            keys.push(t.key_hashed(s, h, || Key::from(s)));
         }
         if keys.len() >= WIDE_LOAD && t.holding == 0 {
             t.set = NameTable::default();
             t.cap = 0;
         }
-        keys
+        (keys, hashes)
     })
 }
 
@@ -118,7 +127,14 @@ impl Interner {
         if s.len() > INTERN_MAX_LEN {
             return make();
         }
-        let h = name_hash(s);
+        self.key_hashed(s, name_hash(s), make)
+    }
+
+    /// [`Interner::key`] for a name whose hash is `h` ([`name_hash`]).
+    pub(super) fn key_hashed(&mut self, s: &str, h: u64, make: impl FnOnce() -> Key) -> Key {
+        if s.len() > INTERN_MAX_LEN {
+            return make();
+        }
         if let Some(k) = self.set.find(h, |k| **k == *s) {
             return k.clone();
         }

@@ -483,12 +483,14 @@ impl Val {
                     .collect::<Result<_, _>>()?,
             )),
             Json::Object(o) if o.len() > SMALL_OBJECT => {
-                let keys = intern_all(o.keys().map(String::as_str));
+                let (keys, hashes) = intern_all_hashed(o.keys().map(String::as_str));
                 let mut entries = Vec::with_capacity(o.len());
                 for (k, v) in keys.into_iter().zip(o.values()) {
                     entries.push((k, Val::from_json_within(v, levels - 1)?));
                 }
-                Val::Obj(ObjMap::Large(Arc::new(WideMap::from_entries(entries))))
+                Val::Obj(ObjMap::Large(Arc::new(WideMap::from_hashed_entries(
+                    entries, hashes,
+                ))))
             }
             Json::Object(o) => {
                 let mut m = ObjMap::new();

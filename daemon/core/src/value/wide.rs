@@ -395,6 +395,19 @@ impl WideMap {
     /// made with its final slots (inserting them one by one copies the bottom branch at each
     /// step). The same map as those insertions make.
     pub(super) fn from_entries(entries: Vec<(Key, Val)>) -> WideMap {
+        let hashes = entries.iter().map(|(k, _)| hash_key(k)).collect();
+        WideMap::from_hashed_entries(entries, hashes)
+    }
+
+    /// [`WideMap::from_entries`] given the keys' hashes ([`crate::hash::str_hash`], in the
+    /// entries' order).
+    pub(super) fn from_hashed_entries(entries: Vec<(Key, Val)>, hashes: Vec<u64>) -> WideMap {
+        // Tests choose some keys' hashes (`hash_key`): the map is built with those.
+        #[cfg(test)]
+        let hashes: Vec<u64> = {
+            drop(hashes);
+            entries.iter().map(|(k, _)| hash_key(k)).collect()
+        };
         let len = entries.len();
         let Ok(next) = u32::try_from(len) else {
             let mut m = WideMap::default();
@@ -403,7 +416,9 @@ impl WideMap {
             }
             return m;
         };
-        let hashes: Vec<u64> = entries.iter().map(|(k, _)| hash_key(k)).collect();
+        if hashes.len() != len {
+            return WideMap::from_entries(entries);
+        }
         let mut order: Vec<(u64, u32)> = (0..next)
             .map(|i| (root_first(hashes[i as usize]), i))
             .collect();
