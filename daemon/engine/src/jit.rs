@@ -211,6 +211,19 @@ impl JitCell {
         }
     }
 
+    /// Whether [`JitCell::resolve_cells`] would point a slot at a cell.
+    pub fn reads_cells(&self, cells: &CellLayout) -> bool {
+        self.lowered.as_ref().is_some_and(|nj| {
+            nj.inputs.iter().any(|input| match input {
+                SlotInput::Member(_, k) => cells.find(k).is_some(),
+                SlotInput::Doc(path) => {
+                    matches!(&***path, [Seg::Field(k), ..] if cells.find(k).is_some())
+                }
+                _ => false,
+            })
+        })
+    }
+
     /// Start loading the top-level members and cells its slots read (see
     /// [`super::prefetch`]).
     #[inline]
