@@ -66,17 +66,18 @@ pub(super) fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
 /// seen yet. What is compiled later against this document shares its names through
 /// [`share_names_of`].
 pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str> + Clone) -> Vec<Key> {
-    intern_all_hashed(names).0
+    let hashes: Vec<u64> = names.clone().map(name_hash).collect();
+    intern_all_hashed(names, &hashes)
 }
 
-/// [`intern_all`], with each name's hash ([`crate::hash::str_hash`]) handed back: computed once,
-/// for the table's prefetches and lookups and then the caller's own use (a wide map's slots),
-/// where each of them hashed the name again (a 2M-member document: 8M hashes, not 2M).
+/// [`intern_all`] given each name's hash ([`crate::hash::str_hash`]): computed once, for the
+/// table's prefetches and lookups and the caller's own use (a wide map's slots), where each of
+/// them hashed the name again (a 2M-member document: 8M hashes, not 2M).
 pub(super) fn intern_all_hashed<'a>(
-    names: impl ExactSizeIterator<Item = &'a str> + Clone,
-) -> (Vec<Key>, Vec<u64>) {
+    names: impl ExactSizeIterator<Item = &'a str>,
+    hashes: &[u64],
+) -> Vec<Key> {
     const AHEAD: usize = 16;
-    let hashes: Vec<u64> = names.clone().map(name_hash).collect();
     INTERNED.with(|t| {
         let mut t = t.borrow_mut();
         let mut keys = Vec::with_capacity(names.len());
@@ -94,7 +95,7 @@ pub(super) fn intern_all_hashed<'a>(
             t.set = NameTable::default();
             t.cap = 0;
         }
-        (keys, hashes)
+        keys
     })
 }
 

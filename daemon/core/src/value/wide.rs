@@ -396,18 +396,24 @@ impl WideMap {
     /// step). The same map as those insertions make.
     pub(super) fn from_entries(entries: Vec<(Key, Val)>) -> WideMap {
         let hashes = entries.iter().map(|(k, _)| hash_key(k)).collect();
-        WideMap::from_hashed_entries(entries, hashes)
+        WideMap::from_hashed_entries(entries, hashes, None)
     }
 
     /// [`WideMap::from_entries`] given the keys' hashes ([`crate::hash::str_hash`], in the
-    /// entries' order).
-    pub(super) fn from_hashed_entries(entries: Vec<(Key, Val)>, hashes: Vec<u64>) -> WideMap {
+    /// entries' order) and, when it was made already, their [`hashed_order`].
+    pub(super) fn from_hashed_entries(
+        entries: Vec<(Key, Val)>,
+        hashes: Vec<u64>,
+        order: Option<Vec<(u64, u32)>>,
+    ) -> WideMap {
         // Tests choose some keys' hashes (`hash_key`): the map is built with those.
         #[cfg(test)]
-        let hashes: Vec<u64> = {
-            drop(hashes);
-            entries.iter().map(|(k, _)| hash_key(k)).collect()
-        };
+        let (hashes, order): (Vec<u64>, Option<Vec<(u64, u32)>>) =
+            if tests::CHOSEN.with(|c| c.borrow().is_empty()) {
+                (hashes, order)
+            } else {
+                (entries.iter().map(|(k, _)| hash_key(k)).collect(), None)
+            };
         let len = entries.len();
         let Ok(next) = u32::try_from(len) else {
             let mut m = WideMap::default();
@@ -419,10 +425,10 @@ impl WideMap {
         if hashes.len() != len {
             return WideMap::from_entries(entries);
         }
-        let mut order: Vec<(u64, u32)> = (0..next)
-            .map(|i| (root_first(hashes[i as usize]), i))
-            .collect();
-        order.sort_unstable();
+        let order = match order {
+            Some(order) if order.len() == len => order,
+            _ => hashed_order(&hashes),
+        };
         let mut entries: Vec<Option<(Key, Val)>> = entries.into_iter().map(Some).collect();
         // The branches take their members in sorted order, each from anywhere in `entries`:
         // the one `TAKE_AHEAD` places on starts loading as each is taken.
@@ -495,6 +501,25 @@ impl WideMap {
         out
     }
 }
+
+/// The order [`WideMap::from_hashed_entries`] takes the members of hashes `hashes` in: by
+/// [`root_first`], with each one's position.
+pub(super) fn hashed_order(hashes: &[u64]) -> Vec<(u64, u32)> {
+    hashed_order_into(hashes, Vec::with_capacity(hashes.len()))
+}
+
+/// [`hashed_order`] into `order` (emptied first): a thread given room made by another
+/// allocates nothing (a thread that allocates keeps some memory of its own after it ends).
+pub(super) fn hashed_order_into(hashes: &[u64], mut order: Vec<(u64, u32)>) -> Vec<(u64, u32)> {
+    order.clear();
+    order.extend((0u32..).zip(hashes).map(|(i, &h)| (root_first(h), i)));
+    order.sort_unstable();
+    order
+}
+
+/// From this many members, a wide object loaded from JSON has its members' order sorted on
+/// another thread while its names are interned and its values converted ([`Val::from_json`]).
+pub(super) const SORT_APART: usize = 65_536;
 
 /// How far ahead in its sorted order [`WideMap::from_entries`] starts loading a member.
 pub(super) const TAKE_AHEAD: usize = 16;
