@@ -584,6 +584,17 @@ impl Trie {
         }
     }
 
+    /// Mark top-level member `k`, when it is one, and give what [`Trie::member`] gives for it
+    /// (marked).
+    pub fn mark_member_found(&mut self, k: &str) -> Option<Member> {
+        let e = self.roots.find_mut(root_hash(k), k)?;
+        e.child |= MARKED;
+        Some(Member {
+            child: e.child,
+            leaf: e.leaf,
+        })
+    }
+
     /// Mark top-level member `k`, when it is one.
     pub fn mark_member(&mut self, k: &str) {
         let found = self.roots.find_mut(root_hash(k), k);

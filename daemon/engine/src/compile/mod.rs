@@ -116,7 +116,7 @@ pub fn compile(
         }
         readers.shrink();
         readers.fold_leaves();
-        let targets = target_readers(concretes, &readers);
+        let targets = target_readers(concretes, &mut readers);
         (readers, targets)
     };
     let mut model = std::thread::scope(|s| {
@@ -193,13 +193,11 @@ pub fn compile(
         let merged_is_base = derivation_ids
             .iter()
             .all(|&i| nodes[i as usize].cell().is_some());
-        // A flat model's derivations each have a cell: the cells say who writes what.
+        // A flat model's derivations each have a cell: the cells say who writes what. Their
+        // members were marked as written with their readers (`target_readers`).
         let cell_producers = flat.as_ref().map(|_| {
             let mut by_cell = vec![0; cells.len()];
             for &i in &derivation_ids {
-                if let Some(k) = flat_member(concretes, i) {
-                    readers.mark_member(k);
-                }
                 if let Some(c) = nodes[i as usize].cell() {
                     by_cell[c as usize] = i;
                 }
@@ -832,7 +830,7 @@ fn default_rules(
 /// no `[*]`, so each reader is dirtied whole), looked up in the index once.
 /// As `CompiledModel::target_readers` keeps them: each node's end in the ids (with [`KNOWN`]
 /// when it has a list), after a leading 0.
-fn target_readers(concretes: &[Concrete], readers: &Trie) -> (Vec<u32>, Vec<NodeId>) {
+fn target_readers(concretes: &[Concrete], readers: &mut Trie) -> (Vec<u32>, Vec<NodeId>) {
     let mut ends = Vec::with_capacity(concretes.len() + 1);
     ends.push(0);
     let mut ids = Vec::new();
@@ -841,7 +839,21 @@ fn target_readers(concretes: &[Concrete], readers: &Trie) -> (Vec<u32>, Vec<Node
         let known = match c.as_deref() {
             Some(t) if t.iter().all(|s| matches!(s, Seg::Field(_))) => {
                 hits.clear();
-                readers.hits(t, &mut hits);
+                // Its member is marked as written here too (what `mark_written` does for every
+                // producer's): one lookup of a top-level target, where marking it on the
+                // compiling thread afterwards was another (fan-out 1M: 1M probes, ~60 ms).
+                match t {
+                    [Seg::Field(k)] => {
+                        let member = readers.mark_member_found(k);
+                        readers.member_hits(member, &mut hits);
+                    }
+                    _ => {
+                        readers.hits(t, &mut hits);
+                        if let Some(Seg::Field(k)) = t.first() {
+                            readers.mark_member(k);
+                        }
+                    }
+                }
                 ids.extend(hits.iter().map(|(id, _)| *id));
                 KNOWN
             }
