@@ -163,11 +163,14 @@ fn slot_for(program: Program, key: String, batch: bool, slots: &mut Slots) -> Ar
 pub fn slot_input(base: &Base, path: Box<[Seg]>) -> SlotInput {
     match (base, &*path) {
         (Base::Parent, _) => SlotInput::Parent(Box::new(path)),
-        (Base::Input, [Seg::Field(k)]) => {
-            SlotInput::Member(valem_core::value::member_hash(k), k.clone())
-        }
+        (Base::Input, [Seg::Field(k)]) => member_input(k.clone()),
         (Base::Input, _) => SlotInput::Doc(Box::new(path)),
     }
+}
+
+/// [`slot_input`] for top-level member `k` of the input, made without a path.
+pub fn member_input(k: Key) -> SlotInput {
+    SlotInput::Member(valem_core::value::member_hash(&k), k)
 }
 
 /// A slot reading top-level member `k`, then `rest`, when `k` is a cell.

@@ -284,12 +284,16 @@ impl Shape {
     pub(crate) fn slot_inputs(&self, keys: &[Key]) -> SmallVec<[super::jit::SlotInput; 2]> {
         self.inputs
             .iter()
-            .map(|(base, fields)| {
-                let path = fields
-                    .iter()
-                    .map(|f| valem_core::value::Seg::Field(Shape::name(keys, f)))
-                    .collect();
-                super::jit::slot_input(base, path)
+            .map(|(base, fields)| match (base, &fields[..]) {
+                // The common read, one member of the input: no path made and dropped.
+                (Base::Input, [one]) => super::jit::member_input(Shape::name(keys, one)),
+                _ => {
+                    let path = fields
+                        .iter()
+                        .map(|f| valem_core::value::Seg::Field(Shape::name(keys, f)))
+                        .collect();
+                    super::jit::slot_input(base, path)
+                }
             })
             .collect()
     }
