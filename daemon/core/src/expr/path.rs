@@ -169,9 +169,12 @@ impl Address {
 
     /// The address without its last segment (root stays root).
     pub fn parent(&self) -> Address {
-        let mut segs = self.segs.clone();
-        segs.pop();
-        Address { segs }
+        // The segments above the last, copied (not all of them copied and the last dropped:
+        // two atomic operations on a shared name for nothing).
+        let above = self.segs.len().saturating_sub(1);
+        Address {
+            segs: self.segs[..above].iter().cloned().collect(),
+        }
     }
 
     /// The prefix up to and including the last `[*]`, or `None` without wildcards.

@@ -327,7 +327,7 @@ fn draft_derivations(
                 drafts,
                 NodeKind::Derivation { lazy: d.is_lazy() },
                 key,
-                vec![std::mem::replace(&mut p.target, Address::root())],
+                [std::mem::replace(&mut p.target, Address::root())],
                 expr,
                 Input::Doc,
                 Location::new(Section::Derivations, i),

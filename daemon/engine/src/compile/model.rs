@@ -288,6 +288,18 @@ pub enum Concrete {
 }
 
 impl Concrete {
+    /// The concrete target of `address` ([`Concrete::None`] with a `[*]`): one segment made
+    /// in place, without a list of it.
+    pub fn of(address: &Address) -> Concrete {
+        use valem_core::expr::path::PathSeg;
+        use valem_core::value::Seg;
+        match &address.segs[..] {
+            [PathSeg::Field(k)] => Concrete::One(Seg::Field(k.clone())),
+            [PathSeg::Index(i)] => Concrete::One(Seg::Index(*i)),
+            _ => address.concrete().map_or(Concrete::None, Concrete::new),
+        }
+    }
+
     pub fn new(segs: Vec<valem_core::value::Seg>) -> Concrete {
         if segs.len() == 1 {
             segs.into_iter()

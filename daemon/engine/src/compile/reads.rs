@@ -14,18 +14,17 @@ pub(super) fn draft_empty(
     drafts: &mut Drafts,
     kind: NodeKind,
     key: arcstr::ArcStr,
-    targets: Vec<Address>,
+    targets: impl Into<smallvec::SmallVec<[Address; 1]>>,
     expr: ExprDraft,
     input: Input,
     location: Location,
     aggregate: Option<Aggregate>,
 ) -> NodeDraft {
     drafts.begin();
+    // A derivation's one target is kept in place (a list of it was an allocation a node).
+    let targets: smallvec::SmallVec<[Address; 1]> = targets.into();
     let concrete = match kind {
-        NodeKind::Derivation { .. } => targets
-            .first()
-            .and_then(Address::concrete)
-            .map_or(Concrete::None, Concrete::new),
+        NodeKind::Derivation { .. } => targets.first().map_or(Concrete::None, Concrete::of),
         _ => Concrete::None,
     };
     let wild = targets.first().map_or(0, Address::wildcard_count) as u32;
@@ -33,7 +32,7 @@ pub(super) fn draft_empty(
     // `Drafts::targets`): most are concrete, and keep no pattern once compiled.
     let (targets, target) = match kind {
         NodeKind::Derivation { .. } => (Box::default(), targets.into_iter().next()),
-        _ => (targets.into_boxed_slice(), None),
+        _ => (targets.into_vec().into_boxed_slice(), None),
     };
     NodeDraft {
         node: Node {
