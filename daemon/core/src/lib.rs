@@ -32,6 +32,13 @@ pub fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// Whether the machine has a second core: a large load or cycle then does part of its work on a
+/// scoped helper thread (a wide object's member order, a large level's arithmetic).
+pub fn second_core() -> bool {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get())) > 1
+}
+
 /// `s` as one URI path segment (or query component): every byte but RFC 3986's unreserved
 /// ones percent-encoded, so `$.a[0]` is `%24.a%5B0%5D` and `ns/id x` is `ns%2Fid%20x`. What a
 /// node forwarding to another, the console's remote client and an effect's URL template put

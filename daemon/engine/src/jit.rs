@@ -512,7 +512,7 @@ pub fn answer(
 
 impl NodeJit {
     /// Whether every slot reads the document's tree (top-level members that are not cells,
-    /// paths from the root): [`NodeJit::answer_over`] can answer on any thread.
+    /// paths from the root): [`NodeJit::answer_over_tree`] can answer on any thread.
     pub fn reads_tree_only(&self) -> bool {
         self.inputs
             .iter()
@@ -521,7 +521,7 @@ impl NodeJit {
 
     /// The tier's answer over the document's tree `doc` (`None` unless
     /// [`NodeJit::reads_tree_only`]), with the compiled code as far as it is ready; counts no
-    /// run (see [`JitCell::get`]). Allocates nothing: any thread can answer.
+    /// run (see [`JitCell::get`]). It needs nothing of the cycle's thread: any thread can answer.
     pub fn answer_over_tree(&self, doc: &Val, slots: &mut Vec<f64>) -> Option<(Answer, bool)> {
         let read = read_slots_in(&self.inputs, doc, None, None, slots);
         answer(self, self.slot.code(), read, slots)

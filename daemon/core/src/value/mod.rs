@@ -13,12 +13,6 @@ use std::sync::Arc;
 use imbl::{OrdMap, Vector};
 use serde_json::Value as Json;
 
-/// Whether the machine has a second core (a large object's load sorts its members on it).
-fn parallel() -> bool {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get())) > 1
-}
-
 /// Object keys are shared strings: the same key text is stored once per object entry, behind
 /// one 8-byte pointer (the length sits with the text).
 pub type Key = arcstr::ArcStr;
@@ -494,7 +488,7 @@ impl Val {
                 // thread while its names are interned (in this thread's table) and its values
                 // converted (fan-out 1M: a 2M-member document, ~50 ms of a 0.35 s load).
                 let (entries, order) = std::thread::scope(|s| {
-                    let sorting = (o.len() >= wide::SORT_APART && parallel())
+                    let sorting = (o.len() >= wide::SORT_APART && crate::second_core())
                         .then(|| {
                             let room = Vec::with_capacity(hashes.len());
                             std::thread::Builder::new()

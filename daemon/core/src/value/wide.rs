@@ -508,8 +508,8 @@ pub(super) fn hashed_order(hashes: &[u64]) -> Vec<(u64, u32)> {
     hashed_order_into(hashes, Vec::with_capacity(hashes.len()))
 }
 
-/// [`hashed_order`] into `order` (emptied first): a thread given room made by another
-/// allocates nothing (a thread that allocates keeps some memory of its own after it ends).
+/// [`hashed_order`] into `order` (emptied first): a helper thread given room made by the
+/// loading thread allocates nothing.
 pub(super) fn hashed_order_into(hashes: &[u64], mut order: Vec<(u64, u32)>) -> Vec<(u64, u32)> {
     order.clear();
     order.extend((0u32..).zip(hashes).map(|(i, &h)| (root_first(h), i)));

@@ -501,11 +501,12 @@ impl<'a> Cycle<'a> {
             }
             _ => 0,
         };
-        let first_level = if first_level >= AHEAD_FROM && parallel() && ahead_allowed() {
-            first_level
-        } else {
-            0
-        };
+        let first_level =
+            if first_level >= AHEAD_FROM && valem_core::second_core() && ahead_allowed() {
+                first_level
+            } else {
+                0
+            };
         let mut ahead: (usize, Vec<Early>) = (0, Vec::new());
         loop {
             let from_run = match (run.get(next), self.pending.peek()) {
@@ -922,7 +923,7 @@ fn cycle_env<'e>(env: &'e std::cell::OnceCell<Env>, cm: &CompiledModel, now_ms: 
 
 /// From this many derivations on the first level of a run, [`Cycle::derive`] answers them ahead
 /// on two threads ([`Cycle::answer_ahead`]), this many at a time: the cycle's time budget is
-/// looked at as the answers are taken, so it may be overrun by one stretch (~15 ms).
+/// looked at as the answers are taken, so it may be overrun by one stretch (a few ms).
 const AHEAD_FROM: usize = 32_768;
 const AHEAD_CHUNK: usize = 1 << 16;
 
@@ -972,15 +973,9 @@ fn ahead_allowed() -> bool {
     true
 }
 
-/// Whether the machine has a second core for [`Cycle::answer_ahead`].
-fn parallel() -> bool {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get())) > 1
-}
-
 /// The answers of `nodes` over `doc` into `out` (see [`Cycle::answer_ahead`]), starting to load
-/// the members of those ahead as [`Cycle::derive`] does. The slots' buffer is handed in and
-/// back: a thread that allocates keeps some memory of its own after it ends.
+/// the members of those ahead as [`Cycle::derive`] does. The slots' buffer is made by the
+/// cycle's thread and handed back to it: the helper allocates nothing.
 fn answer_all(
     nodes: &[Option<&jit::NodeJit>],
     doc: &Val,
@@ -1222,7 +1217,7 @@ mod ahead_tests {
         assert_eq!(merged["d5"], json!(a(5) * b(5)));
         assert_eq!(merged["d2"], json!(a(2) > b(2)));
         assert_eq!(merged["d3"], Json::Null);
-        if parallel() {
+        if valem_core::second_core() {
             // Four in five derivations are on the first level, three rounds.
             assert!(answered >= 3 * (n / 5) * 4, "answered ahead: {answered}");
         }
