@@ -125,15 +125,7 @@ impl NodeJit {
     /// every top-level member by name, before the cells are laid out).
     pub fn resolve_cells(&mut self, cells: &CellLayout) {
         for input in &mut self.inputs {
-            let cell = match input {
-                SlotInput::Member(_, k) => cell_input(k, &[], cells),
-                SlotInput::Doc(path) => match &***path {
-                    [Seg::Field(k), rest @ ..] => cell_input(k, rest, cells),
-                    _ => None,
-                },
-                SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Parent(_) => None,
-            };
-            if let Some(cell) = cell {
+            if let Some(cell) = as_cell(input, cells) {
                 *input = cell;
             }
         }
@@ -171,6 +163,19 @@ pub fn slot_input(base: &Base, path: Box<[Seg]>) -> SlotInput {
 /// [`slot_input`] for top-level member `k` of the input, made without a path.
 pub fn member_input(k: Key) -> SlotInput {
     SlotInput::Member(valem_core::value::member_hash(&k), k)
+}
+
+/// What a slot reading `input` by name reads once its top-level member is found to be a cell
+/// (`None`: it is not one, or the slot reads no member by name).
+fn as_cell(input: &SlotInput, cells: &CellLayout) -> Option<SlotInput> {
+    match input {
+        SlotInput::Member(_, k) => cell_input(k, &[], cells),
+        SlotInput::Doc(path) => match &***path {
+            [Seg::Field(k), rest @ ..] => cell_input(k, rest, cells),
+            _ => None,
+        },
+        SlotInput::Cell(..) | SlotInput::CellPath(_) | SlotInput::Parent(_) => None,
+    }
 }
 
 /// A slot reading top-level member `k`, then `rest`, when `k` is a cell.
@@ -216,15 +221,9 @@ impl JitCell {
 
     /// Whether [`JitCell::resolve_cells`] would point a slot at a cell.
     pub fn reads_cells(&self, cells: &CellLayout) -> bool {
-        self.lowered.as_ref().is_some_and(|nj| {
-            nj.inputs.iter().any(|input| match input {
-                SlotInput::Member(_, k) => cells.find(k).is_some(),
-                SlotInput::Doc(path) => {
-                    matches!(&***path, [Seg::Field(k), ..] if cells.find(k).is_some())
-                }
-                _ => false,
-            })
-        })
+        self.lowered
+            .as_ref()
+            .is_some_and(|nj| nj.inputs.iter().any(|i| as_cell(i, cells).is_some()))
     }
 
     /// Start loading the top-level members and cells its slots read (see

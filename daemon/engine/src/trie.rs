@@ -39,6 +39,16 @@ struct RootEdge {
 const _: () =
     assert!(std::mem::size_of::<FieldEdge>() == 16 && std::mem::size_of::<RootEdge>() == 16);
 
+impl RootEdge {
+    /// What [`Trie::member`] tells of this member.
+    fn member(&self) -> Member {
+        Member {
+            child: self.child,
+            leaf: self.leaf,
+        }
+    }
+}
+
 fn root_hash(key: &str) -> u64 {
     str_hash(key)
 }
@@ -566,15 +576,7 @@ impl Trie {
     /// The key and trie node of top-level member `k`, when an entry is at or below it: the
     /// key is the one the index shares (a write can store it without interning `k`).
     pub fn member(&self, k: &str) -> Option<(&Key, Member)> {
-        self.root(k).map(|e| {
-            (
-                &e.key,
-                Member {
-                    child: e.child,
-                    leaf: e.leaf,
-                },
-            )
-        })
+        self.root(k).map(|e| (&e.key, e.member()))
     }
 
     /// Mark every top-level member (what a [`Member`] then tells).
@@ -589,18 +591,12 @@ impl Trie {
     pub fn mark_member_found(&mut self, k: &str) -> Option<Member> {
         let e = self.roots.find_mut(root_hash(k), k)?;
         e.child |= MARKED;
-        Some(Member {
-            child: e.child,
-            leaf: e.leaf,
-        })
+        Some(e.member())
     }
 
     /// Mark top-level member `k`, when it is one.
     pub fn mark_member(&mut self, k: &str) {
-        let found = self.roots.find_mut(root_hash(k), k);
-        if let Some(e) = found {
-            e.child |= MARKED;
-        }
+        self.mark_member_found(k);
     }
 
     /// The names of the top-level members (in no particular order).

@@ -54,9 +54,12 @@ pub(super) fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
     INTERNED.with(|t| t.borrow_mut().key(s, make))
 }
 
-/// [`intern`] for many names at once (the members of a wide object), the table taken once;
-/// the slot of the name `AHEAD` places on and the text of the one half as far are loaded
-/// while each is looked up (a wide object's names are cache misses in a large table).
+/// [`intern`] for many names at once (the members of a wide object), the table taken once,
+/// given each name's hash ([`crate::hash::str_hash`]): computed once by the caller, for the
+/// table's prefetches and lookups and its own use (a wide map's slots), where each of them
+/// hashed the name again (a 2M-member document: 8M hashes, not 2M). The slot of the name
+/// `AHEAD` places on and the text of the one half as far are loaded while each is looked up
+/// (a wide object's names are cache misses in a large table).
 ///
 /// After a bulk load ([`WIDE_LOAD`] names or more) the table starts over, unless a
 /// [`HoldingNames`] guard is open. The load's names are held by its document from then on,
@@ -65,15 +68,7 @@ pub(super) fn intern_with(s: &str, make: impl FnOnce() -> Key) -> Key {
 /// after a 1M-derivation model's 3M names) only to share them with specs and documents not
 /// seen yet. What is compiled later against this document shares its names through
 /// [`share_names_of`].
-pub fn intern_all<'a>(names: impl ExactSizeIterator<Item = &'a str> + Clone) -> Vec<Key> {
-    let hashes: Vec<u64> = names.clone().map(name_hash).collect();
-    intern_all_hashed(names, &hashes)
-}
-
-/// [`intern_all`] given each name's hash ([`crate::hash::str_hash`]): computed once, for the
-/// table's prefetches and lookups and the caller's own use (a wide map's slots), where each of
-/// them hashed the name again (a 2M-member document: 8M hashes, not 2M).
-pub(super) fn intern_all_hashed<'a>(
+pub(super) fn intern_all<'a>(
     names: impl ExactSizeIterator<Item = &'a str>,
     hashes: &[u64],
 ) -> Vec<Key> {

@@ -497,7 +497,7 @@ impl Val {
                                 .ok()
                         })
                         .flatten();
-                    let keys = intern_all_hashed(o.keys().map(String::as_str), &hashes);
+                    let keys = intern_all(o.keys().map(String::as_str), &hashes);
                     let mut entries = Vec::with_capacity(o.len());
                     for (k, v) in keys.into_iter().zip(o.values()) {
                         entries.push((k, Val::from_json_within(v, levels - 1)?));
@@ -509,7 +509,7 @@ impl Val {
                     };
                     Ok((entries, order))
                 })?;
-                Val::Obj(ObjMap::Large(Arc::new(WideMap::from_hashed_entries(
+                Val::Obj(ObjMap::Large(Arc::new(WideMap::from_entries(
                     entries, hashes, order,
                 ))))
             }

@@ -393,15 +393,10 @@ impl WideMap {
     /// The map of `entries` (distinct keys, in insertion order, each already the key to
     /// keep), built at once: sorted by the hash's digits from the root down, every branch is
     /// made with its final slots (inserting them one by one copies the bottom branch at each
-    /// step). The same map as those insertions make.
-    pub(super) fn from_entries(entries: Vec<(Key, Val)>) -> WideMap {
-        let hashes = entries.iter().map(|(k, _)| hash_key(k)).collect();
-        WideMap::from_hashed_entries(entries, hashes, None)
-    }
-
-    /// [`WideMap::from_entries`] given the keys' hashes ([`crate::hash::str_hash`], in the
-    /// entries' order) and, when it was made already, their [`hashed_order`].
-    pub(super) fn from_hashed_entries(
+    /// step). The same map as those insertions make. `hashes` are the keys' hashes
+    /// ([`crate::hash::str_hash`], in the entries' order) and `order`, when it was made
+    /// already, their [`hashed_order`].
+    pub(super) fn from_entries(
         entries: Vec<(Key, Val)>,
         hashes: Vec<u64>,
         order: Option<Vec<(u64, u32)>>,
@@ -412,7 +407,7 @@ impl WideMap {
             if tests::CHOSEN.with(|c| c.borrow().is_empty()) {
                 (hashes, order)
             } else {
-                (entries.iter().map(|(k, _)| hash_key(k)).collect(), None)
+                (Vec::new(), None)
             };
         let len = entries.len();
         let Ok(next) = u32::try_from(len) else {
@@ -422,9 +417,11 @@ impl WideMap {
             }
             return m;
         };
-        if hashes.len() != len {
-            return WideMap::from_entries(entries);
-        }
+        let hashes = if hashes.len() == len {
+            hashes
+        } else {
+            entries.iter().map(|(k, _)| hash_key(k)).collect()
+        };
         let order = match order {
             Some(order) if order.len() == len => order,
             _ => hashed_order(&hashes),
@@ -502,7 +499,7 @@ impl WideMap {
     }
 }
 
-/// The order [`WideMap::from_hashed_entries`] takes the members of hashes `hashes` in: by
+/// The order [`WideMap::from_entries`] takes the members of hashes `hashes` in: by
 /// [`root_first`], with each one's position.
 pub(super) fn hashed_order(hashes: &[u64]) -> Vec<(u64, u32)> {
     hashed_order_into(hashes, Vec::with_capacity(hashes.len()))
